@@ -1,0 +1,174 @@
+"""Tiny models and batches the suite checks DP-FSDP implementations with.
+
+Every model and batch is a pure function of a seed, so each rank of a worker group (and the
+single-process reference) builds bit-identical copies without communicating. Models only use
+layers opacus 1.6.0 has a grad sampler or norm sampler for, so ghost clipping covers every
+parameter; the reference refuses anything else (see ``reference.SUPPORTED_LAYERS``).
+
+``build_model(name, seed)`` returns the model; ``make_batch(name, batch_size, seed)`` returns
+``Batch(inputs, targets, loss)`` where ``loss`` names the per-sample loss (see
+``reference.per_sample_losses``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODEL_NAMES = ("mlp", "conv", "transformer")
+
+#: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds.
+MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 8, 3
+CONV_CHANNELS, CONV_SIZE, CONV_CLASSES = 2, 6, 3
+VOCAB, SEQ_LEN, D_MODEL, N_HEADS = 11, 5, 8, 2
+IGNORE_INDEX = -100
+
+
+class MLP(nn.Module):
+    """Linear -> ReLU -> LayerNorm -> Linear: the smallest model with a norm layer."""
+
+    def __init__(self, d_in: int = MLP_IN, hidden: int = MLP_HIDDEN, classes: int = MLP_CLASSES):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(self.norm(torch.relu(self.fc1(x))))
+
+
+class ConvNet(nn.Module):
+    """Conv2d -> GroupNorm -> Conv1d over rows -> Linear: covers both conv samplers."""
+
+    def __init__(self, channels: int = CONV_CHANNELS, size: int = CONV_SIZE, classes: int = CONV_CLASSES):
+        super().__init__()
+        self.conv2d = nn.Conv2d(channels, 4, kernel_size=3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.conv1d = nn.Conv1d(4, 3, kernel_size=3)
+        self.fc = nn.Linear(3 * (size * size - 2), classes)
+
+    def forward(self, x):
+        h = torch.relu(self.gn(self.conv2d(x)))  # [B, 4, S, S]
+        h = torch.relu(self.conv1d(h.flatten(2)))  # [B, 3, S*S-2]
+        return self.fc(h.flatten(1))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention built from Linear layers (opacus samples Linear on [B,T,D])."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.n_heads
+
+        def heads(z):
+            return z.view(b, t, h, d // h).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.o(y)
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, one pre-norm block (attention, MLP), final norm, LM head.
+
+    ``norm="layernorm"`` or ``"rmsnorm"`` picks the normalisation layer. Positions use an
+    ``nn.Embedding`` (not a bare ``nn.Parameter``) so every parameter has an opacus sampler.
+    """
+
+    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, n_heads=N_HEADS, norm="rmsnorm"):
+        super().__init__()
+        norm_cls = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}[norm]
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.ln1 = norm_cls(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = norm_cls(d_model)
+        self.mlp_in = nn.Linear(d_model, 2 * d_model)
+        self.mlp_out = nn.Linear(2 * d_model, d_model)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand_as(idx)
+        x = self.tok(idx) + self.pos(pos)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x))))
+        return self.head(self.ln_f(x))
+
+
+@dataclass
+class Batch:
+    """A batch: ``inputs`` and ``targets`` share dim 0; ``loss`` is ``"cross_entropy"``
+    (one label per sample) or ``"token_cross_entropy"`` (labels [B, T], ``IGNORE_INDEX`` masks
+    positions; the privacy unit is the whole sequence)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    loss: str
+
+    def __len__(self):
+        return self.inputs.shape[0]
+
+    def select(self, index) -> "Batch":
+        """The rows ``index`` (a list/tensor of sample indices, may be empty)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Batch(self.inputs[index], self.targets[index], self.loss)
+
+
+def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
+    """A fresh model ``name`` (one of ``MODEL_NAMES``) with parameters drawn from ``seed``.
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT}.get(name)
+    if ctor is None:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ctor(**kwargs)
+    return model.to(dtype)
+
+
+def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+               pad_fraction: float = 0.25) -> Batch:
+    """A batch of ``batch_size`` samples for model ``name``, drawn from ``seed``.
+
+    For the transformer, about ``pad_fraction`` of the target positions are ``IGNORE_INDEX``
+    (never a whole sequence), which exercises opacus' per-sequence ``ignore_index`` handling.
+    """
+    if batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    g = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        x = torch.randn(batch_size, MLP_IN, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, MLP_CLASSES, (batch_size,), generator=g)
+        return Batch(x, y, "cross_entropy")
+    if name == "conv":
+        x = torch.randn(batch_size, CONV_CHANNELS, CONV_SIZE, CONV_SIZE, generator=g,
+                        dtype=torch.float64).to(dtype)
+        y = torch.randint(0, CONV_CLASSES, (batch_size,), generator=g)
+        return Batch(x, y, "cross_entropy")
+    if name == "transformer":
+        x = torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=g)
+        y = torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=g)
+        pad = torch.rand(batch_size, SEQ_LEN, generator=g) < pad_fraction
+        pad[:, 0] = False  # every sequence keeps at least one real target
+        y[pad] = IGNORE_INDEX
+        return Batch(x, y, "token_cross_entropy")
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")

@@ -1,0 +1,254 @@
+"""Ground truth on one process: float64 per-sample gradients and norms, clipping, the DP-SGD step.
+
+Everything here is deliberately obvious. ``per_sample_grads(..., method="loop")`` runs autograd
+once per sample; ``method="vmap"`` (the default, the fast path) uses ``torch.func`` and is tested
+against the loop. All arithmetic is float64 whatever the model's dtype.
+
+Definitions (they follow opacus 1.6.0, so that a correct opacus matches to float64 rounding):
+
+* the *per-sample loss* ``l_i``: cross-entropy of sample ``i``; for a token model (privacy unit
+  = one sequence) the sum over the sequence's non-ignored tokens (``reduction="sum"``) or their
+  mean (``reduction="mean"``), as ``DPLossFastGradientClipping(..., shape=)`` computes it;
+* the *per-sample gradient* ``g_i = d l_i / d theta`` and its norm ``||g_i||_2`` over all
+  parameters. It does not depend on the batch reduction: opacus rescales backprops by the batch
+  size under ``"mean"`` so that norms are those of ``l_i``;
+* the *clip coefficient* ``c_i = min(1, C / (||g_i|| + CLIP_EPSILON))`` with ``CLIP_EPSILON =
+  1e-6`` (opacus' ``get_clipping_coef``; the epsilon keeps a zero gradient finite and makes a
+  sample exactly at the bound scale by ``C/(C+1e-6)``, not 1);
+* the *DP-SGD gradient* ``(sum_i c_i g_i + sigma * C * z) / D`` with ``z`` standard normal per
+  coordinate drawn from an explicit generator and ``D`` the expected batch size under
+  ``"mean"`` (1 under ``"sum"``).
+
+Config mistakes raise ``ReferenceInputError`` subclasses with a message naming the problem
+(unsupported layer, tied parameters, empty batch, mismatched batch sizes), never an error from
+deep inside torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .models import IGNORE_INDEX, Batch
+
+#: Layers opacus 1.6.0 can sample (grad sampler or ghost norm sampler) that matter for FSDP
+#: models. A module with parameters of any other type is refused: the reference would happily
+#: compute its per-sample gradients, but then it would check something opacus cannot do.
+SUPPORTED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+#: Added to the norm in the clip coefficient, as opacus does (``norm + 1e-6``).
+CLIP_EPSILON = 1e-6
+
+LOSSES = ("cross_entropy", "token_cross_entropy")
+REDUCTIONS = ("mean", "sum")
+
+Grads = Dict[str, torch.Tensor]
+
+
+class ReferenceInputError(ValueError):
+    """A model or batch the reference cannot give ground truth for; the message says why."""
+
+
+class UnsupportedLayerError(ReferenceInputError):
+    pass
+
+
+class ParameterTyingError(ReferenceInputError):
+    pass
+
+
+class BatchError(ReferenceInputError):
+    pass
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise ``UnsupportedLayerError`` / ``ParameterTyingError`` if the model is out of scope."""
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, SUPPORTED_LAYERS):
+            raise UnsupportedLayerError(
+                f"layer {name or '<root>'!r} of type {type(module).__name__} holds parameters but is not "
+                f"supported; supported layers: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)}"
+            )
+    seen: Dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ParameterTyingError(
+                f"parameters {seen[id(p)]!r} and {name!r} are the same tensor (parameter tying); "
+                "opacus ghost clipping under FSDP does not support tied parameters"
+            )
+        seen[id(p)] = name
+
+
+def check_batch(batch: Batch, reduction: str = "mean") -> None:
+    """Raise ``BatchError`` (or ``ReferenceInputError``) for a batch the reference cannot use."""
+    if reduction not in REDUCTIONS:
+        raise ReferenceInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if batch.loss not in LOSSES:
+        raise ReferenceInputError(f"loss must be one of {LOSSES}, got {batch.loss!r}")
+    n_in, n_t = batch.inputs.shape[0], batch.targets.shape[0]
+    if n_in != n_t:
+        raise BatchError(f"inputs have batch size {n_in} but targets have {n_t}; they must match")
+    if n_in == 0:
+        raise BatchError("batch is empty (batch size 0): per-sample gradients need at least one sample")
+
+
+def per_sample_losses(outputs: torch.Tensor, targets: torch.Tensor, loss: str, reduction: str) -> torch.Tensor:
+    """``[B]`` per-sample losses ``l_i`` (see module docstring)."""
+    if loss == "cross_entropy":
+        return F.cross_entropy(outputs, targets, reduction="none")
+    if loss == "token_cross_entropy":
+        b, t = targets.shape
+        tok = F.cross_entropy(outputs.reshape(b * t, -1), targets.reshape(-1), reduction="none",
+                              ignore_index=IGNORE_INDEX).view(b, t)
+        if reduction == "sum":
+            return tok.sum(dim=1)
+        valid = (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+        return tok.sum(dim=1) / valid
+    raise ReferenceInputError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def batch_loss(per_sample: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The reduced training loss: mean or sum of the per-sample losses."""
+    return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+
+def as_float64(model: nn.Module, batch: Batch):
+    """A float64 deep copy of ``model`` and ``batch`` (integer inputs such as token ids stay)."""
+    m = copy.deepcopy(model).to(torch.float64)
+    x = batch.inputs.to(torch.float64) if batch.inputs.is_floating_point() else batch.inputs
+    return m, Batch(x, batch.targets, batch.loss)
+
+
+def per_sample_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap") -> Grads:
+    """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses.
+
+    ``method="loop"`` is the obvious one (autograd per sample); ``"vmap"`` is ``torch.func``.
+    Raises ``ReferenceInputError`` subclasses for out-of-scope models or bad batches.
+    """
+    check_model(model)
+    check_batch(batch, reduction)
+    m, b = as_float64(model, batch)
+    m.train()
+    if method == "loop":
+        return _per_sample_grads_loop(m, b, reduction)
+    if method == "vmap":
+        return _per_sample_grads_vmap(m, b, reduction)
+    raise ValueError(f"method must be 'loop' or 'vmap', got {method!r}")
+
+
+def _per_sample_grads_loop(m: nn.Module, b: Batch, reduction: str) -> Grads:
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    params = [p for p in m.parameters() if p.requires_grad]
+    rows: List[List[torch.Tensor]] = []
+    for i in range(len(b)):
+        out = m(b.inputs[i:i + 1])
+        l_i = per_sample_losses(out, b.targets[i:i + 1], b.loss, reduction)[0]
+        g = torch.autograd.grad(l_i, params, allow_unused=True)
+        rows.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g)])
+    return {n: torch.stack([r[j] for r in rows]) for j, n in enumerate(names)}
+
+
+def _per_sample_grads_vmap(m: nn.Module, b: Batch, reduction: str) -> Grads:
+    from torch.func import functional_call, grad, vmap
+
+    params = {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach() for n, p in m.named_parameters() if not p.requires_grad}
+
+    def loss_one(p, x, y):
+        out = functional_call(m, {**p, **frozen}, (x.unsqueeze(0),))
+        return per_sample_losses(out, y.unsqueeze(0), b.loss, reduction)[0]
+
+    return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, b.inputs, b.targets)
+
+
+def per_sample_norms(grads: Grads) -> torch.Tensor:
+    """``[B]`` L2 norms of each sample's gradient over all parameters together."""
+    sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(dim=1) for g in grads.values())
+    return sq.sqrt()
+
+
+def clip_coefficients(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """``min(1, C / (norm + CLIP_EPSILON))`` per sample (opacus' ``get_clipping_coef``)."""
+    if max_grad_norm <= 0:
+        raise ReferenceInputError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    return (max_grad_norm / (norms + CLIP_EPSILON)).clamp(max=1.0)
+
+
+def clipped_sum(grads: Grads, coefficients: torch.Tensor) -> Grads:
+    """``sum_i c_i g_i`` per parameter."""
+    return {n: torch.einsum("b,b...->...", coefficients.to(g.dtype), g) for n, g in grads.items()}
+
+
+def noise_like(grads: Grads, std: float, generator: Optional[torch.Generator]) -> Grads:
+    """Independent N(0, std^2) per coordinate, drawn in parameter order from ``generator``."""
+    return {n: torch.normal(0.0, std, size=g.shape[1:], generator=generator, dtype=torch.float64)
+            if std > 0 else torch.zeros(g.shape[1:], dtype=torch.float64) for n, g in grads.items()}
+
+
+@dataclass
+class DPStep:
+    """Everything the reference DP-SGD step computed, float64."""
+
+    norms: torch.Tensor          # [B] per-sample gradient norms
+    coefficients: torch.Tensor   # [B] clip coefficients
+    clipped_sum: Grads           # sum_i c_i g_i
+    noise: Grads                 # sigma * C * z (before division)
+    gradient: Grads              # (clipped_sum + noise) / D
+    loss: float                  # reduced batch loss at the current parameters
+
+
+def dp_sgd_gradient(model: nn.Module, batch: Batch, *, max_grad_norm: float, noise_multiplier: float = 0.0,
+                    reduction: str = "mean", expected_batch_size: Optional[int] = None,
+                    generator: Optional[torch.Generator] = None, method: str = "vmap") -> DPStep:
+    """The reference DP-SGD gradient for one batch (see module docstring).
+
+    ``expected_batch_size`` defaults to ``len(batch)``; it is the divisor under ``"mean"``.
+    """
+    if noise_multiplier < 0:
+        raise ReferenceInputError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    grads = per_sample_grads(model, batch, reduction, method)
+    norms = per_sample_norms(grads)
+    coef = clip_coefficients(norms, max_grad_norm)
+    summed = clipped_sum(grads, coef)
+    noise = noise_like(grads, noise_multiplier * max_grad_norm, generator)
+    divisor = 1.0
+    if reduction == "mean":
+        divisor = float(expected_batch_size if expected_batch_size is not None else len(batch))
+        if divisor <= 0:
+            raise ReferenceInputError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+    gradient = {n: (summed[n] + noise[n]) / divisor for n in summed}
+    with torch.no_grad():
+        m, b = as_float64(model, batch)
+        loss = batch_loss(per_sample_losses(m(b.inputs), b.targets, b.loss, reduction), reduction).item()
+    return DPStep(norms, coef, summed, noise, gradient, loss)
+
+
+@dataclass
+class Trajectory:
+    losses: List[float]                 # reduced batch loss before each step
+    parameters: Dict[str, torch.Tensor]  # float64, after the last step
+
+
+def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
+                      reduction: str = "mean", expected_batch_size: Optional[int] = None,
+                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None) -> Trajectory:
+    """Plain-SGD DP training on one process, one step per batch, in float64.
+
+    The input model is not modified.
+    """
+    m = copy.deepcopy(model).to(torch.float64)
+    losses = []
+    for batch in batches:
+        step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                               reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)
+        losses.append(step.loss)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n in step.gradient:
+                    p -= lr * step.gradient[n]
+    return Trajectory(losses, {n: p.detach().clone() for n, p in m.named_parameters()})
