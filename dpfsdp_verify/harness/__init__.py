@@ -1,0 +1,26 @@
+"""Distributed harness: worker groups of N ranks (gloo or NCCL), a watchdog that turns hangs and
+crashes into verdicts with a diagnosis, and a warm pool.
+
+Parent side: ``group.py`` (launch, watchdog, teardown), ``pool.py`` (warm groups),
+``diagnose.py`` (stacks + flight-recorder comparison). Rank side: ``rank.py``. The messages
+between them: ``protocol.py``.
+
+    from dpfsdp_verify.harness import run
+    result = run(my_job, world_size=2, timeout=30)   # my_job runs on every rank
+    result.status, result.diagnosis, result.message, result.values()
+"""
+
+from .group import (BackendUnavailable, GroupResult, GroupStartError, JobFailed, JobPicklingError,
+                    WorkerGroup, check_backend)
+from .pool import DEFAULT_TIMEOUT_S, Pool, default_pool
+from .protocol import JobError, JobResult
+
+
+def run(fn, *args, world_size: int = 2, backend: str = "gloo", env=None, timeout: float = DEFAULT_TIMEOUT_S,
+        **kwargs) -> GroupResult:
+    """Run ``fn(*args, **kwargs)`` on every rank of a warm group from the default pool."""
+    return default_pool().run(fn, *args, world_size=world_size, backend=backend, env=env, timeout=timeout, **kwargs)
+
+
+__all__ = ["run", "Pool", "default_pool", "WorkerGroup", "GroupResult", "JobResult", "JobError", "JobFailed",
+           "BackendUnavailable", "GroupStartError", "JobPicklingError", "check_backend", "DEFAULT_TIMEOUT_S"]

@@ -1,0 +1,152 @@
+"""Turn per-rank dumps (stacks + flight-recorder traces) into a diagnosis a human can act on.
+
+The flight recorder (``TORCH_FR_BUFFER_SIZE``, set by the harness before the process group is
+created) records every collective a rank *issued*, with ``collective_seq_id``, ``profiling_name``
+(``gloo:all_reduce``…) and ``input_sizes``. With gloo, entries stay ``scheduled`` even after they
+complete, so this module never trusts ``state``: it compares, per process group, which collectives
+each rank issued, and reports the first sequence id where the ranks disagree — a different op or
+sizes (mismatched collectives), or a rank that never issued it (skipped / stuck elsewhere).
+
+``write_fr_dumps`` also saves the raw per-rank traces in the layout torch's own analyser reads
+(``python -m torch.distributed.flight_recorder.fr_trace DIR``) for a deeper look.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .protocol import RankDump
+
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Divergence:
+    """The first collective on which the ranks disagree."""
+
+    seq_id: int
+    process_group: str
+    issued: Dict[int, str] = field(default_factory=dict)   # rank -> "gloo:all_reduce [[5]]"
+    missing: List[int] = field(default_factory=list)       # ranks that never issued seq_id
+    last_seq: Dict[int, int] = field(default_factory=dict)  # rank -> its last seq id in that group
+
+
+def _describe(entry: dict) -> str:
+    sizes = entry.get("input_sizes")
+    return f"{entry.get('profiling_name', '?')} {sizes}" if sizes is not None else entry.get("profiling_name", "?")
+
+
+def _entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
+    out: Dict[str, Dict[int, dict]] = {}
+    for e in (fr or {}).get("entries", []):
+        seq = e.get("collective_seq_id")
+        if seq is None or seq < 0 or not e.get("is_p2p", False) is False:
+            continue
+        pg = e.get("process_group")
+        key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
+        out.setdefault(key, {})[seq] = e
+    return out
+
+
+def find_divergence(dumps: Dict[int, RankDump]) -> Optional[Divergence]:
+    """The first sequence id where ranks issued different collectives, or where some rank
+    issued none. ``None`` when every rank issued the same collectives (or no traces exist)."""
+    per_rank = {r: _entries_by_group(d.flight_recorder) for r, d in dumps.items() if d.flight_recorder is not None}
+    if len(per_rank) < 2:
+        return None
+    groups = sorted({g for by_group in per_rank.values() for g in by_group})
+    best: Optional[Divergence] = None
+    for g in groups:
+        seqs = {r: by_group.get(g, {}) for r, by_group in per_rank.items()}
+        # entries older than the smallest ring buffer window cannot be compared
+        lo = max((min(s) for s in seqs.values() if s), default=0)
+        hi = max((max(s) for s in seqs.values() if s), default=-1)
+        for seq in range(lo, hi + 1):
+            issued = {r: _describe(s[seq]) for r, s in seqs.items() if seq in s}
+            missing = [r for r, s in seqs.items() if seq not in s]
+            if missing or len(set(issued.values())) > 1:
+                d = Divergence(seq, g, issued, missing, {r: max(s) if s else -1 for r, s in seqs.items()})
+                if best is None or seq < best.seq_id:
+                    best = d
+                break
+    return best
+
+
+def call_site(dump: RankDump) -> str:
+    """The innermost frame of the main thread that is neither torch nor this harness."""
+    for filename, line, func in reversed(dump.main_frames):
+        if (os.sep + "torch" + os.sep) in filename or filename.startswith(_HARNESS_DIR):
+            continue
+        if "multiprocessing" in filename or filename.startswith("<"):
+            continue
+        return f"{filename}:{line} in {func}"
+    return "(no user frame on the main thread)"
+
+
+def describe_divergence(div: Divergence) -> str:
+    """One sentence: where the ranks' collective sequences part."""
+    if div.missing:
+        ops = sorted(set(div.issued.values()))
+        who = ", ".join(str(r) for r in sorted(div.issued))
+        missing = ", ".join(f"rank {r} (last issued #{div.last_seq.get(r, -1)})" for r in div.missing)
+        return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but never by "
+                f"{missing}: the ranks' collective sequences diverge there")
+    parts = "; ".join(f"rank {r}: {op}" for r, op in sorted(div.issued.items()))
+    return f"mismatched collectives at #{div.seq_id}: {parts}"
+
+
+def hang_report(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int]) -> str:
+    """The multi-line diagnosis attached to a ``hang`` verdict (and to a crash's survivors)."""
+    lines = []
+    div = find_divergence(dumps)
+    if div is not None:
+        lines.append(describe_divergence(div) + ".")
+    elif any(d.flight_recorder is not None for d in dumps.values()):
+        lines.append("every rank issued the same collectives; the stuck rank(s) are outside any collective.")
+    else:
+        errs = {d.flight_recorder_error for d in dumps.values() if d.flight_recorder_error}
+        lines.append("no flight-recorder trace available (" + "; ".join(sorted(errs)) + "): stacks only.")
+    for r in sorted(dumps):
+        d = dumps[r]
+        state = "still running the job" if r in running else "finished the job"
+        last = _last_entry(d)
+        lines.append(f"rank {r} ({state}): at {call_site(d)}" + (f"; last collective {last}" if last else ""))
+    for r in unresponsive:
+        lines.append(f"rank {r}: did not answer the dump request (stuck holding the GIL, or dead)")
+    return "\n".join(lines)
+
+
+def _last_entry(d: RankDump) -> Optional[str]:
+    entries = [e for e in (d.flight_recorder or {}).get("entries", []) if e.get("collective_seq_id", -1) >= 0]
+    if not entries:
+        return None
+    e = max(entries, key=lambda e: (e.get("record_id", 0)))
+    return f"#{e.get('collective_seq_id')} {_describe(e)}"
+
+
+def format_stacks(dumps: Dict[int, RankDump]) -> str:
+    """Every rank's every thread, for the full report."""
+    out = []
+    for r in sorted(dumps):
+        for thread, frames in dumps[r].stacks.items():
+            out.append(f"--- rank {r} (pid {dumps[r].pid}), thread {thread} ---")
+            out.append("".join(frames).rstrip())
+    return "\n".join(out)
+
+
+def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "rank_") -> List[str]:
+    """Save each rank's raw flight-recorder trace as ``DIR/<prefix><rank>`` (pickle), the layout
+    ``python -m torch.distributed.flight_recorder.fr_trace DIR`` reads. Returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for r, d in dumps.items():
+        if d.flight_recorder is None:
+            continue
+        path = os.path.join(directory, f"{prefix}{r}")
+        with open(path, "wb") as f:
+            pickle.dump(d.flight_recorder, f)
+        paths.append(path)
+    return paths

@@ -1,0 +1,399 @@
+"""The parent side of a worker group: launch N ranks, ship jobs, watch deadlines, tear down.
+
+A ``WorkerGroup`` starts ``world_size`` rank processes (``rank.py``), each in its own session
+(so SIGTERM/SIGKILL of its process group reaches any grandchildren), rendezvousing through a
+``torch.distributed.FileStore`` in a private temp dir: no port to collide on under ``pytest -n``.
+``run()`` ships one job to every rank and waits on the ranks' result channels *and* their process
+sentinels, so:
+
+* every rank returns      -> ``ok`` (or ``error`` when some rank raised; the group stays warm);
+* a rank raises and others are still running after ``ERROR_GRACE_S`` -> ``error`` / ``rank_crash``,
+  the survivors' stacks are attached, the group is ended at once (they would wait forever);
+* a rank process dies     -> ``error`` / ``rank_crash`` with exit code or signal and stderr tail;
+* the deadline passes     -> dump every rank (stacks + flight recorder), say where collective
+  sequences diverge, end the group: ``hang`` / ``deadlock``.
+
+Ending a group is SIGTERM to each rank's process group, ``KILL_GRACE_S`` later SIGKILL, then
+``waitpid``; the temp dir (store file, logs) is removed. ``close()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Dict, List, Optional
+
+from . import diagnose
+from .protocol import RANK_MODULE, JobError, JobResult, RankConfig, RankDump
+
+#: After a rank raises, how long the others get to finish before the group is ended.
+ERROR_GRACE_S = 1.0
+#: How long ranks get to answer a dump request.
+DUMP_TIMEOUT_S = 1.5
+#: Between SIGTERM and SIGKILL ("SIGTERM is not aggressive enough to terminate processes
+#: hanging in collectives" -- Lightning; we try it first so ranks can flush stderr).
+KILL_GRACE_S = 0.5
+#: Flight-recorder ring buffer entries per rank (set before the process group is created).
+FR_BUFFER_SIZE = 2000
+#: The process-group timeout inside ranks: far beyond any deadline, the watchdog decides.
+PG_TIMEOUT_S = 3600.0
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot give this many ranks here (e.g. NCCL without enough GPUs).
+    Callers turn it into a *skip* with this message as the reason."""
+
+
+class GroupStartError(RuntimeError):
+    """Ranks could not be started (import error in a rank, rendezvous failure...)."""
+
+
+class JobPicklingError(TypeError):
+    """The job function or its arguments cannot be sent to the ranks (a config mistake)."""
+
+
+@dataclass
+class GroupResult:
+    """The outcome of one job on one group.
+
+    ``status``: ``ok`` | ``error`` | ``hang``; ``diagnosis``: ``None`` | ``rank_crash`` |
+    ``deadlock``; ``message``: one paragraph naming the rank(s) and what happened; ``details``:
+    the multi-line report (stacks, collective trace comparison) for a full log.
+    """
+
+    status: str
+    world_size: int
+    backend: str
+    results: Dict[int, JobResult] = field(default_factory=dict)
+    diagnosis: Optional[str] = None
+    message: str = ""
+    details: str = ""
+    seconds: float = 0.0
+    fr_dump_paths: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def values(self) -> List[Any]:
+        """Each rank's return value, by rank. Raises ``JobFailed`` unless ``ok``."""
+        if not self.ok:
+            raise JobFailed(self)
+        return [self.results[r].value for r in range(self.world_size)]
+
+    def failed_ranks(self) -> List[int]:
+        return sorted(r for r, res in self.results.items() if not res.ok)
+
+
+class JobFailed(RuntimeError):
+    def __init__(self, result: GroupResult):
+        super().__init__(f"[{result.status}] {result.message}")
+        self.result = result
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """Raise ``BackendUnavailable`` / ``ValueError`` before any process is started."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend == "gloo":
+        return
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("backend 'nccl' needs CUDA GPUs; none is available on this machine")
+        n = torch.cuda.device_count()
+        if n < world_size:
+            raise BackendUnavailable(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) visible")
+        return
+    raise ValueError(f"unknown backend {backend!r}; choose 'gloo' or 'nccl'")
+
+
+class WorkerGroup:
+    """``world_size`` initialised ranks that run jobs one at a time (see module docstring)."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+                 start_timeout: float = 120.0):
+        check_backend(backend, world_size)
+        self.world_size, self.backend = world_size, backend
+        self.env = dict(env or {})
+        self.start_timeout = start_timeout
+        self.procs: List[subprocess.Popen] = []
+        self.pidfds: List[int] = []
+        self.job_conns: List[Connection] = []
+        self.diag_conns: List[Connection] = []
+        self.tmpdir: Optional[str] = None
+        self.closed = False
+        self._job_id = 0
+        self.jobs_run = 0
+        self._start()
+
+    # -- launch ------------------------------------------------------------------------
+    def _start(self) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="dpfsdp-group-")
+        store = os.path.join(self.tmpdir, "store")
+        env = dict(os.environ)
+        env.update(self.env)
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
+        # ranks must import whatever the parent can (test modules, conftests, the target)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            env.pop(var, None)  # a harness group inside a torchrun job must not pick those up
+        try:
+            for r in range(self.world_size):
+                parent_job, child_job = socket.socketpair()
+                parent_diag, child_diag = socket.socketpair()
+                cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,
+                                 job_fd=child_job.fileno(), diag_fd=child_diag.fileno(), parent_pid=os.getpid(),
+                                 pg_timeout_s=PG_TIMEOUT_S)
+                log = open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb")
+                proc = subprocess.Popen([sys.executable, "-m", RANK_MODULE, cfg.to_argv()], env=env,
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        pass_fds=(child_job.fileno(), child_diag.fileno()),
+                                        start_new_session=True)
+                log.close()
+                child_job.close()
+                child_diag.close()
+                self.procs.append(proc)
+                # a pidfd becomes readable when the process exits: waitable next to the channels
+                self.pidfds.append(os.pidfd_open(proc.pid))
+                self.job_conns.append(Connection(parent_job.detach()))
+                self.diag_conns.append(Connection(parent_diag.detach()))
+            self._await_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        waiting = set(range(self.world_size))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupStartError(f"ranks {sorted(waiting)} not ready after {self.start_timeout:.0f} s\n"
+                                      + self._logs_tail())
+            sentinels = {fd: r for r, fd in enumerate(self.pidfds)}
+            ready = wait([self.job_conns[r] for r in waiting] + list(sentinels), timeout=left)
+            for obj in ready:
+                if obj in sentinels:
+                    r = sentinels[obj]
+                    raise GroupStartError(f"rank {r} exited during start-up "
+                                          f"({self._exit_text(self.procs[r].poll())})\n" + self._logs_tail())
+                r = self.job_conns.index(obj)
+                msg = obj.recv()
+                assert msg[0] == "ready", msg
+                waiting.discard(r)
+
+    # -- jobs --------------------------------------------------------------------------
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
+        """Run ``fn(*args, **kwargs)`` on every rank; never blocks past ``timeout`` + ~3 s.
+
+        Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then).
+        """
+        if self.closed:
+            raise RuntimeError("worker group is closed")
+        try:
+            payload = pickle.dumps((fn, args, kwargs or {}))
+        except Exception as e:
+            raise JobPicklingError(f"cannot send job {getattr(fn, '__qualname__', fn)!r} to the ranks: {e}. "
+                                   "Job functions must be importable module-level functions with picklable "
+                                   "arguments.") from e
+        self._job_id += 1
+        self.jobs_run += 1
+        t0 = time.monotonic()
+        for c in self.job_conns:
+            c.send(("job", self._job_id, payload))
+        results: Dict[int, JobResult] = {}
+        crashed: Dict[int, int] = {}
+        deadline = t0 + timeout
+        first_error: Optional[float] = None
+        sentinels = {fd: r for r, fd in enumerate(self.pidfds)}
+        while len(results) < self.world_size and not crashed:
+            until = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            pending = [self.job_conns[r] for r in range(self.world_size) if r not in results]
+            for obj in wait(pending + list(sentinels), timeout=left):
+                if obj in sentinels:
+                    r = sentinels[obj]
+                    if r not in results:
+                        crashed[r] = self.procs[r].wait()
+                    continue
+                r = self.job_conns.index(obj)
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    crashed[r] = self.procs[r].wait()
+                    continue
+                res = msg[2]
+                results[r] = res
+                if not res.ok and first_error is None:
+                    first_error = time.monotonic()
+        running = [r for r in range(self.world_size) if r not in results and r not in crashed]
+        out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)
+        if crashed:
+            self._finish_crash(out, crashed, running)
+        elif running and first_error is not None:
+            self._finish_error_with_stuck(out, running)
+        elif running:
+            self._finish_hang(out, running, timeout)
+        elif any(not res.ok for res in results.values()):
+            self._finish_raised(out)
+        if any(res.dirty for res in results.values()):
+            self.close()
+        out.seconds = time.monotonic() - t0
+        return out
+
+    # -- verdicts ----------------------------------------------------------------------
+    def _finish_raised(self, out: GroupResult) -> None:
+        bad = out.failed_ranks()
+        first = out.results[bad[0]].error
+        out.status, out.diagnosis = "error", "rank_crash"
+        out.message = (f"rank {bad[0]} raised {first.type}: {first.message}"
+                       + (f" (ranks {bad} all raised)" if len(bad) > 1 else ""))
+        out.details = "\n".join(f"--- rank {r} traceback ---\n{out.results[r].error.traceback}" for r in bad)
+
+    def _finish_error_with_stuck(self, out: GroupResult, running: List[int]) -> None:
+        self._finish_raised(out)
+        dumps, unresponsive = self.dump(running)
+        out.message += (f"; rank(s) {running} were left waiting (ended after {ERROR_GRACE_S:.1f} s grace)")
+        out.details += "\n--- where the other ranks were ---\n" + diagnose.hang_report(dumps, running, unresponsive)
+        self.close(polite=False)
+
+    def _finish_crash(self, out: GroupResult, crashed: Dict[int, int], running: List[int]) -> None:
+        dumps, unresponsive = self.dump(running) if running else ({}, [])
+        logs = self._logs_tail(sorted(crashed))
+        out.status, out.diagnosis = "error", "rank_crash"
+        what = "; ".join(f"rank {r} died ({self._exit_text(code)})" for r, code in sorted(crashed.items()))
+        out.message = what + (f"; rank(s) {running} were still running and were ended" if running else "")
+        out.details = logs + ("\n--- where the other ranks were ---\n" + diagnose.hang_report(dumps, running, unresponsive)
+                              if dumps else "")
+        self.close(polite=False)
+
+    def _finish_hang(self, out: GroupResult, running: List[int], timeout: float) -> None:
+        dumps, unresponsive = self.dump(list(range(self.world_size)))
+        report = diagnose.hang_report(dumps, running, unresponsive)
+        div = diagnose.find_divergence(dumps)
+        out.status, out.diagnosis = "hang", "deadlock"
+        head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
+        out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
+        sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
+        if sites:
+            out.message += f" ({sites})"
+        out.details = report + "\n" + diagnose.format_stacks(dumps)
+        keep = os.environ.get("DPFSDP_VERIFY_FR_DIR")
+        if keep:
+            out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"))
+        self.close(polite=False)
+
+    # -- diagnosis ---------------------------------------------------------------------
+    def dump(self, ranks: List[int]):
+        """``({rank: RankDump}, [unresponsive ranks])`` within ``DUMP_TIMEOUT_S``."""
+        asked = {}
+        for r in ranks:
+            try:
+                self.diag_conns[r].send(("dump",))
+                asked[self.diag_conns[r]] = r
+            except OSError:
+                pass
+        dumps: Dict[int, RankDump] = {}
+        deadline = time.monotonic() + DUMP_TIMEOUT_S
+        while asked and time.monotonic() < deadline:
+            for c in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
+                r = asked.pop(c)
+                try:
+                    dumps[r] = c.recv()[1]
+                except (EOFError, OSError):
+                    pass
+        return dumps, sorted(set(ranks) - set(dumps))
+
+    def _exit_text(self, code: Optional[int]) -> str:
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {_signal_name(code)}"
+        return f"exit code {code}"
+
+    def _logs_tail(self, ranks: Optional[List[int]] = None, limit: int = 2000) -> str:
+        out = []
+        for r in ranks if ranks is not None else range(len(self.procs)):
+            path = os.path.join(self.tmpdir or "", f"rank{r}.log")
+            try:
+                with open(path, "rb") as f:
+                    text = f.read()[-limit:].decode(errors="replace").strip()
+            except OSError:
+                continue
+            if text:
+                out.append(f"--- rank {r} output (tail) ---\n{text}")
+        return "\n".join(out)
+
+    # -- teardown ----------------------------------------------------------------------
+    def pids(self) -> List[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self, polite: bool = True) -> None:
+        """Stop politely if healthy, else SIGTERM -> SIGKILL each rank's process group; reap; clean."""
+        if self.closed:
+            return
+        self.closed = True
+        if polite:
+            for c in self.job_conns:
+                try:
+                    c.send(("stop",))
+                except OSError:
+                    pass
+            _wait_all(self.procs, 2.0)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.procs if p.poll() is None]
+            if not alive:
+                break
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            _wait_all(alive, KILL_GRACE_S if sig == signal.SIGTERM else 5.0)
+        for p in self.procs:
+            # grandchildren a job left in the rank's session
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for c in self.job_conns + self.diag_conns:
+            c.close()
+        for fd in self.pidfds:
+            os.close(fd)
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _wait_all(procs: List[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass

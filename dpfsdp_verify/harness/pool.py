@@ -1,0 +1,91 @@
+"""A pool of warm worker groups, keyed by (world_size, backend, environment).
+
+Starting ranks costs seconds (spawn + ``import torch`` + rendezvous); running a job on a warm
+group costs milliseconds. ``Pool.run`` ships a job to the group for its key, starting one if
+needed. A group that hung, crashed or was left dirty is ended by ``WorkerGroup.run`` itself; the
+pool notices and starts a fresh one on the next job, so one bad job never skips the rest.
+Jobs that need environment variables at process start (e.g. ``OPACUS_USE_DEFERRED_NORM``) get
+their own group. At most ``max_groups`` groups are kept warm (least recently used is closed).
+``reuse=False`` gives a fresh group per job (how ``mp.spawn``-style harnesses work; used by the
+benchmark and for isolation).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections import OrderedDict
+from typing import Callable, Dict, Optional, Tuple
+
+from .group import GroupResult, WorkerGroup, check_backend
+
+Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
+
+#: Default deadline for a job, seconds (marker ``timeout=``, ini ``dpfsdp_timeout``, CLI ``--timeout``).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Pool:
+    def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0):
+        self.max_groups = max_groups
+        self.reuse = reuse
+        self.start_timeout = start_timeout
+        self.groups: "OrderedDict[Key, WorkerGroup]" = OrderedDict()
+        self.started = 0  # groups started over the pool's life (a measure of recycling)
+        self._lock = threading.Lock()
+
+    def group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
+        """A live group for the key, starting one (and closing the least recently used) if needed."""
+        check_backend(backend, world_size)
+        key: Key = (world_size, backend, tuple(sorted((env or {}).items())))
+        g = self.groups.get(key)
+        if g is not None and not g.closed:
+            self.groups.move_to_end(key)
+            return g
+        self.groups.pop(key, None)
+        while len(self.groups) >= self.max_groups:
+            _, old = self.groups.popitem(last=False)
+            old.close()
+        g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout)
+        self.started += 1
+        self.groups[key] = g
+        return g
+
+    def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
+            env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> GroupResult:
+        """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` group; see ``WorkerGroup.run``."""
+        with self._lock:
+            g = self.group(world_size, backend, env)
+            try:
+                return g.run(fn, args, kwargs, timeout=timeout)
+            finally:
+                if not self.reuse:
+                    g.close()
+
+    def close(self) -> None:
+        with self._lock:
+            while self.groups:
+                self.groups.popitem()[1].close()
+
+    def pids(self):
+        return [pid for g in self.groups.values() if not g.closed for pid in g.pids()]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_default: Optional[Pool] = None
+_default_pid: Optional[int] = None
+
+
+def default_pool() -> Pool:
+    """The process-wide pool (closed at exit). A forked child gets its own."""
+    global _default, _default_pid
+    if _default is None or _default_pid != os.getpid():
+        _default, _default_pid = Pool(), os.getpid()
+        atexit.register(_default.close)
+    return _default

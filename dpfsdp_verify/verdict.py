@@ -1,0 +1,38 @@
+"""The unit every property produces and every report consumes: one ``Verdict`` per property x config.
+
+Its fields are exactly one entry of ``results`` in the JSON report (DESIGN.md):
+``status`` in ``STATUSES``, ``diagnosis`` in ``DIAGNOSES`` (or ``None``), ``config`` with at
+least ``world_size``, ``data_layout``, ``model``, ``mode``, ``grad_sample_mode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+STATUSES = ("pass", "fail", "hang", "error", "skip")
+DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "deadlock", "rank_crash")
+
+
+@dataclass
+class Verdict:
+    property: str
+    status: str
+    config: Dict[str, Any]
+    diagnosis: Optional[str] = None
+    message: str = ""
+    evidence: Dict[str, Any] = field(default_factory=dict)
+    repro: str = ""
+    seconds: float = 0.0
+    details: str = ""  # long text (stacks, tracebacks); not part of the JSON contract
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        if self.diagnosis is not None and self.diagnosis not in DIAGNOSES:
+            raise ValueError(f"diagnosis must be one of {DIAGNOSES} or None, got {self.diagnosis!r}")
+
+    def to_json(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.pop("details")
+        return d
