@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 from . import diagnose
-from .protocol import RANK_MODULE, JobError, JobResult, RankConfig, RankDump
+from .protocol import RANK_MODULE, JobError, JobResult, RankConfig, RankDump, recv, send
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -196,7 +196,7 @@ class WorkerGroup:
                     raise GroupStartError(f"rank {r} exited during start-up "
                                           f"({self._exit_text(self.procs[r].poll())})\n" + self._logs_tail())
                 r = self.job_conns.index(obj)
-                msg = obj.recv()
+                msg = recv(obj)
                 assert msg[0] == "ready", msg
                 waiting.discard(r)
 
@@ -218,7 +218,7 @@ class WorkerGroup:
         self.jobs_run += 1
         t0 = time.monotonic()
         for c in self.job_conns:
-            c.send(("job", self._job_id, payload))
+            send(c, ("job", self._job_id, payload))
         results: Dict[int, JobResult] = {}
         crashed: Dict[int, int] = {}
         deadline = t0 + timeout
@@ -238,7 +238,7 @@ class WorkerGroup:
                     continue
                 r = self.job_conns.index(obj)
                 try:
-                    msg = obj.recv()
+                    msg = recv(obj)
                 except (EOFError, OSError):
                     crashed[r] = self.procs[r].wait()
                     continue
@@ -309,7 +309,7 @@ class WorkerGroup:
         asked = {}
         for r in ranks:
             try:
-                self.diag_conns[r].send(("dump",))
+                send(self.diag_conns[r], ("dump",))
                 asked[self.diag_conns[r]] = r
             except OSError:
                 pass
@@ -319,7 +319,7 @@ class WorkerGroup:
             for c in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
                 r = asked.pop(c)
                 try:
-                    dumps[r] = c.recv()[1]
+                    dumps[r] = recv(c)[1]
                 except (EOFError, OSError):
                     pass
         return dumps, sorted(set(ranks) - set(dumps))
@@ -356,7 +356,7 @@ class WorkerGroup:
         if polite:
             for c in self.job_conns:
                 try:
-                    c.send(("stop",))
+                    send(c, ("stop",))
                 except OSError:
                     pass
             _wait_all(self.procs, 2.0)

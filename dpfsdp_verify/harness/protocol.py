@@ -20,6 +20,7 @@ EOF on either channel means the parent is gone: the rank exits at once (it also 
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -82,3 +83,13 @@ class RankDump:
     main_frames: List[tuple] = field(default_factory=list)        # (file, line, function) innermost last
     flight_recorder: Optional[dict] = None
     flight_recorder_error: Optional[str] = None
+
+
+def send(conn, obj) -> None:
+    """Send with plain pickle: ``Connection.send`` uses ForkingPickler, which torch teaches to pass
+    tensor storage as shared-memory file descriptors -- meaningless between unrelated processes."""
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())

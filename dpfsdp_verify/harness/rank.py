@@ -21,7 +21,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from .protocol import JobError, JobResult, RankConfig, RankDump
+from .protocol import JobError, JobResult, RankConfig, RankDump, recv, send
 
 #: Every job starts from these seeds on every rank.
 JOB_SEED = 0
@@ -71,12 +71,12 @@ def dump_state(rank: int) -> RankDump:
 def _serve_dumps(conn: Connection, rank: int) -> None:
     while True:
         try:
-            msg = conn.recv()
+            msg = recv(conn)
         except (EOFError, OSError):
             os._exit(0)  # parent gone
         if msg[0] == "dump":
             try:
-                conn.send(("dump", dump_state(rank)))
+                send(conn, ("dump", dump_state(rank)))
             except Exception:
                 os._exit(0)
 
@@ -128,10 +128,10 @@ def main(argv=None) -> None:
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
     env_snapshot = dict(os.environ)
-    job_conn.send(("ready", cfg.rank, os.getpid()))
+    send(job_conn, ("ready", cfg.rank, os.getpid()))
     while True:
         try:
-            msg = job_conn.recv()
+            msg = recv(job_conn)
         except (EOFError, OSError):
             os._exit(0)
         if msg[0] == "stop":
@@ -141,9 +141,9 @@ def main(argv=None) -> None:
         result = _run_job(cfg.rank, payload)
         gc.collect()
         try:
-            job_conn.send(("result", job_id, result))
+            send(job_conn, ("result", job_id, result))
         except Exception as e:  # e.g. an unpicklable exception object
-            job_conn.send(("result", job_id, JobResult(
+            send(job_conn, ("result", job_id, JobResult(
                 rank=cfg.rank, error=JobError(type(e).__name__, f"could not send result: {e}", ""),
                 seconds=result.seconds, dirty=True)))
     try:
