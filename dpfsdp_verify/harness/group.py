@@ -38,7 +38,7 @@ from .protocol import RANK_MODULE, JobError, JobResult, RankConfig, RankDump, re
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
 #: How long ranks get to answer a dump request.
-DUMP_TIMEOUT_S = 1.5
+DUMP_TIMEOUT_S = 2.0
 #: Between SIGTERM and SIGKILL ("SIGTERM is not aggressive enough to terminate processes
 #: hanging in collectives" -- Lightning; we try it first so ranks can flush stderr).
 KILL_GRACE_S = 0.5

@@ -127,6 +127,7 @@ def main(argv=None) -> None:
     store = dist.FileStore(cfg.store_path, cfg.world_size)
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
+    dump_state(cfg.rank)  # warm the dump path (imports, recorder) so a later dump answers at once
     env_snapshot = dict(os.environ)
     send(job_conn, ("ready", cfg.rank, os.getpid()))
     while True:
