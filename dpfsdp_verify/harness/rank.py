@@ -129,6 +129,8 @@ def main(argv=None) -> None:
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
     dump_state(cfg.rank)  # warm the dump path (imports, recorder) so a later dump answers at once
     env_snapshot = dict(os.environ)
+    gc.collect()
+    gc.freeze()
     send(job_conn, ("ready", cfg.rank, os.getpid()))
     while True:
         try:
@@ -140,13 +142,15 @@ def main(argv=None) -> None:
         _, job_id, payload = msg
         _reset_job_state(env_snapshot)
         result = _run_job(cfg.rank, payload)
-        gc.collect()
         try:
             send(job_conn, ("result", job_id, result))
         except Exception as e:  # e.g. an unpicklable exception object
             send(job_conn, ("result", job_id, JobResult(
                 rank=cfg.rank, error=JobError(type(e).__name__, f"could not send result: {e}", ""),
                 seconds=result.seconds, dirty=True)))
+        # free the job's cycles (FSDP modules, hooks) off the critical path; start-up objects
+        # were frozen, so this scans only what jobs created
+        gc.collect()
     try:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,46 @@
+"""Job functions for benchmarks/run.py (module level, so ranks can import them)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def tiny_test():
+    """What a small distributed test does: one all_reduce and an assertion."""
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert t[0].item() == dist.get_world_size()
+    return True
+
+
+def hang_on_rank0():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))
+
+
+def _spawn_entry(rank, world_size, store_path):
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    tiny_test()
+    dist.destroy_process_group()
+
+
+def mp_spawn_tiny_test(world_size: int) -> None:
+    """The baseline: one test = torch.multiprocessing.spawn of fresh ranks (MultiProcessTestCase style)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_spawn_entry, args=(world_size, os.path.join(d, "store")), nprocs=world_size, join=True)
+
+
+def fuzz_throughput() -> dict:
+    raise NotImplementedError("fuzz section: strategies not wired yet")
+
+
+def gate_wall_time() -> dict:
+    raise NotImplementedError("gate section: not wired yet")
