@@ -105,7 +105,9 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand_as(idx)
+        # contiguous(): opacus 1.6.0's Embedding ghost norm sampler calls ``input.view(-1, 1)``,
+        # which fails on the stride-0 tensor ``expand_as`` returns.
+        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand_as(idx).contiguous()
         x = self.tok(idx) + self.pos(pos)
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x))))

@@ -69,6 +69,15 @@ class BatchError(ReferenceInputError):
 def check_model(model: nn.Module) -> None:
     """Raise ``UnsupportedLayerError`` / ``ParameterTyingError`` if the model is out of scope."""
     for name, module in model.named_modules():
+        # Checked before the parameter test: BatchNorm(affine=False) holds no parameters, yet in
+        # training mode it couples the samples of a batch, so per-sample gradients do not exist
+        # (opacus refuses it too) and torch would fail deep inside the loop or vmap.
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise UnsupportedLayerError(
+                f"layer {name or '<root>'!r} of type {type(module).__name__} normalises over the batch, so "
+                "samples are not independent and per-sample gradients are undefined; it is not supported "
+                "(use GroupNorm or LayerNorm)"
+            )
         if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, SUPPORTED_LAYERS):
             raise UnsupportedLayerError(
                 f"layer {name or '<root>'!r} of type {type(module).__name__} holds parameters but is not "
