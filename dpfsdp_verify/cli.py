@@ -169,7 +169,12 @@ class Progress:
     """``[3/14 12.4s] norm_fidelity ws=2 split mlp mean -> pass`` lines on stderr."""
 
     def __init__(self, quiet: bool):
-        self.quiet, self.t0, self.done, self.total = quiet, time.monotonic(), 0, None
+        self.quiet, self.t0, self.done = quiet, time.monotonic(), 0
+
+    def started(self, property_id: str) -> None:
+        if not self.quiet:
+            print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] running {property_id} ...",
+                  file=sys.stderr, flush=True)
 
     def __call__(self, verdict) -> None:
         from .report import config_label
@@ -178,8 +183,7 @@ class Progress:
         if self.quiet:
             return
         tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
-        total = f"/{self.total}" if self.total else ""
-        print(f"[{self.done}{total} {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
+        print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
               f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
 
 
