@@ -91,7 +91,8 @@ def describe_divergence(div: Divergence) -> str:
     if div.missing:
         ops = sorted(set(div.issued.values()))
         who = ", ".join(str(r) for r in sorted(div.issued))
-        missing = ", ".join(f"rank {r} (last issued #{div.last_seq.get(r, -1)})" for r in div.missing)
+        missing = ", ".join(f"rank {r} (last issued #{div.last_seq[r]})" if div.last_seq.get(r, -1) >= 0
+                            else f"rank {r} (issued none in this group)" for r in div.missing)
         return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but never by "
                 f"{missing}: the ranks' collective sequences diverge there")
     parts = "; ".join(f"rank {r}: {op}" for r, op in sorted(div.issued.items()))
