@@ -43,4 +43,18 @@ def fuzz_throughput() -> dict:
 
 
 def gate_wall_time() -> dict:
-    raise NotImplementedError("gate section: not wired yet")
+    """The default gate (``dpfsdp-verify run`` with no options) on the installed opacus, per property."""
+    import time
+
+    from dpfsdp_verify import cli
+    from dpfsdp_verify.gate import run_plan
+
+    plan = cli.validate(cli.build_parser().parse_args(["run"]))
+    t0 = time.perf_counter()
+    verdicts = run_plan(plan)
+    out = {"total_s": time.perf_counter() - t0}
+    for v in verdicts:
+        out[f"{v.property}_s"] = out.get(f"{v.property}_s", 0.0) + v.seconds
+    out["verdicts"] = len(verdicts)
+    out["not_pass"] = sum(v.status != "pass" for v in verdicts)
+    return out
