@@ -191,6 +191,9 @@ def cmd_run(args) -> int:
     from . import report
     from .gate import run_plan
 
+    # like `python -m`: an adapter MODULE:ATTR may live in the current directory
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     plan = validate(args)
     progress = Progress(args.quiet)
     if not args.quiet:

@@ -5,9 +5,13 @@ single-process reference) builds bit-identical copies without communicating. Mod
 layers opacus 1.6.0 has a grad sampler or norm sampler for, so ghost clipping covers every
 parameter; the reference refuses anything else (see ``reference.SUPPORTED_LAYERS``).
 
-``build_model(name, seed)`` returns the model; ``make_batch(name, batch_size, seed)`` returns
-``Batch(inputs, targets, loss)`` where ``loss`` names the per-sample loss (see
-``reference.per_sample_losses``).
+``build_model(name, seed, **dims)`` returns the model; ``make_batch(name, batch_size, seed,
+**dims)`` returns ``Batch(inputs, targets, loss)`` where ``loss`` names the per-sample loss (see
+``reference.per_sample_losses``). Both accept the same ``dims`` (``MODEL_DIMS[name]``; each
+function ignores the ones that do not concern it, e.g. ``hidden`` for the batch), so one
+``RunSpec.model_kwargs`` describes a matching model and batch. Layer sizes are what
+``dpfsdp_verify.strategies`` varies: FSDP2 shards every parameter on dim 0, so a dim 0 smaller
+than, equal to, or not divisible by the world size exercises empty and padded shards.
 """
 
 from __future__ import annotations
@@ -42,18 +46,27 @@ class MLP(nn.Module):
 
 
 class ConvNet(nn.Module):
-    """Conv2d -> GroupNorm -> Conv1d over rows -> Linear: covers both conv samplers."""
+    """Conv2d -> GroupNorm -> Conv1d over rows -> Linear: covers both conv samplers.
 
-    def __init__(self, channels: int = CONV_CHANNELS, size: int = CONV_SIZE, classes: int = CONV_CLASSES):
+    ``width`` (Conv2d out channels, GroupNorm size) must be a multiple of ``groups``; ``mixer`` is
+    the Conv1d's out channels; ``size >= 2`` so the Conv1d (kernel 3) has an output.
+    """
+
+    def __init__(self, channels: int = CONV_CHANNELS, size: int = CONV_SIZE, classes: int = CONV_CLASSES,
+                 width: int = 4, groups: int = 2, mixer: int = 3):
         super().__init__()
-        self.conv2d = nn.Conv2d(channels, 4, kernel_size=3, padding=1)
-        self.gn = nn.GroupNorm(2, 4)
-        self.conv1d = nn.Conv1d(4, 3, kernel_size=3)
-        self.fc = nn.Linear(3 * (size * size - 2), classes)
+        if width % groups:
+            raise ValueError(f"width={width} must be a multiple of groups={groups} (GroupNorm)")
+        if size < 2:
+            raise ValueError(f"size={size} must be >= 2 (the Conv1d over size*size positions has kernel 3)")
+        self.conv2d = nn.Conv2d(channels, width, kernel_size=3, padding=1)
+        self.gn = nn.GroupNorm(groups, width)
+        self.conv1d = nn.Conv1d(width, mixer, kernel_size=3)
+        self.fc = nn.Linear(mixer * (size * size - 2), classes)
 
     def forward(self, x):
-        h = torch.relu(self.gn(self.conv2d(x)))  # [B, 4, S, S]
-        h = torch.relu(self.conv1d(h.flatten(2)))  # [B, 3, S*S-2]
+        h = torch.relu(self.gn(self.conv2d(x)))  # [B, width, S, S]
+        h = torch.relu(self.conv1d(h.flatten(2)))  # [B, mixer, S*S-2]
         return self.fc(h.flatten(1))
 
 
@@ -88,18 +101,24 @@ class TinyGPT(nn.Module):
 
     ``norm="layernorm"`` or ``"rmsnorm"`` picks the normalisation layer. Positions use an
     ``nn.Embedding`` (not a bare ``nn.Parameter``) so every parameter has an opacus sampler.
+    ``d_model`` must be a multiple of ``n_heads``; ``d_ff`` (the MLP's width) defaults to
+    ``2 * d_model``.
     """
 
-    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, n_heads=N_HEADS, norm="rmsnorm"):
+    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, n_heads=N_HEADS, norm="rmsnorm",
+                 d_ff=None):
         super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
+        d_ff = 2 * d_model if d_ff is None else d_ff
         norm_cls = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}[norm]
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.ln1 = norm_cls(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = norm_cls(d_model)
-        self.mlp_in = nn.Linear(d_model, 2 * d_model)
-        self.mlp_out = nn.Linear(2 * d_model, d_model)
+        self.mlp_in = nn.Linear(d_model, d_ff)
+        self.mlp_out = nn.Linear(d_ff, d_model)
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
 
@@ -133,14 +152,38 @@ class Batch:
         return Batch(self.inputs[index], self.targets[index], self.loss)
 
 
-def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
+#: The size (and layer-choice) keywords each model takes; ``build_model`` and ``make_batch`` accept
+#: exactly these (plus ``BATCH_DIMS``). The batch depends on the ones in ``_BATCH_USES``.
+MODEL_DIMS = {
+    "mlp": ("d_in", "hidden", "classes"),
+    "conv": ("channels", "size", "classes", "width", "groups", "mixer"),
+    "transformer": ("vocab", "seq_len", "d_model", "n_heads", "norm", "d_ff"),
+}
+#: keywords only the batch uses (``build_model`` accepts and ignores them)
+BATCH_DIMS = ("pad_fraction",)
+_BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
+               "transformer": ("vocab", "seq_len", "pad_fraction")}
+
+
+def _check_dims(name: str, dims: dict) -> None:
+    if name not in MODEL_DIMS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    unknown = sorted(set(dims) - set(MODEL_DIMS[name]) - set(BATCH_DIMS))
+    if unknown:
+        raise ValueError(f"model {name!r} takes no dimension(s) {unknown}; it takes "
+                         f"{', '.join(MODEL_DIMS[name] + BATCH_DIMS)}")
+
+
+def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **dims) -> nn.Module:
     """A fresh model ``name`` (one of ``MODEL_NAMES``) with parameters drawn from ``seed``.
 
-    Raises ``ValueError`` for an unknown name.
+    ``dims`` are keywords of ``MODEL_DIMS[name]`` (sizes, ``norm``) overriding the defaults;
+    ``BATCH_DIMS`` are accepted and ignored, so the same dict serves ``make_batch``. Raises
+    ``ValueError`` for an unknown name, an unknown dimension, or inconsistent sizes.
     """
-    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT}.get(name)
-    if ctor is None:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    _check_dims(name, dims)
+    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT}[name]
+    kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = ctor(**kwargs)
@@ -148,29 +191,34 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
 
 
 def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
-               pad_fraction: float = 0.25) -> Batch:
+               pad_fraction: float = 0.25, **dims) -> Batch:
     """A batch of ``batch_size`` samples for model ``name``, drawn from ``seed``.
 
-    For the transformer, about ``pad_fraction`` of the target positions are ``IGNORE_INDEX``
-    (never a whole sequence), which exercises opacus' per-sequence ``ignore_index`` handling.
+    ``dims`` are the same keywords ``build_model`` takes; those the batch does not depend on
+    (``hidden``, ``norm``...) are ignored. For the transformer, about ``pad_fraction`` of the target
+    positions are ``IGNORE_INDEX`` (never a whole sequence: position 0 always has a real target),
+    which exercises opacus' per-sequence ``ignore_index`` handling. With the default dims the batch
+    is the same as before dims existed.
     """
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    _check_dims(name, dims)
+    d = {k: v for k, v in dims.items() if k in _BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
-        x = torch.randn(batch_size, MLP_IN, generator=g, dtype=torch.float64).to(dtype)
-        y = torch.randint(0, MLP_CLASSES, (batch_size,), generator=g)
+        d_in, classes = d.get("d_in", MLP_IN), d.get("classes", MLP_CLASSES)
+        x = torch.randn(batch_size, d_in, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, classes, (batch_size,), generator=g)
         return Batch(x, y, "cross_entropy")
     if name == "conv":
-        x = torch.randn(batch_size, CONV_CHANNELS, CONV_SIZE, CONV_SIZE, generator=g,
-                        dtype=torch.float64).to(dtype)
-        y = torch.randint(0, CONV_CLASSES, (batch_size,), generator=g)
+        channels, size = d.get("channels", CONV_CHANNELS), d.get("size", CONV_SIZE)
+        x = torch.randn(batch_size, channels, size, size, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, d.get("classes", CONV_CLASSES), (batch_size,), generator=g)
         return Batch(x, y, "cross_entropy")
-    if name == "transformer":
-        x = torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=g)
-        y = torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=g)
-        pad = torch.rand(batch_size, SEQ_LEN, generator=g) < pad_fraction
-        pad[:, 0] = False  # every sequence keeps at least one real target
-        y[pad] = IGNORE_INDEX
-        return Batch(x, y, "token_cross_entropy")
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    vocab, seq_len = d.get("vocab", VOCAB), d.get("seq_len", SEQ_LEN)
+    x = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    y = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    pad = torch.rand(batch_size, seq_len, generator=g) < d.get("pad_fraction", pad_fraction)
+    pad[:, 0] = False  # every sequence keeps at least one real target
+    y[pad] = IGNORE_INDEX
+    return Batch(x, y, "token_cross_entropy")

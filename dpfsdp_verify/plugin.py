@@ -58,6 +58,7 @@ def pytest_addoption(parser):
              "(slower by seconds per test; for isolating a suspected state leak).")
     parser.addini("dpfsdp_timeout", f"default deadline (s) of a distributed test (default {DEFAULT_TIMEOUT_S:g})",
                   default=str(DEFAULT_TIMEOUT_S))
+    _hypothesis_addoption(group)
 
 
 def torchrun_env() -> Optional[tuple]:
@@ -69,6 +70,7 @@ def torchrun_env() -> Optional[tuple]:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", MARKER_HELP)
+    _hypothesis_configure(config)
     tr = torchrun_env()
     if tr is not None:
         import torch
@@ -223,3 +225,27 @@ def _run_collectively(item, world: int, tr) -> bool:
     if failed:
         pytest.fail("; ".join(failed), pytrace=False)
     return True
+
+
+# -- hypothesis profiles for fuzzing (dpfsdp_verify.hypothesis_profiles) -----------------------
+def _hypothesis_addoption(group) -> None:
+    group.addoption(
+        "--dpfsdp-hypothesis-profile", default=None, dest="dpfsdp_hypothesis_profile",
+        choices=("ci", "dev", "nightly"),
+        help="Hypothesis settings profile for the DP-FSDP fuzz strategies and drivers: 'ci' (deterministic, "
+             "10 examples, no database), 'dev' (random, 25, database), 'nightly' (random, 500, database). "
+             "Loaded as hypothesis' default for the session. Default: $DPFSDP_HYPOTHESIS_PROFILE; if neither is "
+             "set, hypothesis' own settings are left alone. The database lives in "
+             "<rootdir>/.hypothesis/dpfsdp-examples.")
+
+
+def _hypothesis_configure(config) -> None:
+    from .hypothesis_profiles import PROFILE_ENV, load_profile, register_profiles
+
+    name = config.getoption("dpfsdp_hypothesis_profile", None) or os.environ.get(PROFILE_ENV)
+    register_profiles(str(config.rootpath))
+    if name:
+        try:
+            load_profile(name, str(config.rootpath))
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None

@@ -155,9 +155,11 @@ def main(argv=None) -> None:
             send(job_conn, ("result", job_id, JobResult(
                 rank=cfg.rank, error=JobError(type(e).__name__, f"could not send result: {e}", ""),
                 seconds=result.seconds, dirty=True)))
-        # free the job's cycles (FSDP modules, hooks) off the critical path; start-up objects
-        # were frozen, so this scans only what jobs created
+        # Free the job's cycles (FSDP modules, hooks) off the critical path, then freeze what
+        # survives (modules the job imported, e.g. opacus): a full collect over them took
+        # 100-200 ms per job; frozen, the next collect scans only the next job's objects.
         gc.collect()
+        gc.freeze()
     try:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""Implementations under test, behind one contract (``base.Target``), and how to load them.
+
+``load_target(ref)`` accepts:
+
+* ``"opacus"`` -- the built-in adapter for whatever opacus is importable (``opacus_target``);
+* ``"package.module:Attr"`` -- ``Attr`` is a ``Target`` subclass, a ``Target`` instance, or a
+  zero-argument factory returning one;
+* a name registered in the entry-point group ``dpfsdp_verify.targets`` (value ``module:attr``).
+
+Failures raise ``TargetLoadError`` whose message is one line saying what was wrong.
+
+``run_on_rank(target_ref, spec)`` is the job the properties ship to every rank of a worker group:
+it loads the target there and returns that rank's ``RankOutput``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import List, Sequence
+
+from .base import DATA_LAYOUTS, RankOutput, RunSpec, StepOutput, Target
+
+ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
+BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
+
+
+class TargetLoadError(ValueError):
+    """The target reference cannot be turned into a ``Target``; the message says why (one line)."""
+
+
+def _entry_point(name: str):
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep.value
+    return None
+
+
+def _import_attr(ref: str):
+    module_name, _, attr_path = ref.partition(":")
+    if not module_name or not attr_path:
+        raise TargetLoadError(f"target {ref!r} must look like 'package.module:Attr'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TargetLoadError(f"cannot import module {module_name!r} for target {ref!r}: {e}") from e
+    try:
+        for part in attr_path.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise TargetLoadError(f"module {module_name!r} has no attribute {attr_path!r} (target {ref!r})") from None
+    return obj
+
+
+def load_target(ref: str) -> Target:
+    """The ``Target`` named by ``ref`` (see module docstring). Raises ``TargetLoadError``."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise TargetLoadError(f"target reference must be a non-empty string, got {ref!r}")
+    ref = ref.strip()
+    spec = BUILTIN.get(ref)
+    if spec is None and ":" not in ref:
+        spec = _entry_point(ref)
+        if spec is None:
+            raise TargetLoadError(f"unknown target {ref!r}: not 'opacus', not 'module:Attr', and no entry point "
+                                  f"named {ref!r} in group {ENTRY_POINT_GROUP!r}")
+    if ref == "opacus":
+        try:
+            import opacus  # noqa: F401
+        except ImportError as e:
+            raise TargetLoadError(f"target 'opacus' needs opacus installed: {e}") from e
+    obj = _import_attr(spec or ref)
+    if isinstance(obj, Target):
+        return obj
+    try:
+        made = obj()
+    except Exception as e:
+        raise TargetLoadError(f"calling {ref!r} to build the target raised {type(e).__name__}: {e}") from e
+    if not isinstance(made, Target):
+        raise TargetLoadError(f"{ref!r} gave {type(made).__name__}, not a dpfsdp_verify.targets.Target")
+    return made
+
+
+def target_info(ref: str) -> dict:
+    """``{"name", "version"}`` of a target, for reports. Raises ``TargetLoadError``."""
+    t = load_target(ref)
+    return {"name": getattr(t, "name", ref), "version": t.version()}
+
+
+def run_on_rank(target_ref: str, spec: RunSpec) -> RankOutput:
+    """Harness job: load ``target_ref`` on this rank and run ``spec``; returns this rank's output."""
+    return load_target(target_ref).run(spec)
+
+
+def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutput]:
+    """Harness job: several runs in one job (e.g. repeated noise draws), in order."""
+    target = load_target(target_ref)
+    return [target.run(s) for s in specs]
+
+
+__all__ = ["DATA_LAYOUTS", "RankOutput", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
+           "target_info", "run_on_rank", "run_many_on_rank", "ENTRY_POINT_GROUP"]

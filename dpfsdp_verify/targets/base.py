@@ -7,8 +7,8 @@ looks inside it; on every rank of a worker group (``torch.distributed`` initiali
 
 and judges the outputs of all ranks against ``dpfsdp_verify.reference``. ``run`` must:
 
-1. build the model ``models.build_model(spec.model, spec.model_seed, dtype)`` on every rank and
-   shard it the way the implementation does (FSDP2 ``fully_shard`` / ``FSDP2Wrapper``...);
+1. build the model ``models.build_model(spec.model, spec.model_seed, dtype, **dict(spec.model_kwargs))``
+   on every rank and shard it the way the implementation does (FSDP2 ``fully_shard`` / ``FSDP2Wrapper``...);
 2. for each step ``k`` take the global batch ``spec.global_batch(k)`` and feed this rank the
    samples ``spec.rank_indices(k, rank)`` (``split``: what a ``DistributedSampler`` over the
    global dataset gives, or the explicit per-rank split in ``spec.rank_batches``; ``replicated``:
@@ -59,13 +59,18 @@ class RunSpec:
     rank_batches: Optional[tuple] = None
     #: free-form options a target may read (a fork's flags); never required
     options: tuple = ()
+    #: model (and batch) dimensions, sorted ``(key, value)`` pairs of ``models.MODEL_DIMS[model]``
+    #: (e.g. ``(("hidden", 3),)``); ``()`` is the default model. Used by ``global_batch`` and by
+    #: targets when they build the model.
+    model_kwargs: tuple = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
     def global_batch(self, step: int = 0) -> models.Batch:
-        return models.make_batch(self.model, self.global_batch_size, self.batch_seed + step, dtype=self.torch_dtype)
+        return models.make_batch(self.model, self.global_batch_size, self.batch_seed + step, dtype=self.torch_dtype,
+                                 **dict(self.model_kwargs))
 
     def rank_indices(self, step: int, rank: int, world_size: int) -> List[int]:
         """Global sample indices rank ``rank`` processes at ``step``, in order."""

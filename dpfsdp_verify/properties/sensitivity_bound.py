@@ -1,0 +1,106 @@
+"""sensitivity_bound: each sample's clipped contribution to the summed gradient has norm <= C.
+
+DP meaning: this *is* the sensitivity the Gaussian mechanism is calibrated to. If one sample can
+move the summed gradient by more than C, the noise sigma*C hides less than the analysis claims:
+the stated (epsilon, delta) does not hold -- a privacy violation, whatever the other checks say.
+
+Measured by leave-one-out on the target itself (noise 0): the step on the global batch minus the
+step on the batch without sample j, times the divisor D, is sample j's contribution. The expected
+batch size (the divisor under ``mean``) stays the global batch size in both runs (an explicit
+``rank_batches`` split with sample j removed), so the difference is the contribution alone. C is
+half the smallest reference norm, so *every* sample is clipped and each contribution should have
+norm C (up to opacus' 1e-6 clip epsilon): an under-count of the norms shows at once.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..harness import Pool
+from ..targets import RunSpec
+from ..verdict import Verdict
+from .common import Case, fmt, reference_norms, run_cases, tolerance
+
+ID = "sensitivity_bound"
+MEANING = ("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
+           "calibrated to; a violation voids the privacy guarantee")
+
+DEFAULT_MODELS = ("mlp", "transformer")
+DEFAULT_LAYOUTS = ("split",)
+DEFAULT_REDUCTIONS = ("mean",)
+
+
+def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:
+    """The full split, then one spec per sample with that sample removed from its rank's batch."""
+    split = tuple(tuple(spec.rank_indices(0, r, world_size)) for r in range(world_size))
+    out = [spec.with_(rank_batches=(split,))]
+    for j in range(spec.global_batch_size):
+        out.append(spec.with_(rank_batches=(tuple(tuple(i for i in part if i != j) for part in split),)))
+    return out
+
+
+def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
+          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
+          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
+          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
+          timeout: float = 60.0) -> List[Verdict]:
+    cases, specs = [], []
+    for label, env in (modes or {"default": {}}).items():
+        for ws in world_sizes:
+            for model in models or DEFAULT_MODELS:
+                for layout in data_layouts or DEFAULT_LAYOUTS:
+                    for red in reductions or DEFAULT_REDUCTIONS:
+                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
+                                       grad_sample_mode=grad_sample_mode, global_batch_size=3 * ws)
+                        spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
+                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+                        specs.append(leave_one_out_specs(spec, ws) if layout == "split" else
+                                     [spec])
+    outcomes = run_cases(cases, specs, pool, timeout, what="leave-one-out DP steps")
+    return [o if isinstance(o, Verdict) else judge(c, o) for c, o in zip(cases, outcomes)]
+
+
+def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1).to(torch.float64) for n in sorted(grads)])
+
+
+def judge(case: Case, runs) -> Verdict:
+    spec, ws = case.spec, case.world_size
+    if spec.data_layout != "split":
+        return case.verdict("skip", None, "leave-one-out needs split data (removing a sample from one rank); "
+                            f"layout {spec.data_layout!r} is not measured")
+    rtol, atol = tolerance(spec.dtype)
+    c = spec.max_grad_norm
+    d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
+    full = _flat(runs[0][0].steps[0].gradient)
+    contributions = []
+    for j in range(spec.global_batch_size):
+        without = _flat(runs[1 + j][0].steps[0].gradient)
+        contributions.append(float(((full - without) * d).norm()))
+    # two gradients of magnitude ~|full| are subtracted: their rounding is an absolute error
+    slack = c * rtol + d * float(full.abs().max()) * rtol * full.numel() ** 0.5 + atol
+    ratios = [x / c for x in contributions]
+    evidence = {"max_grad_norm": c, "contribution_norms": contributions, "max_ratio_to_C": max(ratios)}
+    worst = max(range(len(contributions)), key=lambda j: contributions[j])
+    if contributions[worst] <= c + slack:
+        return case.verdict("pass", None, (
+            f"every sample's clipped contribution has norm <= C={c:.4g} at world_size={ws} (largest "
+            f"{max(ratios):.6f} C, leave-one-out over {len(contributions)} samples)"), evidence)
+    owner = next(r for r in range(ws) if worst in spec.rank_indices(0, r, ws))
+    reported = runs[0][owner].steps[0]
+    cause = ""
+    diagnosis = "mismatch"
+    if reported.norms is not None and worst in reported.indices:
+        true = float(reference_norms(spec)[worst])
+        said = float(reported.norms[reported.indices.index(worst)])
+        if said < true * (1 - 1e-6):
+            diagnosis = "undercount"
+            cause = (f" Rank {owner} clipped it with norm {said:.4g} but its true gradient norm is {true:.4g} "
+                     f"(ratio {said / true:.4g}): the norms undercount, so the clip coefficient is too large.")
+    return case.verdict("fail", diagnosis, (
+        f"PRIVACY VIOLATION: sample {worst}'s clipped contribution has norm {contributions[worst]:.4g} = "
+        f"{ratios[worst]:.4g} x C (C={c:.4g}) at world_size={ws}; {sum(r > 1 + 1e-6 for r in ratios)} of "
+        f"{len(ratios)} samples exceed C. The noise sigma*C is calibrated to a sensitivity of C, so the "
+        f"stated privacy guarantee does not hold.{cause}"), evidence)

@@ -1,0 +1,83 @@
+"""trajectory: K DP steps under FSDP at N ranks equal K steps of the reference on one process.
+
+DP meaning: the model released after training must be the one the DP analysis describes; a
+drift (state that leaks between steps, a step applied twice, parameters that go stale on a shard)
+trains a different model than the one whose noise and clipping were accounted for.
+
+Noise 0, C between the middle two step-0 reference norms (clipping active), plain SGD; the batch
+loss before each step (reconstructed from the ranks' local losses) and the final parameters are
+compared with ``reference.dp_sgd_trajectory``. Diagnosis ``mismatch``; the message names the
+first step whose loss drifts.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from .. import reference
+from ..harness import Pool
+from ..targets import RunSpec
+from ..verdict import Verdict
+from .clipped_step import pick_clip_bound
+from .common import (Case, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
+                     run_cases, tensors_close, tolerance)
+
+ID = "trajectory"
+MEANING = ("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
+           "on one process: the model the DP analysis describes")
+
+DEFAULT_MODELS = ("mlp", "transformer")
+DEFAULT_LAYOUTS = ("split",)
+DEFAULT_REDUCTIONS = ("mean", "sum")
+STEPS = 3
+
+
+def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
+          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
+          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
+          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
+          timeout: float = 60.0, steps: int = STEPS) -> List[Verdict]:
+    cases, specs = [], []
+    for label, env in (modes or {"default": {}}).items():
+        for ws in world_sizes:
+            for model in models or DEFAULT_MODELS:
+                for layout in data_layouts or DEFAULT_LAYOUTS:
+                    for red in reductions or DEFAULT_REDUCTIONS:
+                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype, steps=steps,
+                                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws, lr=0.5)
+                        spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+                        specs.append([spec])
+    outcomes = run_cases(cases, specs, pool, timeout, what=f"{steps} DP steps")
+    return [o if isinstance(o, Verdict) else judge(c, o[0]) for c, o in zip(cases, outcomes)]
+
+
+def judge(case: Case, outputs) -> Verdict:
+    spec, ws = case.spec, case.world_size
+    rtol, atol = tolerance(spec.dtype)
+    n_steps = min(len(o.steps) for o in outputs)
+    if n_steps != spec.steps:
+        return case.verdict("fail", "mismatch", f"the ranks reported {[len(o.steps) for o in outputs]} steps; "
+                            f"{spec.steps} were asked for")
+    batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(spec.steps)]
+    ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
+                                      reduction=spec.reduction, expected_batch_size=spec.global_batch_size)
+    losses = [global_loss(outputs, k, spec) for k in range(spec.steps)]
+    evidence = {"losses": losses, "reference_losses": ref.losses, "max_grad_norm": spec.max_grad_norm}
+    for k, (got, want) in enumerate(zip(losses, ref.losses)):
+        if abs(got - want) > atol + rtol * abs(want):
+            p_err = max_rel_diff(outputs[0].steps[-1].parameters, ref.parameters)[0]
+            return case.verdict("fail", "mismatch", (
+                f"training drifts from the single-process trajectory at step {k} of {spec.steps} "
+                f"(world_size={ws}): loss {got:.10g} vs reference {want:.10g}"
+                + (f": update {k - 1} is the first that differs" if k > 0 else ": the initial model already differs")
+                + (f", after {k - 1} matching update(s) (state carried between steps is suspect)" if k > 1 else "")
+                + f"; final parameters differ by up to {fmt(p_err)} relative."), evidence)
+    for r, o in enumerate(outputs):
+        if not tensors_close(o.steps[-1].parameters, ref.parameters, rtol, atol):
+            err, name = max_rel_diff(o.steps[-1].parameters, ref.parameters)
+            return case.verdict("fail", "mismatch", (
+                f"rank {r}: every loss matches but the parameters after {spec.steps} steps differ from the "
+                f"reference by up to {fmt(err)} relative (worst {name!r}) at world_size={ws}."), evidence)
+    return case.verdict("pass", None, f"{spec.steps} steps at world_size={ws} follow the single-process trajectory "
+                        f"(losses {', '.join(f'{x:.6g}' for x in losses)})", evidence)

@@ -1,0 +1,120 @@
+"""dpfsdp-verify as a CI job uses it: exit codes, one-line usage errors, reports, verdicts on
+upstream opacus and on a fork-like specimen, and a crashing mode that must not hang the gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from dpfsdp_verify import cli
+from dpfsdp_verify.properties import PROPERTIES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, cwd=REPO):
+    """The installed console script in a subprocess, as CI runs it."""
+    exe = os.path.join(os.path.dirname(sys.executable), "dpfsdp-verify")
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "--properties", "norm_fidelity,bogus"], "unknown property bogus"),
+    (["run", "--world-sizes", "1,two"], "not a comma list of integers"),
+    (["run", "--world-sizes", "0"], "world sizes must be >= 1"),
+    (["run", "--world-sizes", "64"], "more than this gate runs on one host"),
+    (["run", "--target", "no_such_pkg.mod:Target"], "cannot import module 'no_such_pkg.mod'"),
+    (["run", "--mode-env", "deferred"], "expected LABEL:VAR=VAL"),
+    (["run", "--mode-env", "a:X=1", "--mode-env", "a:X=2"], "given twice"),
+    (["run", "--models", "resnet"], "unknown model resnet"),
+    (["run", "--loss-reductions", "max"], "choose from mean,sum"),
+    (["run", "--timeout", "0"], "must be > 0"),
+    (["run", "--properties", "mode_equivalence"], "needs two or more --mode-env"),
+    (["run", "--json", "/no/such/dir/r.json"], "directory does not exist"),
+    (["run", "--frobnicate"], "unrecognized arguments"),
+])
+def test_usage_errors_exit_2_with_one_line(capsys, args, says):
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert says in err and err.startswith("dpfsdp-verify: error:") and "hint:" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_nccl_without_gpus_is_a_usage_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs present")
+    assert cli.main(["run", "--backend", "nccl"]) == cli.EXIT_USAGE
+    assert "needs CUDA GPUs" in capsys.readouterr().err
+
+
+def test_list_and_version(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert all(pid in out for pid in PROPERTIES) and "MODULE:ATTR" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and "dpfsdp-verify 0.1.0" in capsys.readouterr().out
+
+
+def test_upstream_opacus_verdicts(tmp_path):
+    """Upstream opacus 1.6.0 ghost_fsdp: norms exact at 1 and 2 ranks on both layouts; the
+    one-step update is right under "mean" and, at 2 ranks under "sum", half the DP-SGD sum (a
+    real upstream finding: FSDP averages gradients and opacus only compensates under "mean")."""
+    j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
+    r = run_cli("run", "--properties", "norm_fidelity,clipped_step", "--world-sizes", "1,2", "--models", "mlp",
+                "--json", str(j), "--junit", str(x), "--markdown", str(md))
+    assert r.returncode == 1, r.stderr
+    report = json.loads(j.read_text())
+    assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
+    assert report["target"]["version"] == "1.6.0" and report["environment"]["backend"] == "gloo"
+    verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"]):
+                (v["status"], v["diagnosis"]) for v in report["results"]}
+    for ws in (1, 2):
+        for layout in ("replicated", "split"):
+            for red in ("mean", "sum"):
+                assert verdicts[("norm_fidelity", ws, layout, red)] == ("pass", None)
+    assert verdicts[("clipped_step", 1, "split", "mean")] == ("pass", None)
+    assert verdicts[("clipped_step", 1, "split", "sum")] == ("pass", None)
+    assert verdicts[("clipped_step", 2, "split", "mean")] == ("pass", None)
+    assert verdicts[("clipped_step", 2, "split", "sum")] == ("fail", "mismatch")
+    assert report["summary"] == {"pass": 11, "fail": 1, "hang": 0, "error": 0, "skip": 0}
+    assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
+    assert "1 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
+    suite = ET.parse(x).getroot().find("testsuite")
+    assert suite.get("tests") == "12" and suite.get("failures") == "1"
+    assert "1/world_size" in suite.find("testcase/failure").text
+    assert "clipped_step" in md.read_text()
+
+
+def test_fork_with_planted_sqrt_n_bug(tmp_path):
+    j = tmp_path / "r.json"
+    r = run_cli("run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
+                "--world-sizes", "1,2", "--models", "mlp", "--loss-reductions", "mean", "--json", str(j))
+    assert r.returncode == 1, r.stderr
+    got = {(v["config"]["world_size"], v["config"]["data_layout"]): (v["status"], v["diagnosis"])
+           for v in json.loads(j.read_text())["results"]}
+    assert got[(1, "replicated")] == got[(1, "split")] == ("pass", None)
+    assert got[(2, "replicated")] == ("fail", "sqrt_n_inflation")
+    # on split data the same all-reduce adds *different* samples' norms: the precise diagnosis
+    assert got[(2, "split")] == ("fail", "sample_mixing")
+    assert "sqrt(2)" in r.stdout
+
+
+def test_crashing_mode_is_an_error_not_a_hang(tmp_path):
+    j = tmp_path / "r.json"
+    r = run_cli("run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1", "--properties",
+                "mode_equivalence", "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean",
+                "--mode-env", "immediate:OPACUS_USE_DEFERRED_NORM=0", "--mode-env",
+                "deferred:OPACUS_USE_DEFERRED_NORM=1", "--timeout", "30", "--json", str(j))
+    assert r.returncode == 1, r.stderr
+    results = json.loads(j.read_text())["results"]
+    assert results and all(v["status"] == "error" and v["diagnosis"] == "rank_crash" for v in results)
+    msg = results[0]["message"]
+    assert "deferred" in msg and "rank 1" in msg and "planted crash" in msg

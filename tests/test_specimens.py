@@ -1,0 +1,181 @@
+"""Every property passes on the correct specimen and fails, with the right diagnosis, on the
+specimen built to break it. The specimens live in ``fixtures/specimens.py`` (one marked bug each).
+"""
+
+import json
+import os
+
+import pytest
+
+from dpfsdp_verify.harness import Pool
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
+
+S = "fixtures.specimens:"
+IMMEDIATE = {"OPACUS_USE_DEFERRED_NORM": "0"}
+DEFERRED = {"OPACUS_USE_DEFERRED_NORM": "1"}
+#: short: the hang tests wait this long per hang (the specimens' steps take well under a second)
+HANG_TIMEOUT = 6.0
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(max_groups=4)
+    seen = set()
+    p.seen = seen
+    yield p
+    seen.update(p.pids())
+    p.close()
+    assert seen and all(_gone(pid) for pid in seen), "rank processes left behind"
+
+
+def run(pool, prop, target, **kw):
+    kw.setdefault("timeout", 60)
+    out = PROPERTIES[prop](S + target, pool=pool, **kw)
+    pool.seen.update(pool.pids())
+    for v in out:
+        assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
+        json.dumps(v.to_json())
+        assert v.repro.startswith(f"dpfsdp-verify run --target {S}{target} --properties {prop} --world-sizes ")
+        assert {"world_size", "data_layout", "model", "mode", "grad_sample_mode"} <= set(v.config)
+    return out
+
+
+def by(verdicts, **config):
+    return [v for v in verdicts if all(v.config.get(k) == x for k, x in config.items())]
+
+
+def assert_all_pass(verdicts):
+    bad = [(v.config, v.status, v.message) for v in verdicts if v.status != "pass"]
+    assert verdicts and not bad, bad
+
+
+# -- the correct specimen passes everything, both norm modes ------------------------------------
+@pytest.mark.parametrize("env", [IMMEDIATE, DEFERRED], ids=["immediate", "deferred"])
+def test_correct_specimen_norms_both_layouts(pool, env):
+    vs = run(pool, "norm_fidelity", "Correct", world_sizes=(1, 2), modes={"m": env}, reductions=("mean",))
+    assert len(vs) == 2 * 2 * 2  # world sizes x models (mlp, transformer) x layouts
+    assert_all_pass(vs)
+
+
+def test_correct_specimen_step_sensitivity_noise_trajectory(pool):
+    for prop in ("clipped_step", "sensitivity_bound", "noise_calibration", "trajectory"):
+        assert_all_pass(run(pool, prop, "Correct", world_sizes=(2,), models=("mlp",)))
+
+
+def test_correct_specimen_transformer_step_sum_reduction(pool):
+    assert_all_pass(run(pool, "clipped_step", "Correct", world_sizes=(2,), models=("transformer",), reductions=("sum",)))
+
+
+def test_correct_specimen_modes_equivalent_and_deadlock_free(pool):
+    modes = {"immediate": IMMEDIATE, "deferred": DEFERRED}
+    vs = run(pool, "mode_equivalence", "Correct", world_sizes=(2,), modes=modes, models=("mlp",))
+    assert_all_pass(vs)
+    assert vs[0].config["mode"] == "immediate vs deferred"
+    assert "--mode-env immediate:OPACUS_USE_DEFERRED_NORM=0" in vs[0].repro
+    assert "--mode-env deferred:OPACUS_USE_DEFERRED_NORM=1" in vs[0].repro
+    vs = run(pool, "deadlock_free", "Correct", world_sizes=(2,))
+    assert {v.config["local_batches"] for v in vs} == {"even", "single", "uneven", "empty"}
+    assert_all_pass(vs)
+
+
+# -- one bug each -------------------------------------------------------------------------------
+def test_allreduce_norms_is_sqrt_n_inflation_on_replicated_and_mixing_on_split(pool):
+    vs = run(pool, "norm_fidelity", "AllReduceNorms", world_sizes=(1, 2), models=("mlp",), reductions=("mean",))
+    assert_all_pass(by(vs, world_size=1))  # invisible at one rank: the fork's own check could not see it
+    rep, = by(vs, world_size=2, data_layout="replicated")
+    assert (rep.status, rep.diagnosis) == ("fail", "sqrt_n_inflation")
+    assert "inflated by sqrt(2)" in rep.message and "already complete" in rep.message
+    spl, = by(vs, world_size=2, data_layout="split")
+    assert (spl.status, spl.diagnosis) == ("fail", "sample_mixing")
+    assert "root-sum-square" in spl.message
+
+
+def test_allreduce_norms_over_clips_the_step(pool):
+    vs = run(pool, "clipped_step", "AllReduceNorms", world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "norms this rank clipped with are off" in vs[0].message
+
+
+def test_shard_only_norms_undercount_and_violate_sensitivity(pool):
+    vs = run(pool, "norm_fidelity", "ShardOnlyNorms", world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "undercount")] * 2
+    assert "local parameter shard" in by(vs, data_layout="replicated")[0].message
+    vs = run(pool, "sensitivity_bound", "ShardOnlyNorms", world_sizes=(2,), models=("mlp",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "undercount")]
+    assert "PRIVACY VIOLATION" in vs[0].message and vs[0].evidence["max_ratio_to_C"] > 1.1
+
+
+def test_no_clip_min_fails_the_step_but_not_sensitivity(pool):
+    vs = run(pool, "clipped_step", "NoClipMin", world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "not capped at 1" in vs[0].message
+    # scaling small gradients *up* to C never exceeds C: sensitivity honestly holds
+    assert_all_pass(run(pool, "sensitivity_bound", "NoClipMin", world_sizes=(2,), models=("mlp",)))
+
+
+@pytest.mark.parametrize("target, words", [
+    ("NoiseOnEveryRank", ["PRIVACY VIOLATION", "too little noise", "1/sqrt(N)"]),
+    ("NoiseDividedTwice", ["PRIVACY VIOLATION", "too little noise", "1/N"]),
+    ("NoiseNotDivided", ["UTILITY LOSS", "too much noise"]),
+    ("SameNoiseOnEveryShard", ["PRIVACY VIOLATION", "not independent across shards"]),
+])
+def test_noise_bugs(pool, target, words):
+    vs = run(pool, "noise_calibration", target, world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    for w in words:
+        assert w in vs[0].message
+
+
+def test_stale_activations_pass_one_step_but_drift_over_steps(pool):
+    assert_all_pass(run(pool, "clipped_step", "StaleActivations", world_sizes=(2,), models=("mlp",),
+                        reductions=("mean",)))
+    vs = run(pool, "trajectory", "StaleActivations", world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "step 2 of 3" in vs[0].message
+
+
+def test_deferred_drops_layer_breaks_mode_equivalence(pool):
+    modes = {"immediate": IMMEDIATE, "deferred": DEFERRED}
+    vs = run(pool, "mode_equivalence", "DeferredDropsLayer", world_sizes=(2,), modes=modes, models=("mlp",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "mode 'immediate' matches the float64 reference, mode 'deferred' does not" in vs[0].message
+    vs = run(pool, "norm_fidelity", "DeferredDropsLayer", world_sizes=(2,), modes={"deferred": DEFERRED},
+             models=("mlp",), data_layouts=("split",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "undercount")]
+
+
+def test_hook_collective_hangs_are_reported_and_cleaned_up(pool):
+    before = set(pool.group(2).pids())
+    vs = run(pool, "deadlock_free", "HookCollective", world_sizes=(2,), local_batches=("even",),
+             timeout=HANG_TIMEOUT)
+    assert [(v.status, v.diagnosis) for v in vs] == [("hang", "deadlock")]
+    assert "gloo:barrier" in vs[0].message and "on_backprop" in vs[0].message
+    assert all(_gone(pid) for pid in before), "the hung group's ranks must be ended"
+    # a hang inside any other property is that property's verdict, not the caller's hang
+    vs = run(pool, "norm_fidelity", "HookCollective", world_sizes=(2,), models=("mlp",), data_layouts=("split",),
+             reductions=("mean", "sum"), timeout=HANG_TIMEOUT)
+    assert [(v.status, v.diagnosis) for v in vs] == [("hang", "deadlock")] * 2
+    assert "ran as one job" in vs[0].message
+
+
+def test_skip_empty_batch_deadlocks_only_on_empty_local_batch(pool):
+    vs = run(pool, "deadlock_free", "SkipEmptyBatch", world_sizes=(2,), local_batches=("uneven", "empty"),
+             timeout=HANG_TIMEOUT)
+    assert [(v.config["local_batches"], v.status, v.diagnosis) for v in vs] == [
+        ("uneven", "pass", None), ("empty", "hang", "deadlock")]
+    assert "all_gather" in vs[1].message
+
+
+def test_target_that_cannot_load_is_a_rank_crash_verdict(pool):
+    vs = run(pool, "clipped_step", "NoSuchSpecimen", world_sizes=(2,), models=("mlp",), reductions=("mean",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("error", "rank_crash")]
+    assert "TargetLoadError" in vs[0].message and "NoSuchSpecimen" in vs[0].message
