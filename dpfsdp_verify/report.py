@@ -83,7 +83,7 @@ def norm_ratio_rows(verdicts: List[Verdict]) -> List[Dict[str, Any]]:
     for v in verdicts:
         if v.property != "norm_fidelity":
             continue
-        ratio = v.evidence.get("mean_ratio", v.evidence.get("norm_ratio_mean"))
+        ratio = v.evidence.get("mean_ratio")
         if ratio is None:
             continue
         ws = v.config.get("world_size", 1)

@@ -94,9 +94,10 @@ def test_upstream_opacus_verdicts(tmp_path):
 
 
 def test_fork_with_planted_sqrt_n_bug(tmp_path):
-    j = tmp_path / "r.json"
+    j, md = tmp_path / "r.json", tmp_path / "r.md"
     r = run_cli("run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
-                "--world-sizes", "1,2", "--models", "mlp", "--loss-reductions", "mean", "--json", str(j))
+                "--world-sizes", "1,2", "--models", "mlp", "--loss-reductions", "mean", "--json", str(j),
+                "--markdown", str(md))
     assert r.returncode == 1, r.stderr
     got = {(v["config"]["world_size"], v["config"]["data_layout"]): (v["status"], v["diagnosis"])
            for v in json.loads(j.read_text())["results"]}
@@ -105,6 +106,9 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path):
     # on split data the same all-reduce adds *different* samples' norms: the precise diagnosis
     assert got[(2, "split")] == ("fail", "sample_mixing")
     assert "sqrt(2)" in r.stdout
+    # the CI summary page: measured ratio next to the sqrt(N) line (exactly on it when replicated)
+    assert "| 2 | replicated | mlp | 1.414214 | 1.414214 | fail sqrt_n_inflation |" in md.read_text()
+    assert "| 1 | replicated | mlp | 1.000000 | 1.000000 | pass  |" in md.read_text()
 
 
 def test_crashing_mode_is_an_error_not_a_hang(tmp_path):

@@ -51,7 +51,11 @@ def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):
     pids = g.pids()
     t0 = time.monotonic()
     res = pool.run(fn, world_size=2, timeout=timeout, **kw)
-    return res, time.monotonic() - t0, pids
+    elapsed = time.monotonic() - t0
+    if not res.ok:
+        # a failed group is ended at once: its store file and logs go with its temp dir
+        assert g.closed and not os.path.exists(g.tmpdir)
+    return res, elapsed, pids
 
 
 # --- jobs (module level: shipped to ranks by reference) --------------------------------

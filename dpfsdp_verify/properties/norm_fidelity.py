@@ -93,6 +93,7 @@ def judge(case: Case, outputs) -> Verdict:
     ratios = torch.cat([g / w for g, w in zip(got, want)])
     evidence = {"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
                 "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
+                "mean_ratio": float(ratios.mean()),
                 "rtol": rtol, "atol": atol}
     if all(bool((e <= 0).all()) for e in err):
         return case.verdict("pass", None, f"per-sample norms equal the float64 reference on all {ws} rank(s) "
