@@ -12,14 +12,12 @@ from __future__ import annotations
 import os
 import random
 import shlex
-import time
 
 import pytest
 from hypothesis import Phase
 from hypothesis import settings as Settings
 
 from dpfsdp_verify import fuzz
-from dpfsdp_verify.harness import Pool
 from dpfsdp_verify.hypothesis_profiles import active_profile, profile_settings
 from dpfsdp_verify.targets import RunSpec
 
@@ -29,44 +27,16 @@ SHAPE_EDGE = "fixtures.shape_edge:FloorShardNorms"
 MODES = {"immediate": {}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(max_groups=3)  # ws1, ws2 and the ws1 deferred-mode group stay warm together
-    seen = set()
-    yield p, seen
-    seen.update(p.pids())
-    p.close()
-    deadline = time.monotonic() + 5.0
-    while any(_alive(pid) for pid in seen) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in seen if _alive(pid)], "rank processes left behind"
-
-
 @pytest.fixture
 def settings():
     return profile_settings(active_profile() or "ci")
 
 
-def _track(pool_and_pids):
-    p, seen = pool_and_pids
-    seen.update(p.pids())
-    return p
-
-
 def test_correct_specimen_passes_fuzzed_shapes(pool, settings):
-    p = _track(pool)
+    p = pool
     for prop, mdl in (("norm_fidelity", ("mlp", "transformer")), ("clipped_step", ("mlp",))):
         verdicts = fuzz.fuzz_property(prop, CORRECT, settings.max_examples, pool=p, world_sizes=(1, 2), models=mdl,
                                       settings=settings)
-        _track(pool)
         assert [v.config["world_size"] for v in verdicts] == [1, 2]
         for v in verdicts:
             assert v.status == "pass", fuzz.format_failure(v)
@@ -74,18 +44,17 @@ def test_correct_specimen_passes_fuzzed_shapes(pool, settings):
 
 
 def test_opacus_passes_fuzzed_shapes_on_one_rank(pool, settings):
-    p = _track(pool)
+    p = pool
     [v] = fuzz.fuzz_property("norm_fidelity", "opacus", settings.max_examples, pool=p, world_sizes=(1,),
                              settings=settings)
     assert v.status == "pass", fuzz.format_failure(v)
 
 
 def test_shape_edge_bug_is_found_and_shrunk_to_the_minimal_shape(pool, settings):
-    p = _track(pool)
+    p = pool
     seed = random.getrandbits(32)
     v1, v2 = fuzz.fuzz_property("norm_fidelity", SHAPE_EDGE, settings.max_examples, pool=p, world_sizes=(1, 2),
                                 models=("mlp",), seed=seed, settings=settings)
-    _track(pool)
     why = f"hypothesis seed {seed}"
     # every dim 0 is divisible by 1: the bug cannot show on one rank
     assert v1.status == "pass", why
@@ -106,12 +75,11 @@ def test_shape_edge_bug_is_found_and_shrunk_to_the_minimal_shape(pool, settings)
 
 
 def test_mode_bug_is_found_and_named(pool, settings):
-    p = _track(pool)
+    p = pool
     # shrinking is what the shape-edge test checks; here only finding and naming (saves ~100 examples)
     no_shrink = Settings(settings, phases=[Phase.explicit, Phase.reuse, Phase.generate])
     [v] = fuzz.fuzz_property("mode_equivalence", "fixtures.specimens:DeferredDropsLayer", settings.max_examples,
                              pool=p, world_sizes=(1,), modes=MODES, models=("mlp",), seed=0, settings=no_shrink)
-    _track(pool)
     assert v.status == "fail" and v.diagnosis == "mismatch", fuzz.format_failure(v)
     assert v.config["mode"] == "immediate vs deferred"
     assert "'immediate' matches the float64 reference" in v.message

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpfsdp_verify.harness import BackendUnavailable, JobPicklingError, Pool, WorkerGroup, check_backend
+from dpfsdp_verify.harness import BackendUnavailable, JobPicklingError, WorkerGroup, check_backend, wait_gone
 
 HANG_TIMEOUT = 3.0
 #: A hang verdict must not wait for gloo's own 30-minute timeout. This bound is about
@@ -20,29 +20,8 @@ HANG_TIMEOUT = 3.0
 VERDICT_BOUND = 20.0
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes only once reaped; we reap, so it must be gone entirely
-    return True
-
-
 def assert_gone(pids):
-    deadline = time.monotonic() + 2.0
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if pid_alive(p)], "rank processes left behind"
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool()
-    yield p
-    pids = p.pids()
-    p.close()
-    assert_gone(pids)
+    assert wait_gone(pids) == [], "rank processes left behind"
 
 
 def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):

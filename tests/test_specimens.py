@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dpfsdp_verify.harness import Pool
+from dpfsdp_verify.harness import wait_gone
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
 
@@ -18,29 +18,9 @@ DEFERRED = {"OPACUS_USE_DEFERRED_NORM": "1"}
 HANG_TIMEOUT = 6.0
 
 
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(max_groups=4)
-    seen = set()
-    p.seen = seen
-    yield p
-    seen.update(p.pids())
-    p.close()
-    assert seen and all(_gone(pid) for pid in seen), "rank processes left behind"
-
-
 def run(pool, prop, target, **kw):
     kw.setdefault("timeout", 60)
     out = PROPERTIES[prop](S + target, pool=pool, **kw)
-    pool.seen.update(pool.pids())
     for v in out:
         assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
         json.dumps(v.to_json())
@@ -159,7 +139,7 @@ def test_hook_collective_hangs_are_reported_and_cleaned_up(pool):
              timeout=HANG_TIMEOUT)
     assert [(v.status, v.diagnosis) for v in vs] == [("hang", "deadlock")]
     assert "gloo:barrier" in vs[0].message and "on_backprop" in vs[0].message
-    assert all(_gone(pid) for pid in before), "the hung group's ranks must be ended"
+    assert wait_gone(before) == [], "the hung group's ranks must be ended"
     # a hang inside any other property is that property's verdict, not the caller's hang
     vs = run(pool, "norm_fidelity", "HookCollective", world_sizes=(2,), models=("mlp",), data_layouts=("split",),
              reductions=("mean", "sum"), timeout=HANG_TIMEOUT)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .group import GroupResult, WorkerGroup, check_backend
 
@@ -33,6 +34,9 @@ class Pool:
         self.start_timeout = start_timeout
         self.groups: "OrderedDict[Key, WorkerGroup]" = OrderedDict()
         self.started = 0  # groups started over the pool's life (a measure of recycling)
+        #: pid of every rank this pool ever started, including groups ended after a hang or crash:
+        #: what a test checks to prove nothing was left behind
+        self.started_pids: List[int] = []
         self._lock = threading.Lock()
 
     def group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
@@ -49,6 +53,7 @@ class Pool:
             old.close()
         g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout)
         self.started += 1
+        self.started_pids += g.pids()
         self.groups[key] = g
         return g
 
@@ -89,3 +94,26 @@ def default_pool() -> Pool:
         _default, _default_pid = Pool(), os.getpid()
         atexit.register(_default.close)
     return _default
+
+
+def pid_gone(pid: int) -> bool:
+    """True once ``pid`` no longer exists (a zombie counts as gone: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+
+def wait_gone(pids, wait: float = 5.0) -> List[int]:
+    """Wait up to ``wait`` s for every pid to be gone; returns the survivors (empty = none left)."""
+    deadline = time.monotonic() + wait
+    while not all(pid_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if not pid_gone(p)]

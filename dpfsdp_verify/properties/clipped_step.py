@@ -23,8 +23,8 @@ from .. import reference
 from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import (Case, fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
-                     reference_norms, run_cases, tensors_close, tolerance)
+from .common import (Case, config_matrix, fmt, max_rel_diff, processed_indices, reference_batch,
+                     reference_model, reference_norms, run_cases, tensors_close, tolerance)
 
 ID = "clipped_step"
 MEANING = ("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
@@ -49,22 +49,20 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
           timeout: float = 60.0) -> List[Verdict]:
     cases, specs, skips = [], [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for layout in data_layouts or DEFAULT_LAYOUTS:
-                    for red in reductions or DEFAULT_REDUCTIONS:
-                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws)
-                        case = Case(ID, target_ref, spec, ws, label, dict(env), backend)
-                        c = pick_clip_bound(spec)
-                        if c is None:
-                            skips.append(case.verdict("skip", None, "reference norms tie: no clip bound "
-                                                      "separates clipped from unclipped samples"))
-                            continue
-                        case.spec = spec.with_(max_grad_norm=c)
-                        cases.append(case)
-                        specs.append([case.spec])
+    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
+                                                            data_layouts or DEFAULT_LAYOUTS,
+                                                            reductions or DEFAULT_REDUCTIONS):
+        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
+                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws)
+        case = Case(ID, target_ref, spec, ws, label, dict(env), backend)
+        c = pick_clip_bound(spec)
+        if c is None:
+            skips.append(case.verdict("skip", None, "reference norms tie: no clip bound "
+                                      "separates clipped from unclipped samples"))
+            continue
+        case.spec = spec.with_(max_grad_norm=c)
+        cases.append(case)
+        specs.append([case.spec])
     outcomes = run_cases(cases, specs, pool, timeout, what="one DP step with noise 0")
     return skips + [o if isinstance(o, Verdict) else judge(c, o[0]) for c, o in zip(cases, outcomes)]
 

@@ -30,6 +30,18 @@ TOLERANCES = {"float64": (1e-9, 1e-12), "float32": (1e-4, 1e-6), "bfloat16": (2e
 Env = Dict[str, str]
 
 
+def config_matrix(modes: Optional[Dict[str, Dict[str, str]]], world_sizes: Sequence[int], models: Sequence[str],
+                  data_layouts: Sequence[str], reductions: Sequence[str]):
+    """Every ``(mode label, env, world_size, model, data_layout, reduction)`` a property's
+    arguments select, in report order (``modes=None`` is one unlabelled ``default`` mode)."""
+    for label, env in (modes or {"default": {}}).items():
+        for ws in world_sizes:
+            for model in models:
+                for layout in data_layouts:
+                    for red in reductions:
+                        yield label, dict(env), ws, model, layout, red
+
+
 def tolerance(dtype: str) -> Tuple[float, float]:
     if dtype not in TOLERANCES:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(TOLERANCES)}")

@@ -32,7 +32,7 @@ import torch
 from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, run_cases
+from .common import Case, config_matrix, run_cases
 
 ID = "noise_calibration"
 MEANING = ("the Gaussian noise has std sigma*C/D per coordinate (less: privacy violation; more: utility "
@@ -53,17 +53,15 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
           timeout: float = 60.0, repeats: int = REPEATS) -> List[Verdict]:
     cases, specs = [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for layout in data_layouts or DEFAULT_LAYOUTS:
-                    for red in reductions or DEFAULT_REDUCTIONS:
-                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
-                                       max_grad_norm=CLIP, noise_multiplier=SIGMA)
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-                        specs.append([spec.with_(noise_multiplier=0.0)] +
-                                     [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)])
+    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
+                                                            data_layouts or DEFAULT_LAYOUTS,
+                                                            reductions or DEFAULT_REDUCTIONS):
+        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
+                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
+                       max_grad_norm=CLIP, noise_multiplier=SIGMA)
+        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+        specs.append([spec.with_(noise_multiplier=0.0)] +
+                     [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)])
     outcomes = run_cases(cases, specs, pool, timeout, what="DP steps with noise")
     return [o if isinstance(o, Verdict) else judge(c, o) for c, o in zip(cases, outcomes)]
 

@@ -28,7 +28,7 @@ import torch
 from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, fmt, reference_norms, run_cases, tolerance
+from .common import Case, config_matrix, fmt, reference_norms, run_cases, tolerance
 
 ID = "norm_fidelity"
 MEANING = ("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
@@ -47,16 +47,14 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
           timeout: float = 60.0) -> List[Verdict]:
     cases, specs = [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for layout in data_layouts or DEFAULT_LAYOUTS:
-                    for red in reductions or DEFAULT_REDUCTIONS:
-                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
-                                       max_grad_norm=1.0)
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-                        specs.append([spec])
+    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
+                                                            data_layouts or DEFAULT_LAYOUTS,
+                                                            reductions or DEFAULT_REDUCTIONS):
+        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
+                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
+                       max_grad_norm=1.0)
+        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+        specs.append([spec])
     outcomes = run_cases(cases, specs, pool, timeout, what="per-sample norms")
     verdicts = []
     for case, out in zip(cases, outcomes):

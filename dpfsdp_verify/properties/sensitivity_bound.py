@@ -21,7 +21,7 @@ import torch
 from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, fmt, reference_norms, run_cases, tolerance
+from .common import Case, config_matrix, fmt, reference_norms, run_cases, tolerance
 
 ID = "sensitivity_bound"
 MEANING = ("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
@@ -47,17 +47,15 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
           timeout: float = 60.0) -> List[Verdict]:
     cases, specs = [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for layout in data_layouts or DEFAULT_LAYOUTS:
-                    for red in reductions or DEFAULT_REDUCTIONS:
-                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=3 * ws)
-                        spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-                        specs.append(leave_one_out_specs(spec, ws) if layout == "split" else
-                                     [spec])
+    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
+                                                            data_layouts or DEFAULT_LAYOUTS,
+                                                            reductions or DEFAULT_REDUCTIONS):
+        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
+                       grad_sample_mode=grad_sample_mode, global_batch_size=3 * ws)
+        spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
+        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+        specs.append(leave_one_out_specs(spec, ws) if layout == "split" else
+                     [spec])
     outcomes = run_cases(cases, specs, pool, timeout, what="leave-one-out DP steps")
     return [o if isinstance(o, Verdict) else judge(c, o) for c, o in zip(cases, outcomes)]
 

@@ -19,8 +19,8 @@ from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
 from .clipped_step import pick_clip_bound
-from .common import (Case, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
-                     run_cases, tensors_close, tolerance)
+from .common import (Case, config_matrix, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,
+                     reference_model, run_cases, tensors_close, tolerance)
 
 ID = "trajectory"
 MEANING = ("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
@@ -38,16 +38,14 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
           timeout: float = 60.0, steps: int = STEPS) -> List[Verdict]:
     cases, specs = [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for layout in data_layouts or DEFAULT_LAYOUTS:
-                    for red in reductions or DEFAULT_REDUCTIONS:
-                        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype, steps=steps,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws, lr=0.5)
-                        spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-                        specs.append([spec])
+    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
+                                                            data_layouts or DEFAULT_LAYOUTS,
+                                                            reductions or DEFAULT_REDUCTIONS):
+        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype, steps=steps,
+                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws, lr=0.5)
+        spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
+        specs.append([spec])
     outcomes = run_cases(cases, specs, pool, timeout, what=f"{steps} DP steps")
     return [o if isinstance(o, Verdict) else judge(c, o[0]) for c, o in zip(cases, outcomes)]
 
