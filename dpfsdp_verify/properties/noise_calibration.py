@@ -51,14 +51,15 @@ def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence
           modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
           models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
           reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0, repeats: int = REPEATS) -> List[Verdict]:
+          timeout: float = 60.0, repeats: int = REPEATS,
+          noise_seed: int = RunSpec.noise_seed) -> List[Verdict]:
     cases, specs = [], []
     for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
                                                             data_layouts or DEFAULT_LAYOUTS,
                                                             reductions or DEFAULT_REDUCTIONS):
         spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
                        grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
-                       max_grad_norm=CLIP, noise_multiplier=SIGMA)
+                       max_grad_norm=CLIP, noise_multiplier=SIGMA, noise_seed=noise_seed)
         cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
         specs.append([spec.with_(noise_multiplier=0.0)] +
                      [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)])
