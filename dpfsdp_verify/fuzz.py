@@ -51,37 +51,13 @@ Env = Dict[str, str]
 
 
 # -- rank side ----------------------------------------------------------------------------------
-_imports_frozen = False
 
 
 def fuzz_job(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutput]:
-    """Harness job: ``run_many_on_rank`` with one intra-op thread. The models are tiny; with torch's
-    default (one thread per core) every rank spins threads against every other rank on the same
-    cores, which made one example ~5x slower on 2 cores (measured). Restored afterwards, so a warm
-    group shared with other properties is left as found.
-
-    Once per rank process, after the first job, everything still alive is moved to the garbage
-    collector's permanent generation (``gc.freeze``), as the rank does at start-up: the rank runs
-    ``gc.collect()`` after every job, and with opacus' imports (~176k objects, imported by the
-    first job, after the start-up freeze) each of those took 100-200 ms -- more than the example
-    itself (measured: 110 ms round trip -> 35 ms). Only survivors of a full collection are frozen,
-    i.e. imported modules and caches, never this job's garbage.
-    """
-    global _imports_frozen
-    import gc
-
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run_many_on_rank(target_ref, specs)
-    finally:
-        torch.set_num_threads(before)
-        if not _imports_frozen:
-            _imports_frozen = True
-            gc.collect()
-            gc.freeze()
+    """Harness job: run the specs of one example on this rank. (One intra-op thread per rank and
+    freezing the imports after a job's garbage collection are done by the harness for every job:
+    each made a fuzz example ~3-5x slower on 2 cores when missing, measured.)"""
+    return run_many_on_rank(target_ref, specs)
 
 
 @contextlib.contextmanager

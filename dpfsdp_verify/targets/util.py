@@ -23,11 +23,64 @@ def world() -> Tuple[int, int]:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The un-sharded float64 copy of ``t`` (a DTensor is all-gathered: a collective, so every
+    """The un-sharded float64 CPU copy of ``t`` (a DTensor is all-gathered: a collective, so every
     rank must call this for the same tensors in the same order)."""
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
-    return t.detach().to(torch.float64).clone()
+    return t.detach().to(torch.float64).cpu().clone()
+
+
+def _dim0_sharded(t) -> bool:
+    """FSDP2's layout: a DTensor sharded on dim 0 over a 1-D mesh."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
+
+
+def full_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``[full_tensor(t) for t in tensors]`` with every dim-0-sharded DTensor on the first one's
+    mesh gathered in ONE ``all_gather_into_tensor`` instead of one collective each: on 2 CPU cores
+    a gloo collective costs ~1 ms, and a step's report gathered a dozen tensors one by one
+    (measured: a third of a fuzz example's time). Collective: call on every rank alike.
+
+    Each rank's local shard is padded to ``ceil(dim0 / world)`` rows (FSDP2 shards with
+    ``torch.chunk`` semantics: only trailing ranks hold fewer rows, possibly none), so the ranks'
+    blocks concatenated and cut at ``dim0`` rows are the full tensor."""
+    out: List = [None] * len(tensors)
+    batch = [(i, t) for i, t in enumerate(tensors) if _dim0_sharded(t)]
+    if batch:
+        mesh = batch[0][1].device_mesh
+        batch = [(i, t) for i, t in batch if t.device_mesh == mesh]
+    for i, t in enumerate(tensors):
+        if not any(i == j for j, _ in batch):
+            out[i] = full_tensor(t)
+    if not batch:
+        return out
+    group = mesh.get_group()
+    n_ranks = dist.get_world_size(group)
+    pieces, layout = [], []
+    for i, t in batch:
+        rows = -(-t.shape[0] // n_ranks) if t.shape[0] else 0
+        row_numel = 1
+        for d in t.shape[1:]:
+            row_numel *= d
+        local = t.to_local().detach().to(torch.float64).reshape(-1)
+        padded = local.new_zeros(rows * row_numel)
+        padded[:local.numel()] = local
+        pieces.append(padded)
+        layout.append((i, tuple(t.shape), rows * row_numel))
+    flat = torch.cat(pieces)
+    gathered = flat.new_empty(n_ranks * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    gathered = gathered.view(n_ranks, -1)
+    offset = 0
+    for i, shape, numel in layout:
+        block = gathered[:, offset:offset + numel].reshape((-1,) + shape[1:])
+        out[i] = block[:shape[0]].cpu().clone()
+        offset += numel
+    return out
 
 
 def strip_prefixes(name: str, prefixes: Iterable[str] = ("_module.", "_fsdp_wrapped_module.", "module.")) -> str:
@@ -43,15 +96,12 @@ def strip_prefixes(name: str, prefixes: Iterable[str] = ("_module.", "_fsdp_wrap
 
 def gather_named(named: Iterable[Tuple[str, torch.nn.Parameter]], what: str) -> Dict[str, torch.Tensor]:
     """``{bare name: full float64 tensor}`` of ``what`` (``"grad"`` or ``"param"``); a missing
-    gradient is reported as zeros (the parameter got no signal and no noise)."""
-    out = {}
-    for name, p in named:
-        if what == "param":
-            out[strip_prefixes(name)] = full_tensor(p)
-        else:
-            g = p.grad
-            out[strip_prefixes(name)] = full_tensor(g) if g is not None else torch.zeros(p.shape, dtype=torch.float64)
-    return out
+    gradient is reported as zeros (the parameter got no signal and no noise). One collective for
+    all of FSDP2's shards (``full_tensors``)."""
+    named = [(strip_prefixes(name), p, p if what == "param" else p.grad) for name, p in named]
+    full = iter(full_tensors([t for _, _, t in named if t is not None]))
+    return {name: next(full) if t is not None else torch.zeros(p.shape, dtype=torch.float64)
+            for name, p, t in named}
 
 
 def global_dataset(spec: RunSpec) -> models.Batch:
