@@ -30,39 +30,26 @@ sys.path.insert(0, HERE)
 import bench_jobs  # noqa: E402  (module-level job functions the ranks import)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def _median_ms(run_one, n: int) -> float:
+    """Median wall time of ``n`` calls of ``run_one`` (which must return True), in ms."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        assert run_one()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
 
 
 def bench_harness(n_warm: int = 50, n_fresh: int = 5) -> dict:
-    from dpfsdp_verify.harness import Pool
+    from dpfsdp_verify.harness import Pool, pid_gone
 
     out = {}
     with Pool() as pool:
         pool.run(bench_jobs.tiny_test, world_size=2)  # start the group (not counted)
-        times = []
-        for _ in range(n_warm):
-            t = time.perf_counter()
-            assert pool.run(bench_jobs.tiny_test, world_size=2).ok
-            times.append(time.perf_counter() - t)
-        out["warm_pool_ms_per_test"] = 1000 * statistics.median(times)
+        out["warm_pool_ms_per_test"] = _median_ms(lambda: pool.run(bench_jobs.tiny_test, world_size=2).ok, n_warm)
     with Pool(reuse=False) as pool:
-        times = []
-        for _ in range(n_fresh):
-            t = time.perf_counter()
-            assert pool.run(bench_jobs.tiny_test, world_size=2).ok
-            times.append(time.perf_counter() - t)
-        out["fresh_group_ms_per_test"] = 1000 * statistics.median(times)
-    times = []
-    for _ in range(n_fresh):
-        t = time.perf_counter()
-        bench_jobs.mp_spawn_tiny_test(2)
-        times.append(time.perf_counter() - t)
-    out["mp_spawn_ms_per_test"] = 1000 * statistics.median(times)
+        out["fresh_group_ms_per_test"] = _median_ms(lambda: pool.run(bench_jobs.tiny_test, world_size=2).ok, n_fresh)
+    out["mp_spawn_ms_per_test"] = _median_ms(lambda: bench_jobs.mp_spawn_tiny_test(2) or True, n_fresh)
     out["spawn_over_warm_ratio"] = out["mp_spawn_ms_per_test"] / out["warm_pool_ms_per_test"]
 
     deadline = 2.0
@@ -75,7 +62,7 @@ def bench_harness(n_warm: int = 50, n_fresh: int = 5) -> dict:
             res = pool.run(bench_jobs.hang_on_rank0, world_size=2, timeout=deadline)
             t_verdict = time.perf_counter() - t
             assert res.status == "hang" and "never by rank 1" in res.message, res.message
-            while any(_pid_alive(p) for p in pids):
+            while not all(pid_gone(p) for p in pids):
                 time.sleep(0.01)
             lat.append(t_verdict - deadline)
             gone.append(time.perf_counter() - t - deadline)

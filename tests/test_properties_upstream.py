@@ -10,6 +10,7 @@ import os
 import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
+from verdict_helpers import assert_all_pass, by
 
 pytest.importorskip("opacus")
 
@@ -27,15 +28,6 @@ def run(pool, prop, **kw):
     kw.setdefault("timeout", 90)
     out = PROPERTIES[prop]("opacus", pool=pool, **kw)
     return out
-
-
-def by(verdicts, **config):
-    return [v for v in verdicts if all(v.config.get(k) == x for k, x in config.items())]
-
-
-def assert_all_pass(verdicts):
-    bad = [(v.config, v.status, v.message) for v in verdicts if v.status != "pass"]
-    assert verdicts and not bad, bad
 
 
 def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(pool):

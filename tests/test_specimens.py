@@ -10,6 +10,7 @@ import pytest
 from dpfsdp_verify.harness import wait_gone
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
+from verdict_helpers import assert_all_pass, by
 
 S = "fixtures.specimens:"
 IMMEDIATE = {"OPACUS_USE_DEFERRED_NORM": "0"}
@@ -27,15 +28,6 @@ def run(pool, prop, target, **kw):
         assert v.repro.startswith(f"dpfsdp-verify run --target {S}{target} --properties {prop} --world-sizes ")
         assert {"world_size", "data_layout", "model", "mode", "grad_sample_mode"} <= set(v.config)
     return out
-
-
-def by(verdicts, **config):
-    return [v for v in verdicts if all(v.config.get(k) == x for k, x in config.items())]
-
-
-def assert_all_pass(verdicts):
-    bad = [(v.config, v.status, v.message) for v in verdicts if v.status != "pass"]
-    assert verdicts and not bad, bad
 
 
 # -- the correct specimen passes everything, both norm modes ------------------------------------
