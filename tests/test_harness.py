@@ -134,6 +134,7 @@ def test_skipped_collective_names_the_missing_rank(pool):
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "gloo:all_reduce [[5]]" in res.message and "never by rank 1" in res.message
     assert "job_skip_collective" in res.message  # the Python call site of the stuck rank
+    assert "missing ranks: {1}" in res.details  # torch's analyser, same conclusion
     assert elapsed <= HANG_TIMEOUT + VERDICT_BOUND
     assert_gone(pids)
 
@@ -143,6 +144,9 @@ def test_extra_barrier_on_one_rank(pool):
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "rank 1: gloo:barrier" in res.message and "rank 0: gloo:all_reduce [[5]]" in res.message
     assert "test_harness.py" in res.details  # stacks are attached
+    # torch's own analyser (fr_trace) agrees, on the same traces
+    assert "torch flight_recorder analyser" in res.details
+    assert "Culprit rank 1; Error type: COLLECTIVE_TYPE_MISMATCH" in res.details
     assert_gone(pids)
 
 

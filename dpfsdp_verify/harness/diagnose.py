@@ -8,13 +8,18 @@ each rank issued, and reports the first sequence id where the ranks disagree —
 sizes (mismatched collectives), or a rank that never issued it (skipped / stuck elsewhere).
 
 ``write_fr_dumps`` also saves the raw per-rank traces in the layout torch's own analyser reads
-(``python -m torch.distributed.flight_recorder.fr_trace DIR``) for a deeper look.
+(``python -m torch.distributed.flight_recorder.fr_trace -p rank_ DIR``), and ``torch_analysis``
+runs that analyser in-process on every hang: its verdict is attached to the report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import pickle
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -138,9 +143,23 @@ def format_stacks(dumps: Dict[int, RankDump]) -> str:
     return "\n".join(out)
 
 
+def _analyser_layout(fr: dict, rank: int) -> dict:
+    """A rank's trace as torch's analyser expects it. gloo traces of torch 2.13 (prototype) key
+    ``pg_config`` by an empty name while their entries name the group (``('0', 'default_pg')``),
+    and carry no ``rank``; the analyser then fails with ``KeyError: ('0', 0)``. Re-key the config
+    by the names the entries use."""
+    fr = dict(fr)
+    fr["rank"] = rank
+    ranks = next(iter(fr.get("pg_config", {}).values()), {}).get("ranks")
+    names = {tuple(e["process_group"]) for e in fr.get("entries", []) if e.get("process_group")}
+    if ranks is not None and names:
+        fr["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks} for name, desc in names}
+    return fr
+
+
 def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "rank_") -> List[str]:
-    """Save each rank's raw flight-recorder trace as ``DIR/<prefix><rank>`` (pickle), the layout
-    ``python -m torch.distributed.flight_recorder.fr_trace DIR`` reads. Returns the paths."""
+    """Save each rank's flight-recorder trace as ``DIR/<prefix><rank>`` (pickle), in the layout
+    ``python -m torch.distributed.flight_recorder.fr_trace -p rank_ DIR`` reads. Returns the paths."""
     os.makedirs(directory, exist_ok=True)
     paths = []
     for r, d in dumps.items():
@@ -148,6 +167,34 @@ def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "ra
             continue
         path = os.path.join(directory, f"{prefix}{r}")
         with open(path, "wb") as f:
-            pickle.dump(d.flight_recorder, f)
+            pickle.dump(_analyser_layout(d.flight_recorder, r), f)
         paths.append(path)
     return paths
+
+
+def torch_analysis(dumps: Dict[int, RankDump]) -> Optional[str]:
+    """What torch's own flight-recorder analyser (``fr_trace``) says about these traces, or
+    ``None`` when it is unavailable or has nothing to compare (fewer than two traces)."""
+    if sum(d.flight_recorder is not None for d in dumps.values()) < 2:
+        return None
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):  # it prints a note at import when tabulate is missing
+            from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+            from torch.distributed.flight_recorder.fr_trace import main as fr_trace
+    except ImportError:
+        return None
+    logger = FlightRecorderLogger().logger  # creating it installs its own stderr handler
+    saved = logger.handlers[:]
+    logger.handlers = [logging.StreamHandler(buf)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="dpfsdp-fr-") as tmp:
+            write_fr_dumps(dumps, tmp)
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                fr_trace([tmp, "-p", "rank_", "--allow-incomplete-ranks"])
+    except BaseException as e:  # an analyser failure must never cost the verdict
+        buf.write(f"(torch's analyser failed: {type(e).__name__}: {e})")
+    finally:
+        logger.handlers = saved
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip() and "tabulate is not installed" not in ln]
+    return "\n".join(lines) if lines else None

@@ -300,6 +300,9 @@ class WorkerGroup:
         sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
         if sites:
             out.message += f" ({sites})"
+        analysis = diagnose.torch_analysis(dumps)
+        if analysis:
+            report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis
         out.details = report + "\n" + diagnose.format_stacks(dumps)
         keep = os.environ.get("DPFSDP_VERIFY_FR_DIR")
         if keep:
