@@ -104,18 +104,41 @@ def _get_pool(config) -> Pool:
     return _pool
 
 
+MARKER_KWARGS = ("world_size", "backend", "timeout", "env")
+
+
 def _marker_args(item):
+    """``(world_size, backend, timeout, env)`` of the item's marker; a misspelt or mistyped
+    argument fails the test with a one-line reason instead of silently running something else."""
     m = item.get_closest_marker("distributed")
     kw = dict(m.kwargs)
+    unknown = sorted(set(kw) - set(MARKER_KWARGS))
+    if unknown:
+        pytest.fail(f"@pytest.mark.distributed: unknown argument(s) {', '.join(unknown)}; "
+                    f"accepted: {', '.join(MARKER_KWARGS)}", pytrace=False)
+    if len(m.args) > 1:
+        pytest.fail("@pytest.mark.distributed takes at most one positional argument (world_size)", pytrace=False)
     if m.args:
         kw.setdefault("world_size", m.args[0])
-    world_size = int(kw.get("world_size", 2))
-    backend = kw.get("backend", "gloo")
-    timeout = kw.get("timeout")
-    if timeout is None:
-        opt = item.config.getoption("dpfsdp_timeout")
-        timeout = opt if opt is not None else float(item.config.getini("dpfsdp_timeout"))
-    return world_size, backend, float(timeout), dict(kw.get("env") or {})
+    try:
+        world_size = int(kw.get("world_size", 2))
+        backend = kw.get("backend", "gloo")
+        timeout = kw.get("timeout")
+        if timeout is None:
+            opt = item.config.getoption("dpfsdp_timeout")
+            timeout = opt if opt is not None else float(item.config.getini("dpfsdp_timeout"))
+        timeout = float(timeout)
+        env = {str(k): str(v) for k, v in dict(kw.get("env") or {}).items()}
+    except (TypeError, ValueError) as e:
+        world_size, timeout, problem = 0, 0.0, str(e)
+    else:
+        problem = None
+    if problem:
+        pytest.fail(f"@pytest.mark.distributed: bad argument ({problem}); expected world_size=int, "
+                    "timeout=seconds, env={VAR: value}", pytrace=False)
+    if timeout <= 0:
+        pytest.fail(f"@pytest.mark.distributed: timeout must be > 0 seconds, got {timeout:g}", pytrace=False)
+    return world_size, backend, timeout, env
 
 
 @pytest.fixture
@@ -192,13 +215,16 @@ def pytest_pyfunc_call(pyfuncitem):
     cls_ref = None
     if pyfuncitem.cls is not None:
         cls_ref = FunctionRef(fn.__module__, ref.path, pyfuncitem.cls.__qualname__)
+    problem = None
     try:
         result = _get_pool(pyfuncitem.config).run(run_test_body, ref, kwargs, cls_ref, world_size=world,
                                                    backend=backend, env=env, timeout=timeout)
     except BackendUnavailable as e:
         pytest.skip(str(e))
-    except (JobPicklingError, GroupStartError) as e:
-        pytest.fail(f"distributed test could not be started: {e}", pytrace=False)
+    except (JobPicklingError, GroupStartError, ValueError) as e:
+        problem = f"distributed test could not be started: {e}"
+    if problem:  # failed outside the except block: no chained torch/pickle traceback
+        pytest.fail(problem, pytrace=False)
     if result.status == "hang":
         pytest.fail(f"HANG (deadlock) at world_size={world}: {result.message}\n\n{result.details}", pytrace=False)
     if not result.ok:

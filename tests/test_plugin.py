@@ -101,6 +101,54 @@ def test_xdist_runs_collide_nowhere(pytester, tagged):
         res.assert_outcomes(passed=3, failed=1, skipped=1 if not _cuda() else 0)
 
 
+BAD_MARKERS = '''
+import pytest
+
+
+@pytest.mark.distributed(worldsize=2)
+def test_typo(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=0)
+def test_zero_ranks(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, backend="mpi")
+def test_unknown_backend(rank):
+    pass
+
+
+@pytest.mark.distributed(world_size=2, timeout=-1)
+def test_negative_timeout(rank):
+    pass
+
+
+@pytest.fixture
+def handle():
+    return lambda: 1
+
+
+@pytest.mark.distributed(world_size=1)
+def test_unpicklable_fixture(rank, handle):
+    pass
+'''
+
+
+def test_marker_mistakes_fail_with_a_reason_not_a_torch_traceback(pytester, tagged):
+    pytester.makepyfile(test_bad=BAD_MARKERS)
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf")
+    res.assert_outcomes(failed=5)
+    out = res.stdout.str()
+    assert "unknown argument(s) worldsize; accepted: world_size, backend, timeout, env" in out
+    assert "world_size must be >= 1, got 0" in out
+    assert "unknown backend 'mpi'" in out
+    assert "timeout must be > 0 seconds" in out
+    assert "cannot send job" in out and "picklable" in out
+    assert "During handling of the above exception" not in out
+
+
 def test_markers_and_options_are_documented(pytester):
     res = pytester.runpytest_subprocess("--markers")
     assert "distributed(world_size=2, backend='gloo', timeout=None, env=None)" in res.stdout.str()
