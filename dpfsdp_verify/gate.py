@@ -15,6 +15,8 @@ from .harness import Pool
 from .properties import PROPERTIES
 from .verdict import Verdict
 
+#: upper bound on warm worker groups kept by one gate run
+MAX_WARM_GROUPS = 6
 #: properties that hypothesis can fuzz (``--fuzz N``)
 FUZZABLE = ("norm_fidelity", "clipped_step", "mode_equivalence")
 
@@ -31,7 +33,9 @@ def run_plan(plan: dict, progress: Optional[Callable[[Verdict], None]] = None,
     """Every selected property's verdicts, in plan order. Never raises for a target's failure:
     a property that cannot run becomes an ``error`` verdict saying why."""
     own_pool = pool is None
-    pool = pool or Pool(max_groups=2)
+    # one warm group per (world size, mode) so no property restarts ranks another one just used
+    # (a restart costs seconds); idle ranks only cost memory
+    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(plan["world_sizes"]) * max(1, len(plan["mode_envs"]))))
     verdicts: List[Verdict] = []
 
     def emit(vs: List[Verdict]) -> None:
