@@ -105,7 +105,8 @@ def validate(args) -> dict:
     try:
         world_sizes = sorted({int(w) for w in _csv(args.world_sizes)})
     except ValueError:
-        raise UsageError(f"--world-sizes {args.world_sizes!r}: not a comma list of integers", "e.g. --world-sizes 1,2")
+        raise UsageError(f"--world-sizes {args.world_sizes!r}: not a comma list of integers",
+                         "e.g. --world-sizes 1,2") from None
     if not world_sizes or world_sizes[0] < 1:
         raise UsageError(f"--world-sizes {args.world_sizes!r}: world sizes must be >= 1", "e.g. --world-sizes 1,2")
     if args.backend == "gloo" and world_sizes[-1] > MAX_GLOO_WORLD_SIZE:
@@ -114,7 +115,7 @@ def validate(args) -> dict:
     try:
         check_backend(args.backend, world_sizes[-1])
     except (BackendUnavailable, ValueError) as e:
-        raise UsageError(f"--backend {args.backend}: {e}", "use --backend gloo on CPU runners")
+        raise UsageError(f"--backend {args.backend}: {e}", "use --backend gloo on CPU runners") from None
     props = _csv(args.properties) if args.properties else list(PROPERTIES)
     unknown = [p for p in props if p not in PROPERTIES]
     if unknown:
@@ -137,7 +138,7 @@ def validate(args) -> dict:
     try:
         info = target_info(args.target)
     except TargetLoadError as e:
-        raise UsageError(f"--target {args.target}: {e}", "give 'opacus' or an importable MODULE:ATTR")
+        raise UsageError(f"--target {args.target}: {e}", "give 'opacus' or an importable MODULE:ATTR") from None
     for path in (args.json, args.junit, args.markdown):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")

@@ -28,7 +28,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed

@@ -9,7 +9,6 @@ starts from a random seed on purpose (it is printed on failure).
 
 from __future__ import annotations
 
-import os
 import random
 import shlex
 

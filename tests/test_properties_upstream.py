@@ -5,7 +5,6 @@ Measured findings are recorded here as they are: everything passes except the st
 with the numbers in the reason).
 """
 
-import os
 
 import pytest
 

@@ -3,7 +3,6 @@ specimen built to break it. The specimens live in ``fixtures/specimens.py`` (one
 """
 
 import json
-import os
 
 import pytest
 

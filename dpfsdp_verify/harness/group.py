@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 from . import diagnose
-from .protocol import RANK_MODULE, JobError, JobResult, RankConfig, RankDump, recv, send
+from .protocol import RANK_MODULE, JobResult, RankConfig, RankDump, recv, send
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0

@@ -77,7 +77,7 @@ def _serve_dumps(conn: Connection, rank: int) -> None:
         if msg[0] == "dump":
             try:
                 dump = dump_state(rank)
-            except Exception as e:  # never leave the parent waiting: say what went wrong
+            except Exception:  # never leave the parent waiting: say what went wrong
                 dump = RankDump(rank=rank, pid=os.getpid(), flight_recorder_error=f"dump failed: {traceback.format_exc()}")
             try:
                 send(conn, ("dump", dump))

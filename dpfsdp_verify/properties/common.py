@@ -121,7 +121,7 @@ def run_cases(cases: Sequence[Case], specs_per_case: Sequence[Sequence[RunSpec]]
     groups: Dict[tuple, List[int]] = {}
     for i, c in enumerate(cases):
         groups.setdefault((c.world_size, tuple(sorted(c.env.items())), c.backend, c.target_ref), []).append(i)
-    for key, idxs in groups.items():
+    for idxs in groups.values():
         _run_group(cases, specs_per_case, idxs, pool, timeout, what, results, allow_split=True)
     return results
 

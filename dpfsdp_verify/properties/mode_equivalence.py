@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-import torch
 
 from ..harness import Pool
 from ..targets import RunSpec

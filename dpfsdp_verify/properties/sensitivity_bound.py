@@ -21,7 +21,7 @@ import torch
 from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, config_matrix, fmt, reference_norms, run_cases, tolerance
+from .common import Case, config_matrix, reference_norms, run_cases, tolerance
 
 ID = "sensitivity_bound"
 MEANING = ("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
