@@ -141,7 +141,6 @@ class WorkerGroup:
         self.tmpdir: Optional[str] = None
         self.closed = False
         self._job_id = 0
-        self.jobs_run = 0
         self._start()
 
     # -- launch ------------------------------------------------------------------------
@@ -218,7 +217,6 @@ class WorkerGroup:
                                    "Job functions must be importable module-level functions with picklable "
                                    "arguments.") from e
         self._job_id += 1
-        self.jobs_run += 1
         t0 = time.monotonic()
         for c in self.job_conns:
             send(c, ("job", self._job_id, payload))

@@ -33,7 +33,6 @@ class Pool:
         self.reuse = reuse
         self.start_timeout = start_timeout
         self.groups: "OrderedDict[Key, WorkerGroup]" = OrderedDict()
-        self.started = 0  # groups started over the pool's life (a measure of recycling)
         #: pid of every rank this pool ever started, including groups ended after a hang or crash:
         #: what a test checks to prove nothing was left behind
         self.started_pids: List[int] = []
@@ -52,7 +51,6 @@ class Pool:
             _, old = self.groups.popitem(last=False)
             old.close()
         g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout)
-        self.started += 1
         self.started_pids += g.pids()
         self.groups[key] = g
         return g
