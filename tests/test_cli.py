@@ -122,3 +122,19 @@ def test_crashing_mode_is_an_error_not_a_hang(tmp_path):
     assert results and all(v["status"] == "error" and v["diagnosis"] == "rank_crash" for v in results)
     msg = results[0]["message"]
     assert "deferred" in msg and "rank 1" in msg and "planted crash" in msg
+
+
+def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path):
+    """--fuzz N: N hypothesis examples per fuzzable property; on the shape-edge specimen the
+    failure comes back shrunk to the minimal shape, with a replay command."""
+    j = tmp_path / "r.json"
+    r = run_cli("run", "--target", "fixtures.shape_edge:FloorShardNorms", "--properties", "norm_fidelity",
+                "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean", "--fuzz", "10",
+                "--json", str(j))
+    assert r.returncode == 1, r.stderr
+    fuzzed = [v for v in json.loads(j.read_text())["results"] if "fuzz" in v["config"]]
+    assert len(fuzzed) == 1
+    v = fuzzed[0]
+    assert (v["status"], v["diagnosis"]) == ("fail", "undercount")
+    assert dict(v["config"]["model_kwargs"]) == {"d_in": 1, "hidden": 1, "classes": 2}
+    assert v["repro"].startswith("python -m dpfsdp_verify.fuzz replay")
