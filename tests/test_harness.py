@@ -25,7 +25,8 @@ def assert_gone(pids):
 
 
 def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):
-    """Run fn on a fresh 2-rank group of the pool; return (result, elapsed, pids of that group)."""
+    """Run fn on a 2-rank group of the pool; return (result, elapsed). A failed group must be
+    gone at once: its ranks, and its temp dir with the store file."""
     g = pool.group(2)
     pids = g.pids()
     t0 = time.monotonic()
@@ -34,7 +35,8 @@ def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):
     if not res.ok:
         # a failed group is ended at once: its store file and logs go with its temp dir
         assert g.closed and not os.path.exists(g.tmpdir)
-    return res, elapsed, pids
+        assert_gone(pids)
+    return res, elapsed
 
 
 # --- jobs (module level: shipped to ranks by reference) --------------------------------
@@ -121,76 +123,63 @@ def test_job_runs_on_every_rank_and_group_stays_warm(pool):
 
 
 def test_mismatched_collectives_are_a_diagnosed_hang(pool):
-    res, elapsed, pids = run_fault(pool, job_mismatched)
+    res, elapsed = run_fault(pool, job_mismatched)
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "mismatched collectives" in res.message
     assert "rank 0: gloo:all_reduce [[4]]" in res.message and "rank 1: gloo:all_gather" in res.message
     assert elapsed <= HANG_TIMEOUT + VERDICT_BOUND
-    assert_gone(pids)
 
 
 def test_skipped_collective_names_the_missing_rank(pool):
-    res, elapsed, pids = run_fault(pool, job_skip_collective)
+    res, elapsed = run_fault(pool, job_skip_collective)
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "gloo:all_reduce [[5]]" in res.message and "never by rank 1" in res.message
     assert "job_skip_collective" in res.message  # the Python call site of the stuck rank
     assert "missing ranks: {1}" in res.details  # torch's analyser, same conclusion
     assert elapsed <= HANG_TIMEOUT + VERDICT_BOUND
-    assert_gone(pids)
 
 
 def test_extra_barrier_on_one_rank(pool):
-    res, elapsed, pids = run_fault(pool, job_extra_barrier)
+    res, elapsed = run_fault(pool, job_extra_barrier)
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "rank 1: gloo:barrier" in res.message and "rank 0: gloo:all_reduce [[5]]" in res.message
     assert "test_harness.py" in res.details  # stacks are attached
     # torch's own analyser (fr_trace) agrees, on the same traces
     assert "torch flight_recorder analyser" in res.details
     assert "Culprit rank 1; Error type: COLLECTIVE_TYPE_MISMATCH" in res.details
-    assert_gone(pids)
 
 
 def test_rank_raising_ends_group_at_once(pool):
-    res, elapsed, pids = run_fault(pool, job_raise, timeout=30)
+    res, elapsed = run_fault(pool, job_raise, timeout=30)
     assert (res.status, res.diagnosis) == ("error", "rank_crash")
     assert res.message.startswith("rank 1 raised AssertionError: norm 3.0 != 2.0 on rank 1")
     assert "Traceback" in res.details and "job_raise" in res.details
     assert elapsed < VERDICT_BOUND, "survivors must not wait for the deadline"
-    assert_gone(pids)
 
 
-def test_os_exit_is_a_rank_crash_with_exit_code(pool):
-    res, elapsed, pids = run_fault(pool, job_exit3, timeout=30)
+@pytest.mark.parametrize("job, says", [(job_exit3, "rank 1 died (exit code 3)"),
+                                       (job_sigkill, "rank 0 died (killed by SIGKILL)")])
+def test_a_dying_rank_is_a_rank_crash_naming_exit_code_or_signal(pool, job, says):
+    res, elapsed = run_fault(pool, job, timeout=30)
     assert (res.status, res.diagnosis) == ("error", "rank_crash")
-    assert "rank 1 died (exit code 3)" in res.message
-    assert elapsed < VERDICT_BOUND
-    assert_gone(pids)
-
-
-def test_sigkill_is_a_rank_crash_naming_the_signal(pool):
-    res, elapsed, pids = run_fault(pool, job_sigkill, timeout=30)
-    assert (res.status, res.diagnosis) == ("error", "rank_crash")
-    assert "rank 0 died (killed by SIGKILL)" in res.message
-    assert elapsed < VERDICT_BOUND
-    assert_gone(pids)
+    assert says in res.message
+    assert elapsed < VERDICT_BOUND, "survivors must not wait for the deadline"
 
 
 def test_infinite_python_loop_is_located(pool):
-    res, elapsed, pids = run_fault(pool, job_spin)
+    res, elapsed = run_fault(pool, job_spin)
     assert (res.status, res.diagnosis) == ("hang", "deadlock")
     assert "never by rank 0" in res.message
     assert "in job_spin" in res.message  # rank 0's call site: the loop
     assert elapsed <= HANG_TIMEOUT + VERDICT_BOUND
-    assert_gone(pids)
 
 
 def test_all_gather_with_different_sizes(pool):
-    res, elapsed, pids = run_fault(pool, job_gather_sizes, timeout=HANG_TIMEOUT)
+    res, elapsed = run_fault(pool, job_gather_sizes, timeout=HANG_TIMEOUT)
     # gloo detects the size mismatch and aborts the receiving rank; either way it is reported
     assert res.status in ("error", "hang") and res.diagnosis in ("rank_crash", "deadlock")
     text = res.message + res.details
     assert "rank" in res.message and ("size" in text or "all_gather" in text)
-    assert_gone(pids)
 
 
 def test_pool_recovers_after_faults(pool):
