@@ -19,8 +19,10 @@ EOF on either channel means the parent is gone: the rank exits at once (it also 
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -85,10 +87,34 @@ class RankDump:
     flight_recorder_error: Optional[str] = None
 
 
+def _tensor_from_numpy(array):
+    import torch
+
+    return torch.from_numpy(array)
+
+
+class _Pickler(pickle.Pickler):
+    """Plain pickle, with CPU tensors carried as numpy arrays: torch's own tensor pickling goes
+    through ``torch.serialization`` (measured ~0.4 ms to dump and ~0.8 ms to load a step's dozen
+    small tensors, vs ~0.04 / 0.02 ms as arrays) and ships a view's whole storage."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if (torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu"
+                and not obj.requires_grad and obj.layout is torch.strided):
+            try:
+                return _tensor_from_numpy, (obj.numpy(),)
+            except (TypeError, RuntimeError):  # bfloat16, conjugate views...: torch's own way
+                pass
+        return NotImplemented
+
+
 def send(conn, obj) -> None:
     """Send with plain pickle: ``Connection.send`` uses ForkingPickler, which torch teaches to pass
     tensor storage as shared-memory file descriptors -- meaningless between unrelated processes."""
-    conn.send_bytes(pickle.dumps(obj))
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    conn.send_bytes(buf.getvalue())
 
 
 def recv(conn):
