@@ -36,11 +36,10 @@ from hypothesis import settings as Settings
 
 from . import strategies
 from .harness import Pool
-from .harness.group import BackendUnavailable
 from .hypothesis_profiles import profile_settings
 from .properties import clipped_step, mode_equivalence, norm_fidelity
-from .properties.common import Case, failure_verdict
-from .targets import RankOutput, RunSpec, run_many_on_rank
+from .properties.common import Case, run_cases
+from .targets import RunSpec
 from .verdict import Verdict
 
 FUZZABLE = ("norm_fidelity", "clipped_step", "mode_equivalence")
@@ -50,19 +49,11 @@ FAILING = ("fail", "hang", "error")
 Env = Dict[str, str]
 
 
-# -- rank side ----------------------------------------------------------------------------------
-
-
-def fuzz_job(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutput]:
-    """Harness job: run the specs of one example on this rank. (One intra-op thread per rank and
-    freezing the imports after a job's garbage collection are done by the harness for every job:
-    each made a fuzz example ~3-5x slower on 2 cores when missing, measured.)"""
-    return run_many_on_rank(target_ref, specs)
-
-
 @contextlib.contextmanager
 def _one_thread():
-    """The reference computation in this process, also on one thread (same reason as ``fuzz_job``)."""
+    """The reference computation in this process on one thread, as the ranks run (the harness
+    starts them with ``OMP_NUM_THREADS=1``): threads per core on 2 shared cores slowed an example
+    ~3-5x, measured."""
     import torch
 
     before = torch.get_num_threads()
@@ -76,16 +67,8 @@ def _one_thread():
 # -- one example ------------------------------------------------------------------------------
 def _run(case: Case, pool: Pool, timeout: float):
     """Every rank's ``RankOutput`` for ``case.spec``, or the case's failure verdict."""
-    t0 = time.monotonic()
-    try:
-        res = pool.run(fuzz_job, case.target_ref, [case.spec], world_size=case.world_size, backend=case.backend,
-                       env=case.env or None, timeout=timeout)
-    except BackendUnavailable as e:
-        return case.verdict("skip", None, f"backend unavailable: {e}")
-    case.seconds = time.monotonic() - t0
-    if not res.ok:
-        return failure_verdict(case, res, "fuzzed configuration")
-    return [per_rank[0] for per_rank in res.values()]
+    out = run_cases([case], [[case.spec]], pool, timeout, what="fuzzed configuration")[0]
+    return out if isinstance(out, Verdict) else out[0]
 
 
 def check_example(property_id: str, target_ref: str, spec: RunSpec, world_size: int, *, pool: Pool,

@@ -9,8 +9,8 @@
 
 Failures raise ``TargetLoadError`` whose message is one line saying what was wrong.
 
-``run_on_rank(target_ref, spec)`` is the job the properties ship to every rank of a worker group:
-it loads the target there and returns that rank's ``RankOutput``.
+``run_many_on_rank(target_ref, specs)`` is the job the properties ship to every rank of a worker
+group: it loads the target there and returns that rank's ``RankOutput`` for each spec.
 """
 
 from __future__ import annotations
@@ -87,11 +87,6 @@ def target_info(ref: str) -> dict:
     return {"name": getattr(t, "name", ref), "version": t.version()}
 
 
-def run_on_rank(target_ref: str, spec: RunSpec) -> RankOutput:
-    """Harness job: load ``target_ref`` on this rank and run ``spec``; returns this rank's output."""
-    return load_target(target_ref).run(spec)
-
-
 def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutput]:
     """Harness job: several runs in one job (e.g. repeated noise draws), in order."""
     target = load_target(target_ref)
@@ -99,4 +94,4 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutp
 
 
 __all__ = ["DATA_LAYOUTS", "RankOutput", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
-           "target_info", "run_on_rank", "run_many_on_rank", "ENTRY_POINT_GROUP"]
+           "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]
