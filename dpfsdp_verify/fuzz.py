@@ -1,4 +1,4 @@
-"""Property-based drivers: run ``norm_fidelity``, ``clipped_step`` and ``mode_equivalence`` on
+"""Property-based drivers: run any property that has a fuzz recipe (``Property.fuzz``) on
 hypothesis-generated ``RunSpec``s (``strategies.run_specs``), one spec per example, on a warm pool.
 
 An example is one job on an already running worker group (milliseconds of harness overhead, not
@@ -11,42 +11,52 @@ minimal configuration; the driver returns that as the verdict: the property's di
 message for the minimal spec, the spec itself (``evidence["spec"]``), the hypothesis seed and
 ``@reproduce_failure`` blob, and a one-line command (``repro``) that re-runs exactly that spec::
 
-    python -m dpfsdp_verify.fuzz replay --target T --property norm_fidelity --world-size 2 --spec '{...}'
+    dpfsdp-verify replay --target T --property P --world-size 2 --spec '{...}'
 
-``python -m dpfsdp_verify.fuzz run --target T --property P --examples N --world-sizes 1,2`` runs a
-fuzz session from the command line (``dpfsdp-verify run --fuzz N`` calls ``fuzz_property``).
+From the command line, ``dpfsdp-verify run --properties P --fuzz N`` fuzzes (``fuzz_property``).
+Nothing here knows a property by name: what to draw and how to prepare a drawn spec is the
+property's recipe, how to judge it the property's ``judge``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import random
 import shlex
-import sys
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 
+from . import modes as modes_mod
 from . import strategies
-from .harness import Pool
+from .harness import DEFAULT_TIMEOUT_S, Pool
 from .hypothesis_profiles import profile_settings
-from .properties import clipped_step, mode_equivalence, norm_fidelity
-from .properties.common import Case, run_cases
+from .modes import Mode
+from .properties import PROPERTIES, Property, fuzzable, modes_problem
+from .properties.contract import Case
+from .properties.runner import run_cases
 from .targets import RunSpec
-from .verdict import Verdict
+from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
+from .verdict import FAILING, Verdict
 
-FUZZABLE = ("norm_fidelity", "clipped_step", "mode_equivalence")
 DEFAULT_MODELS = ("mlp", "transformer")
-FAILING = ("fail", "hang", "error")
 
-Env = Dict[str, str]
+#: modes as the Python API gives them (``{label: {VAR: value}}``) or as ``Mode``s
+ModesLike = Union[dict, Sequence[Mode]]
+
+
+def fuzzable_property(property_id: str) -> Property:
+    """The property ``property_id`` if it has a fuzz recipe; ``ValueError`` naming the ones that do."""
+    prop = PROPERTIES.get(property_id)
+    if prop is None or prop.fuzz is None:
+        raise ValueError(f"property {property_id!r} cannot be fuzzed; choose one of {', '.join(fuzzable())}")
+    return prop
 
 
 @contextlib.contextmanager
@@ -65,36 +75,24 @@ def _one_thread():
 
 
 # -- one example ------------------------------------------------------------------------------
-def _run(case: Case, pool: Pool, timeout: float):
-    """Every rank's ``RankOutput`` for ``case.spec``, or the case's failure verdict."""
-    out = run_cases([case], [[case.spec]], pool, timeout, what="fuzzed configuration")[0]
-    return out if isinstance(out, Verdict) else out[0]
-
-
 def check_example(property_id: str, target_ref: str, spec: RunSpec, world_size: int, *, pool: Pool,
-                  modes: Dict[str, Env], backend: str = "gloo", timeout: float = 60.0) -> Verdict:
-    """The property's verdict for one spec at one world size. ``modes`` holds one label (two or
-    more for ``mode_equivalence``: the first is compared with the second). For ``clipped_step``
-    (and ``mode_equivalence``) the clip bound is set between the two middle reference norms, as
-    the properties do; a spec whose norms tie is a ``skip``."""
-    labels = list(modes)
-    if property_id in ("clipped_step", "mode_equivalence"):
-        with _one_thread():
-            c = clipped_step.pick_clip_bound(spec) if spec.global_batch_size >= 2 else None
-        if c is None and property_id == "clipped_step":
-            return Case(property_id, target_ref, spec, world_size, labels[0], dict(modes[labels[0]]), backend).verdict(
-                "skip", None, "reference norms tie: no clip bound separates clipped from unclipped samples")
-        spec = spec.with_(max_grad_norm=c or 1.0)
-    cases = [Case(property_id, target_ref, spec, world_size, label, dict(modes[label]), backend)
-             for label in (labels[:2] if property_id == "mode_equivalence" else labels[:1])]
-    outs = [_run(c, pool, timeout) for c in cases]
+                  modes: ModesLike, backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT_S) -> Verdict:
+    """The property's verdict for one spec at one world size, after the recipe's ``prepare`` (a
+    spec it cannot use is a ``skip``). ``modes`` holds one mode (two for a property that compares
+    modes: the first is compared with the second)."""
+    prop = fuzzable_property(property_id)
+    modes = modes_mod.from_mapping(modes)[:2 if prop.compares_modes else 1]
     with _one_thread():
-        if property_id == "mode_equivalence":
-            return mode_equivalence.judge(cases[0], cases[1], *[o if isinstance(o, Verdict) else [o] for o in outs])
-        if isinstance(outs[0], Verdict):
-            return outs[0]
-        judge = norm_fidelity.judge if property_id == "norm_fidelity" else clipped_step.judge
-        return judge(cases[0], outs[0])
+        ready = prop.fuzz.prepare(spec)
+    case = Case(prop.id, target_ref, ready if isinstance(ready, RunSpec) else spec, world_size, modes,
+                backend=backend, doing="fuzzed configuration")
+    if isinstance(ready, str):
+        return case.verdict("skip", None, ready)
+    outcome = run_cases([case], pool, timeout)[0]
+    if isinstance(outcome, Verdict):
+        return outcome
+    with _one_thread():
+        return prop.judge(case, outcome)
 
 
 # -- spec <-> JSON (for the repro line) --------------------------------------------------------
@@ -116,15 +114,14 @@ def spec_from_json(text: str) -> RunSpec:
 
 
 def replay_command(property_id: str, target_ref: str, spec: RunSpec, world_size: int,
-                   modes: Dict[str, Env], backend: str = "gloo") -> str:
-    """One shell line that re-runs exactly this spec (``python -m dpfsdp_verify.fuzz replay``)."""
-    parts = ["python", "-m", "dpfsdp_verify.fuzz", "replay", "--target", target_ref,
-             "--property", property_id, "--world-size", str(world_size), "--spec", spec_to_json(spec)]
+                   modes: ModesLike, backend: str = "gloo") -> str:
+    """One shell line that re-runs exactly this spec (``dpfsdp-verify replay``)."""
+    modes = modes_mod.from_mapping(modes)
+    parts = ["dpfsdp-verify", "replay", "--target", target_ref, "--property", property_id,
+             "--world-size", str(world_size), "--spec", spec_to_json(spec)]
     if backend != "gloo":
         parts += ["--backend", backend]
-    for label, env in modes.items():
-        if env or len(modes) > 1:
-            parts += ["--mode-env", f"{label}:" + ",".join(f"{k}={v}" for k, v in sorted(env.items()))]
+    parts += modes_mod.cli_args(modes, always=len(modes) > 1)
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -138,23 +135,15 @@ class Counterexample(Exception):
 
 
 def spec_strategy(property_id: str, world_size: int, *, models: Sequence[str] = DEFAULT_MODELS,
-                  grad_sample_mode: str = "ghost_fsdp", dtype_values: Sequence[str] = ("float64",)):
-    """The ``run_specs`` a property is fuzzed with: ``norm_fidelity`` both layouts and reductions,
-    one step, any global batch; ``clipped_step`` split data (the layout opacus defines a DP step
-    for), at least 2 samples so a clip bound can separate them; ``mode_equivalence`` like
-    ``clipped_step`` with 2 steps (state carried between steps is compared too). Every rank gets at
-    least one sample: opacus' own data paths never give a rank an empty batch (its distributed
-    Poisson sampler skips them), so an empty one would test the adapter, not the target."""
-    common = dict(models=tuple(models), grad_sample_mode=grad_sample_mode, dtype_values=tuple(dtype_values),
-                  min_per_rank=1)
-    if property_id == "norm_fidelity":
-        return strategies.run_specs(world_size, **common)
-    if property_id == "clipped_step":
-        return strategies.run_specs(world_size, layouts=("split",), min_global_batch=2, **common)
-    if property_id == "mode_equivalence":
-        return strategies.run_specs(world_size, layouts=("split",), min_global_batch=2, steps=2,
-                                    reduction_values=("mean",), **common)
-    raise ValueError(f"property {property_id!r} cannot be fuzzed; choose one of {', '.join(FUZZABLE)}")
+                  grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, dtype_values: Sequence[str] = ("float64",)):
+    """The ``run_specs`` a property is fuzzed with: its recipe's ``draw`` arguments over ``models``.
+    Every rank gets at least one sample: opacus' own data paths never give a rank an empty batch
+    (its distributed Poisson sampler skips them), so an empty one would test the adapter, not the
+    target."""
+    draw = dict(models=tuple(models), grad_sample_mode=grad_sample_mode, dtype_values=tuple(dtype_values),
+                min_per_rank=1)
+    draw.update(fuzzable_property(property_id).fuzz.draw_kwargs())
+    return strategies.run_specs(world_size, **draw)
 
 
 def _find_counterexample(err: BaseException) -> Optional[Counterexample]:
@@ -174,12 +163,12 @@ def _notes(err: BaseException) -> List[str]:
     return notes
 
 
-def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool, modes: Dict[str, Env],
+def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool, modes: ModesLike,
               n_examples: int, seed: Optional[int] = None, models: Sequence[str] = DEFAULT_MODELS,
-              grad_sample_mode: str = "ghost_fsdp", backend: str = "gloo", timeout: float = 60.0,
-              strategy=None, settings: Optional[Settings] = None) -> Verdict:
-    """One hypothesis run of ``n_examples`` examples at one world size under ``modes`` (one label;
-    two for ``mode_equivalence``). ``strategy`` overrides ``spec_strategy``; ``settings`` the
+              grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, backend: str = "gloo",
+              timeout: float = DEFAULT_TIMEOUT_S, strategy=None, settings: Optional[Settings] = None) -> Verdict:
+    """One hypothesis run of ``n_examples`` examples at one world size under ``modes`` (one mode;
+    two for a property that compares modes). ``strategy`` overrides ``spec_strategy``; ``settings`` the
     profile's (``hypothesis_profiles.profile_settings()``). Returns a ``pass`` verdict (or ``skip``
     if every example skipped), or the minimal failing example's verdict (module docstring)."""
     base = settings or profile_settings()
@@ -189,7 +178,7 @@ def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool,
                             deadline=None, print_blob=True)
     strategy = strategy if strategy is not None else spec_strategy(property_id, world_size, models=models,
                                                                   grad_sample_mode=grad_sample_mode)
-    labels = list(modes)
+    modes = modes_mod.from_mapping(modes)
     seen: Counter = Counter()
     t0 = time.monotonic()
 
@@ -202,9 +191,9 @@ def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool,
 
     # a database key per (property, target, world size, modes): a saved failure replays where it failed
     example._hypothesis_internal_add_digest = repr((property_id, target_ref, world_size, sorted(
-        (k, sorted(v.items())) for k, v in modes.items()))).encode()
+        (m.label, list(m.env)) for m in modes))).encode()
     test = run_settings(hypothesis_seed(seed)(given(strategy)(example)))
-    mode = " vs ".join(labels[:2]) if property_id == "mode_equivalence" else labels[0]
+    mode = " vs ".join(m.label for m in modes[:2 if PROPERTIES[property_id].compares_modes else 1])
     config = {"world_size": world_size, "data_layout": "fuzzed", "model": "fuzzed:" + ",".join(models),
               "mode": mode, "grad_sample_mode": grad_sample_mode, "reduction": "fuzzed"}
     try:
@@ -251,36 +240,32 @@ def _failure_verdict(property_id, target_ref, world_size, modes, backend, found:
 
 # -- every world size -------------------------------------------------------------------------
 def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: Optional[Pool] = None,
-                  world_sizes: Sequence[int] = (1, 2), grad_sample_mode: str = "ghost_fsdp",
-                  modes: Optional[Dict[str, Env]] = None, timeout: float = 60.0, seed: Optional[int] = None,
+                  world_sizes: Sequence[int] = (1, 2), grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
+                  modes: Optional[ModesLike] = None, timeout: float = DEFAULT_TIMEOUT_S, seed: Optional[int] = None,
                   models: Sequence[str] = DEFAULT_MODELS, backend: str = "gloo",
                   settings: Optional[Settings] = None) -> List[Verdict]:
     """``n_examples`` fuzzed examples of ``property_id`` at each world size (ascending) and mode;
-    one verdict per (world size, mode) -- for ``mode_equivalence`` per (world size, first label vs
-    each other label). ``seed=None`` uses the profile's (fixed under ``ci``, random otherwise; the
+    one verdict per (world size, mode) -- for a property that compares modes, per (world size,
+    first mode vs each other one). ``seed=None`` uses the profile's (fixed under ``ci``, random otherwise; the
     verdict records it). ``pool=None`` uses a private pool closed at the end. Raises ``ValueError``
     for a property that cannot be fuzzed."""
-    if property_id not in FUZZABLE:
-        raise ValueError(f"property {property_id!r} cannot be fuzzed; choose one of {', '.join(FUZZABLE)}")
-    modes = dict(modes or {"default": {}})
-    labels = list(modes)
+    prop = fuzzable_property(property_id)
+    modes = modes_mod.from_mapping(modes)
+    if prop.compares_modes:
+        groups = [(modes[0], other) for other in modes[1:]]
+    else:
+        groups = [(m,) for m in modes]
     own = pool is None
     pool = pool or Pool()
     verdicts: List[Verdict] = []
     try:
         for ws in sorted(set(world_sizes)):
-            if property_id == "mode_equivalence":
-                if len(labels) < 2:
-                    verdicts.append(Verdict(property_id, "skip", {
-                        "world_size": ws, "data_layout": "fuzzed", "model": "fuzzed", "mode": labels[0],
-                        "grad_sample_mode": grad_sample_mode}, message="mode_equivalence needs two mode labels"))
-                    continue
-                runs: List[Dict[str, Env]] = [{labels[0]: modes[labels[0]], other: modes[other]}
-                                              for other in labels[1:]]
-            else:
-                runs = [{label: env} for label, env in modes.items()]
-            for run_modes in runs:
-                verdicts.append(fuzz_case(property_id, target_ref, ws, pool=pool, modes=run_modes,
+            if not groups:
+                verdicts.append(Verdict(prop.id, "skip", {
+                    "world_size": ws, "data_layout": "fuzzed", "model": "fuzzed", "mode": modes[0].label,
+                    "grad_sample_mode": grad_sample_mode}, message=modes_problem(prop, modes)))
+            for run_modes in groups:
+                verdicts.append(fuzz_case(prop.id, target_ref, ws, pool=pool, modes=run_modes,
                                           n_examples=n_examples, seed=seed, models=models,
                                           grad_sample_mode=grad_sample_mode, backend=backend, timeout=timeout,
                                           settings=settings))
@@ -300,54 +285,3 @@ def format_failure(v: Verdict) -> str:
         lines.append(f"blob: {v.evidence['reproduce_failure']}")
     lines.append(f"reproduce: {v.repro}")
     return "\n".join(lines)
-
-
-# -- command line -------------------------------------------------------------------------------
-def _parse_modes(items: Sequence[str]) -> Dict[str, Env]:
-    modes: Dict[str, Env] = {}
-    for item in items or ():
-        label, _, assignments = item.partition(":")
-        env = {}
-        for a in filter(None, assignments.split(",")):
-            k, _, v = a.partition("=")
-            env[k] = v
-        modes[label] = env
-    return modes or {"default": {}}
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dpfsdp_verify.fuzz", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "replay"):
-        p = sub.add_parser(name)
-        p.add_argument("--target", default="opacus")
-        p.add_argument("--property", required=True, choices=FUZZABLE)
-        p.add_argument("--mode-env", action="append", default=[], metavar="LABEL:VAR=VAL[,VAR=VAL]")
-        p.add_argument("--backend", default="gloo")
-        p.add_argument("--timeout", type=float, default=60.0)
-    run_p, replay_p = sub.choices["run"], sub.choices["replay"]
-    run_p.add_argument("--examples", type=int, default=20)
-    run_p.add_argument("--world-sizes", default="1,2")
-    run_p.add_argument("--seed", type=int, default=None)
-    run_p.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    replay_p.add_argument("--world-size", type=int, required=True)
-    replay_p.add_argument("--spec", required=True, help="the JSON RunSpec of a failing fuzz verdict's repro line")
-    args = ap.parse_args(argv)
-    modes = _parse_modes(args.mode_env)
-    with Pool() as pool:
-        if args.cmd == "replay":
-            verdicts = [check_example(args.property, args.target, spec_from_json(args.spec), args.world_size,
-                                      pool=pool, modes=modes, backend=args.backend, timeout=args.timeout)]
-        else:
-            verdicts = fuzz_property(args.property, args.target, args.examples, pool=pool,
-                                     world_sizes=[int(w) for w in args.world_sizes.split(",")], modes=modes,
-                                     timeout=args.timeout, seed=args.seed, models=args.models.split(","),
-                                     backend=args.backend)
-    for v in verdicts:
-        print(format_failure(v) if v.status in FAILING and args.cmd == "run" else f"{v.property}: {v.status}: {v.message}")
-    return 1 if any(v.status in FAILING for v in verdicts) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Reports of a gate run: JSON (the DESIGN.md schema), JUnit XML, markdown, and the terminal table.
+"""Reports of a gate run: JSON (the schema in the README), JUnit XML, markdown, and the terminal table.
 
 All four are pure functions of the verdict list plus run metadata, so they cannot disagree.
 """
@@ -78,11 +78,10 @@ def write_junit(path: str, verdicts: List[Verdict], target_name: str) -> None:
 
 
 def norm_ratio_rows(verdicts: List[Verdict]) -> List[Dict[str, Any]]:
-    """Per norm_fidelity verdict: measured mean norm ratio (target / reference) next to sqrt(N)."""
+    """Per verdict that measured per-sample norms (evidence ``mean_ratio``: the mean ratio of the
+    target's norms to the reference's): that ratio next to sqrt(N)."""
     rows = []
     for v in verdicts:
-        if v.property != "norm_fidelity":
-            continue
         ratio = v.evidence.get("mean_ratio")
         if ratio is None:
             continue

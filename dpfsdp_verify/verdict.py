@@ -1,6 +1,6 @@
 """The unit every property produces and every report consumes: one ``Verdict`` per property x config.
 
-Its fields are exactly one entry of ``results`` in the JSON report (DESIGN.md):
+Its fields are exactly one entry of ``results`` in the JSON report (README, "JSON report"):
 ``status`` in ``STATUSES``, ``diagnosis`` in ``DIAGNOSES`` (or ``None``), ``config`` with at
 least ``world_size``, ``data_layout``, ``model``, ``mode``, ``grad_sample_mode``.
 """
@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
 STATUSES = ("pass", "fail", "hang", "error", "skip")
+#: the statuses that make a gate run (and a fuzz example) fail
+FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "deadlock", "rank_crash")
 
 

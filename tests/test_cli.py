@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -137,4 +138,22 @@ def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path):
     v = fuzzed[0]
     assert (v["status"], v["diagnosis"]) == ("fail", "undercount")
     assert dict(v["config"]["model_kwargs"]) == {"d_in": 1, "hidden": 1, "classes": 2}
-    assert v["repro"].startswith("python -m dpfsdp_verify.fuzz replay")
+    assert v["repro"].startswith("dpfsdp-verify replay ")
+    # the repro line is a verb of the same CLI: it re-runs exactly that spec and fails again
+    args = shlex.split(v["repro"])
+    again = run_cli(*args[1:])
+    assert again.returncode == 1, again.stderr
+    assert "norm_fidelity: FAIL (undercount)" in again.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--property", "noise_calibration", "--world-size", "2", "--spec", "{}"], "cannot be fuzzed"),
+    (["--property", "norm_fidelity", "--world-size", "0", "--spec", "{}"], "must be an integer >= 1"),
+    (["--property", "norm_fidelity", "--world-size", "2", "--spec", "{nope"], "not a RunSpec in JSON"),
+    (["--property", "norm_fidelity", "--world-size", "2", "--spec", '{"bogus": 1}'], "not a RunSpec in JSON"),
+    (["--property", "norm_fidelity", "--world-size", "2"], "--spec"),
+])
+def test_replay_usage_errors_exit_2_with_one_line(capsys, args, says):
+    assert cli.main(["replay", *args]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert says in err and err.startswith("dpfsdp-verify: error:") and len(err.splitlines()) == 1

@@ -95,5 +95,5 @@ def test_replay_command_round_trips_the_spec():
                    model_kwargs=(("classes", 3), ("hidden", 1)))
     line = fuzz.replay_command("norm_fidelity", CORRECT, spec, 2, {"default": {}})
     args = shlex.split(line)
-    assert args[:4] == ["python", "-m", "dpfsdp_verify.fuzz", "replay"]
+    assert args[:2] == ["dpfsdp-verify", "replay"]
     assert fuzz.spec_from_json(args[args.index("--spec") + 1]) == spec

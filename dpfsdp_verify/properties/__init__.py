@@ -1,52 +1,45 @@
-"""Properties: one module per property id (DESIGN.md), each turning rank outputs into verdicts.
+"""Properties: one module per property id, each building a ``Property`` (``contract.py``) that
+says what it means, which cases it runs and how it judges them; ``runner.py`` runs any of them.
 
-Every property is called the same way::
+    from dpfsdp_verify.properties import PROPERTIES
+    verdicts = PROPERTIES["norm_fidelity"]("opacus", world_sizes=(1, 2), models=("mlp",))
 
-    PROPERTIES[id](target_ref, *, pool=None, world_sizes=(1, 2), modes=None,
-                   grad_sample_mode="ghost_fsdp", models=None, data_layouts=None,
-                   reductions=None, dtype="float64", backend="gloo", timeout=60.0) -> list[Verdict]
+Keywords are those of ``contract.Options`` (``world_sizes``, ``modes`` as ``{label: {VAR: value}}``,
+``grad_sample_mode``, ``models``, ``data_layouts``, ``reductions``, ``dtype``, ``backend``,
+``timeout``) plus the property's own ``params`` (e.g. ``deadlock_free``'s ``local_batches``), and
+``pool`` (a ``harness.Pool``; default: the process-wide one). One ``Verdict`` per configuration;
+a hang or crash is a verdict, never an exception.
 
-* ``target_ref``: what ``targets.load_target`` accepts (``"opacus"``, ``"pkg.mod:Attr"``, an
-  entry-point name); it is loaded on the ranks, never in the caller.
-* ``pool``: a ``harness.Pool`` (warm worker groups); ``None`` uses the process-wide default pool.
-* ``world_sizes``: rank counts to run at (a property skips sizes it has nothing to say about, e.g.
-  ``deadlock_free`` at 1).
-* ``modes``: ``{label: {ENV_VAR: value}}``; each label is run as its own worker group with that
-  environment (``None`` means ``{"default": {}}``). ``mode_equivalence`` compares the first label
-  with each other one and needs at least two.
-* ``models`` / ``data_layouts`` / ``reductions``: ``None`` means the property's defaults
-  (``<module>.DEFAULT_*``); pass a subset to narrow a run.
-* ``timeout``: seconds per worker-group job (the watchdog deadline); a hang becomes a ``hang`` /
-  ``deadlock`` verdict, a crash an ``error`` / ``rank_crash`` verdict, never an exception.
-
-One ``Verdict`` per configuration (``config`` = world_size, data_layout, model, mode,
-grad_sample_mode, reduction). ``PROPERTIES[id].meaning`` is the one-line DP meaning.
+Adding a property: one module that defines ``PROPERTY = Property(...)``, plus one line in
+``REGISTRY`` below. Whether it can be fuzzed is its ``fuzz`` recipe; nothing else names it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Dict, List
 
-from ..verdict import Verdict
 from . import (clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
                sensitivity_bound, trajectory)
+from .contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
+
+#: every property, in the order the gate runs and reports them
+REGISTRY = (
+    norm_fidelity.PROPERTY,
+    clipped_step.PROPERTY,
+    sensitivity_bound.PROPERTY,
+    noise_calibration.PROPERTY,
+    mode_equivalence.PROPERTY,
+    trajectory.PROPERTY,
+    deadlock_free.PROPERTY,
+)
+
+PROPERTIES: Dict[str, Property] = by_id(REGISTRY)
 
 
-@dataclass(frozen=True)
-class Property:
-    id: str
-    meaning: str
-    check: Callable[..., List[Verdict]]
-
-    def __call__(self, target_ref: str, **kwargs) -> List[Verdict]:
-        return self.check(target_ref, **kwargs)
+def fuzzable() -> List[str]:
+    """Ids of the properties that have a fuzz recipe."""
+    return [p.id for p in REGISTRY if p.fuzz is not None]
 
 
-PROPERTIES: Dict[str, Property] = {
-    m.ID: Property(m.ID, m.MEANING, m.check)
-    for m in (norm_fidelity, clipped_step, sensitivity_bound, noise_calibration, mode_equivalence, trajectory,
-              deadlock_free)
-}
-
-__all__ = ["PROPERTIES", "Property"]
+__all__ = ["PROPERTIES", "REGISTRY", "Property", "Options", "Case", "Point", "Outputs", "FuzzRecipe", "fuzzable",
+           "modes_problem"]

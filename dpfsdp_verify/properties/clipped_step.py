@@ -15,56 +15,33 @@ an uncapped clip coefficient, different norms) and says which one fits; the diag
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
 
 from .. import reference
-from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import (Case, config_matrix, fmt, max_rel_diff, processed_indices, reference_batch,
-                     reference_model, reference_norms, run_cases, tensors_close, tolerance)
+from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch, reference_model,
+                      tensors_close, tolerance)
+from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
-ID = "clipped_step"
-MEANING = ("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
-           "accounting assumes, neither scaled nor with unclipped samples")
-
-DEFAULT_MODELS = ("mlp", "transformer")
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean", "sum")
 FIT_RTOL = 1e-6
 
 
-def pick_clip_bound(spec: RunSpec) -> Optional[float]:
-    """C between the two middle reference norms (some samples clipped, some not); None if they tie."""
-    n = torch.sort(reference_norms(spec)).values
-    lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
-    return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
+def prepare(spec: RunSpec) -> Prepared:
+    """``spec`` clipped between its two middle reference norms, or why that is impossible."""
+    c = pick_clip_bound(spec)
+    if c is None:
+        return "reference norms tie: no clip bound separates clipped from unclipped samples"
+    return spec.with_(max_grad_norm=c)
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0) -> List[Verdict]:
-    cases, specs, skips = [], [], []
-    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
-                                                            data_layouts or DEFAULT_LAYOUTS,
-                                                            reductions or DEFAULT_REDUCTIONS):
-        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws)
-        case = Case(ID, target_ref, spec, ws, label, dict(env), backend)
-        c = pick_clip_bound(spec)
-        if c is None:
-            skips.append(case.verdict("skip", None, "reference norms tie: no clip bound "
-                                      "separates clipped from unclipped samples"))
-            continue
-        case.spec = spec.with_(max_grad_norm=c)
-        cases.append(case)
-        specs.append([case.spec])
-    outcomes = run_cases(cases, specs, pool, timeout, what="one DP step with noise 0")
-    return skips + [o if isinstance(o, Verdict) else judge(c, o[0]) for c, o in zip(cases, outcomes)]
+def cases(point: Point):
+    spec = point.spec(global_batch_size=4 * point.world_size)
+    ready = prepare(spec)
+    case = point.case(ready if isinstance(ready, RunSpec) else spec, doing="one DP step with noise 0")
+    yield case.verdict("skip", None, ready) if isinstance(ready, str) else case
 
 
 def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
@@ -76,8 +53,8 @@ def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
     return step, params
 
 
-def judge(case: Case, outputs) -> Verdict:
-    spec, ws = case.spec, case.world_size
+def judge(case: Case, runs: Outputs) -> Verdict:
+    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     rtol, atol = tolerance(spec.dtype)
     if any(not o.steps for o in outputs):
         return case.verdict("fail", "mismatch", "a rank reported no step")
@@ -143,3 +120,12 @@ def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> s
             return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
                     "relative (see norm_fidelity), so its clip coefficients are wrong.")
     return f"{head}: no simple explanation (constant factor, uncapped clipping, wrong norms) fits."
+
+
+PROPERTY = Property(
+    id="clipped_step",
+    meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
+             "accounting assumes, neither scaled nor with unclipped samples"),
+    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
+    # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
+    fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

@@ -14,20 +14,12 @@ account of where the collective sequences diverge; a crash is ``error``/``rank_c
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict
 
-from ..harness import Pool
-from ..targets import RunSpec, TargetLoadError, load_target
+from ..targets import TargetLoadError, load_target
 from ..verdict import Verdict
-from .common import Case, run_cases
+from .contract import Case, Outputs, Point, Property
 
-ID = "deadlock_free"
-MEANING = ("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
-           "hangs on some batches pushes users to sampling that breaks the privacy accounting")
-
-DEFAULT_MODELS = ("mlp",)
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean",)
 STEPS = 2
 
 
@@ -45,42 +37,39 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     return out
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0, local_batches: Optional[Sequence[str]] = None) -> List[Verdict]:
-    """``local_batches``: scenario names to run (default all of ``scenarios``)."""
+def _supports_empty(target_ref: str) -> bool:
     try:
-        supports_empty = bool(getattr(load_target(target_ref), "supports_empty_local_batches", True))
+        return bool(getattr(load_target(target_ref), "supports_empty_local_batches", True))
     except TargetLoadError:
-        supports_empty = True  # the ranks report the load error as each case's verdict
-    cases, specs, names = [], [], []
-    for label, env in (modes or {"default": {}}).items():
-        for ws in world_sizes:
-            for model in models or DEFAULT_MODELS:
-                for red in reductions or DEFAULT_REDUCTIONS:
-                    for name, split in scenarios(ws).items():
-                        if local_batches is not None and name not in local_batches:
-                            continue
-                        spec = RunSpec(model=model, data_layout="split", reduction=red, dtype=dtype, steps=STEPS,
-                                       grad_sample_mode=grad_sample_mode, global_batch_size=2 * ws,
-                                       noise_multiplier=1.0, rank_batches=(split,) * STEPS)
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-                        specs.append([spec])
-                        names.append((name, [len(s) for s in split]))
-    verdicts = []
-    for case, spec_list, (name, sizes) in zip(cases, specs, names):
-        if name == "empty" and not supports_empty:
-            v = case.verdict("skip", None, "the target declares supports_empty_local_batches = False: an empty "
-                             f"local batch {sizes} is not run")
+        return True  # the ranks report the load error as each case's verdict
+
+
+def cases(point: Point):
+    """One case per scenario, each its own job so that a hang is pinned on the scenario."""
+    only = point.param("local_batches")
+    for name, split in scenarios(point.world_size).items():
+        if only is not None and name not in only:
+            continue
+        sizes = [len(s) for s in split]
+        spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                          rank_batches=(split,) * STEPS)
+        case = point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
+                          doing=f"{name} local batches {sizes}", isolate=True)
+        if name == "empty" and not _supports_empty(point.options.target):
+            yield case.verdict("skip", None, "the target declares supports_empty_local_batches = False: an "
+                               f"empty local batch {sizes} is not run")
         else:
-            # one job per scenario, so a hang is pinned on the scenario that caused it
-            out = run_cases([case], [spec_list], pool, timeout, what=f"{name} local batches {sizes}")[0]
-            v = out if isinstance(out, Verdict) else case.verdict(
-                "pass", None, f"{STEPS} steps with {name} local batches {sizes} finished on all "
-                f"{case.world_size} rank(s)", {"local_batch_sizes": sizes})
-        v.config["local_batches"] = name
-        v.evidence.setdefault("local_batch_sizes", sizes)
-        verdicts.append(v)
-    return verdicts
+            yield case
+
+
+def judge(case: Case, runs: Outputs) -> Verdict:
+    return case.verdict("pass", None, f"{STEPS} steps with {case.labels['local_batches']} local batches "
+                        f"{case.facts['local_batch_sizes']} finished on all {case.world_size} rank(s)")
+
+
+PROPERTY = Property(
+    id="deadlock_free",
+    meaning=("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
+             "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
+    cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
+    params=(("local_batches", None),))

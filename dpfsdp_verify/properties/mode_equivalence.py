@@ -13,71 +13,29 @@ verdict (``hang``/``deadlock`` or ``error``/``rank_crash``), naming the mode.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict
 
-
-from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .clipped_step import pick_clip_bound
-from .common import Case, fmt, max_rel_diff, reference_norms, run_cases, tensors_close, tolerance
+from .compare import fmt, max_rel_diff, pick_clip_bound, reference_norms, tensors_close, tolerance
+from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
-ID = "mode_equivalence"
-MEANING = ("two modes that claim to be equivalent (e.g. deferred vs immediate norms) clip and update "
-           "identically; otherwise at most one of them is the mechanism the privacy analysis describes")
-
-DEFAULT_MODELS = ("mlp", "transformer")
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean",)
 STEPS = 2
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0) -> List[Verdict]:
-    modes = dict(modes or {"default": {}})
-    labels = list(modes)
-    verdicts: List[Verdict] = []
-    pairs: List[tuple] = []
-    cases, specs = [], []
-    for ws in world_sizes:
-        for model in models or DEFAULT_MODELS:
-            for layout in data_layouts or DEFAULT_LAYOUTS:
-                for red in reductions or DEFAULT_REDUCTIONS:
-                    spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype, steps=STEPS,
-                                   grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws)
-                    spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
-                    if len(labels) < 2:
-                        c = Case(ID, target_ref, spec, ws, labels[0], dict(modes[labels[0]]), backend)
-                        verdicts.append(c.verdict("skip", None, "mode_equivalence needs at least two mode labels "
-                                                  "(--mode-env LABEL:VAR=VAL twice)"))
-                        continue
-                    first = len(cases)
-                    for label in labels:
-                        cases.append(Case(ID, target_ref, spec, ws, label, dict(modes[label]), backend))
-                        specs.append([spec])
-                    pairs += [(first, first + i) for i in range(1, len(labels))]
-    outcomes = run_cases(cases, specs, pool, timeout, what="the same steps under each mode")
-    for a, b in pairs:
-        verdicts.append(judge(cases[a], cases[b], outcomes[a], outcomes[b]))
-    return verdicts
+def prepare(spec: RunSpec) -> Prepared:
+    return spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
 
 
-def judge(base: Case, other: Case, out_a, out_b) -> Verdict:
-    spec, ws = base.spec, base.world_size
-    label = f"{base.mode} vs {other.mode}"
-    pair = Case(ID, base.target_ref, spec, ws, base.mode, dict(base.env), base.backend,
-                seconds=base.seconds + other.seconds)
-    extra = [(other.mode, other.env)]  # the repro names both modes' environments
-    for c, o in ((base, out_a), (other, out_b)):
-        if isinstance(o, Verdict):
-            v = pair.verdict(o.status, o.diagnosis, f"mode {c.mode!r} ({_env(c.env)}) did not complete: {o.message}",
-                             dict(o.evidence, failed_mode=c.mode), details=o.details, extra_modes=extra)
-            v.config["mode"] = label
-            return v
-    a, b = out_a[0], out_b[0]
+def cases(point: Point):
+    spec = point.spec(steps=STEPS, global_batch_size=4 * point.world_size)
+    yield point.case(prepare(spec), doing="the same steps under each mode")
+
+
+def judge(case: Case, runs: Outputs) -> Verdict:
+    spec, ws = case.spec, case.world_size
+    base, other = case.modes
+    a, b = runs[0][0], runs[1][0]
     rtol, atol = tolerance(spec.dtype)
     evidence: Dict[str, float] = {}
     problem = None
@@ -94,7 +52,7 @@ def judge(base: Case, other: Case, out_a, out_b) -> Verdict:
                     rel = float((d / sa.norms.abs().clamp_min(1e-300)).max())
                     evidence["norm_rel_diff"] = rel
                     problem = (f"per-sample norms differ at step {k} on rank {r} by up to {fmt(rel)} relative"
-                               + _who_matches(base, other, sa, sb, spec, k))
+                               + _who_matches(case, sa, sb, k))
             if problem is None and not tensors_close(sb.gradient, sa.gradient, rtol, atol):
                 err, name = max_rel_diff(sb.gradient, sa.gradient)
                 evidence["grad_rel_diff"] = err
@@ -108,32 +66,34 @@ def judge(base: Case, other: Case, out_a, out_b) -> Verdict:
         if problem:
             break
     if problem:
-        v = pair.verdict("fail", "mismatch", f"modes {base.mode!r} ({_env(base.env)}) and {other.mode!r} "
-                         f"({_env(other.env)}) are not equivalent at world_size={ws}: {problem}.", evidence,
-                         extra_modes=extra)
-    else:
-        v = pair.verdict("pass", None, f"modes {base.mode!r} and {other.mode!r} give the same norms, gradients and "
-                         f"parameters over {spec.steps} steps at world_size={ws}", evidence, extra_modes=extra)
-    v.config["mode"] = label
-    return v
+        return case.verdict("fail", "mismatch", f"modes {base.label!r} ({base.describe_env()}) and {other.label!r} "
+                            f"({other.describe_env()}) are not equivalent at world_size={ws}: {problem}.", evidence)
+    return case.verdict("pass", None, f"modes {base.label!r} and {other.label!r} give the same norms, gradients and "
+                        f"parameters over {spec.steps} steps at world_size={ws}", evidence)
 
 
-def _env(env: Dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(env.items())) or "no env"
-
-
-def _who_matches(base: Case, other: Case, sa, sb, spec: RunSpec, step: int) -> str:
+def _who_matches(case: Case, sa, sb, step: int) -> str:
     if step != 0:
         return ""
-    ref = reference_norms(spec)[list(sa.indices)]
-    ok = [c.mode for c, s in ((base, sa), (other, sb))
+    ref = reference_norms(case.spec)[list(sa.indices)]
+    ok = [m.label for m, s in zip(case.modes, (sa, sb))
           if bool(((s.norms - ref).abs() <= 1e-9 * ref.abs() + 1e-12).all())]
     if len(ok) == 1:
-        bad = other if ok[0] == base.mode else base
-        s = sb if bad is other else sa
+        bad, s = (case.modes[1], sb) if ok[0] == case.modes[0].label else (case.modes[0], sa)
         ratio = s.norms / ref
-        return (f"; mode {ok[0]!r} matches the float64 reference, mode {bad.mode!r} does not (ratio to the "
+        return (f"; mode {ok[0]!r} matches the float64 reference, mode {bad.label!r} does not (ratio to the "
                 f"reference {float(ratio.min()):.4g}..{float(ratio.max()):.4g})")
     if not ok:
         return "; neither mode matches the float64 reference (see norm_fidelity)"
     return ""
+
+
+PROPERTY = Property(
+    id="mode_equivalence",
+    meaning=("two modes that claim to be equivalent (e.g. deferred vs immediate norms) clip and update "
+             "identically; otherwise at most one of them is the mechanism the privacy analysis describes"),
+    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",),
+    compares_modes=True,
+    # like clipped_step, over 2 steps (state carried between steps is compared too)
+    fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2), ("steps", STEPS),
+                          ("reduction_values", ("mean",))), prepare=prepare))

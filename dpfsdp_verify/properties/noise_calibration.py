@@ -25,54 +25,32 @@ and, exactly: every rank reports the same full gradient (replicas agree).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, config_matrix, run_cases
+from .contract import Case, Outputs, Point, Property
 
-ID = "noise_calibration"
-MEANING = ("the Gaussian noise has std sigma*C/D per coordinate (less: privacy violation; more: utility "
-           "loss), independent across shards and identical on replicas")
-
-DEFAULT_MODELS = ("mlp",)
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean", "sum")
 ALPHA = 1e-3
 REPEATS = 6
 SIGMA = 1.0
 CLIP = 1.0
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0, repeats: int = REPEATS,
-          noise_seed: int = RunSpec.noise_seed) -> List[Verdict]:
-    cases, specs = [], []
-    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
-                                                            data_layouts or DEFAULT_LAYOUTS,
-                                                            reductions or DEFAULT_REDUCTIONS):
-        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
-                       max_grad_norm=CLIP, noise_multiplier=SIGMA, noise_seed=noise_seed)
-        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-        specs.append([spec.with_(noise_multiplier=0.0)] +
-                     [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)])
-    outcomes = run_cases(cases, specs, pool, timeout, what="DP steps with noise")
-    return [o if isinstance(o, Verdict) else judge(c, o) for c, o in zip(cases, outcomes)]
+def cases(point: Point):
+    spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
+                      noise_seed=point.param("noise_seed"))
+    draws = [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(point.param("repeats"))]
+    yield point.case(spec, [spec.with_(noise_multiplier=0.0)] + draws, doing="DP steps with noise")
 
 
 def _noise(run, base, names):
     return {n: (run[0].steps[0].gradient[n] - base[0].steps[0].gradient[n]).to(torch.float64) for n in names}
 
 
-def judge(case: Case, runs) -> Verdict:
-    spec, ws = case.spec, case.world_size
+def judge(case: Case, outputs: Outputs) -> Verdict:
+    spec, ws, runs = case.spec, case.world_size, outputs[0]
     d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
     s = spec.noise_multiplier * spec.max_grad_norm / d
     names = sorted(runs[0][0].steps[0].gradient)
@@ -172,3 +150,11 @@ def shard_correlation(draws, names, ws):
     r = max(min(r, 1 - 1e-15), -1 + 1e-15)
     z = math.atanh(r) * math.sqrt(m - 3)
     return r, m, 2 * _norm_sf(abs(z))
+
+
+PROPERTY = Property(
+    id="noise_calibration",
+    meaning=("the Gaussian noise has std sigma*C/D per coordinate (less: privacy violation; more: utility "
+             "loss), independent across shards and identical on replicas"),
+    cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
+    params=(("noise_seed", RunSpec.noise_seed), ("repeats", REPEATS)))

@@ -21,53 +21,24 @@ explained by testing the known bug shapes against the numbers, in this order:
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..harness import Pool
-from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, config_matrix, fmt, reference_norms, run_cases, tolerance
+from .compare import fmt, reference_norms, tolerance
+from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
-ID = "norm_fidelity"
-MEANING = ("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
-           "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)")
-
-DEFAULT_MODELS = ("mlp", "transformer")
-DEFAULT_LAYOUTS = ("replicated", "split")
-DEFAULT_REDUCTIONS = ("mean", "sum")
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
 HYPOTHESIS_RTOL = 1e-6
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0) -> List[Verdict]:
-    cases, specs = [], []
-    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
-                                                            data_layouts or DEFAULT_LAYOUTS,
-                                                            reductions or DEFAULT_REDUCTIONS):
-        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws,
-                       max_grad_norm=1.0)
-        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-        specs.append([spec])
-    outcomes = run_cases(cases, specs, pool, timeout, what="per-sample norms")
-    verdicts = []
-    for case, out in zip(cases, outcomes):
-        if isinstance(out, Verdict):
-            verdicts.append(out)
-        else:
-            verdicts.append(judge(case, out[0]))
-    return verdicts
+def cases(point: Point):
+    yield point.case(point.spec(global_batch_size=4 * point.world_size, max_grad_norm=1.0), doing="per-sample norms")
 
 
-def judge(case: Case, outputs) -> Verdict:
+def judge(case: Case, runs: Outputs) -> Verdict:
     """The verdict for one case from every rank's ``RankOutput`` (step 0)."""
-    spec, ws = case.spec, case.world_size
+    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     rtol, atol = tolerance(spec.dtype)
     ref = reference_norms(spec)
     steps = [o.steps[0] if o.steps else None for o in outputs]
@@ -145,3 +116,13 @@ def diagnose(case: Case, got, want, steps, ratios):
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
                         "some above and some below the truth.")
+
+
+PROPERTY = Property(
+    id="norm_fidelity",
+    meaning=("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
+             "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
+    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
+    reductions=("mean", "sum"),
+    # any shape, layout, reduction and global batch, one step
+    fuzz=FuzzRecipe())

@@ -14,22 +14,14 @@ norm C (up to opacus' 1e-6 clip epsilon): an under-count of the norms shows at o
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
 
-from ..harness import Pool
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .common import Case, config_matrix, reference_norms, run_cases, tolerance
-
-ID = "sensitivity_bound"
-MEANING = ("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
-           "calibrated to; a violation voids the privacy guarantee")
-
-DEFAULT_MODELS = ("mlp", "transformer")
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean",)
+from .compare import reference_norms, tolerance
+from .contract import Case, Outputs, Point, Property
 
 
 def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:
@@ -41,31 +33,19 @@ def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:
     return out
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0) -> List[Verdict]:
-    cases, specs = [], []
-    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
-                                                            data_layouts or DEFAULT_LAYOUTS,
-                                                            reductions or DEFAULT_REDUCTIONS):
-        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype,
-                       grad_sample_mode=grad_sample_mode, global_batch_size=3 * ws)
-        spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
-        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-        specs.append(leave_one_out_specs(spec, ws) if layout == "split" else
-                     [spec])
-    outcomes = run_cases(cases, specs, pool, timeout, what="leave-one-out DP steps")
-    return [o if isinstance(o, Verdict) else judge(c, o) for c, o in zip(cases, outcomes)]
+def cases(point: Point):
+    spec = point.spec(global_batch_size=3 * point.world_size)
+    spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
+    specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
+    yield point.case(spec, specs, doing="leave-one-out DP steps")
 
 
 def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([grads[n].reshape(-1).to(torch.float64) for n in sorted(grads)])
 
 
-def judge(case: Case, runs) -> Verdict:
-    spec, ws = case.spec, case.world_size
+def judge(case: Case, outputs: Outputs) -> Verdict:
+    spec, ws, runs = case.spec, case.world_size, outputs[0]
     if spec.data_layout != "split":
         return case.verdict("skip", None, "leave-one-out needs split data (removing a sample from one rank); "
                             f"layout {spec.data_layout!r} is not measured")
@@ -102,3 +82,10 @@ def judge(case: Case, runs) -> Verdict:
         f"{ratios[worst]:.4g} x C (C={c:.4g}) at world_size={ws}; {sum(r > 1 + 1e-6 for r in ratios)} of "
         f"{len(ratios)} samples exceed C. The noise sigma*C is calibrated to a sensitivity of C, so the "
         f"stated privacy guarantee does not hold.{cause}"), evidence)
+
+
+PROPERTY = Property(
+    id="sensitivity_bound",
+    meaning=("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
+             "calibrated to; a violation voids the privacy guarantee"),
+    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",))

@@ -12,46 +12,23 @@ first step whose loss drifts.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
-
 from .. import reference
-from ..harness import Pool
-from ..targets import RunSpec
 from ..verdict import Verdict
-from .clipped_step import pick_clip_bound
-from .common import (Case, config_matrix, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,
-                     reference_model, run_cases, tensors_close, tolerance)
+from .compare import (fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
+                      reference_model, tensors_close, tolerance)
+from .contract import Case, Outputs, Point, Property
 
-ID = "trajectory"
-MEANING = ("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
-           "on one process: the model the DP analysis describes")
-
-DEFAULT_MODELS = ("mlp", "transformer")
-DEFAULT_LAYOUTS = ("split",)
-DEFAULT_REDUCTIONS = ("mean", "sum")
 STEPS = 3
 
 
-def check(target_ref: str, *, pool: Optional[Pool] = None, world_sizes: Sequence[int] = (1, 2),
-          modes: Optional[Dict[str, Dict[str, str]]] = None, grad_sample_mode: str = "ghost_fsdp",
-          models: Optional[Sequence[str]] = None, data_layouts: Optional[Sequence[str]] = None,
-          reductions: Optional[Sequence[str]] = None, dtype: str = "float64", backend: str = "gloo",
-          timeout: float = 60.0, steps: int = STEPS) -> List[Verdict]:
-    cases, specs = [], []
-    for label, env, ws, model, layout, red in config_matrix(modes, world_sizes, models or DEFAULT_MODELS,
-                                                            data_layouts or DEFAULT_LAYOUTS,
-                                                            reductions or DEFAULT_REDUCTIONS):
-        spec = RunSpec(model=model, data_layout=layout, reduction=red, dtype=dtype, steps=steps,
-                       grad_sample_mode=grad_sample_mode, global_batch_size=4 * ws, lr=0.5)
-        spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
-        cases.append(Case(ID, target_ref, spec, ws, label, dict(env), backend))
-        specs.append([spec])
-    outcomes = run_cases(cases, specs, pool, timeout, what=f"{steps} DP steps")
-    return [o if isinstance(o, Verdict) else judge(c, o[0]) for c, o in zip(cases, outcomes)]
+def cases(point: Point):
+    steps = point.param("steps")
+    spec = point.spec(steps=steps, global_batch_size=4 * point.world_size, lr=0.5)
+    yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=f"{steps} DP steps")
 
 
-def judge(case: Case, outputs) -> Verdict:
-    spec, ws = case.spec, case.world_size
+def judge(case: Case, runs: Outputs) -> Verdict:
+    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     rtol, atol = tolerance(spec.dtype)
     n_steps = min(len(o.steps) for o in outputs)
     if n_steps != spec.steps:
@@ -79,3 +56,11 @@ def judge(case: Case, outputs) -> Verdict:
                 f"reference by up to {fmt(err)} relative (worst {name!r}) at world_size={ws}."), evidence)
     return case.verdict("pass", None, f"{spec.steps} steps at world_size={ws} follow the single-process trajectory "
                         f"(losses {', '.join(f'{x:.6g}' for x in losses)})", evidence)
+
+
+PROPERTY = Property(
+    id="trajectory",
+    meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
+             "on one process: the model the DP analysis describes"),
+    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
+    params=(("steps", STEPS),))

@@ -36,6 +36,8 @@ import torch
 from .. import models
 
 DATA_LAYOUTS = ("replicated", "split")
+#: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
+DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class RunSpec:
     noise_seed: int = 1234
     steps: int = 1
     lr: float = 0.5
-    grad_sample_mode: str = "ghost_fsdp"
+    grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
     dtype: str = "float64"
     #: explicit uneven split: ``rank_batches[k][r]`` = global indices rank r gets at step k
     rank_batches: Optional[tuple] = None

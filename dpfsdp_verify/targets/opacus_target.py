@@ -45,7 +45,7 @@ class OpacusTarget(Target):
     name = "opacus"
     #: measured with opacus 1.6.0 ghost_fsdp: a rank with zero samples raises in the per-sample
     #: norm computation ("cannot reshape tensor of 0 elements into shape [0, -1]"); opacus' own
-    #: distributed Poisson loader avoids empty local batches, so ``deadlock_free`` skips that case
+    #: distributed Poisson loader avoids empty local batches, so the empty-batch scenario is skipped
     supports_empty_local_batches = False
 
     def version(self) -> str:

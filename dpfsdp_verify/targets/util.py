@@ -117,9 +117,3 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     idx = spec.rank_indices(step, rank, world_size)
     return idx, spec.global_batch(step).select(idx)
 
-
-def compute_loss_per_sample(outputs: torch.Tensor, batch: models.Batch, reduction: str) -> torch.Tensor:
-    """``[b]`` per-sample losses with the reference's definition (see ``reference.per_sample_losses``)."""
-    from ..reference import per_sample_losses
-
-    return per_sample_losses(outputs, batch.targets, batch.loss, reduction)

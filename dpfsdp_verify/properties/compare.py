@@ -1,0 +1,114 @@
+"""Numbers every property compares: tolerances, the float64 reference for a ``RunSpec``, the
+clip bound a property picks, and tensor comparisons.
+
+No running here (that is ``runner.py``) and no verdicts: plain functions of specs, rank outputs
+and tensors, shared so that no property imports a sibling.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import models, reference
+from ..targets import RankOutput, RunSpec
+
+#: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
+#: the reference (ghost-clipping Gram products, sharded reduce-scatter sums). float64: unit
+#: round-off 1.1e-16, sums of <= ~1e3 terms here, so honest differences stay below ~1e-13 relative;
+#: 1e-9 keeps 4 orders of margin and is still >= 7 orders below the smallest bug effect the suite
+#: names (a factor sqrt(2), a dropped layer). float32: opacus' own per-sample test tolerance.
+TOLERANCES = {"float64": (1e-9, 1e-12), "float32": (1e-4, 1e-6), "bfloat16": (2e-2, 1e-3)}
+
+
+def tolerance(dtype: str) -> Tuple[float, float]:
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+def reference_model(spec: RunSpec) -> torch.nn.Module:
+    return models.build_model(spec.model, spec.model_seed, dtype=torch.float64, **dict(spec.model_kwargs))
+
+
+def reference_batch(spec: RunSpec, step: int = 0) -> models.Batch:
+    """The global batch of ``step`` in float64 (the reference always computes in float64)."""
+    return models.make_batch(spec.model, spec.global_batch_size, spec.batch_seed + step, dtype=torch.float64,
+                             **dict(spec.model_kwargs))
+
+
+def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
+    """``[global_batch_size]`` per-sample gradient norms at the initial parameters."""
+    g = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction)
+    return reference.per_sample_norms(g)
+
+
+def processed_indices(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> List[int]:
+    """The global indices that make up the step's batch: every rank's for split data, one copy for
+    replicated data (each rank holds all of them)."""
+    if spec.data_layout == "replicated" and spec.rank_batches is None:
+        return list(range(spec.global_batch_size))
+    idx: List[int] = []
+    for o in outputs:
+        idx += list(o.steps[step].indices)
+    return sorted(idx)
+
+
+def global_loss(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> float:
+    """The batch loss reconstructed from each rank's local loss: a mean of local means weighted by
+    local batch size (``mean``) or a sum of local sums (``sum``); any one rank's for replicated data."""
+    if spec.data_layout == "replicated" and spec.rank_batches is None:
+        return float(outputs[0].steps[step].loss)
+    total, n = 0.0, 0
+    for o in outputs:
+        s = o.steps[step]
+        k = len(s.indices)
+        if k == 0:
+            continue
+        total += s.loss * (k if spec.reduction == "mean" else 1)
+        n += k
+    return total / n if spec.reduction == "mean" else total
+
+
+def max_rel_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Tuple[float, str]:
+    """``(max over tensors of max|got-want| / max|want|, worst tensor name)``; missing -> inf."""
+    worst, name = 0.0, ""
+    for n, w in want.items():
+        if n not in got:
+            return float("inf"), n
+        g = got[n].to(torch.float64)
+        if g.shape != w.shape:
+            return float("inf"), n
+        scale = w.abs().max().item()
+        d = (g - w).abs().max().item() / max(scale, 1e-300)
+        if d > worst:
+            worst, name = d, n
+    return worst, name
+
+
+def tensors_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], rtol: float, atol: float) -> bool:
+    """Every tensor within ``atol + rtol * max|want|`` (a tensor-wise scale: a coordinate near zero
+    is judged against its tensor's magnitude, since it is a difference of large terms)."""
+    for n, w in want.items():
+        g = got.get(n)
+        if g is None or g.shape != w.shape:
+            return False
+        if (g.to(torch.float64) - w).abs().max().item() > atol + rtol * w.abs().max().item():
+            return False
+    return True
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def pick_clip_bound(spec: RunSpec) -> Optional[float]:
+    """C between the two middle reference norms of step 0's global batch (some samples clipped,
+    some not: a missing ``min(1, .)`` or a wrong norm both show); ``None`` if they tie or the
+    batch has fewer than two samples."""
+    if spec.global_batch_size < 2:
+        return None
+    n = torch.sort(reference_norms(spec)).values
+    lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
+    return None if hi - lo < 1e-6 * hi else (lo + hi) / 2

@@ -1,0 +1,250 @@
+"""The property contract: what a property declares, and the few types every property speaks.
+
+A property is one module that builds a ``Property``:
+
+* what it means: ``id``, ``meaning`` (one line, in DP terms), default ``models`` / ``layouts`` /
+  ``reductions``, its own ``params`` (e.g. how many noise draws) with defaults;
+* which cases it runs: ``cases(point)`` for each ``Point`` of the options' matrix (mode x world
+  size x model x data layout x reduction) yields ``Case``s -- specs to run on the ranks -- or a
+  ready ``Verdict`` (a skip);
+* how it judges: ``judge(case, outputs)`` -> ``Verdict`` from ``outputs[mode][spec][rank]``
+  (``RankOutput``s). It is called only when every run of the case finished; a hang or a crash
+  becomes the case's verdict in the runner (``runner.py``), never in a property;
+* optionally how it is fuzzed: a ``FuzzRecipe`` (data: which ``strategies.run_specs`` to draw
+  from, and the property's ``prepare`` of a drawn spec).
+
+Everything that runs a property -- the gate, the fuzzer, tests -- goes through ``Options`` (one
+frozen value instead of a dozen keywords) and ``runner.run_property``. A property whose
+``compares_modes`` is set (``mode_equivalence``) gets points with two modes (the first label vs
+each other one) and needs at least two modes (``modes_problem``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from .. import modes as modes_mod
+from ..harness import DEFAULT_TIMEOUT_S
+from ..modes import Mode
+from ..targets import RankOutput, RunSpec
+from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE
+from ..verdict import Verdict
+
+#: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
+Outputs = Sequence[Sequence[Sequence[RankOutput]]]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to run properties: the target, where and what. ``None`` in ``models`` / ``data_layouts``
+    / ``reductions`` means each property's own defaults. ``params`` are property-specific knobs
+    (``(name, value)`` pairs; each property lists the ones it takes in ``Property.params``)."""
+
+    target: str = "opacus"
+    world_sizes: Tuple[int, ...] = (1, 2)
+    modes: Tuple[Mode, ...] = modes_mod.DEFAULT_MODES
+    grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
+    models: Optional[Tuple[str, ...]] = None
+    data_layouts: Optional[Tuple[str, ...]] = None
+    reductions: Optional[Tuple[str, ...]] = None
+    dtype: str = "float64"
+    backend: str = "gloo"
+    timeout: float = DEFAULT_TIMEOUT_S
+    params: Tuple[Tuple[str, Any], ...] = ()
+
+    @classmethod
+    def build(cls, target: str, **kw) -> "Options":
+        """From the Python API's keywords (lists, ``{label: env}`` modes); keywords that are not
+        fields go to ``params`` (``Property.options`` refuses those the property does not take)."""
+        known = {f.name for f in fields(cls)}
+        params = {k: kw.pop(k) for k in list(kw) if k not in known}
+        for key in ("world_sizes", "models", "data_layouts", "reductions"):
+            if kw.get(key) is not None:
+                kw[key] = tuple(kw[key])
+        kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
+        kw["params"] = tuple(sorted({**dict(kw.get("params", ())), **params}.items()))
+        return cls(target=target, **kw)
+
+    def with_(self, **changes) -> "Options":
+        return replace(self, **changes)
+
+
+@dataclass
+class Case:
+    """One configuration a property judges: ``specs`` run, in order, at ``world_size`` under each
+    of ``modes`` (one mode; two for a comparing property). ``spec`` is the configuration's own spec
+    (what ``config()`` and the repro line describe)."""
+
+    property: str
+    target_ref: str
+    spec: RunSpec
+    world_size: int
+    modes: Tuple[Mode, ...] = modes_mod.DEFAULT_MODES
+    specs: Tuple[RunSpec, ...] = ()
+    backend: str = "gloo"
+    #: extra ``config`` entries that tell this case from its siblings (e.g. ``local_batches``)
+    labels: Dict[str, Any] = field(default_factory=dict)
+    #: evidence every verdict of this case carries (pass, fail, hang or crash alike)
+    facts: Dict[str, Any] = field(default_factory=dict)
+    #: what the ranks do, for failure messages ("one DP step with noise 0")
+    doing: str = ""
+    #: run in a job of its own, so that a hang is pinned on this case alone
+    isolate: bool = False
+    #: wall time of the job(s) this case ran in, shared out among the cases of a job
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        self.specs = tuple(self.specs) or (self.spec,)
+
+    @property
+    def mode(self) -> Mode:
+        return self.modes[0]
+
+    def config(self) -> dict:
+        return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
+                "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
+                "reduction": self.spec.reduction, **self.labels}
+
+    def repro(self) -> str:
+        """The CLI line that re-runs this property for this model, reduction, world size and modes
+        (the CLI has no layout filter: both layouts the property checks are re-run)."""
+        parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
+                 "--world-sizes", str(self.world_size), "--grad-sample-mode", self.spec.grad_sample_mode,
+                 "--models", self.spec.model, "--loss-reductions", self.spec.reduction]
+        if self.backend != "gloo":
+            parts += ["--backend", self.backend]
+        parts += modes_mod.cli_args(self.modes)
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def verdict(self, status: str, diagnosis: Optional[str] = None, message: str = "", evidence=None,
+                seconds: float = 0.0, details: str = "") -> Verdict:
+        return Verdict(property=self.property, status=status, config=self.config(), diagnosis=diagnosis,
+                       message=message, evidence={**self.facts, **dict(evidence or {})}, repro=self.repro(),
+                       seconds=round(seconds or self.seconds, 3), details=details)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the options' matrix, handed to ``Property.cases``."""
+
+    property: str
+    options: Options
+    modes: Tuple[Mode, ...]
+    world_size: int
+    model: str
+    data_layout: str
+    reduction: str
+
+    def spec(self, **fields_) -> RunSpec:
+        """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``."""
+        return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
+                       dtype=self.options.dtype, grad_sample_mode=self.options.grad_sample_mode, **fields_)
+
+    def case(self, spec: RunSpec, specs: Sequence[RunSpec] = (), **kw) -> Case:
+        """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
+        return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
+                    self.options.backend, **kw)
+
+    def param(self, name: str) -> Any:
+        """The property's own option ``name`` (its default unless the options set it)."""
+        return dict(self.options.params)[name]
+
+
+#: what ``FuzzRecipe.prepare`` returns: the spec to run, or the reason to skip it
+Prepared = Union[RunSpec, str]
+
+
+def unchanged(spec: RunSpec) -> Prepared:
+    return spec
+
+
+@dataclass(frozen=True)
+class FuzzRecipe:
+    """How a property is fuzzed: each example is one ``RunSpec`` drawn from
+    ``strategies.run_specs(world_size, **draw)`` (plus the fuzzer's models and grad_sample_mode),
+    passed through ``prepare`` (e.g. the clip bound the property picks; a string is a skip
+    reason), run once under the options' mode(s), and judged by the property's ``judge``."""
+
+    draw: Tuple[Tuple[str, Any], ...] = ()
+    prepare: Callable[[RunSpec], Prepared] = unchanged
+
+    def draw_kwargs(self) -> Dict[str, Any]:
+        return dict(self.draw)
+
+
+@dataclass(frozen=True)
+class Property:
+    """A property (module docstring). Calling it runs it: ``prop(target_ref, pool=None, **options)``
+    -> ``[Verdict]`` (keywords of ``Options``, plus the property's own ``params``)."""
+
+    id: str
+    meaning: str
+    cases: Callable[[Point], Iterable[Union[Case, Verdict]]]
+    judge: Callable[[Case, Outputs], Verdict]
+    models: Tuple[str, ...] = ("mlp", "transformer")
+    layouts: Tuple[str, ...] = ("split",)
+    reductions: Tuple[str, ...] = ("mean",)
+    #: property-specific options and their defaults (``Options.params``)
+    params: Tuple[Tuple[str, Any], ...] = ()
+    #: points carry two modes (the first label vs each other one); needs two or more modes
+    compares_modes: bool = False
+    fuzz: Optional[FuzzRecipe] = None
+
+    def __call__(self, target_ref: str, *, pool=None, **kw) -> List[Verdict]:
+        from .runner import run_property
+
+        return run_property(self, self.options(target_ref, **kw), pool)
+
+    def options(self, target_ref: str, **kw) -> Options:
+        """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
+        property knows (a misspelt option must not be silently ignored)."""
+        opts = Options.build(target_ref, **kw)
+        unknown = sorted(set(dict(opts.params)) - set(dict(self.params)))
+        if unknown:
+            raise TypeError(f"{self.id}: unknown option(s) {', '.join(unknown)}; its own options: "
+                            f"{', '.join(dict(self.params)) or 'none'}")
+        return self.with_defaults(opts)
+
+    def with_defaults(self, opts: Options) -> Options:
+        """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
+        return opts.with_(params=tuple(sorted({**dict(self.params), **dict(opts.params)}.items())))
+
+    def points(self, opts: Options) -> Iterable[Point]:
+        """The matrix in report order: mode(s), world size, model, layout, reduction."""
+        groups = [(opts.modes[0], other) for other in opts.modes[1:]] if self.compares_modes else \
+            [(m,) for m in opts.modes]
+        for ws in opts.world_sizes:
+            for modes in groups:
+                for model in opts.models or self.models:
+                    for layout in opts.data_layouts or self.layouts:
+                        for red in opts.reductions or self.reductions:
+                            yield Point(self.id, opts, modes, ws, model, layout, red)
+
+    def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
+        """Every case (or ready verdict) for ``opts``, in report order."""
+        problem = modes_problem(self, opts.modes)
+        if problem:
+            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
+                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode},
+                            message=f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+        return [item for point in self.points(opts) for item in self.cases(point)]
+
+
+def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:
+    """Why ``prop`` cannot run under ``modes`` (``None`` if it can): the one place the rule
+    "a comparing property needs two or more modes" is written."""
+    if prop.compares_modes and len(modes) < 2:
+        return f"{prop.id} compares modes: it needs two or more --mode-env labels"
+    return None
+
+
+def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
+    out: Dict[str, Property] = {}
+    for p in registry:
+        if p.id in out:
+            raise ValueError(f"two properties share the id {p.id!r}")
+        out[p.id] = p
+    return out
+

@@ -1,0 +1,141 @@
+"""Run a property: plan its cases, run them on worker groups, judge them -- the one loop every
+property (and the fuzzer) goes through.
+
+Data flows one way: ``Options`` -> ``Property.plan`` -> ``Case``s -> ranks (``run_cases``) ->
+``outputs[mode][spec][rank]`` -> ``Property.judge`` -> ``Verdict``. A case whose run hung or
+crashed gets that as its verdict here (``hang``/``deadlock`` or ``error``/``rank_crash``), never
+an exception; a backend that cannot give the ranks is a ``skip`` with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from ..harness import Pool, default_pool
+from ..harness.group import BackendUnavailable, GroupResult
+from ..modes import Mode
+from ..targets import RankOutput, RunSpec, run_many_on_rank
+from ..verdict import Verdict
+from .contract import Case, Options, Property
+
+
+def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None) -> List[Verdict]:
+    """Every verdict of ``prop`` under ``opts``, in report order."""
+    items = prop.plan(prop.with_defaults(opts))
+    cases = [c for c in items if isinstance(c, Case)]
+    judged = iter(judge_cases(prop, cases, pool, opts.timeout))
+    return [next(judged) if isinstance(item, Case) else item for item in items]
+
+
+def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], timeout: float) -> List[Verdict]:
+    """Run ``cases`` and judge each with ``prop.judge`` (or give it its run's failure verdict)."""
+    outcomes = run_cases(cases, pool, timeout)
+    verdicts = []
+    for case, outcome in zip(cases, outcomes):
+        verdicts.append(outcome if isinstance(outcome, Verdict) else prop.judge(case, outcome))
+    return verdicts
+
+
+# -- running -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Run:
+    """What one mode of one case asks of the ranks; cases asking the same share one run."""
+
+    target_ref: str
+    backend: str
+    world_size: int
+    mode: Mode
+    specs: Tuple[RunSpec, ...]
+    isolate_key: Optional[int] = None
+
+
+@dataclass
+class _Failed:
+    result: GroupResult
+    together: int  # how many other runs shared the job
+    seconds: float
+
+
+def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
+              ) -> List[Union[List[List[List[RankOutput]]], Verdict]]:
+    """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict.
+
+    Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
+    for ``Case.isolate``). A job that *errors* is re-run run by run so the crash lands on the
+    right case; a job that *hangs* is not re-run (that would cost a full deadline per run): every
+    case in it gets the hang verdict, which says the cases ran together.
+    """
+    pool = pool or default_pool()
+    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, c.specs, i if c.isolate else None)
+                for m in c.modes] for i, c in enumerate(cases)]
+    unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
+    jobs: Dict[tuple, List[_Run]] = {}
+    for r in unique:
+        jobs.setdefault((r.world_size, r.mode.env, r.backend, r.target_ref, r.isolate_key), []).append(r)
+    done: Dict[_Run, object] = {}
+    seconds: Dict[_Run, float] = {}
+    for runs in jobs.values():
+        _run_job(runs, pool, timeout, done, seconds, allow_split=True)
+    out: List = []
+    for case, runs in zip(cases, runs_of):
+        case.seconds += sum(seconds.get(r, 0.0) for r in runs)
+        failed = next(((i, done[r]) for i, r in enumerate(runs) if not isinstance(done[r], list)), None)
+        if failed is None:
+            out.append([done[r] for r in runs])
+        elif isinstance(failed[1], str):
+            out.append(case.verdict("skip", None, failed[1]))
+        else:
+            out.append(failure_verdict(case, failed[1], failed[0]))
+    return out
+
+
+def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: dict, allow_split: bool) -> None:
+    r0 = runs[0]
+    flat = [s for r in runs for s in r.specs]
+    t0 = time.monotonic()
+    try:
+        res = pool.run(run_many_on_rank, r0.target_ref, flat, world_size=r0.world_size, backend=r0.backend,
+                       env=r0.mode.env_dict or None, timeout=timeout)
+    except BackendUnavailable as e:
+        for r in runs:
+            done[r] = f"backend unavailable: {e}"
+        return
+    share = (time.monotonic() - t0) / len(runs)
+    for r in runs:
+        seconds[r] = seconds.get(r, 0.0) + share
+    if res.ok:
+        per_rank = res.values()  # [rank][spec]
+        pos = 0
+        for r in runs:
+            n = len(r.specs)
+            done[r] = [[per_rank[k][pos + j] for k in range(r0.world_size)] for j in range(n)]
+            pos += n
+        return
+    if res.status == "error" and allow_split and len(runs) > 1:
+        for r in runs:
+            _run_job([r], pool, timeout, done, seconds, allow_split=False)
+        return
+    for r in runs:
+        done[r] = _Failed(res, len(runs) - 1, share)
+
+
+def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
+    """A hung or crashed run as the case's verdict (``hang``/``deadlock`` or ``error``/``rank_crash``)."""
+    res = failed.result
+    status = "hang" if res.status == "hang" else "error"
+    diagnosis = res.diagnosis or ("deadlock" if status == "hang" else "rank_crash")
+    together = f" (ran as one job with {failed.together} other configuration(s))" if failed.together else ""
+    lead = f"{case.doing}{together}: " if case.doing or together else ""
+    if status == "hang":
+        msg = (f"{lead}the target did not finish under the watchdog ({res.message}). A collective issued by "
+               "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
+    else:
+        msg = f"{lead}a rank failed ({res.message})."
+    evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    if len(case.modes) > 1:
+        mode = case.modes[mode_index]
+        msg = f"mode {mode.label!r} ({mode.describe_env()}) did not complete: {msg}"
+        evidence["failed_mode"] = mode.label
+    return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=res.details)
