@@ -99,7 +99,7 @@ def cmd_list() -> int:
 
 
 class Progress:
-    """``[3/14 12.4s] norm_fidelity ws=2 split mlp mean -> pass`` lines on stderr."""
+    """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr."""
 
     def __init__(self, quiet: bool):
         self.quiet, self.t0, self.done = quiet, time.monotonic(), 0

@@ -1,0 +1,102 @@
+"""The property contract: the README's example property runs (and fails on the bug it targets),
+options are checked, the rule for comparing properties lives in one place, and no module outside
+``properties/`` names a property."""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+
+import pytest
+
+from dpfsdp_verify import modes
+from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Options, fuzzable, modes_problem
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "dpfsdp_verify")
+
+
+def readme_block(tag: str) -> str:
+    text = open(os.path.join(REPO, "README.md")).read()
+    block = text.split(f"<!-- {tag} -->", 1)[1].split(f"<!-- /{tag} -->", 1)[0]
+    return "\n".join(line for line in block.splitlines() if not line.startswith("```"))
+
+
+@pytest.fixture(scope="module")
+def example_property():
+    code = readme_block("property-example")
+    assert len(code.strip().splitlines()) < 40, "the README promises an example under 40 lines"
+    module = types.ModuleType("readme_loss_fidelity")
+    exec(compile(code, "README.md:property-example", "exec"), module.__dict__)
+    return module.PROPERTY
+
+
+def test_readme_example_property_passes_a_correct_target(pool, example_property):
+    verdicts = example_property("fixtures.specimens:Correct", pool=pool, world_sizes=(1, 2))
+    assert [(v.config["world_size"], v.config["reduction"], v.status) for v in verdicts] == [
+        (1, "mean", "pass"), (1, "sum", "pass"), (2, "mean", "pass"), (2, "sum", "pass")]
+    assert verdicts[0].repro.startswith("dpfsdp-verify run --target fixtures.specimens:Correct --properties "
+                                        "loss_fidelity --world-sizes 1")
+
+
+def test_readme_example_property_fails_the_bug_it_targets(pool, example_property):
+    verdicts = example_property("fixtures.specimens:LossAllReduced", pool=pool, world_sizes=(1, 2),
+                                reductions=("sum",))
+    one, two = verdicts
+    assert one.status == "pass"  # one rank: a sum over ranks is the rank's own loss
+    assert (two.status, two.diagnosis) == ("fail", "mismatch")
+    assert "rank 0 reports loss" in two.message
+
+
+def test_unknown_option_is_refused_naming_the_property_options():
+    with pytest.raises(TypeError, match=r"deadlock_free: unknown option\(s\) repeats; its own options: local_batches"):
+        PROPERTIES["deadlock_free"]("opacus", repeats=3)
+
+
+def test_options_from_the_python_api():
+    opts = Options.build("t", world_sizes=[2], modes={"a": {"X": "1"}, "b": {}}, models=["mlp"], steps=4)
+    assert opts.world_sizes == (2,) and opts.models == ("mlp",) and dict(opts.params) == {"steps": 4}
+    assert opts.modes == (modes.Mode("a", (("X", "1"),)), modes.Mode("b", ()))
+    assert Options.build("t").modes == modes.DEFAULT_MODES
+
+
+def test_comparing_properties_need_two_modes_and_get_pairs():
+    comparing = [p for p in REGISTRY if p.compares_modes]
+    assert comparing, "some property compares modes"
+    prop = comparing[0]
+    assert "needs two or more --mode-env" in modes_problem(prop, modes.DEFAULT_MODES)
+    [skip] = prop.plan(prop.with_defaults(Options.build("t")))
+    assert skip.status == "skip" and "--mode-env" in skip.message
+    three = Options.build("t", world_sizes=[2], models=["mlp"], modes={"a": {}, "b": {"X": "1"}, "c": {"X": "2"}})
+    labels = [c.config()["mode"] for c in prop.plan(prop.with_defaults(three))]
+    assert labels == ["a vs b", "a vs c"]
+
+
+def test_mode_env_parse_and_format_round_trip():
+    m = modes.parse("deferred:B=2,A=1")
+    assert m == modes.Mode("deferred", (("A", "1"), ("B", "2")))
+    assert modes.parse(m.to_arg()) == m and m.describe_env() == "A=1,B=2"
+    for bad, says in (("deferred", "expected LABEL:VAR=VAL"), ("x:A", "is not VAR=VAL")):
+        with pytest.raises(modes.ModeSyntaxError, match=says):
+            modes.parse(bad)
+    with pytest.raises(modes.ModeSyntaxError, match="given twice"):
+        modes.parse_all(["a:X=1", "a:X=2"])
+
+
+def test_fuzzable_is_derived_from_the_recipes():
+    assert fuzzable() == [p.id for p in REGISTRY if p.fuzz is not None] and fuzzable()
+
+
+def test_no_module_outside_properties_names_a_property():
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, PROPERTIES)) + r")\b")
+    offenders = []
+    for root, _, files in os.walk(PACKAGE):
+        if os.path.join(PACKAGE, "properties") in root or "__pycache__" in root:
+            continue
+        for name in files:
+            path = os.path.join(root, name)
+            for n, line in enumerate(open(path, errors="replace"), 1):
+                if pattern.search(line):
+                    offenders.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
+    assert offenders == []
