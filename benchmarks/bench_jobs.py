@@ -77,20 +77,21 @@ def fuzz_throughput(n_examples: int = 40, repeats: int = 5) -> dict:
 
 def gate_wall_time() -> dict:
     """The default gate (``dpfsdp-verify run`` with no options) on the installed opacus, per property."""
+    import dataclasses
     import time
 
     from dpfsdp_verify import cli
     from dpfsdp_verify.gate import run_plan
-
     from dpfsdp_verify.harness import Pool
+    from dpfsdp_verify.plan import RunPlan
 
-    plan = cli.validate(cli.build_parser().parse_args(["run"]))
+    plan = RunPlan.from_args(cli.build_parser().parse_args(["run"]))
     out, verdicts = {}, []
     t0 = time.perf_counter()
     with Pool(max_groups=2) as pool:
-        for pid in plan["properties"]:
+        for pid in plan.properties:
             t = time.perf_counter()
-            verdicts += run_plan(dict(plan, properties=[pid]), pool=pool)
+            verdicts += run_plan(dataclasses.replace(plan, properties=(pid,)), pool=pool)
             out[f"{pid}_s"] = time.perf_counter() - t
     out["total_s"] = time.perf_counter() - t0
     out["verdicts"] = len(verdicts)

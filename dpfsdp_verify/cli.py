@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_list() -> int:
     from .properties import PROPERTIES
 
-    print("properties:")
+    print("properties (* can be fuzzed: --fuzz N, replay):")
     for pid, prop in PROPERTIES.items():
-        print(f"  {pid:<18} {prop.meaning}")
+        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
     print("targets:")
     print("  opacus             the installed opacus through its public API (FSDP2Wrapper + make_private)")
     try:
