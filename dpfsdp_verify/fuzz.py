@@ -40,7 +40,7 @@ from .hypothesis_profiles import profile_settings
 from .modes import Mode
 from .properties import PROPERTIES, Property, fuzzable, modes_problem
 from .properties.contract import Case
-from .properties.runner import run_cases
+from .properties.runner import judge_case, run_cases
 from .targets import RunSpec
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING, Verdict
@@ -92,7 +92,7 @@ def check_example(property_id: str, target_ref: str, spec: RunSpec, world_size: 
     if isinstance(outcome, Verdict):
         return outcome
     with _one_thread():
-        return prop.judge(case, outcome)
+        return judge_case(prop, case, outcome)
 
 
 # -- spec <-> JSON (for the repro line) --------------------------------------------------------

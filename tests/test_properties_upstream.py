@@ -9,7 +9,7 @@ with the numbers in the reason).
 import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
-from verdict_helpers import assert_all_pass, by
+from verdict_helpers import assert_all_pass
 
 pytest.importorskip("opacus")
 
@@ -86,11 +86,23 @@ def test_noise_calibration_both_reductions(pool):
     assert_all_pass(vs)
 
 
-def test_deadlock_free_and_empty_batches_declared_unsupported(pool):
-    vs = run(pool, "deadlock_free", world_sizes=(2,))
-    assert_all_pass([v for v in vs if v.config["local_batches"] != "empty"])
-    empty, = by(vs, local_batches="empty")
-    assert empty.status == "skip" and "supports_empty_local_batches = False" in empty.message
+#: opacus 1.6.0 ghost_fsdp: a rank whose local batch is empty raises in the per-sample norm
+#: computation; its own distributed Poisson sampler never yields an empty local batch, but a
+#: DistributedSampler over a short last batch, or any explicit split, can.
+EMPTY_BATCH_CRASH = ("upstream opacus 1.6.0 ghost_fsdp crashes on an empty local batch: 'cannot reshape tensor "
+                     "of 0 elements into shape [0, -1]' (error/rank_crash, not a hang)")
+
+
+def test_deadlock_free_on_non_empty_local_batches(pool):
+    assert_all_pass(run(pool, "deadlock_free", world_sizes=(2,), local_batches=("even", "single", "uneven")))
+
+
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=EMPTY_BATCH_CRASH)
+def test_empty_local_batch_crashes_upstream(pool):
+    empty, = run(pool, "deadlock_free", world_sizes=(2,), local_batches=("empty",))
+    if (empty.status, empty.diagnosis) == ("error", "rank_crash") and "cannot reshape tensor of 0 elements" in \
+            empty.message:
+        raise KnownUpstreamBug(empty.message)
 
 
 def test_mode_equivalence_between_env_labels(pool):

@@ -7,6 +7,7 @@ and tensors, shared so that no property imports a sibling.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -72,31 +73,77 @@ def global_loss(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> floa
 
 
 def max_rel_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Tuple[float, str]:
-    """``(max over tensors of max|got-want| / max|want|, worst tensor name)``; missing -> inf."""
+    """``(max over tensors of max|got-want| / max|want|, worst tensor name)``; a missing tensor, a
+    wrong shape or a non-finite value anywhere -> inf (never a small number)."""
     worst, name = 0.0, ""
     for n, w in want.items():
-        if n not in got:
+        if n not in got or got[n].shape != w.shape:
             return float("inf"), n
-        g = got[n].to(torch.float64)
-        if g.shape != w.shape:
-            return float("inf"), n
-        scale = w.abs().max().item()
-        d = (g - w).abs().max().item() / max(scale, 1e-300)
-        if d > worst:
-            worst, name = d, n
+        d = (got[n].to(torch.float64) - w).abs().max().item() / max(w.abs().max().item(), 1e-300)
+        if not d <= worst:  # NaN compares False with everything: it must win, not lose
+            worst, name = (d if math.isfinite(d) else float("inf")), n
     return worst, name
 
 
 def tensors_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], rtol: float, atol: float) -> bool:
     """Every tensor within ``atol + rtol * max|want|`` (a tensor-wise scale: a coordinate near zero
-    is judged against its tensor's magnitude, since it is a difference of large terms)."""
+    is judged against its tensor's magnitude, since it is a difference of large terms). NaN or
+    inf anywhere is never close."""
     for n, w in want.items():
         g = got.get(n)
         if g is None or g.shape != w.shape:
             return False
-        if (g.to(torch.float64) - w).abs().max().item() > atol + rtol * w.abs().max().item():
+        if not (g.to(torch.float64) - w).abs().max().item() <= atol + rtol * w.abs().max().item():
             return False
     return True
+
+
+def close(got: float, want: float, rtol: float, atol: float) -> bool:
+    """``|got - want| <= atol + rtol * |want|``, False for NaN/inf."""
+    return abs(got - want) <= atol + rtol * abs(want)
+
+
+def non_finite(outputs: Sequence[RankOutput]) -> Optional[str]:
+    """Where the first NaN/inf is in what the ranks reported (loss, norms, gradient, parameters),
+    as "rank r, step k: gradient 'fc1.weight' has 3 NaN and 0 inf of 48 values"; ``None`` if all
+    is finite."""
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            if not math.isfinite(s.loss):
+                return f"rank {o.rank}, step {k}: the loss is {s.loss}"
+            named = [("per-sample norms", "", s.norms)] if s.norms is not None else []
+            named += [("gradient", n, t) for n, t in s.gradient.items()]
+            named += [("parameter", n, t) for n, t in s.parameters.items()]
+            for what, name, t in named:
+                t = torch.as_tensor(t)
+                if not bool(torch.isfinite(t).all()):
+                    label = f"{what} {name!r}" if name else what
+                    return (f"rank {o.rank}, step {k}: {label} has {int(torch.isnan(t).sum())} NaN and "
+                            f"{int(torch.isinf(t).sum())} inf of {t.numel()} values")
+    return None
+
+
+def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) -> Optional[str]:
+    """How what the ranks say they processed differs from what ``spec`` gave them (steps taken;
+    per step, the global indices observed in the data: missing, duplicated or foreign samples);
+    ``None`` if it is exactly that (order within a local batch does not matter)."""
+    counts = [len(o.steps) for o in outputs]
+    if any(c != spec.steps for c in counts):
+        short = [r for r, c in enumerate(counts) if c != spec.steps]
+        return (f"the ranks took {counts} step(s) where {spec.steps} were asked for (rank(s) {short}): a rank "
+                "that returns early, or takes extra steps, trains on other data than its peers")
+    for k in range(spec.steps):
+        for r, o in enumerate(outputs):
+            got, want = sorted(o.steps[k].indices), sorted(spec.rank_indices(k, r, world_size))
+            if got != want:
+                missing = sorted(set(want) - set(got))
+                foreign = sorted(set(got) - set(want))
+                dup = sorted({i for i in got if got.count(i) > 1})
+                parts = [f"{label} {v}" for label, v in (("missing", missing), ("foreign", foreign),
+                                                         ("duplicated", dup)) if v]
+                return (f"rank {r}, step {k}: processed samples {got} but was given {want} ({'; '.join(parts)}): "
+                        "the data path does not feed each rank the samples it was given")
+    return None
 
 
 def fmt(x: float) -> str:

@@ -7,16 +7,17 @@ changes the privacy accounting. Poisson sampling makes uneven and empty local ba
 
 Scenarios (each its own job, so a hang is attributed to it), two steps each, noise on:
 ``even`` (the plain split), ``uneven`` (rank 0 gets more samples than the last rank), ``single``
-(one sample per rank), ``empty`` (the last rank gets none; only when the target does not declare
-``supports_empty_local_batches = False``). Any hang is ``hang``/``deadlock`` with the harness's
-account of where the collective sequences diverge; a crash is ``error``/``rank_crash``.
+(one sample per rank), ``empty`` (the last rank gets none). Any hang is ``hang``/``deadlock``
+with the harness's account of where the collective sequences diverge; a crash is
+``error``/``rank_crash``; a rank that returns early (fewer steps than asked) fails ``mismatch``.
+Nothing a target cannot do is skipped: a target that crashes on an empty local batch gets that
+as its verdict (a user who accepts it says so explicitly).
 """
 
 from __future__ import annotations
 
 from typing import Dict
 
-from ..targets import TargetLoadError, load_target
 from ..verdict import Verdict
 from .contract import Case, Outputs, Point, Property
 
@@ -37,13 +38,6 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     return out
 
 
-def _supports_empty(target_ref: str) -> bool:
-    try:
-        return bool(getattr(load_target(target_ref), "supports_empty_local_batches", True))
-    except TargetLoadError:
-        return True  # the ranks report the load error as each case's verdict
-
-
 def cases(point: Point):
     """One case per scenario, each its own job so that a hang is pinned on the scenario."""
     only = point.param("local_batches")
@@ -53,13 +47,8 @@ def cases(point: Point):
         sizes = [len(s) for s in split]
         spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
                           rank_batches=(split,) * STEPS)
-        case = point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
-                          doing=f"{name} local batches {sizes}", isolate=True)
-        if name == "empty" and not _supports_empty(point.options.target):
-            yield case.verdict("skip", None, "the target declares supports_empty_local_batches = False: an "
-                               f"empty local batch {sizes} is not run")
-        else:
-            yield case
+        yield point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
+                         doing=f"{name} local batches {sizes}", isolate=True)
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:

@@ -18,7 +18,8 @@ from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, run_many_on_rank
 from ..verdict import Verdict
-from .contract import Case, Options, Property
+from .compare import data_problem, non_finite
+from .contract import Case, Options, Outputs, Property
 
 
 def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None) -> List[Verdict]:
@@ -30,12 +31,33 @@ def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None) -> 
 
 
 def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], timeout: float) -> List[Verdict]:
-    """Run ``cases`` and judge each with ``prop.judge`` (or give it its run's failure verdict)."""
+    """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict."""
     outcomes = run_cases(cases, pool, timeout)
-    verdicts = []
-    for case, outcome in zip(cases, outcomes):
-        verdicts.append(outcome if isinstance(outcome, Verdict) else prop.judge(case, outcome))
-    return verdicts
+    return [outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
+            for case, outcome in zip(cases, outcomes)]
+
+
+def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
+    """What every property requires before its own judgement, then ``prop.judge``:
+
+    * every rank took the steps it was asked for and processed exactly the samples it was given
+      (read back from the data, not echoed): otherwise ``fail`` / ``mismatch`` -- no property can
+      compare against the reference on other data;
+    * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
+      and rank -- no comparison or test statistic may read NaN as agreement.
+    """
+    for mode, runs in zip(case.modes, outputs):
+        for spec, ranks in zip(case.specs, runs):
+            where = f" (mode {mode.label!r})" if len(case.modes) > 1 else ""
+            problem = data_problem(spec, case.world_size, ranks)
+            if problem:
+                return case.verdict("fail", "mismatch", problem + where)
+            problem = non_finite(ranks)
+            if problem:
+                return case.verdict("fail", "non_finite", f"non-finite values released: {problem}{where}. A DP "
+                                    "step must release finite values; NaN/inf noise or clip coefficients make the "
+                                    "update meaningless and its privacy analysis void.")
+    return prop.judge(case, outputs)
 
 
 # -- running -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .. import models
 from .base import RankOutput, RunSpec, StepOutput, Target
-from .util import gather_named, global_dataset, world
+from .util import dataset_index, gather_named, global_dataset, step_indices, world
 
 
 class _ExactBatches(torch.utils.data.Sampler):
@@ -43,10 +43,6 @@ class _ExactBatches(torch.utils.data.Sampler):
 
 class OpacusTarget(Target):
     name = "opacus"
-    #: measured with opacus 1.6.0 ghost_fsdp: a rank with zero samples raises in the per-sample
-    #: norm computation ("cannot reshape tensor of 0 elements into shape [0, -1]"); opacus' own
-    #: distributed Poisson loader avoids empty local batches, so the empty-batch scenario is skipped
-    supports_empty_local_batches = False
 
     def version(self) -> str:
         import opacus
@@ -79,7 +75,9 @@ class OpacusTarget(Target):
         fsdp = FSDP2Wrapper(model)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr)
         data = global_dataset(spec)
-        loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets), rank, world_size)
+        # the index column travels with each sample: the indices reported are the ones the loader yielded
+        loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets, dataset_index(spec)), rank,
+                                   world_size)
         criterion = nn.CrossEntropyLoss(reduction=spec.reduction)
         generator = torch.Generator().manual_seed(spec.noise_seed)
         module, optimizer, criterion, loader = PrivacyEngine().make_private(
@@ -89,7 +87,7 @@ class OpacusTarget(Target):
             noise_generator=generator)
         module.train()
         out = RankOutput(rank=rank, world_size=world_size)
-        for k, (x, y) in enumerate(loader):
+        for k, (x, y, index) in enumerate(loader):
             optimizer.zero_grad()
             logits = module(x)
             if data.loss == "token_cross_entropy":
@@ -103,7 +101,7 @@ class OpacusTarget(Target):
             optimizer.step()
             named = list(module.named_parameters())
             out.steps.append(StepOutput(
-                indices=list(spec.rank_indices(k, rank, world_size)), norms=norms, loss=float(loss.item()),
+                indices=step_indices(index, spec, k), norms=norms, loss=float(loss.item()),
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param")))
         return out
 
@@ -118,4 +116,4 @@ class _Collate:
     def __call__(self, samples):
         if not samples:
             return tuple(t[:0] for t in self.dataset.tensors)
-        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+        return tuple(torch.stack([s[j] for s in samples]) for j in range(len(samples[0])))

@@ -112,8 +112,23 @@ def global_dataset(spec: RunSpec) -> models.Batch:
                         batches[0].loss)
 
 
+def dataset_index(spec: RunSpec) -> torch.Tensor:
+    """The index column to carry through a dataset built from ``global_dataset``: row ``j`` is
+    ``j``. A target reports what it processed by reading this column back from the batches its
+    data path yields (``step_indices``), never by echoing ``spec.rank_indices``."""
+    return torch.arange(spec.steps * spec.global_batch_size)
+
+
+def step_indices(index_column: torch.Tensor, spec: RunSpec, step: int) -> List[int]:
+    """The step's global sample indices (``0..global_batch_size-1``) of the rows a loader yielded
+    at ``step``; a row from another step's batch comes out negative or too large, so the suite
+    reports it as a foreign sample."""
+    return [int(i) - step * spec.global_batch_size for i in index_column.reshape(-1)]
+
+
 def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[List[int], models.Batch]:
-    """``(indices, batch)``: the global indices this rank processes at ``step`` and those samples."""
-    idx = spec.rank_indices(step, rank, world_size)
-    return idx, spec.global_batch(step).select(idx)
+    """``(indices, batch)``: the samples this rank processes at ``step``, and their global indices
+    read back from the rows selected (an index column travels with the data)."""
+    rows = torch.as_tensor(spec.rank_indices(step, rank, world_size), dtype=torch.long)
+    return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
