@@ -2,7 +2,7 @@
 
     dpfsdp-verify run [--target opacus|MODULE:ATTR] [--grad-sample-mode ghost_fsdp]
         [--mode-env LABEL:VAR=VAL[,VAR=VAL]]... [--world-sizes 1,2] [--backend gloo|nccl]
-        [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum]
+        [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum] [--dtypes float64,float32]
         [--timeout SECONDS] [--json PATH] [--junit PATH] [--markdown PATH]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
     run.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list (default {DEFAULT_MODELS})")
     run.add_argument("--loss-reductions", default=DEFAULT_REDUCTIONS, help="comma list of mean,sum (default both)")
+    run.add_argument("--dtypes", default=None,
+                     help="comma list of float64,float32,bfloat16 for every property (default: each property's "
+                          "own: float64 everywhere, float32 too where the property runs it by default)")
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import modes as modes_mod
 from .modes import Mode, ModeSyntaxError
@@ -44,6 +44,8 @@ class RunPlan:
     reductions: Tuple[str, ...]
     timeout: float
     fuzz: int = 0
+    #: ``None``: each property's own (float64, and float32 where the property runs it by default)
+    dtypes: Optional[Tuple[str, ...]] = None
 
     @property
     def info(self) -> Dict[str, str]:
@@ -56,7 +58,7 @@ class RunPlan:
 
         return Options(target=self.target, world_sizes=self.world_sizes, modes=self.modes or modes_mod.DEFAULT_MODES,
                        grad_sample_mode=self.grad_sample_mode, models=self.models, reductions=self.reductions,
-                       backend=self.backend, timeout=self.timeout)
+                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout)
 
     @classmethod
     def from_args(cls, args) -> "RunPlan":
@@ -91,6 +93,14 @@ class RunPlan:
         if not reductions or any(r not in REDUCTIONS for r in reductions):
             raise UsageError(f"--loss-reductions {args.loss_reductions!r}: choose from {','.join(REDUCTIONS)}",
                              "e.g. --loss-reductions mean")
+        dtypes = None
+        if args.dtypes is not None:
+            from .properties.compare import TOLERANCES
+
+            dtypes = tuple(csv(args.dtypes))
+            if not dtypes or any(d not in TOLERANCES for d in dtypes):
+                raise UsageError(f"--dtypes {args.dtypes!r}: choose from {','.join(TOLERANCES)}",
+                                 "e.g. --dtypes float64,float32")
         if args.timeout <= 0:
             raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds", "e.g. --timeout 60")
         if args.fuzz < 0:
@@ -107,7 +117,8 @@ class RunPlan:
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
                    modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
-                   models=tuple(models), reductions=tuple(reductions), timeout=float(args.timeout), fuzz=args.fuzz)
+                   models=tuple(models), reductions=tuple(reductions), timeout=float(args.timeout), fuzz=args.fuzz,
+                   dtypes=dtypes)
 
 
 def parse_modes(items: List[str]) -> Tuple[Mode, ...]:

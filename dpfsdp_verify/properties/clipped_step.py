@@ -127,5 +127,6 @@ PROPERTY = Property(
     meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
+    dtypes=("float64", "float32"),
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

@@ -4,8 +4,8 @@ A property is one module that builds a ``Property``:
 
 * what it means: ``id``, ``meaning`` (one line, in DP terms), default ``models`` / ``layouts`` /
   ``reductions``, its own ``params`` (e.g. how many noise draws) with defaults;
-* which cases it runs: ``cases(point)`` for each ``Point`` of the options' matrix (mode x world
-  size x model x data layout x reduction) yields ``Case``s -- specs to run on the ranks -- or a
+* which cases it runs: ``cases(point)`` for each ``Point`` of the options' matrix (world size x
+  mode x model x data layout x reduction x dtype) yields ``Case``s -- specs to run on the ranks -- or a
   ready ``Verdict`` (a skip);
 * how it judges: ``judge(case, outputs)`` -> ``Verdict`` from ``outputs[mode][spec][rank]``
   (``RankOutput``s). It is called only when every run of the case finished; a hang or a crash
@@ -39,7 +39,7 @@ Outputs = Sequence[Sequence[Sequence[RankOutput]]]
 @dataclass(frozen=True)
 class Options:
     """How to run properties: the target, where and what. ``None`` in ``models`` / ``data_layouts``
-    / ``reductions`` means each property's own defaults. ``params`` are property-specific knobs
+    / ``reductions`` / ``dtypes`` means each property's own defaults. ``params`` are property-specific knobs
     (``(name, value)`` pairs; each property lists the ones it takes in ``Property.params``)."""
 
     target: str = "opacus"
@@ -49,7 +49,7 @@ class Options:
     models: Optional[Tuple[str, ...]] = None
     data_layouts: Optional[Tuple[str, ...]] = None
     reductions: Optional[Tuple[str, ...]] = None
-    dtype: str = "float64"
+    dtypes: Optional[Tuple[str, ...]] = None
     backend: str = "gloo"
     timeout: float = DEFAULT_TIMEOUT_S
     params: Tuple[Tuple[str, Any], ...] = ()
@@ -60,7 +60,7 @@ class Options:
         fields go to ``params`` (``Property.options`` refuses those the property does not take)."""
         known = {f.name for f in fields(cls)}
         params = {k: kw.pop(k) for k in list(kw) if k not in known}
-        for key in ("world_sizes", "models", "data_layouts", "reductions"):
+        for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes"):
             if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
@@ -105,14 +105,14 @@ class Case:
     def config(self) -> dict:
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
-                "reduction": self.spec.reduction, **self.labels}
+                "reduction": self.spec.reduction, "dtype": self.spec.dtype, **self.labels}
 
     def repro(self) -> str:
         """The CLI line that re-runs this property for this model, reduction, world size and modes
         (the CLI has no layout filter: both layouts the property checks are re-run)."""
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
                  "--world-sizes", str(self.world_size), "--grad-sample-mode", self.spec.grad_sample_mode,
-                 "--models", self.spec.model, "--loss-reductions", self.spec.reduction]
+                 "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
         parts += modes_mod.cli_args(self.modes)
@@ -136,11 +136,14 @@ class Point:
     model: str
     data_layout: str
     reduction: str
+    dtype: str = "float64"
+    #: how many points the property's matrix has (e.g. to share a false-alarm budget among them)
+    matrix_size: int = 1
 
     def spec(self, **fields_) -> RunSpec:
         """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``."""
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
-                       dtype=self.options.dtype, grad_sample_mode=self.options.grad_sample_mode, **fields_)
+                       dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, **fields_)
 
     def case(self, spec: RunSpec, specs: Sequence[RunSpec] = (), **kw) -> Case:
         """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
@@ -186,6 +189,10 @@ class Property:
     models: Tuple[str, ...] = ("mlp", "transformer")
     layouts: Tuple[str, ...] = ("split",)
     reductions: Tuple[str, ...] = ("mean",)
+    #: the dtypes the property runs in unless the options name others: float64 (the reference's
+    #: own precision: the tightest check) and, where the cost is worth it, float32 (what DP
+    #: training runs in; tolerances per dtype are in ``compare.TOLERANCES``)
+    dtypes: Tuple[str, ...] = ("float64",)
     #: property-specific options and their defaults (``Options.params``)
     params: Tuple[Tuple[str, Any], ...] = ()
     #: points carry two modes (the first label vs each other one); needs two or more modes
@@ -211,16 +218,15 @@ class Property:
         """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
         return opts.with_(params=tuple(sorted({**dict(self.params), **dict(opts.params)}.items())))
 
-    def points(self, opts: Options) -> Iterable[Point]:
-        """The matrix in report order: mode(s), world size, model, layout, reduction."""
+    def points(self, opts: Options) -> List[Point]:
+        """The matrix in report order: world size, mode(s), model, layout, reduction, dtype."""
         groups = [(opts.modes[0], other) for other in opts.modes[1:]] if self.compares_modes else \
             [(m,) for m in opts.modes]
-        for ws in opts.world_sizes:
-            for modes in groups:
-                for model in opts.models or self.models:
-                    for layout in opts.data_layouts or self.layouts:
-                        for red in opts.reductions or self.reductions:
-                            yield Point(self.id, opts, modes, ws, model, layout, red)
+        axes = [(ws, modes, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
+                for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
+                for red in opts.reductions or self.reductions for dtype in opts.dtypes or self.dtypes]
+        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes))
+                for ws, modes, model, layout, red, dtype in axes]
 
     def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """Every case (or ready verdict) for ``opts``, in report order."""

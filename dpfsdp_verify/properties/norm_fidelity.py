@@ -123,6 +123,6 @@ PROPERTY = Property(
     meaning=("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
-    reductions=("mean", "sum"),
+    reductions=("mean", "sum"), dtypes=("float64", "float32"),
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe())
