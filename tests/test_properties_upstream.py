@@ -25,6 +25,7 @@ SUM_BUG = ("upstream opacus 1.6.0 ghost_fsdp bug: with loss_reduction='sum' at w
 
 def run(pool, prop, **kw):
     kw.setdefault("timeout", 90)
+    kw.setdefault("dtypes", ("float64",))
     out = PROPERTIES[prop]("opacus", pool=pool, **kw)
     return out
 
@@ -34,6 +35,13 @@ def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(p
     assert len(vs) == 2 * 2 * 2 * 2
     assert {v.config["model"] for v in vs} == {"mlp", "transformer"}
     assert_all_pass(vs)
+
+
+def test_float32_norms_and_step(pool):
+    """What users train in: the float32 tolerances (compare.TOLERANCES, norm_fidelity.COEF_TOL)."""
+    assert_all_pass(run(pool, "norm_fidelity", world_sizes=(1, 2), models=("mlp", "transformer"),
+                        reductions=("mean",), dtypes=("float32",)))
+    assert_all_pass(run(pool, "clipped_step", world_sizes=(2,), reductions=("mean",), dtypes=("float32",)))
 
 
 def test_three_ranks(pool):

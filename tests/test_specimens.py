@@ -19,7 +19,10 @@ HANG_TIMEOUT = 6.0
 
 
 def run(pool, prop, target, **kw):
+    """The property's verdicts on a specimen; float64 only unless a test asks for more (float32 is
+    checked where a test says so: it doubles a property's cost)."""
     kw.setdefault("timeout", 60)
+    kw.setdefault("dtypes", ("float64",))
     out = PROPERTIES[prop](S + target, pool=pool, **kw)
     for v in out:
         assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
@@ -32,9 +35,12 @@ def run(pool, prop, target, **kw):
 # -- the correct specimen passes everything, both norm modes ------------------------------------
 @pytest.mark.parametrize("env", [IMMEDIATE, DEFERRED], ids=["immediate", "deferred"])
 def test_correct_specimen_norms_both_layouts(pool, env):
-    vs = run(pool, "norm_fidelity", "Correct", world_sizes=(1, 2), modes={"m": env}, reductions=("mean",))
-    assert len(vs) == 2 * 2 * 2  # world sizes x models (mlp, transformer) x layouts
+    vs = run(pool, "norm_fidelity", "Correct", world_sizes=(1, 2), modes={"m": env}, reductions=("mean",),
+             dtypes=("float64", "float32"))
+    assert len(vs) == 2 * 2 * 2 * 2  # world sizes x models (mlp, transformer) x layouts x dtypes
+    assert {v.config["dtype"] for v in vs} == {"float64", "float32"}
     assert_all_pass(vs)
+    assert all("it clips with them" in v.message for v in vs)
 
 
 def test_correct_specimen_step_sensitivity_noise_trajectory(pool):
@@ -98,12 +104,81 @@ def test_no_clip_min_fails_the_step_but_not_sensitivity(pool):
     ("NoiseDividedTwice", ["PRIVACY VIOLATION", "too little noise", "1/N"]),
     ("NoiseNotDivided", ["UTILITY LOSS", "too much noise"]),
     ("SameNoiseOnEveryShard", ["PRIVACY VIOLATION", "not independent across shards"]),
+    # each of these passed when every coordinate of every tensor was pooled into one test
+    ("UnnoisedLastTensor", ["PRIVACY VIOLATION", "no noise at all on 2 of 2 coordinates of 'fc2.bias'"]),
+    ("NoiseOnRankZeroOnly", ["PRIVACY VIOLATION", "no noise at all", "rank 1's shard"]),
+    ("NoiseReusedAcrossSteps", ["PRIVACY VIOLATION", "identical at steps 0 and 1", "re-seeded every step"]),
 ])
 def test_noise_bugs(pool, target, words):
     vs = run(pool, "noise_calibration", target, world_sizes=(2,), models=("mlp",), reductions=("mean",))
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
     for w in words:
         assert w in vs[0].message
+
+
+def test_noise_power_is_stated_and_meets_the_target(pool):
+    v, = run(pool, "noise_calibration", "Correct", world_sizes=(1,), reductions=("sum",))
+    assert v.status == "pass", v.message
+    big = {n: t for n, t in v.evidence["tensors"].items() if t["coordinates"] >= 64}
+    assert big, "the gate's noise model has a tensor of >= 64 elements"
+    for t in big.values():  # a 5% std error either way is detected with >= 99% probability
+        assert t["detects_too_little"] <= 0.05 and t["detects_too_much"] <= 0.05
+    assert "with 99% probability" in v.message
+    # one rank: the zero-noise check is per rank-owned shard, and rank 0 does add its noise
+    assert_all_pass(run(pool, "noise_calibration", "NoiseOnRankZeroOnly", world_sizes=(1,), reductions=("mean",)))
+
+
+def test_clipping_with_other_norms_than_reported_is_caught(pool):
+    vs = run(pool, "norm_fidelity", "ClipsWithAllReducedNorms", world_sizes=(1, 2), models=("mlp",),
+             reductions=("mean",), dtypes=("float64",))
+    assert_all_pass(by(vs, world_size=1))
+    rep, = by(vs, world_size=2, data_layout="replicated")
+    spl, = by(vs, world_size=2, data_layout="split")
+    assert (rep.status, rep.diagnosis, spl.status, spl.diagnosis) == ("fail", "sqrt_n_inflation", "fail",
+                                                                      "sample_mixing")
+    for v in (rep, spl):
+        assert v.message.startswith("reports the true per-sample norms but clips with other ones")
+        assert v.evidence["ratio_min"] == pytest.approx(1.0)  # what it reports is right
+
+
+def test_a_target_reporting_no_norms_is_judged_on_what_it_clips_with(pool):
+    vs = run(pool, "norm_fidelity", "NoNormsReported", world_sizes=(2,), models=("mlp",), reductions=("mean",),
+             dtypes=("float64",))
+    assert_all_pass(vs)
+    assert all("reports no per-sample norms" in v.message for v in vs)
+
+
+@pytest.mark.parametrize("prop, extra", [
+    ("norm_fidelity", {"data_layouts": ("split",)}), ("clipped_step", {}), ("trajectory", {}),
+    ("sensitivity_bound", {}), ("noise_calibration", {}), ("deadlock_free", {"local_batches": ("even",)}),
+    ("mode_equivalence", {"modes": {"immediate": IMMEDIATE, "deferred": DEFERRED}}),
+])
+def test_nan_is_a_non_finite_failure_everywhere(pool, prop, extra):
+    vs = run(pool, prop, "NaNClipCoefficients", world_sizes=(2,), models=("mlp",), reductions=("mean",),
+             dtypes=("float64",), **extra)
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "non_finite")]
+    assert "NaN" in vs[0].message and "rank 0, step 0" in vs[0].message
+
+
+def test_duplicated_samples_and_early_return_are_named(pool):
+    for prop in ("clipped_step", "trajectory"):
+        v, = run(pool, prop, "DuplicatedSamples", world_sizes=(2,), models=("mlp",), reductions=("mean",),
+                 dtypes=("float64",))
+        assert (v.status, v.diagnosis) == ("fail", "mismatch")
+        assert "rank 1, step 0: processed samples" in v.message and "foreign" in v.message
+    vs = run(pool, "deadlock_free", "EarlyReturn", world_sizes=(2,), local_batches=("even",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "took [1, 1] step(s) where 2 were asked for" in vs[0].message
+
+
+def test_a_bug_only_visible_in_float32(pool):
+    vs = run(pool, "clipped_step", "HalfPrecisionCoefficients", world_sizes=(2,), models=("mlp",),
+             reductions=("mean",), dtypes=("float64", "float32"))
+    assert [(v.config["dtype"], v.status) for v in vs] == [("float64", "pass"), ("float32", "fail")]
+    vs = run(pool, "norm_fidelity", "HalfPrecisionCoefficients", world_sizes=(2,), models=("mlp",),
+             reductions=("mean",), data_layouts=("split",), dtypes=("float32",))
+    assert [v.status for v in vs] == ["fail"]
+    assert "reports the true per-sample norms but clips with other ones" in vs[0].message
 
 
 def test_stale_activations_pass_one_step_but_drift_over_steps(pool):
