@@ -142,6 +142,11 @@ def cmd_run(args) -> int:
         if v.status in FAILING:
             print(f"\n{v.property} [{report.config_label(v.config)}] {v.status} ({v.diagnosis}): {v.message}"
                   + (f"\n  repro: {v.repro}" if v.repro else ""))
+    skipped = [v for v in verdicts if v.status == "skip"]
+    if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
+        print("\nskipped:")
+        for v in skipped:
+            print(f"  {v.property} [{report.config_label(v.config)}]: {v.message}")
     if args.json:
         report.write_json(args.json, verdicts, plan.info, plan.backend)
     if args.junit:

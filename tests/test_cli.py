@@ -157,3 +157,17 @@ def test_replay_usage_errors_exit_2_with_one_line(capsys, args, says):
     assert cli.main(["replay", *args]) == cli.EXIT_USAGE
     err = capsys.readouterr().err.strip()
     assert says in err and err.startswith("dpfsdp-verify: error:") and len(err.splitlines()) == 1
+
+
+def test_skips_are_printed_with_their_reason(monkeypatch, capsys):
+    from dpfsdp_verify import gate
+    from dpfsdp_verify.verdict import Verdict
+
+    skip = Verdict("sensitivity_bound", "skip", {"world_size": 2, "data_layout": "replicated", "model": "mlp",
+                                                  "mode": "default", "grad_sample_mode": "ghost_fsdp"},
+                   message="leave-one-out needs split data")
+    monkeypatch.setattr(gate, "run_plan", lambda plan, progress=None: [skip])
+    assert cli.main(["run", "--properties", "sensitivity_bound", "--world-sizes", "2", "-q"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "skipped:" in out and "sensitivity_bound [ws=2 replicated mlp" in out
+    assert "leave-one-out needs split data" in out

@@ -198,6 +198,10 @@ class Property:
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
     fuzz: Optional[FuzzRecipe] = None
+    #: for a property whose verdicts rest on random draws: the bound on the probability that a
+    #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
+    #: a correct target never fails)
+    false_alarm_rate: Optional[float] = None
 
     def __call__(self, target_ref: str, *, pool=None, **kw) -> List[Verdict]:
         from .runner import run_property

@@ -48,7 +48,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                 problem = f"step {k}, rank {r}: only one mode reports norms"
             elif sa.norms is not None:
                 d = (sa.norms - sb.norms).abs()
-                if bool((d > atol + rtol * sa.norms.abs()).any()):
+                if not bool((d <= atol + rtol * sa.norms.abs()).all()):  # NaN is never equal
                     rel = float((d / sa.norms.abs().clamp_min(1e-300)).max())
                     evidence["norm_rel_diff"] = rel
                     problem = (f"per-sample norms differ at step {k} on rank {r} by up to {fmt(rel)} relative"

@@ -261,4 +261,4 @@ PROPERTY = Property(
     meaning=("the Gaussian noise has std sigma*C/D on every coordinate of every tensor (less: privacy violation; "
              "more: utility loss), fresh at every step and independent across shards"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
-    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)))
+    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA)

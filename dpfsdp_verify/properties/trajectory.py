@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
+from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
                       reference_model, tensors_close, tolerance)
 from .contract import Case, Outputs, Point, Property
 
@@ -40,7 +40,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     losses = [global_loss(outputs, k, spec) for k in range(spec.steps)]
     evidence = {"losses": losses, "reference_losses": ref.losses, "max_grad_norm": spec.max_grad_norm}
     for k, (got, want) in enumerate(zip(losses, ref.losses)):
-        if abs(got - want) > atol + rtol * abs(want):
+        if not close(got, want, rtol, atol):
             p_err = max_rel_diff(outputs[0].steps[-1].parameters, ref.parameters)[0]
             return case.verdict("fail", "mismatch", (
                 f"training drifts from the single-process trajectory at step {k} of {spec.steps} "
