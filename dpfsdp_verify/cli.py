@@ -29,8 +29,6 @@ from .verdict import FAILING
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_WORLD_SIZES = "1,2"
-DEFAULT_MODELS = "mlp,transformer"
-DEFAULT_REDUCTIONS = "mean,sum"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                           f"default {DEFAULT_GRAD_SAMPLE_MODE})")
     run.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES, help=f"comma list (default {DEFAULT_WORLD_SIZES})")
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
-    run.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list (default {DEFAULT_MODELS})")
-    run.add_argument("--loss-reductions", default=DEFAULT_REDUCTIONS, help="comma list of mean,sum (default both)")
+    run.add_argument("--models", default=None,
+                     help="comma list of mlp,conv,transformer for every property (default: each property's own; "
+                          "see 'dpfsdp-verify list')")
+    run.add_argument("--loss-reductions", default=None,
+                     help="comma list of mean,sum for every property (default: each property's own)")
     run.add_argument("--dtypes", default=None,
                      help="comma list of float64,float32,bfloat16 for every property (default: each property's "
                           "own: float64 everywhere, float32 too where the property runs it by default)")
@@ -85,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_list() -> int:
     from .properties import PROPERTIES
 
-    print("properties (* can be fuzzed: --fuzz N, replay):")
+    print("properties (* can be fuzzed: --fuzz N, replay) and what each runs by default:")
     for pid, prop in PROPERTIES.items():
         print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
+        print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
+              f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}")
     print("targets:")
     print("  opacus             the installed opacus through its public API (FSDP2Wrapper + make_private)")
     try:

@@ -40,8 +40,9 @@ class RunPlan:
     world_sizes: Tuple[int, ...]
     backend: str
     properties: Tuple[str, ...]
-    models: Tuple[str, ...]
-    reductions: Tuple[str, ...]
+    #: ``None``: each property's own defaults (``Property.models`` / ``reductions`` / ``dtypes``)
+    models: Optional[Tuple[str, ...]]
+    reductions: Optional[Tuple[str, ...]]
     timeout: float
     fuzz: int = 0
     #: ``None``: each property's own (float64, and float32 where the property runs it by default)
@@ -85,14 +86,18 @@ class RunPlan:
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown property {', '.join(unknown)}", f"choose from {', '.join(PROPERTIES)}")
-        models = csv(args.models)
-        bad = [m for m in models if m not in MODEL_NAMES]
-        if bad or not models:
-            raise UsageError(f"unknown model {', '.join(bad) or '(none)'}", f"choose from {', '.join(MODEL_NAMES)}")
-        reductions = csv(args.loss_reductions)
-        if not reductions or any(r not in REDUCTIONS for r in reductions):
-            raise UsageError(f"--loss-reductions {args.loss_reductions!r}: choose from {','.join(REDUCTIONS)}",
-                             "e.g. --loss-reductions mean")
+        models = reductions = None
+        if args.models is not None:
+            models = tuple(csv(args.models))
+            bad = [m for m in models if m not in MODEL_NAMES]
+            if bad or not models:
+                raise UsageError(f"unknown model {', '.join(bad) or '(none)'}",
+                                 f"choose from {', '.join(MODEL_NAMES)}")
+        if args.loss_reductions is not None:
+            reductions = tuple(csv(args.loss_reductions))
+            if not reductions or any(r not in REDUCTIONS for r in reductions):
+                raise UsageError(f"--loss-reductions {args.loss_reductions!r}: choose from {','.join(REDUCTIONS)}",
+                                 "e.g. --loss-reductions mean")
         dtypes = None
         if args.dtypes is not None:
             from .properties.compare import TOLERANCES
@@ -117,7 +122,7 @@ class RunPlan:
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
                    modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
-                   models=tuple(models), reductions=tuple(reductions), timeout=float(args.timeout), fuzz=args.fuzz,
+                   models=models, reductions=reductions, timeout=float(args.timeout), fuzz=args.fuzz,
                    dtypes=dtypes)
 
 

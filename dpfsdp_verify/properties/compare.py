@@ -74,12 +74,16 @@ def global_loss(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> floa
 
 def max_rel_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Tuple[float, str]:
     """``(max over tensors of max|got-want| / max|want|, worst tensor name)``; a missing tensor, a
-    wrong shape or a non-finite value anywhere -> inf (never a small number)."""
+    wrong shape or a non-finite value anywhere -> inf (never a small number). A tensor whose
+    reference is (near) zero -- e.g. attention key biases, whose gradient softmax cancels -- is
+    measured against 1e-3 of the largest reference tensor instead of its own rounding noise."""
     worst, name = 0.0, ""
+    floor = 1e-3 * max((w.abs().max().item() for w in want.values() if w.numel()), default=0.0)
     for n, w in want.items():
         if n not in got or got[n].shape != w.shape:
             return float("inf"), n
-        d = (got[n].to(torch.float64) - w).abs().max().item() / max(w.abs().max().item(), 1e-300)
+        scale = max(w.abs().max().item() if w.numel() else 0.0, floor, 1e-300)
+        d = (got[n].to(torch.float64) - w).abs().max().item() / scale
         if not d <= worst:  # NaN compares False with everything: it must win, not lose
             worst, name = (d if math.isfinite(d) else float("inf")), n
     return worst, name

@@ -90,8 +90,9 @@ def cases(point: Point):
     draws = point.param("draws") or max([draws_for(min(big), alpha)] if big else [4 * STEPS_PER_RUN])
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     runs = [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)]
+    # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
     yield point.case(spec, [spec.with_(noise_multiplier=0.0)] + runs, doing="DP steps with noise",
-                     facts={"alpha_per_test": alpha})
+                     facts={"alpha_per_test": alpha}, isolate=True)
 
 
 def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
