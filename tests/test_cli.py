@@ -75,21 +75,23 @@ def test_upstream_opacus_verdicts(tmp_path):
     report = json.loads(j.read_text())
     assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
     assert report["target"]["version"] == "1.6.0" and report["environment"]["backend"] == "gloo"
-    verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"]):
-                (v["status"], v["diagnosis"]) for v in report["results"]}
-    for ws in (1, 2):
-        for layout in ("replicated", "split"):
-            for red in ("mean", "sum"):
-                assert verdicts[("norm_fidelity", ws, layout, red)] == ("pass", None)
-    assert verdicts[("clipped_step", 1, "split", "mean")] == ("pass", None)
-    assert verdicts[("clipped_step", 1, "split", "sum")] == ("pass", None)
-    assert verdicts[("clipped_step", 2, "split", "mean")] == ("pass", None)
-    assert verdicts[("clipped_step", 2, "split", "sum")] == ("fail", "mismatch")
-    assert report["summary"] == {"pass": 11, "fail": 1, "hang": 0, "error": 0, "skip": 0}
+    verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"],
+                 v["config"]["dtype"]): (v["status"], v["diagnosis"]) for v in report["results"]}
+    assert len(verdicts) == len(report["results"]) == 24  # float64 and float32 by default for these two
+    for dtype in ("float64", "float32"):
+        for ws in (1, 2):
+            for layout in ("replicated", "split"):
+                for red in ("mean", "sum"):
+                    assert verdicts[("norm_fidelity", ws, layout, red, dtype)] == ("pass", None)
+        assert verdicts[("clipped_step", 1, "split", "mean", dtype)] == ("pass", None)
+        assert verdicts[("clipped_step", 1, "split", "sum", dtype)] == ("pass", None)
+        assert verdicts[("clipped_step", 2, "split", "mean", dtype)] == ("pass", None)
+        assert verdicts[("clipped_step", 2, "split", "sum", dtype)] == ("fail", "mismatch")
+    assert report["summary"] == {"pass": 22, "fail": 2, "hang": 0, "error": 0, "skip": 0}
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
-    assert "1 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
+    assert "2 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
     suite = ET.parse(x).getroot().find("testsuite")
-    assert suite.get("tests") == "12" and suite.get("failures") == "1"
+    assert suite.get("tests") == "24" and suite.get("failures") == "2"
     assert "1/world_size" in suite.find("testcase/failure").text
     assert "clipped_step" in md.read_text()
 

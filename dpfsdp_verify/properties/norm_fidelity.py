@@ -140,13 +140,23 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
                       f"gradient's overall scale (clipped_step judges it)"), fit
+    # the gradient's overall scale is not this property's business (and is not 1 where a target
+    # normalises replicated data its own way): each bug shape is matched up to one free factor
     pos = {i: j for j, i in enumerate(indices)}
     for diagnosis, norms, message in hypotheses(case, want, steps, subject="the norms it clips with"):
         flat = torch.zeros(len(indices), dtype=torch.float64)
         for s, n in zip(steps, norms):
             flat[[pos[i] for i in s.indices]] = n
-        if float((coef - reference.clip_coefficients(flat, c)).abs().max()) <= tol:
+        shape = reference.clip_coefficients(flat, c)
+        k = float(coef @ shape / (shape @ shape))
+        if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
+            if abs(k - 1) > tol:
+                fit["gradient_scale"] = k
+                message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
             return diagnosis, message, fit
+    # otherwise read the direction against the scale of the least-clipped sample: the one with the
+    # smallest true norm is below C (C is between the middle norms), so unclipped unless inflated
+    coef = coef / (float(coef.max()) / float(expected.max()))
     changed = (coef - expected).abs() > tol
     effective = c / coef.clamp_min(1e-300) - reference.CLIP_EPSILON
     shown = changed & (coef < 1 - tol)
