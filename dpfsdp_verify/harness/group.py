@@ -10,8 +10,14 @@ sentinels, so:
 * a rank raises and others are still running after ``ERROR_GRACE_S`` -> ``error`` / ``rank_crash``,
   the survivors' stacks are attached, the group is ended at once (they would wait forever);
 * a rank process dies     -> ``error`` / ``rank_crash`` with exit code or signal and stderr tail;
+* the ranks' probes prove a deadlock (``proof.py``: a rank waits in a collective a finished
+  peer never issued, or ranks issued different collectives under one sequence id, and nothing
+  changed for ``proof.QUIET_S``) -> the same as a passed deadline, at once: ``hang`` /
+  ``deadlock``, "deadlock proven after X s";
 * the deadline passes     -> dump every rank (stacks + flight recorder), say where collective
   sequences diverge, end the group: ``hang`` / ``deadlock``.
+* the wait is interrupted (KeyboardInterrupt, pytest-timeout...) -> the group is ended and the
+  exception propagates.
 
 Ending a group is SIGTERM to each rank's process group, ``KILL_GRACE_S`` later SIGKILL, then
 ``waitpid``; the temp dir (store file, logs) is removed. ``close()`` is idempotent.
@@ -33,7 +39,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional
 
 from . import diagnose
-from .protocol import RANK_MODULE, JobResult, RankConfig, RankDump, recv, send
+from .backends import get_backend
+from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
+from .protocol import (RANK_MODULE, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig, RankDump,
+                       Ready, Result, Stop, recv, send)
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -108,21 +117,14 @@ def _signal_name(code: int) -> str:
 
 
 def check_backend(backend: str, world_size: int) -> None:
-    """Raise ``BackendUnavailable`` / ``ValueError`` before any process is started."""
+    """Return if ``backend`` can give ``world_size`` ranks here (see ``backends.BACKENDS``); raise
+    ``BackendUnavailable`` (a skip, with the reason) or ``ValueError`` (a config mistake) before
+    any process is started."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend == "gloo":
-        return
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BackendUnavailable("backend 'nccl' needs CUDA GPUs; none is available on this machine")
-        n = torch.cuda.device_count()
-        if n < world_size:
-            raise BackendUnavailable(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) visible")
-        return
-    raise ValueError(f"unknown backend {backend!r}; choose 'gloo' or 'nccl'")
+    reason = get_backend(backend).unavailable(world_size)
+    if reason:
+        raise BackendUnavailable(reason)
 
 
 class WorkerGroup:
@@ -199,14 +201,19 @@ class WorkerGroup:
                                           f"({self._exit_text(self.procs[r].poll())})\n" + self._logs_tail())
                 r = self.job_conns.index(obj)
                 msg = recv(obj)
-                assert msg[0] == "ready", msg
+                if not isinstance(msg, Ready):
+                    raise GroupStartError(f"rank {r} sent {msg!r} instead of Ready")
                 waiting.discard(r)
 
     # -- jobs --------------------------------------------------------------------------
     def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
-        """Run ``fn(*args, **kwargs)`` on every rank; never blocks past ``timeout`` + ~3 s.
+        """Run ``fn(*args, **kwargs)`` on every rank; returns a ``GroupResult``. Never blocks past
+        ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner.
 
-        Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then).
+        Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then). Anything that
+        interrupts the wait (KeyboardInterrupt, pytest-timeout's exception, any BaseException)
+        ends the group before it propagates: the ranks may still be in the job, and a group
+        left so would hand its stale result to the next job.
         """
         if self.closed:
             raise RuntimeError("worker group is closed")
@@ -217,25 +224,53 @@ class WorkerGroup:
                                    "Job functions must be importable module-level functions with picklable "
                                    "arguments.") from e
         self._job_id += 1
+        try:
+            return self._run(payload, timeout)
+        except BaseException:
+            self.close(polite=False)
+            raise
+
+    def _run(self, payload: bytes, timeout: float) -> GroupResult:
+        job_id = self._job_id
         t0 = time.monotonic()
         for c in self.job_conns:
-            send(c, ("job", self._job_id, payload))
+            send(c, Job(job_id, payload))
         results: Dict[int, JobResult] = {}
         crashed: Dict[int, int] = {}
         deadline = t0 + timeout
         first_error: Optional[float] = None
+        proven: Optional[str] = None
         sentinels = {fd: r for r, fd in enumerate(self.pidfds)}
+        diag_rank = {c: r for r, c in enumerate(self.diag_conns)}
+        watch = DeadlockWatch(self.world_size, job_id) if self.world_size > 1 else None
+        next_probe = t0 + PROBE_AFTER_S
+        probing: set = set()  # ranks whose answer to the current probe round is outstanding
         while len(results) < self.world_size and not crashed:
+            now = time.monotonic()
             until = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
-            left = until - time.monotonic()
-            if left <= 0:
+            if until - now <= 0:
                 break
+            if watch is not None and first_error is None and not probing and now >= next_probe:
+                probing = self._send_probes(job_id)
+                next_probe = now + PROBE_EVERY_S
+            wake = until if probing or watch is None else min(until, next_probe)
             pending = [self.job_conns[r] for r in range(self.world_size) if r not in results]
-            for obj in wait(pending + list(sentinels), timeout=left):
+            probes = [self.diag_conns[r] for r in probing]
+            for obj in wait(pending + list(sentinels) + probes, timeout=max(0.0, wake - now)):
                 if obj in sentinels:
                     r = sentinels[obj]
                     if r not in results:
                         crashed[r] = self.procs[r].wait()
+                    continue
+                if obj in diag_rank:
+                    r = diag_rank[obj]
+                    probing.discard(r)
+                    try:
+                        msg = recv(obj)
+                    except (EOFError, OSError):
+                        continue  # the rank is dying: its sentinel says how
+                    if isinstance(msg, Probe):
+                        watch.update(msg)
                     continue
                 r = self.job_conns.index(obj)
                 try:
@@ -243,10 +278,16 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     crashed[r] = self.procs[r].wait()
                     continue
-                res = msg[2]
-                results[r] = res
-                if not res.ok and first_error is None:
+                if not isinstance(msg, Result) or msg.job_id != job_id:
+                    continue  # never another job's result
+                results[r] = msg.result
+                if not msg.result.ok and first_error is None:
                     first_error = time.monotonic()
+            if watch is not None and not probing and first_error is None and not crashed:
+                proven = watch.check(set(results), time.monotonic())
+                if proven:
+                    break
+        self._drain_probes(probing)
         running = [r for r in range(self.world_size) if r not in results and r not in crashed]
         out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)
         if crashed:
@@ -254,13 +295,38 @@ class WorkerGroup:
         elif running and first_error is not None:
             self._finish_error_with_stuck(out, running)
         elif running:
-            self._finish_hang(out, running, timeout)
+            self._finish_hang(out, running, timeout, proven=proven, after=time.monotonic() - t0)
         elif any(not res.ok for res in results.values()):
             self._finish_raised(out)
         if any(res.dirty for res in results.values()):
             self.close()
         out.seconds = time.monotonic() - t0
         return out
+
+    def _send_probes(self, job_id: int) -> set:
+        """Ask every rank for a ``Probe``; returns the ranks asked."""
+        asked = set()
+        for r, c in enumerate(self.diag_conns):
+            try:
+                send(c, ProbeRequest(job_id))
+                asked.add(r)
+            except OSError:
+                pass
+        return asked
+
+    def _drain_probes(self, probing: set) -> None:
+        """Read the answers to a probe round still in flight, so that the next message on a
+        diagnosis channel is the answer to the next request (ranks answer within milliseconds;
+        one that does not is in trouble, and its group is being ended anyway)."""
+        conns = {self.diag_conns[r]: r for r in probing}
+        deadline = time.monotonic() + DUMP_TIMEOUT_S
+        while conns and time.monotonic() < deadline:
+            for c in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+                conns.pop(c)
+                try:
+                    recv(c)
+                except (EOFError, OSError):
+                    pass
 
     # -- verdicts ----------------------------------------------------------------------
     def _finish_raised(self, out: GroupResult) -> None:
@@ -288,12 +354,18 @@ class WorkerGroup:
                               if dumps else "")
         self.close(polite=False)
 
-    def _finish_hang(self, out: GroupResult, running: List[int], timeout: float) -> None:
+    def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
+                     after: float = 0.0) -> None:
         dumps, unresponsive = self.dump(list(range(self.world_size)))
         report = diagnose.hang_report(dumps, running, unresponsive)
         div = diagnose.find_divergence(dumps)
         out.status, out.diagnosis = "hang", "deadlock"
-        head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
+        if proven:
+            head = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: rank(s) {running} "
+                    f"can never finish ({proven})")
+            report = f"deadlock proven after {after:.1f} s: {proven}.\n" + report
+        else:
+            head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
         out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
         sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
         if sites:
@@ -313,7 +385,7 @@ class WorkerGroup:
         asked = {}
         for r in ranks:
             try:
-                send(self.diag_conns[r], ("dump",))
+                send(self.diag_conns[r], DumpRequest())
                 asked[self.diag_conns[r]] = r
             except OSError:
                 pass
@@ -321,11 +393,13 @@ class WorkerGroup:
         deadline = time.monotonic() + DUMP_TIMEOUT_S
         while asked and time.monotonic() < deadline:
             for c in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
-                r = asked.pop(c)
                 try:
-                    dumps[r] = recv(c)[1]
+                    msg = recv(c)
                 except (EOFError, OSError):
-                    pass
+                    asked.pop(c)
+                    continue
+                if isinstance(msg, Dump):  # a late Probe answer is skipped; keep waiting
+                    dumps[asked.pop(c)] = msg.dump
         return dumps, sorted(set(ranks) - set(dumps))
 
     def _exit_text(self, code: Optional[int]) -> str:
@@ -360,7 +434,7 @@ class WorkerGroup:
         if polite:
             for c in self.job_conns:
                 try:
-                    send(c, ("stop",))
+                    send(c, Stop())
                 except OSError:
                     pass
             _wait_all(self.procs, 2.0)

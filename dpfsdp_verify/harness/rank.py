@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import io
 import os
 import pickle
 import random
@@ -21,10 +22,24 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from .protocol import JobError, JobResult, RankConfig, RankDump, recv, send
+from .backends import get_backend
+from .protocol import (Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
+                       RankDump, Ready, Result, Stop, recv, send)
 
 #: Every job starts from these seeds on every rank.
 JOB_SEED = 0
+#: Most output a job's result carries back per stream (the tail is kept).
+CAPTURE_LIMIT = 64 * 1024
+
+#: The job the main thread is running (``None`` between jobs). Set before a job starts, cleared
+#: only after its ``Result`` is sent, so a probe that reads ``None`` proves the result is on its
+#: way to the parent. Written by the main thread, read by the diagnosis thread (a plain
+#: attribute read/write is atomic under the GIL).
+_current_job = None
+#: The newest job whose ``Result`` was sent (0: none yet).
+_last_done = 0
+#: Flight-recorder entries per process group a probe carries (the newest).
+PROBE_ENTRIES = 16
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -68,21 +83,57 @@ def dump_state(rank: int) -> RankDump:
     return dump
 
 
+def probe_state(rank: int, job_id: int) -> Probe:
+    """The cheap answer to ``ProbeRequest``: job state and the newest flight-recorder entries per
+    process group. No stacks: the recorder is dumped without its per-entry stack traces."""
+    # read the job state BEFORE the trace: a rank seen "done" cannot have issued anything after
+    probe = Probe(rank=rank, job_id=job_id, running=_current_job, done=_last_done)
+    try:
+        import torch
+
+        fr = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False))
+    except Exception as e:  # recorder off or older torch: the parent then waits for the deadline
+        probe.error = f"{type(e).__name__}: {e}"
+        return probe
+    for e in fr.get("entries", []):
+        seq = e.get("collective_seq_id", -1)
+        if seq is None or seq < 0 or e.get("is_p2p", False):
+            continue
+        pg = e.get("process_group")
+        key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
+        sizes = e.get("input_sizes")
+        op = str(e.get("profiling_name", "?"))
+        probe.recent.setdefault(key, {})[seq] = f"{op} {sizes}" if sizes is not None else op
+    for key, seqs in probe.recent.items():  # keep the message small: the newest few per group
+        if len(seqs) > PROBE_ENTRIES:
+            probe.recent[key] = {s: seqs[s] for s in sorted(seqs)[-PROBE_ENTRIES:]}
+    return probe
+
+
 def _serve_dumps(conn: Connection, rank: int) -> None:
     while True:
         try:
             msg = recv(conn)
         except (EOFError, OSError):
             os._exit(0)  # parent gone
-        if msg[0] == "dump":
+        if isinstance(msg, ProbeRequest):
             try:
-                dump = dump_state(rank)
-            except Exception:  # never leave the parent waiting: say what went wrong
-                dump = RankDump(rank=rank, pid=os.getpid(), flight_recorder_error=f"dump failed: {traceback.format_exc()}")
-            try:
-                send(conn, ("dump", dump))
+                reply = probe_state(rank, msg.job_id)
             except Exception:
-                os._exit(0)
+                reply = Probe(rank=rank, job_id=msg.job_id, running=_current_job, done=_last_done,
+                              error=traceback.format_exc())
+        elif isinstance(msg, DumpRequest):
+            try:
+                reply = Dump(dump_state(rank))
+            except Exception:  # never leave the parent waiting: say what went wrong
+                reply = Dump(RankDump(rank=rank, pid=os.getpid(),
+                                      flight_recorder_error=f"dump failed: {traceback.format_exc()}"))
+        else:
+            continue
+        try:
+            send(conn, reply)
+        except Exception:
+            os._exit(0)
 
 
 def _reset_job_state(env_snapshot: dict) -> None:
@@ -99,10 +150,44 @@ def _reset_job_state(env_snapshot: dict) -> None:
     torch.set_grad_enabled(True)
 
 
+class _Tee(io.TextIOBase):
+    """Writes go to the rank's log (the crash-report tail reads it) and to a per-job buffer
+    (returned with the job's result, shown beside a failing test)."""
+
+    def __init__(self, stream):
+        self.stream, self.buffer_ = stream, io.StringIO()
+
+    def write(self, text):
+        self.buffer_.write(text)
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def isatty(self):
+        return False
+
+    def fileno(self):  # code that writes to the fd directly still reaches the log
+        return self.stream.fileno()
+
+    def captured(self) -> str:
+        text = self.buffer_.getvalue()
+        return text[-CAPTURE_LIMIT:]
+
+
 def _run_job(rank: int, payload: bytes) -> JobResult:
+    """Run one job; returns its ``JobResult`` (value or error, seconds, captured stdout/stderr)."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
+    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    sys.stdout, sys.stderr = out, err
     try:
         fn, args, kwargs = pickle.loads(payload)
         value = fn(*args, **kwargs)
@@ -110,6 +195,11 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
         result = JobResult(rank=rank, value=value)
     except BaseException as e:  # a job's SystemExit/KeyboardInterrupt is a job failure too
         result = JobResult(rank=rank, error=JobError(type(e).__name__, str(e), traceback.format_exc()))
+    finally:
+        sys.stdout, sys.stderr = out.stream, err.stream
+        out.flush()
+        err.flush()
+    result.stdout, result.stderr = out.captured(), err.captured()
     result.seconds = time.perf_counter() - t0
     result.dirty = not dist.is_initialized()
     return result
@@ -126,8 +216,7 @@ def main(argv=None) -> None:
     import torch
     import torch.distributed as dist
 
-    if cfg.backend == "nccl":
-        torch.cuda.set_device(cfg.rank % torch.cuda.device_count())
+    get_backend(cfg.backend).setup_rank(cfg.rank)
     store = dist.FileStore(cfg.store_path, cfg.world_size)
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
@@ -138,23 +227,28 @@ def main(argv=None) -> None:
     env_snapshot = dict(os.environ)
     gc.collect()
     gc.freeze()
-    send(job_conn, ("ready", cfg.rank, os.getpid()))
+    send(job_conn, Ready(cfg.rank, os.getpid()))
+    global _current_job, _last_done
     while True:
         try:
             msg = recv(job_conn)
         except (EOFError, OSError):
             os._exit(0)
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             break
-        _, job_id, payload = msg
+        if not isinstance(msg, Job):
+            continue
         _reset_job_state(env_snapshot)
-        result = _run_job(cfg.rank, payload)
+        _current_job = msg.job_id
+        result = _run_job(cfg.rank, msg.payload)
         try:
-            send(job_conn, ("result", job_id, result))
+            send(job_conn, Result(msg.job_id, result))
         except Exception as e:  # e.g. an unpicklable exception object
-            send(job_conn, ("result", job_id, JobResult(
+            send(job_conn, Result(msg.job_id, JobResult(
                 rank=cfg.rank, error=JobError(type(e).__name__, f"could not send result: {e}", ""),
                 seconds=result.seconds, dirty=True)))
+        _last_done = msg.job_id  # before clearing _current_job: a probe never sees neither
+        _current_job = None
         # Free the job's cycles (FSDP modules, hooks) off the critical path, then freeze what
         # survives (modules the job imported, e.g. opacus): a full collect over them took
         # 100-200 ms per job; frozen, the next collect scans only the next job's objects.
