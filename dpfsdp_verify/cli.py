@@ -21,6 +21,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import __version__
+from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 #: gloo ranks are processes on this host: more than this is a mistake on a CI runner
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run under this labelled environment; two or more add mode_equivalence checks "
                           "(e.g. immediate:OPACUS_USE_DEFERRED_NORM=0 deferred:OPACUS_USE_DEFERRED_NORM=1)")
     run.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES, help=f"comma list (default {DEFAULT_WORLD_SIZES})")
-    run.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl")
+    run.add_argument("--backend", default="gloo", choices=BACKEND_NAMES,
+                     help="; ".join(BACKENDS[n].description for n in BACKEND_NAMES) + " (default gloo)")
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
     run.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list (default {DEFAULT_MODELS})")
     run.add_argument("--loss-reductions", default=DEFAULT_REDUCTIONS, help="comma list of mean,sum (default both)")
