@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import diagnose
 from .backends import get_backend
@@ -131,7 +131,12 @@ class WorkerGroup:
     """``world_size`` initialised ranks that run jobs one at a time (see module docstring)."""
 
     def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True):
+        """Start the ranks. ``preload``: modules each rank imports before it is ready (what the
+        jobs of a group this one replaces had imported, so its first job does not pay for them).
+        ``wait_ready=False`` returns once the processes are spawned; the first ``run`` (or
+        ``ensure_ready``) waits for them. Raises ``BackendUnavailable`` / ``ValueError`` before
+        anything starts, ``GroupStartError`` when the ranks cannot start."""
         check_backend(backend, world_size)
         self.world_size, self.backend = world_size, backend
         self.env = dict(env or {})
@@ -142,8 +147,27 @@ class WorkerGroup:
         self.diag_conns: List[Connection] = []
         self.tmpdir: Optional[str] = None
         self.closed = False
+        self.preload = list(preload)
+        #: modules the jobs imported on the ranks (from their probes and results): a
+        #: replacement group preloads them
+        self.job_modules: List[str] = []
+        self._ready = False
         self._job_id = 0
         self._start()
+        if wait_ready:
+            self.ensure_ready()
+
+    def ensure_ready(self) -> None:
+        """Wait until every rank is ready (no-op when it already is). Raises ``GroupStartError``
+        (the group is then closed)."""
+        if self._ready:
+            return
+        try:
+            self._await_ready()
+        except BaseException:
+            self.close(polite=False)
+            raise
+        self._ready = True
 
     # -- launch ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -165,7 +189,7 @@ class WorkerGroup:
                 parent_diag, child_diag = socket.socketpair()
                 cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,
                                  job_fd=child_job.fileno(), diag_fd=child_diag.fileno(), parent_pid=os.getpid(),
-                                 pg_timeout_s=PG_TIMEOUT_S)
+                                 pg_timeout_s=PG_TIMEOUT_S, preload=self.preload)
                 log = open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb")
                 proc = subprocess.Popen([sys.executable, "-m", RANK_MODULE, cfg.to_argv()], env=env,
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -179,7 +203,6 @@ class WorkerGroup:
                 self.pidfds.append(os.pidfd_open(proc.pid))
                 self.job_conns.append(Connection(parent_job.detach()))
                 self.diag_conns.append(Connection(parent_diag.detach()))
-            self._await_ready()
         except BaseException:
             self.close()
             raise
@@ -206,17 +229,21 @@ class WorkerGroup:
                 waiting.discard(r)
 
     # -- jobs --------------------------------------------------------------------------
-    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0,
+            on_suspect: Optional[Callable[[], None]] = None) -> GroupResult:
         """Run ``fn(*args, **kwargs)`` on every rank; returns a ``GroupResult``. Never blocks past
         ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner.
 
         Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then). Anything that
         interrupts the wait (KeyboardInterrupt, pytest-timeout's exception, any BaseException)
         ends the group before it propagates: the ranks may still be in the job, and a group
-        left so would hand its stale result to the next job.
+        left so would hand its stale result to the next job. ``on_suspect`` is called once if the
+        probes first show a state that would prove a deadlock once it holds for the quiet period
+        (the pool starts a replacement group then, while these ranks sit idle).
         """
         if self.closed:
             raise RuntimeError("worker group is closed")
+        self.ensure_ready()
         try:
             payload = pickle.dumps((fn, args, kwargs or {}))
         except Exception as e:
@@ -225,12 +252,12 @@ class WorkerGroup:
                                    "arguments.") from e
         self._job_id += 1
         try:
-            return self._run(payload, timeout)
+            return self._run(payload, timeout, on_suspect)
         except BaseException:
             self.close(polite=False)
             raise
 
-    def _run(self, payload: bytes, timeout: float) -> GroupResult:
+    def _run(self, payload: bytes, timeout: float, on_suspect: Optional[Callable[[], None]]) -> GroupResult:
         job_id = self._job_id
         t0 = time.monotonic()
         for c in self.job_conns:
@@ -271,6 +298,7 @@ class WorkerGroup:
                         continue  # the rank is dying: its sentinel says how
                     if isinstance(msg, Probe):
                         watch.update(msg)
+                        self._note_modules(msg.modules)
                     continue
                 r = self.job_conns.index(obj)
                 try:
@@ -281,12 +309,16 @@ class WorkerGroup:
                 if not isinstance(msg, Result) or msg.job_id != job_id:
                     continue  # never another job's result
                 results[r] = msg.result
+                self._note_modules(msg.result.modules)
                 if not msg.result.ok and first_error is None:
                     first_error = time.monotonic()
             if watch is not None and not probing and first_error is None and not crashed:
                 proven = watch.check(set(results), time.monotonic())
                 if proven:
                     break
+                if on_suspect is not None and watch.suspected:
+                    on_suspect()
+                    on_suspect = None
         self._drain_probes(probing)
         running = [r for r in range(self.world_size) if r not in results and r not in crashed]
         out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)
@@ -302,6 +334,10 @@ class WorkerGroup:
             self.close()
         out.seconds = time.monotonic() - t0
         return out
+
+    def _note_modules(self, names: List[str]) -> None:
+        if names and len(names) > len(self.job_modules):
+            self.job_modules = list(names)
 
     def _send_probes(self, job_id: int) -> set:
         """Ask every rank for a ``Probe``; returns the ranks asked."""

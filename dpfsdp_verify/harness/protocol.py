@@ -43,6 +43,8 @@ class RankConfig:
     diag_fd: int
     parent_pid: int
     pg_timeout_s: float
+    #: modules to import before Ready (see ``WorkerGroup(preload=...)``)
+    preload: List[str] = field(default_factory=list)
 
     def to_argv(self) -> str:
         return json.dumps(self.__dict__)
@@ -74,6 +76,9 @@ class JobResult:
     #: What the job wrote to sys.stdout / sys.stderr on this rank (the tail, when long).
     stdout: str = ""
     stderr: str = ""
+    #: installed-package modules imported on this rank since it started (what a replacement
+    #: group preloads)
+    modules: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -149,6 +154,7 @@ class Probe:
     done: int = 0
     recent: Dict[str, Dict[int, str]] = field(default_factory=dict)
     error: Optional[str] = None
+    modules: List[str] = field(default_factory=list)   # as ``JobResult.modules``
 
     def last(self, pg: str) -> Optional[int]:
         """The newest sequence id this rank issued in group ``pg`` (``None``: none recorded)."""

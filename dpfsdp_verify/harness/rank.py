@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import io
 import os
 import pickle
@@ -40,6 +41,38 @@ _current_job = None
 _last_done = 0
 #: Flight-recorder entries per process group a probe carries (the newest).
 PROBE_ENTRIES = 16
+#: Modules loaded when the rank became ready; see ``installed_modules``.
+_startup_modules: frozenset = frozenset()
+_installed_cache: tuple = (0, [])
+
+
+def installed_modules() -> list:
+    """Modules of installed packages (site-packages) imported since the rank became ready, by
+    name: what a replacement group preloads so that its first job does not import them again.
+    Test modules and the project's own sources are left out (they are imported by the job, e.g.
+    with pytest's assertion rewriting)."""
+    global _installed_cache
+    n = len(sys.modules)
+    if n == _installed_cache[0]:
+        return _installed_cache[1]
+    out = []
+    for name, mod in list(sys.modules.items()):
+        if name in _startup_modules:
+            continue
+        path = getattr(mod, "__file__", None) or ""
+        if ("site-packages" + os.sep) in path or ("dist-packages" + os.sep) in path:
+            out.append(name)
+    _installed_cache = (n, out)
+    return out
+
+
+def _preload(names) -> None:
+    """Import ``names`` (a failing one is skipped: the job will meet the error itself)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):
+            pass
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -87,7 +120,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
     """The cheap answer to ``ProbeRequest``: job state and the newest flight-recorder entries per
     process group. No stacks: the recorder is dumped without its per-entry stack traces."""
     # read the job state BEFORE the trace: a rank seen "done" cannot have issued anything after
-    probe = Probe(rank=rank, job_id=job_id, running=_current_job, done=_last_done)
+    probe = Probe(rank=rank, job_id=job_id, running=_current_job, done=_last_done, modules=installed_modules())
     try:
         import torch
 
@@ -200,6 +233,7 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
         out.flush()
         err.flush()
     result.stdout, result.stderr = out.captured(), err.captured()
+    result.modules = installed_modules()
     result.seconds = time.perf_counter() - t0
     result.dirty = not dist.is_initialized()
     return result
@@ -224,6 +258,9 @@ def main(argv=None) -> None:
     # after a recorded collective costs ~1 s (one-time init), measured on torch 2.13 + gloo.
     dist.barrier()
     dump_state(cfg.rank)
+    global _startup_modules
+    _startup_modules = frozenset(sys.modules)
+    _preload(cfg.preload)
     env_snapshot = dict(os.environ)
     gc.collect()
     gc.freeze()
