@@ -13,9 +13,11 @@ complete when, and the watch only then says so:
 * **a finished peer**: rank ``r`` is in the job and issued collective ``#s``, while a rank ``p``
   has finished the job (its result is sent) having issued only up to ``#s' < s``: ``p`` will
   never issue ``#s``, so ``r`` waits forever;
-* **mismatched collectives**: two ranks still in the job issued different ops or sizes under the
-  same sequence id, the newest of at least one of them: it waits for a partner that will never
-  come (the other rank used that sequence id for something else).
+* **mismatched collectives**: two ranks still in the job issued different ops under the same
+  sequence id, the newest of at least one of them (or the same op with different sizes, for ops
+  whose sizes must agree on every rank: all_reduce, all_gather, reduce_scatter, broadcast,
+  barrier -- not gather/scatter/all_to_all, whose sizes legitimately differ): it waits for a
+  partner that will never come (the other rank used that sequence id for something else).
 
 and, in both cases, no rank's probe has changed for ``QUIET_S``. A rank that is merely slow
 (computing, sleeping, in a long Python loop between collectives) makes none of these true: its
@@ -25,7 +27,7 @@ never a proof, and such a job runs to its deadline if it really never comes back
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
+from typing import Dict, Optional, Set, Tuple
 
 from .protocol import Probe
 
@@ -37,6 +39,23 @@ PROBE_EVERY_S = 0.25
 QUIET_S = 1.0
 #: The process group the proof is about: torch names the default (world) group "0".
 DEFAULT_PG = "0"
+#: Ops whose input sizes are the same on every rank of a correct program (the part after
+#: "gloo:"/"nccl:" in the recorder's profiling name).
+SIZE_MATCHED_OPS = frozenset({"all_reduce", "allreduce", "allreduce_coalesced", "all_gather", "allgather",
+                              "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
+                              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "broadcast",
+                              "barrier"})
+
+
+def same_collective(a: Tuple[str, str], b: Tuple[str, str]) -> bool:
+    """Whether two ranks' entries ``(op, sizes)`` under one sequence id can be the same collective."""
+    if a[0] != b[0]:
+        return False
+    return a[1] == b[1] or a[0].split(":")[-1] not in SIZE_MATCHED_OPS
+
+
+def _text(entry: Tuple[str, str]) -> str:
+    return f"{entry[0]} {entry[1]}"
 
 
 class DeadlockWatch:
@@ -86,7 +105,7 @@ def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
         for p in sorted(done):
             if last[p] is None or last[p] < last[r]:
                 seen = f"after #{last[p]}" if last[p] is not None else "without issuing any collective"
-                op = probes[r].recent[DEFAULT_PG][last[r]]
+                op = _text(probes[r].recent[DEFAULT_PG][last[r]])
                 return (f"rank {r} waits in collective #{last[r]} ({op}), which rank {p} can never issue: "
                         f"rank {p} finished the job {seen}")
     for i, r in enumerate(running):
@@ -95,7 +114,7 @@ def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
             # only at a rank's newest entry: that is where it waits (an older mismatch that both
             # ranks got past proves nothing about now)
             for seq in sorted({last[r], last[q]} & set(mine) & set(theirs)):
-                if mine[seq] != theirs[seq]:
+                if not same_collective(mine[seq], theirs[seq]):
                     return (f"ranks {r} and {q} issued different collectives as #{seq} "
-                            f"(rank {r}: {mine[seq]}; rank {q}: {theirs[seq]}): neither can complete")
+                            f"(rank {r}: {_text(mine[seq])}; rank {q}: {_text(theirs[seq])}): neither can complete")
     return None

@@ -27,7 +27,7 @@ import json
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 #: Rank-side settings passed as argv[1] (JSON): see ``RankConfig``.
 RANK_MODULE = "dpfsdp_verify.harness.rank"
@@ -144,15 +144,15 @@ class Probe:
     ``running``: the job the rank's main thread is in (``None``: idle). ``done``: the newest job
     whose ``Result`` the rank has already sent (so ``done >= job_id`` proves the rank finished
     that job). ``recent``: per process group (the recorder's group name, ``"0"`` = the default
-    group), the newest flight-recorder entries this rank issued, ``{seq_id: "gloo:all_reduce
-    [[5]]"}``. ``error``: why there is no trace (recorder off...), in which case ``recent`` is
+    group), the newest flight-recorder entries this rank issued, ``{seq_id: (op, sizes)}`` e.g.
+    ``{3: ("gloo:all_reduce", "[[5]]")}``. ``error``: why there is no trace (recorder off...), in which case ``recent`` is
     empty and nothing can be proven from it."""
 
     rank: int
     job_id: int
     running: Optional[int] = None
     done: int = 0
-    recent: Dict[str, Dict[int, str]] = field(default_factory=dict)
+    recent: Dict[str, Dict[int, Tuple[str, str]]] = field(default_factory=dict)
     error: Optional[str] = None
     modules: List[str] = field(default_factory=list)   # as ``JobResult.modules``
 

@@ -134,9 +134,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
             continue
         pg = e.get("process_group")
         key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
-        sizes = e.get("input_sizes")
-        op = str(e.get("profiling_name", "?"))
-        probe.recent.setdefault(key, {})[seq] = f"{op} {sizes}" if sizes is not None else op
+        probe.recent.setdefault(key, {})[seq] = (str(e.get("profiling_name", "?")), str(e.get("input_sizes")))
     for key, seqs in probe.recent.items():  # keep the message small: the newest few per group
         if len(seqs) > PROBE_ENTRIES:
             probe.recent[key] = {s: seqs[s] for s in sorted(seqs)[-PROBE_ENTRIES:]}
