@@ -39,6 +39,12 @@ CAPTURE_LIMIT = 64 * 1024
 _current_job = None
 #: The newest job whose ``Result`` was sent (0: none yet).
 _last_done = 0
+#: Whether dumps carry the recorder's per-entry C++/Python stack traces. The first such dump in a
+#: process costs ~1.8 s of CPU (symbolizer start-up; measured on torch 2.13 + gloo, 2 cores) --
+#: paid at every group start, or at every verdict -- while the report's call sites come from the
+#: ranks' own Python stacks. Kept only when the raw traces are kept for a human
+#: (DPFSDP_VERIFY_FR_DIR).
+_FR_STACKS = bool(os.environ.get("DPFSDP_VERIFY_FR_DIR"))
 #: Flight-recorder entries per process group a probe carries (the newest).
 PROBE_ENTRIES = 16
 #: Modules loaded when the rank became ready; see ``installed_modules``.
@@ -109,7 +115,7 @@ def dump_state(rank: int) -> RankDump:
     try:
         import torch
 
-        raw = torch._C._distributed_c10d._dump_fr_trace()
+        raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)
         dump.flight_recorder = pickle.loads(raw)
     except Exception as e:  # older torch, or recorder off: degrade to stacks only
         dump.flight_recorder_error = f"{type(e).__name__}: {e}"
@@ -252,10 +258,10 @@ def main(argv=None) -> None:
     store = dist.FileStore(cfg.store_path, cfg.world_size)
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
-    # Warm the dump path so a dump during a hang answers at once: the recorder's first dump
-    # after a recorded collective costs ~1 s (one-time init), measured on torch 2.13 + gloo.
     dist.barrier()
-    dump_state(cfg.rank)
+    if _FR_STACKS:
+        # warm the dump path so a dump during a hang answers at once (see _FR_STACKS)
+        dump_state(cfg.rank)
     global _startup_modules
     _startup_modules = frozenset(sys.modules)
     _preload(cfg.preload)
