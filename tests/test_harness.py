@@ -26,13 +26,19 @@ def assert_gone(pids):
 
 def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):
     """Run fn on a 2-rank group of the pool; return (result, elapsed). A failed group must be
-    gone at once: its ranks, and its temp dir with the store file."""
+    gone at once (its ranks, and its temp dir with the store file) -- unless it was a proven
+    deadlock whose ranks were freed: then the same ranks must run the next job correctly."""
     g = pool.group(2)
     pids = g.pids()
     t0 = time.monotonic()
     res = pool.run(fn, world_size=2, timeout=timeout, **kw)
     elapsed = time.monotonic() - t0
-    if not res.ok:
+    if res.recovered:
+        assert not g.closed
+        after = pool.run(job_sum, world_size=2, timeout=30)
+        assert after.ok and [v[1] for v in after.values()] == [3.0, 3.0], after.message
+        assert [v[2] for v in after.values()] == pids, "a recovered group keeps its warm ranks"
+    elif not res.ok:
         # a failed group is ended at once: its store file and logs go with its temp dir
         assert g.closed and not os.path.exists(g.tmpdir)
         assert_gone(pids)
@@ -186,6 +192,20 @@ def test_deadlock_is_proven_long_before_the_deadline(pool, job, says):
     assert "never by rank 1" in res.message or "mismatched collectives at #" in res.message
     assert "torch flight_recorder analyser" in res.details
     assert elapsed < VERDICT_BOUND, "a proven deadlock must not wait for the deadline"
+
+
+def test_a_recovered_group_diagnoses_its_next_deadlock_from_its_new_process_group(pool):
+    first, _ = run_fault(pool, job_extra_barrier, timeout=LONG_TIMEOUT)
+    assert first.recovered, first.details
+    # the renewed group restarts its sequence ids: the old group's trace must not confuse the
+    # next diagnosis
+    second, elapsed = run_fault(pool, job_skip_collective, timeout=LONG_TIMEOUT)
+    assert second.status == "hang" and second.message.startswith("deadlock proven")
+    # renewed group: #1 its set-up barrier, #2 run_fault's check job; the aborted group's entries
+    # (which went higher) are not mixed in
+    assert ("collective #3 (gloo:all_reduce [[5]]) was issued by rank(s) 0 but never by rank 1 (last issued #2)"
+            in second.message)
+    assert elapsed < VERDICT_BOUND
 
 
 def test_slow_but_progressing_job_is_not_a_deadlock(pool):

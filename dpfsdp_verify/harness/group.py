@@ -15,7 +15,10 @@ sentinels, so:
   changed for ``proof.QUIET_S``) -> the same as a passed deadline, at once: ``hang`` /
   ``deadlock``, "deadlock proven after X s";
 * the deadline passes     -> dump every rank (stacks + flight recorder), say where collective
-  sequences diverge, end the group: ``hang`` / ``deadlock``.
+  sequences diverge, end the group: ``hang`` / ``deadlock``. After a *proven* deadlock the group
+  is kept instead when it can be freed: every rank aborts its process group (the blocked
+  collectives raise), creates a fresh one and is ready again within ``RECOVER_TIMEOUT_S``
+  (``GroupResult.recovered``); otherwise it is ended as after a deadline.
 * the wait is interrupted (KeyboardInterrupt, pytest-timeout...) -> the group is ended and the
   exception propagates.
 
@@ -41,8 +44,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from . import diagnose
 from .backends import get_backend
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
-from .protocol import (RANK_MODULE, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig, RankDump,
-                       Ready, Result, Stop, recv, send)
+from .protocol import (RANK_MODULE, Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
+                       RankDump, Ready, Renew, Result, Stop, recv, send)
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -51,6 +54,9 @@ DUMP_TIMEOUT_S = 2.0
 #: Between SIGTERM and SIGKILL ("SIGTERM is not aggressive enough to terminate processes
 #: hanging in collectives" -- Lightning; we try it first so ranks can flush stderr).
 KILL_GRACE_S = 0.5
+#: After a proven deadlock, how long the ranks get to abort their process group, leave the job and
+#: create a fresh group before the group is ended instead.
+RECOVER_TIMEOUT_S = 3.0
 #: Flight-recorder ring buffer entries per rank (set before the process group is created).
 FR_BUFFER_SIZE = 2000
 #: The process-group timeout inside ranks: far beyond any deadline, the watchdog decides.
@@ -88,6 +94,9 @@ class GroupResult:
     details: str = ""
     seconds: float = 0.0
     fr_dump_paths: List[str] = field(default_factory=list)
+    #: a proven deadlock whose ranks were freed (process group aborted and renewed): the group
+    #: stays warm instead of being restarted
+    recovered: bool = False
 
     @property
     def ok(self) -> bool:
@@ -335,6 +344,38 @@ class WorkerGroup:
         out.seconds = time.monotonic() - t0
         return out
 
+    def _recover(self, running: List[int]) -> bool:
+        """Abort every rank's process group (``Abort``), collect the stuck ranks' results of the
+        aborted job, have every rank create a fresh group (``Renew``) and wait for ``Ready``.
+        Returns True when every rank is ready within ``RECOVER_TIMEOUT_S``; False otherwise (the
+        caller then ends the group)."""
+        self._generation = getattr(self, "_generation", 0) + 1
+        try:
+            for c in self.diag_conns:
+                send(c, Abort())
+            for c in self.job_conns:
+                send(c, Renew(self._generation))
+        except OSError:
+            return False
+        waiting = set(range(self.world_size))
+        sentinels = set(self.pidfds)
+        deadline = time.monotonic() + RECOVER_TIMEOUT_S
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for obj in wait([self.job_conns[r] for r in waiting] + list(sentinels), timeout=left):
+                if obj in sentinels:
+                    return False  # a rank died: nothing to keep
+                try:
+                    msg = recv(obj)
+                except (EOFError, OSError):
+                    return False
+                if isinstance(msg, Ready):
+                    waiting.discard(self.job_conns.index(obj))
+                # a Result here is the aborted job's: its error is the abort's, not news
+        return True
+
     def _note_modules(self, names: List[str]) -> None:
         if names and len(names) > len(self.job_modules):
             self.job_modules = list(names)
@@ -406,14 +447,23 @@ class WorkerGroup:
         sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
         if sites:
             out.message += f" ({sites})"
-        analysis = diagnose.torch_analysis(dumps)
+        analysis = diagnose.torch_analysis(dumps, self.world_size)
         if analysis:
             report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis
         out.details = report + "\n" + diagnose.format_stacks(dumps)
         keep = os.environ.get("DPFSDP_VERIFY_FR_DIR")
         if keep:
-            out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"))
-        self.close(polite=False)
+            out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"),
+                                                        world_size=self.world_size)
+        # a proven deadlock has every stuck rank blocked in a collective: aborting the process
+        # group frees them, and the warm ranks are kept (no restart). A deadline hang may have a
+        # rank stuck anywhere: end the group.
+        if proven and self._recover(running):
+            out.recovered = True
+            out.details += ("\n(the ranks' process group was aborted and renewed; the warm ranks were kept for the "
+                            "next job)")
+        else:
+            self.close(polite=False)
 
     # -- diagnosis ---------------------------------------------------------------------
     def dump(self, ranks: List[int]):

@@ -9,12 +9,18 @@ is one of the small dataclasses below (pickled with ``send``/``recv``):
     parent -> rank  ``Stop()``                 destroy the process group and exit 0
     rank -> parent  ``Ready(rank, pid)``       once, after ``init_process_group``
     rank -> parent  ``Result(job_id, result)`` result: a ``JobResult``
+    parent -> rank  ``Renew(generation)``      after an ``Abort``: create a fresh process group
+                                               (store prefix ``renew<generation>/``), then
+                                               ``Ready`` again
 * the **diagnosis channel**, read by a daemon thread in the rank so that it answers while the
   main thread is blocked in a collective or spinning in Python:
     parent -> rank  ``ProbeRequest()``  cheap, polled while a job runs (no stacks)
     rank -> parent  ``Probe(...)``      job state + last flight-recorder entry per process group
     parent -> rank  ``DumpRequest()``   the full picture, for a verdict's report
     rank -> parent  ``Dump(dump)``      dump: a ``RankDump`` (stacks + flight-recorder trace)
+    parent -> rank  ``Abort()``         free the main thread from a blocked collective (no answer;
+                                        ``Backend.free_blocked``: gloo's connections are shut
+                                        down, NCCL's communicator aborted)
 
 EOF on either channel means the parent is gone: the rank exits at once (it also has
 ``PR_SET_PDEATHSIG``), so a killed pytest/xdist worker leaves no orphans.
@@ -120,6 +126,16 @@ class Ready:
 class Result:
     job_id: int
     result: JobResult
+
+
+@dataclass
+class Renew:
+    generation: int
+
+
+@dataclass
+class Abort:
+    pass
 
 
 @dataclass

@@ -24,8 +24,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from .backends import get_backend
-from .protocol import (Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
-                       RankDump, Ready, Result, Stop, recv, send)
+from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
+                       RankDump, Ready, Renew, Result, Stop, recv, send)
 
 #: Every job starts from these seeds on every rank.
 JOB_SEED = 0
@@ -45,6 +45,10 @@ _last_done = 0
 #: ranks' own Python stacks. Kept only when the raw traces are kept for a human
 #: (DPFSDP_VERIFY_FR_DIR).
 _FR_STACKS = bool(os.environ.get("DPFSDP_VERIFY_FR_DIR"))
+#: Flight-recorder entries up to this ``record_id`` belong to a process group that was aborted
+#: and renewed (the new group reuses its name and restarts its sequence ids): probes and dumps
+#: leave them out.
+_fr_floor = -1
 #: Flight-recorder entries per process group a probe carries (the newest).
 PROBE_ENTRIES = 16
 #: Modules loaded when the rank became ready; see ``installed_modules``.
@@ -100,6 +104,14 @@ def _frames_of(frame) -> list:
     return out
 
 
+def _current_entries(fr: dict) -> dict:
+    """The trace without the entries of process groups aborted before (see ``_fr_floor``)."""
+    if _fr_floor >= 0 and fr.get("entries"):
+        fr = dict(fr)
+        fr["entries"] = [e for e in fr["entries"] if e.get("record_id", 0) > _fr_floor]
+    return fr
+
+
 def dump_state(rank: int) -> RankDump:
     """Stacks of every thread and the flight-recorder trace of this process."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -116,7 +128,7 @@ def dump_state(rank: int) -> RankDump:
         import torch
 
         raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)
-        dump.flight_recorder = pickle.loads(raw)
+        dump.flight_recorder = _current_entries(pickle.loads(raw))
     except Exception as e:  # older torch, or recorder off: degrade to stacks only
         dump.flight_recorder_error = f"{type(e).__name__}: {e}"
     return dump
@@ -130,7 +142,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
     try:
         import torch
 
-        fr = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False))
+        fr = _current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
     except Exception as e:  # recorder off or older torch: the parent then waits for the deadline
         probe.error = f"{type(e).__name__}: {e}"
         return probe
@@ -147,7 +159,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
     return probe
 
 
-def _serve_dumps(conn: Connection, rank: int) -> None:
+def _serve_dumps(conn: Connection, rank: int, backend: str) -> None:
     while True:
         try:
             msg = recv(conn)
@@ -159,6 +171,12 @@ def _serve_dumps(conn: Connection, rank: int) -> None:
             except Exception:
                 reply = Probe(rank=rank, job_id=msg.job_id, running=_current_job, done=_last_done,
                               error=traceback.format_exc())
+        elif isinstance(msg, Abort):
+            try:
+                get_backend(backend).free_blocked()
+            except Exception:  # the parent's timeout then ends the group
+                pass
+            continue
         elif isinstance(msg, DumpRequest):
             try:
                 reply = Dump(dump_state(rank))
@@ -171,6 +189,29 @@ def _serve_dumps(conn: Connection, rank: int) -> None:
             send(conn, reply)
         except Exception:
             os._exit(0)
+
+
+def _renew_group(cfg: RankConfig, store, generation: int) -> None:
+    """A fresh default process group after an abort, on its own store prefix (the aborted
+    group's keys must not be read by the new one's rendezvous); its flight-recorder entries are
+    told apart from the aborted group's by ``_fr_floor``."""
+    global _fr_floor
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    try:
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
+        _fr_floor = max((e.get("record_id", 0) for e in entries), default=_fr_floor)
+    except Exception:
+        pass
+    dist.init_process_group(cfg.backend, store=dist.PrefixStore(f"renew{generation}/", store), rank=cfg.rank,
+                            world_size=cfg.world_size, timeout=timedelta(seconds=cfg.pg_timeout_s))
+    dist.barrier()
 
 
 def _reset_job_state(env_snapshot: dict) -> None:
@@ -248,7 +289,7 @@ def main(argv=None) -> None:
     _die_with_parent(cfg.parent_pid)
     job_conn = Connection(cfg.job_fd)
     diag_conn = Connection(cfg.diag_fd)
-    threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank), name="dpfsdp-diagnosis",
+    threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank, cfg.backend), name="dpfsdp-diagnosis",
                      daemon=True).start()
 
     import torch
@@ -277,6 +318,14 @@ def main(argv=None) -> None:
             os._exit(0)
         if isinstance(msg, Stop):
             break
+        if isinstance(msg, Renew):
+            try:
+                _renew_group(cfg, store, msg.generation)
+            except Exception:  # the parent times out waiting for Ready and ends the group
+                traceback.print_exc()
+                continue
+            send(job_conn, Ready(cfg.rank, os.getpid()))
+            continue
         if not isinstance(msg, Job):
             continue
         _reset_job_state(env_snapshot)
