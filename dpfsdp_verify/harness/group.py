@@ -238,17 +238,14 @@ class WorkerGroup:
                 waiting.discard(r)
 
     # -- jobs --------------------------------------------------------------------------
-    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0,
-            on_suspect: Optional[Callable[[], None]] = None) -> GroupResult:
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
         """Run ``fn(*args, **kwargs)`` on every rank; returns a ``GroupResult``. Never blocks past
         ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner.
 
         Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then). Anything that
         interrupts the wait (KeyboardInterrupt, pytest-timeout's exception, any BaseException)
         ends the group before it propagates: the ranks may still be in the job, and a group
-        left so would hand its stale result to the next job. ``on_suspect`` is called once if the
-        probes first show a state that would prove a deadlock once it holds for the quiet period
-        (the pool starts a replacement group then, while these ranks sit idle).
+        left so would hand its stale result to the next job.
         """
         if self.closed:
             raise RuntimeError("worker group is closed")
@@ -261,12 +258,12 @@ class WorkerGroup:
                                    "arguments.") from e
         self._job_id += 1
         try:
-            return self._run(payload, timeout, on_suspect)
+            return self._run(payload, timeout)
         except BaseException:
             self.close(polite=False)
             raise
 
-    def _run(self, payload: bytes, timeout: float, on_suspect: Optional[Callable[[], None]]) -> GroupResult:
+    def _run(self, payload: bytes, timeout: float) -> GroupResult:
         job_id = self._job_id
         t0 = time.monotonic()
         for c in self.job_conns:
@@ -325,9 +322,6 @@ class WorkerGroup:
                 proven = watch.check(set(results), time.monotonic())
                 if proven:
                     break
-                if on_suspect is not None and watch.suspected:
-                    on_suspect()
-                    on_suspect = None
         self._drain_probes(probing)
         running = [r for r in range(self.world_size) if r not in results and r not in crashed]
         out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)

@@ -9,11 +9,11 @@ their own group. At most ``max_groups`` groups are kept warm (least recently use
 ``reuse=False`` gives a fresh group per job (how ``mp.spawn``-style harnesses work; used by the
 benchmark and for isolation).
 
-Replacement groups start early (``spares=True``): a hung or crashed job costs a group restart
-(seconds of ``import torch`` + rendezvous), so the pool starts the replacement *while* the failing
-job is still being proven stuck (``WorkerGroup.run(on_suspect=...)``: its ranks sit idle in
-collectives then), and, for a key that has already lost a group, as soon as its next job starts.
-A replacement preloads the modules its predecessor's jobs had imported (opacus...).
+A proven deadlock usually keeps its group (``GroupResult.recovered``). A crash or a deadline hang
+costs a group restart (seconds of ``import torch`` + rendezvous), so for a key that has already
+lost a group the pool starts a replacement (``spares=True``) as soon as its next job starts: if
+that job fails too, the next one finds its ranks (nearly) ready. A replacement preloads the
+modules its predecessor's jobs had imported (opacus...).
 """
 
 from __future__ import annotations
@@ -100,13 +100,10 @@ class Pool:
         with self._lock:
             g = self.group(world_size, backend, env)
             key = self.key(world_size, backend, env)
-            on_suspect = None
-            if self.spares_enabled and world_size > 1:
-                if key in self._lost:
-                    self._start_spare(key, g.job_modules or g.preload)
-                on_suspect = lambda: self._start_spare(key, g.job_modules or g.preload)  # noqa: E731
+            if self.spares_enabled and key in self._lost:
+                self._start_spare(key, g.job_modules or g.preload)
             try:
-                res = g.run(fn, args, kwargs, timeout=timeout, on_suspect=on_suspect)
+                res = g.run(fn, args, kwargs, timeout=timeout)
             finally:
                 if not self.reuse:
                     g.close()

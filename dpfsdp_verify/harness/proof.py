@@ -66,8 +66,6 @@ class DeadlockWatch:
         self.latest: Dict[int, Probe] = {}
         self._state = None
         self._since = 0.0
-        #: True once the probes showed a provable state (not yet held for the quiet period)
-        self.suspected = False
 
     def update(self, probe: Probe) -> None:
         """Record a rank's answer (answers to another job's request are ignored)."""
@@ -85,7 +83,6 @@ class DeadlockWatch:
                       for r, p in sorted(self.latest.items()))
         if state != self._state:
             self._state, self._since = state, now
-            self.suspected = self.suspected or stuck_reason(self.latest, done) is not None
             return None
         if now - self._since < self.quiet_s:
             return None
