@@ -282,6 +282,19 @@ def test_b_next_test_runs(rank):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     assert t.item() == 3.0
+
+
+@pytest.mark.distributed(world_size=2, timeout=3)
+def test_c_rank0_hangs_in_a_collective_rank1_skips(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(2))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_d_after_the_hang(rank):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
 '''
 
 
@@ -296,7 +309,7 @@ def test_torchrun_mode(pytester, tagged):
     t0 = time.monotonic()
     res = pytester.run(_torchrun(), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        "127.0.0.1:0", "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
-                       "-k", "allreduce or rank_1 or session_goes_on or test_a_ or test_b_", "-rA",
+                       "-k", "allreduce or rank_1 or session_goes_on or test_a_ or test_b_ or test_c_ or test_d_", "-rA",
                        "--junitxml=report.xml", timeout=240)
     elapsed = time.monotonic() - t0
     out = res.stdout.str()
@@ -310,6 +323,9 @@ def test_torchrun_mode(pytester, tagged):
     assert "rank 1: ValueError: bad shard on rank 1" in out
     assert "rank(s) [0] were left waiting in a collective until the 4 s process-group timeout" in out
     assert out.count("PASSED test_torchrun.py::test_b_next_test_runs") == 1
+    # rank 0 hung in a collective rank 1 never issued: named, and the session went on
+    assert "rank(s) [0] were left waiting in a collective until the 3 s process-group timeout" in out
+    assert out.count("PASSED test_torchrun.py::test_d_after_the_hang") == 1
     assert (pytester.path / "report.xml").exists()
     assert elapsed < 200, "no test waited for torch's 30-minute default timeout"
 
