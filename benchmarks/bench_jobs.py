@@ -97,3 +97,33 @@ def gate_wall_time() -> dict:
     out["verdicts"] = len(verdicts)
     out["not_pass"] = sum(v.status != "pass" for v in verdicts)
     return out
+
+
+def hang_outside_collectives():
+    """A hang no probe can prove (rank 1 sleeps, still in the job): only the deadline ends it."""
+    import time
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(3))
+
+
+def diverge_after(seconds: float, kind: str, stamp_path: str):
+    """Progress (all_reduces) for ``seconds``, then diverge: ``kind="skip"``: rank 1 returns while
+    rank 0 issues one more all_reduce; ``kind="mismatch"``: rank 1 issues a barrier where rank 0
+    issues an all_reduce. Rank 0 writes the wall-clock time of the divergence to ``stamp_path``."""
+    import time
+
+    end = time.monotonic() + seconds
+    while True:  # rank 0's clock decides, and every round all ranks agree: no divergence before `end`
+        flag = torch.tensor([1.0 if dist.get_rank() == 0 and time.monotonic() >= end else 0.0])
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            break
+        time.sleep(0.01)
+    if dist.get_rank() == 0:
+        with open(stamp_path, "w") as f:
+            f.write(repr(time.time()))
+        dist.all_reduce(torch.ones(5))
+    elif kind == "mismatch":
+        dist.barrier()

@@ -9,8 +9,11 @@ Sections:
   fuzz       hypothesis throughput (examples/s) of a small-MLP property at world sizes 1 and 2.
   gate       the default gate's wall time on the installed opacus, split by property.
   reference  reference cost on the transformer: torch.func fast path vs the per-sample loop.
+  hang_gate  a proven deadlock's latency from the divergence to the verdict (60 s deadline), and
+             the default gate's wall time on fixtures.specimens:HookCollective (hangs everywhere).
 Targets (issue 7): warm overhead <= 50 ms and >= 50x below spawn; verdict <= deadline + 3 s;
->= 20 examples/s; default gate <= 120 s on 2 cores.
+>= 20 examples/s; default gate <= 120 s on 2 cores. Issue 13: proven deadlock verdict <= 3 s after
+the divergence; the gate on HookCollective <= 90 s.
 """
 
 from __future__ import annotations
@@ -54,12 +57,13 @@ def bench_harness(n_warm: int = 50, n_fresh: int = 5) -> dict:
 
     deadline = 2.0
     lat, gone = [], []
-    with Pool() as pool:
+    with Pool(spares=False) as pool:
         for _ in range(3):
             g = pool.group(2)
             pids = g.pids()
             t = time.perf_counter()
-            res = pool.run(bench_jobs.hang_on_rank0, world_size=2, timeout=deadline)
+            # a hang no probe can prove, so the deadline is what ends it
+            res = pool.run(bench_jobs.hang_outside_collectives, world_size=2, timeout=deadline)
             t_verdict = time.perf_counter() - t
             assert res.status == "hang" and "never by rank 1" in res.message, res.message
             while not all(pid_gone(p) for p in pids):
@@ -68,6 +72,38 @@ def bench_harness(n_warm: int = 50, n_fresh: int = 5) -> dict:
             gone.append(time.perf_counter() - t - deadline)
     out["hang_verdict_s_after_deadline"] = max(lat)
     out["hang_all_gone_s_after_deadline"] = max(gone)
+    return out
+
+
+def bench_hang_gate(repeats: int = 3) -> dict:
+    """(a) divergence -> verdict latency of a proven deadlock under a 60 s deadline, for a rank that
+    finished while its peer waits ("skip") and for mismatched collectives; (b) the default gate's
+    wall time on ``fixtures.specimens:HookCollective`` (a hang in every distributed job)."""
+    import subprocess
+
+    from dpfsdp_verify.harness import Pool
+
+    out = {}
+    with Pool() as pool, tempfile.TemporaryDirectory() as tmp:
+        pool.run(bench_jobs.tiny_test, world_size=2)
+        for kind in ("skip", "mismatch"):
+            lat = []
+            for i in range(repeats):
+                stamp = os.path.join(tmp, f"{kind}{i}")
+                res = pool.run(bench_jobs.diverge_after, 1.5, kind, stamp, world_size=2, timeout=60.0)
+                t_verdict = time.time()
+                assert res.status == "hang" and res.message.startswith("deadlock proven"), res.message
+                with open(stamp) as f:
+                    lat.append(t_verdict - float(f.read()))
+            out[f"proven_{kind}_divergence_to_verdict_s_median"] = statistics.median(lat)
+            out[f"proven_{kind}_divergence_to_verdict_s_max"] = max(lat)
+    cmd = [sys.executable, "-m", "dpfsdp_verify.cli", "run", "--target", "fixtures.specimens:HookCollective",
+           "--timeout", "60", "-q"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True)
+    out["gate_hook_collective_wall_s"] = time.perf_counter() - t
+    out["gate_hook_collective_exit_code"] = proc.returncode
+    out["gate_hook_collective_hang_verdicts"] = proc.stdout.count("hang (deadlock)")
     return out
 
 
@@ -98,7 +134,8 @@ def bench_gate() -> dict:
     return bench_jobs.gate_wall_time()
 
 
-SECTIONS = {"harness": bench_harness, "reference": bench_reference, "fuzz": bench_fuzz, "gate": bench_gate}
+SECTIONS = {"harness": bench_harness, "reference": bench_reference, "fuzz": bench_fuzz, "gate": bench_gate,
+            "hang_gate": bench_hang_gate}
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ from typing import List, Optional
 
 from . import __version__
 from .harness import DEFAULT_TIMEOUT_S
+from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING
@@ -44,7 +45,8 @@ def _target_args(p: argparse.ArgumentParser) -> None:
                    help="run under this labelled environment; with two or more, properties that compare modes "
                         "check the first against each other one (e.g. immediate:OPACUS_USE_DEFERRED_NORM=0 "
                         "deferred:OPACUS_USE_DEFERRED_NORM=1)")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl")
+    p.add_argument("--backend", default="gloo", choices=BACKEND_NAMES,
+                   help="; ".join(BACKENDS[n].description for n in BACKEND_NAMES) + " (default gloo)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline per distributed job, seconds (default {DEFAULT_TIMEOUT_S:g})")
 

@@ -11,37 +11,50 @@ Two ways a distributed test runs:
   (which rank is in which collective, stacks); the group is replaced and the session goes on.
 * **torchrun mode** (``torchrun --nproc-per-node N -m pytest ...``): the plugin sees it already
   is a rank (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set by torchrun), initialises the process group
-  once, runs distributed tests collectively in-process, skips those that need another world size,
-  and lets only rank 0 write reports (terminal summary, JUnit XML).
+  with the deadline as its timeout, runs distributed tests collectively in-process, agrees on each
+  outcome through the store (``torchrun_mode.py``), skips those that need another world size, and
+  lets only rank 0 report (terminal output, JUnit XML).
+
+Deadlines: the marker's ``timeout=`` (else ``--dpfsdp-timeout`` / ini ``dpfsdp_timeout``). When
+pytest-timeout also limits the test to T seconds and the deadline is not below T, the deadline
+becomes T minus a margin (``timeout_margin``), so that the plugin's diagnosed verdict arrives
+before pytest-timeout interrupts the test; if pytest-timeout interrupts a run anyway, the group is
+ended and replaced, and the next test is unaffected.
 
 Fixtures: ``rank`` and ``world_size`` (the values on the rank running the body; in the parent
 process of pool mode ``rank`` is ``None``). Other fixture values a distributed test requests
-must be picklable: they are computed in the parent and sent to every rank.
+must be picklable: they are computed in the parent and sent to every rank. ``world_size=[1, 2]``
+makes one test item per size (ids ``[ws1]``, ``[ws2]``). Each rank's output of a pool-mode test is
+attached to its report (sections ``rank R stdout`` / ``rank R stderr``); test modules are
+imported on the ranks with pytest's assertion rewriting.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 
 from .harness import BackendUnavailable, GroupStartError, JobPicklingError, Pool
 from .harness.pool import DEFAULT_TIMEOUT_S
+from .testbody import FunctionRef, run_test_body  # noqa: F401 - run_test_body: the job ranks import
+from .torchrun_mode import TorchrunSession, torchrun_env
 
 MARKER_HELP = (
     "distributed(world_size=2, backend='gloo', timeout=None, env=None): run the test body on every rank of a "
-    "worker group with torch.distributed initialised. world_size: number of ranks. backend: 'gloo' (CPU) or "
+    "worker group with torch.distributed initialised. world_size: number of ranks, or a list of them (one test "
+    "per size, ids [ws1], [ws2]...). backend: 'gloo' (CPU) or "
     "'nccl' (one GPU per rank; skipped with a reason when there are not enough GPUs). timeout: seconds before "
     "the run is declared a hang and diagnosed (default: --dpfsdp-timeout). env: dict of environment variables "
     "the ranks are started with (a separate warm group per distinct env)."
 )
 
 _pool: Optional[Pool] = None
+_torchrun: Optional[TorchrunSession] = None
+#: Hidden parameter carrying one size of ``world_size=[...]``.
+WS_PARAM = "_dpfsdp_world_size"
 
 
 def pytest_addoption(parser):
@@ -61,40 +74,46 @@ def pytest_addoption(parser):
     _hypothesis_addoption(group)
 
 
-def torchrun_env() -> Optional[tuple]:
-    """``(rank, world_size)`` when this process is a torchrun rank, else ``None``."""
-    if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
+def _default_timeout(config) -> float:
+    opt = config.getoption("dpfsdp_timeout")
+    return float(opt if opt is not None else config.getini("dpfsdp_timeout"))
 
 
 def pytest_configure(config):
+    global _torchrun
     config.addinivalue_line("markers", MARKER_HELP)
     _hypothesis_configure(config)
     tr = torchrun_env()
-    if tr is not None:
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group(backend)
+    if tr is not None and _torchrun is None:
+        _torchrun = TorchrunSession(tr[0], tr[1], timeout=_default_timeout(config))
         if tr[0] != 0:
             config.option.xmlpath = None  # only rank 0 writes the JUnit report
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """torchrun mode: only rank 0 reports; the other ranks' terminal reporter writes nowhere
+    (replacing its writer, not unregistering it: other plugins ask for it)."""
+    tr = torchrun_env()
+    if tr is None or tr[0] == 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        from _pytest._io import TerminalWriter
+
+        devnull = open(os.devnull, "w")
+        session.config.add_cleanup(devnull.close)
+        reporter._tw = TerminalWriter(devnull)
+
+
 def pytest_unconfigure(config):
-    global _pool
+    global _pool, _torchrun
     if _pool is not None:
         _pool.close()
         _pool = None
-    if torchrun_env() is not None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if _torchrun is not None:
+        _torchrun.close()
+        _torchrun = None
 
 
 def _get_pool(config) -> Pool:
@@ -107,9 +126,58 @@ def _get_pool(config) -> Pool:
 MARKER_KWARGS = ("world_size", "backend", "timeout", "env")
 
 
+def _raw_world_size(marker):
+    return marker.kwargs.get("world_size", marker.args[0] if marker.args else 2)
+
+
+def pytest_generate_tests(metafunc):
+    """``world_size=[1, 2]``: one item per size, through a hidden parameter."""
+    m = metafunc.definition.get_closest_marker("distributed")
+    if m is None:
+        return
+    sizes = _raw_world_size(m)
+    if isinstance(sizes, (list, tuple)):
+        metafunc.fixturenames.append(WS_PARAM)
+        metafunc.parametrize(WS_PARAM, list(sizes), ids=[f"ws{w}" for w in sizes])
+
+
+@pytest.fixture
+def _dpfsdp_world_size(request):
+    """One size of a marker's ``world_size=[...]`` (a hidden parameter, see pytest_generate_tests)."""
+    return request.param
+
+
+def _item_world_size(item, marker):
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and WS_PARAM in callspec.params:
+        return callspec.params[WS_PARAM]
+    return _raw_world_size(marker)
+
+
+def timeout_margin(t: float) -> float:
+    """How far below pytest-timeout's ``t`` seconds the plugin's deadline is put: time for the
+    dump, the diagnosis and the teardown (~0.1-0.5 s on 2 cores) with room to spare."""
+    return min(5.0, 0.25 * t)
+
+
+def outer_timeout_of(item) -> Optional[float]:
+    """pytest-timeout's effective timeout for ``item`` in seconds (its marker, ini or option), or
+    ``None`` when pytest-timeout is not installed or sets none."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return None
+    try:
+        from pytest_timeout import _get_item_settings
+
+        t = _get_item_settings(item).timeout
+    except Exception:  # a private helper of pytest-timeout: if it changes, no clamping
+        return None
+    return float(t) if t else None
+
+
 def _marker_args(item):
     """``(world_size, backend, timeout, env)`` of the item's marker; a misspelt or mistyped
-    argument fails the test with a one-line reason instead of silently running something else."""
+    argument fails the test with a one-line reason instead of silently running something else.
+    ``timeout`` is kept below pytest-timeout's (see ``timeout_margin``)."""
     m = item.get_closest_marker("distributed")
     kw = dict(m.kwargs)
     unknown = sorted(set(kw) - set(MARKER_KWARGS))
@@ -118,26 +186,24 @@ def _marker_args(item):
                     f"accepted: {', '.join(MARKER_KWARGS)}", pytrace=False)
     if len(m.args) > 1:
         pytest.fail("@pytest.mark.distributed takes at most one positional argument (world_size)", pytrace=False)
-    if m.args:
-        kw.setdefault("world_size", m.args[0])
     try:
-        world_size = int(kw.get("world_size", 2))
+        world_size = int(_item_world_size(item, m))
         backend = kw.get("backend", "gloo")
         timeout = kw.get("timeout")
-        if timeout is None:
-            opt = item.config.getoption("dpfsdp_timeout")
-            timeout = opt if opt is not None else float(item.config.getini("dpfsdp_timeout"))
-        timeout = float(timeout)
+        timeout = float(timeout if timeout is not None else _default_timeout(item.config))
         env = {str(k): str(v) for k, v in dict(kw.get("env") or {}).items()}
     except (TypeError, ValueError) as e:
         world_size, timeout, problem = 0, 0.0, str(e)
     else:
         problem = None
     if problem:
-        pytest.fail(f"@pytest.mark.distributed: bad argument ({problem}); expected world_size=int, "
-                    "timeout=seconds, env={VAR: value}", pytrace=False)
+        pytest.fail(f"@pytest.mark.distributed: bad argument ({problem}); expected world_size=int or a list of "
+                    "ints, timeout=seconds, env={VAR: value}", pytrace=False)
     if timeout <= 0:
         pytest.fail(f"@pytest.mark.distributed: timeout must be > 0 seconds, got {timeout:g}", pytrace=False)
+    outer = outer_timeout_of(item)
+    if outer is not None and timeout >= outer:
+        timeout = outer - timeout_margin(outer)
     return world_size, backend, timeout, env
 
 
@@ -150,7 +216,7 @@ def world_size(request):
     m = request.node.get_closest_marker("distributed")
     if m is None:
         return 1
-    return int(m.kwargs.get("world_size", m.args[0] if m.args else 2))
+    return int(_item_world_size(request.node, m))
 
 
 @pytest.fixture
@@ -160,43 +226,21 @@ def rank():
     return tr[0] if tr is not None else None
 
 
-@dataclass(frozen=True)
-class FunctionRef:
-    """A test function by location, resolvable on a rank whatever pytest's import mode was."""
-
-    module: str
-    path: str
-    qualname: str
-
-    def resolve(self):
-        mod = sys.modules.get(self.module)
-        if mod is None:
-            try:
-                mod = importlib.import_module(self.module)
-            except ImportError:
-                spec = importlib.util.spec_from_file_location(self.module, self.path)
-                mod = importlib.util.module_from_spec(spec)
-                sys.modules[self.module] = mod
-                spec.loader.exec_module(mod)
-        obj = mod
-        for part in self.qualname.split("."):
-            obj = getattr(obj, part)
-        return getattr(obj, "__func__", obj)
+GIVEN_REFUSED = ("@given cannot drive a @pytest.mark.distributed test (each example would have to be a job on "
+                 "the ranks); run the examples on the group from a plain test instead, e.g. "
+                 "dpfsdp_verify.fuzz.fuzz_property(...) or pool.run(job, example) inside your own @given test")
 
 
-def run_test_body(ref: FunctionRef, kwargs: dict, cls_ref: Optional[FunctionRef] = None):
-    """Rank-side job: call the test function with this rank's ``rank``/``world_size``."""
-    import torch.distributed as dist
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Refuse ``@given`` + ``@pytest.mark.distributed`` before hypothesis or the ranks see it."""
+    if item.get_closest_marker("distributed") is not None and getattr(getattr(item, "obj", None),
+                                                                      "is_hypothesis_test", False):
+        pytest.fail(GIVEN_REFUSED, pytrace=False)
 
-    fn = ref.resolve()
-    call = dict(kwargs)
-    if "rank" in call:
-        call["rank"] = dist.get_rank()
-    if "world_size" in call:
-        call["world_size"] = dist.get_world_size()
-    if cls_ref is not None:
-        return fn(cls_ref.resolve()(), **call)
-    return fn(**call)
+
+def _test_kwargs(item) -> dict:
+    return {name: item.funcargs[name] for name in item._fixtureinfo.argnames if name != WS_PARAM}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -204,12 +248,10 @@ def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("distributed") is None:
         return None
     world, backend, timeout, env = _marker_args(pyfuncitem)
-    tr = torchrun_env()
-    if tr is not None:
-        return _run_collectively(pyfuncitem, world, tr)
+    if _torchrun is not None:
+        return _run_collectively(pyfuncitem, world, timeout)
     fn = pyfuncitem.obj
-    argnames = pyfuncitem._fixtureinfo.argnames
-    kwargs = {name: pyfuncitem.funcargs[name] for name in argnames}
+    kwargs = _test_kwargs(pyfuncitem)
     mod = sys.modules[fn.__module__]
     ref = FunctionRef(fn.__module__, getattr(mod, "__file__", "") or "", fn.__qualname__)
     cls_ref = None
@@ -225,6 +267,11 @@ def pytest_pyfunc_call(pyfuncitem):
         problem = f"distributed test could not be started: {e}"
     if problem:  # failed outside the except block: no chained torch/pickle traceback
         pytest.fail(problem, pytrace=False)
+    for r, res in sorted(result.results.items()):
+        for stream in ("stdout", "stderr"):
+            text = getattr(res, stream, "")
+            if text:
+                pyfuncitem.add_report_section("call", f"rank {r} {stream}", text)
     if result.status == "hang":
         pytest.fail(f"HANG (deadlock) at world_size={world}: {result.message}\n\n{result.details}", pytrace=False)
     if not result.ok:
@@ -232,25 +279,18 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-def _run_collectively(item, world: int, tr) -> bool:
-    """torchrun mode: run the body here, on every rank at once, and agree on the outcome."""
-    import torch.distributed as dist
-
-    if world != tr[1]:
-        pytest.skip(f"needs world_size={world}; this torchrun job has {tr[1]} ranks")
-    argnames = item._fixtureinfo.argnames
-    kwargs = {name: item.funcargs[name] for name in argnames}
-    error = None
-    try:
-        item.obj(**kwargs)
-    except BaseException as e:  # noqa: B902 - reported collectively below
-        error = f"rank {tr[0]}: {type(e).__name__}: {e}"
-    errors = [None] * tr[1]
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
-    if failed:
-        pytest.fail("; ".join(failed), pytrace=False)
-    return True
+def _run_collectively(item, world: int, timeout: float) -> bool:
+    """torchrun mode: run the body here, on every rank at once, and agree on the outcome
+    through the store (``torchrun_mode.TorchrunSession.run_test``)."""
+    if world != _torchrun.world_size:
+        pytest.skip(f"needs world_size={world}; this torchrun job has {_torchrun.world_size} ranks")
+    kwargs = _test_kwargs(item)
+    failure = _torchrun.run_test(item.nodeid, lambda: item.obj(**kwargs), timeout)
+    if failure is None:
+        return True
+    if failure.startswith("skip: "):
+        pytest.skip(failure[len("skip: "):])
+    pytest.fail(failure, pytrace=False)
 
 
 # -- hypothesis profiles for fuzzing (dpfsdp_verify.hypothesis_profiles) -----------------------

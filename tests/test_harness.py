@@ -26,13 +26,19 @@ def assert_gone(pids):
 
 def run_fault(pool, fn, timeout=HANG_TIMEOUT, **kw):
     """Run fn on a 2-rank group of the pool; return (result, elapsed). A failed group must be
-    gone at once: its ranks, and its temp dir with the store file."""
+    gone at once (its ranks, and its temp dir with the store file) -- unless it was a proven
+    deadlock whose ranks were freed: then the same ranks must run the next job correctly."""
     g = pool.group(2)
     pids = g.pids()
     t0 = time.monotonic()
     res = pool.run(fn, world_size=2, timeout=timeout, **kw)
     elapsed = time.monotonic() - t0
-    if not res.ok:
+    if res.recovered:
+        assert not g.closed
+        after = pool.run(job_sum, world_size=2, timeout=30)
+        assert after.ok and [v[1] for v in after.values()] == [3.0, 3.0], after.message
+        assert [v[2] for v in after.values()] == pids, "a recovered group keeps its warm ranks"
+    elif not res.ok:
         # a failed group is ended at once: its store file and logs go with its temp dir
         assert g.closed and not os.path.exists(g.tmpdir)
         assert_gone(pids)
@@ -96,6 +102,25 @@ def job_gather_sizes():
     dist.all_gather(out, torch.ones(2 + r))
 
 
+def job_slow_rank(n=3, pause=2.5):
+    """Slow but progressing: rank 1 sleeps before each collective while rank 0 waits in it."""
+    total = 0.0
+    for _ in range(n):
+        if dist.get_rank() == 1:
+            time.sleep(pause)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        total += t.sum().item()
+    return total
+
+
+def job_sleep_outside_collectives():
+    """A hang no probe can prove: rank 1 is stuck outside any collective, still in the job."""
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(2))
+
+
 def job_pollute():
     os.environ["DPFSDP_LEAK"] = "1"
     torch.manual_seed(999)
@@ -147,6 +172,84 @@ def test_extra_barrier_on_one_rank(pool):
     # torch's own analyser (fr_trace) agrees, on the same traces
     assert "torch flight_recorder analyser" in res.details
     assert "Culprit rank 1; Error type: COLLECTIVE_TYPE_MISMATCH" in res.details
+
+
+#: The deadline of the proof tests: far beyond the verdict they must give.
+LONG_TIMEOUT = 60.0
+
+
+@pytest.mark.parametrize("job, says", [
+    (job_skip_collective, "rank 0 waits in collective #"),
+    (job_extra_barrier, "issued different collectives as #"),
+    (job_mismatched, "issued different collectives as #"),
+])
+def test_deadlock_is_proven_long_before_the_deadline(pool, job, says):
+    res, elapsed = run_fault(pool, job, timeout=LONG_TIMEOUT)
+    assert (res.status, res.diagnosis) == ("hang", "deadlock")
+    assert res.message.startswith("deadlock proven after ") and f"before the {LONG_TIMEOUT:g} s deadline" in res.message
+    assert says in res.message
+    # the full diagnosis is the same as at a deadline: divergence, call sites, torch's analyser
+    assert "never by rank 1" in res.message or "mismatched collectives at #" in res.message
+    assert "torch flight_recorder analyser" in res.details
+    assert elapsed < VERDICT_BOUND, "a proven deadlock must not wait for the deadline"
+
+
+def test_a_recovered_group_diagnoses_its_next_deadlock_from_its_new_process_group(pool):
+    first, _ = run_fault(pool, job_extra_barrier, timeout=LONG_TIMEOUT)
+    assert first.recovered, first.details
+    # the renewed group restarts its sequence ids: the old group's trace must not confuse the
+    # next diagnosis
+    second, elapsed = run_fault(pool, job_skip_collective, timeout=LONG_TIMEOUT)
+    assert second.status == "hang" and second.message.startswith("deadlock proven")
+    # renewed group: #1 its set-up barrier, #2 run_fault's check job; the aborted group's entries
+    # (which went higher) are not mixed in
+    assert ("collective #3 (gloo:all_reduce [[5]]) was issued by rank(s) 0 but never by rank 1 (last issued #2)"
+            in second.message)
+    assert elapsed < VERDICT_BOUND
+
+
+def test_slow_but_progressing_job_is_not_a_deadlock(pool):
+    # rank 0 waits ~2.5 s in each all_reduce, longer than the probes' quiet period, while
+    # rank 1 sleeps outside any collective: slow, not stuck
+    res = pool.run(job_slow_rank, world_size=2, timeout=LONG_TIMEOUT)
+    assert res.ok, res.message
+    assert res.values() == [18.0, 18.0]  # 3 all_reduces of ones(3) over 2 ranks
+    assert res.seconds >= 3 * 2.5
+
+
+def test_a_hang_outside_collectives_waits_for_the_deadline(pool):
+    res, elapsed = run_fault(pool, job_sleep_outside_collectives, timeout=4.0)
+    assert (res.status, res.diagnosis) == ("hang", "deadlock")
+    assert res.message.startswith("job did not finish within 4 s")
+    assert "never by rank 1" in res.message and "in job_sleep_outside_collectives" in res.message
+    assert 4.0 <= elapsed <= 4.0 + VERDICT_BOUND
+
+
+class _Interrupt(BaseException):
+    """Stands in for what pytest-timeout or Ctrl-C raise in the middle of a wait."""
+
+
+def test_an_interrupted_run_ends_the_group_and_the_next_job_is_clean(pool):
+    g = pool.group(2)
+    pids = g.pids()
+
+    def interrupt(signum, frame):
+        raise _Interrupt()
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(_Interrupt):
+            pool.run(job_sleep_outside_collectives, world_size=2, timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert g.closed and not os.path.exists(g.tmpdir)
+    assert_gone(pids)
+    # the next job gets a fresh group and its own result, not the interrupted job's
+    res = pool.run(job_sum, world_size=2, timeout=30)
+    assert res.ok and [v[1] for v in res.values()] == [3.0, 3.0]
+    assert not set(v[2] for v in res.values()) & set(pids)
 
 
 def test_rank_raising_ends_group_at_once(pool):

@@ -156,20 +156,178 @@ def test_markers_and_options_are_documented(pytester):
     assert "--dpfsdp-timeout" in res.stdout.str()
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
-                    reason="torchrun not installed")
-def test_torchrun_mode(pytester, tagged):
-    pytester.makepyfile(test_user=USER_TESTS)
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    res = pytester.run(torchrun, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-                       "-m", "pytest", "-p", "no:cacheprovider", "-k", "allreduce or rank_1 or session_goes_on", "-rA",
-                       timeout=180)
+TIMEOUT_TESTS = '''
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture
+def slow_setup():
+    time.sleep(1.5)  # counts against pytest-timeout's budget, not the marker's
+
+
+@pytest.mark.distributed(world_size=2)
+def test_a_warm(rank):
+    dist.barrier()
+
+
+@pytest.mark.timeout(2)
+@pytest.mark.distributed(world_size=2, timeout=30)
+def test_b_hangs(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        time.sleep(60)  # stuck outside any collective: no proof, only a deadline ends it
+
+
+@pytest.mark.distributed(world_size=2, timeout=4)
+def test_c_innocent(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2.0
+
+
+@pytest.mark.timeout(3, method="signal")
+@pytest.mark.distributed(world_size=2, timeout=30)
+def test_d_interrupted_mid_run(rank, slow_setup):
+    if rank == 0:
+        dist.all_reduce(torch.ones(3))
+    else:
+        time.sleep(60)
+
+
+@pytest.mark.distributed(world_size=2, timeout=4)
+def test_e_innocent_again(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2.0
+'''
+
+
+def test_pytest_timeout_shorter_than_the_marker_poisons_nothing(pytester, tagged):
+    pytester.makepyfile(test_user=TIMEOUT_TESTS)
+    t0 = time.monotonic()
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-rA")
+    elapsed = time.monotonic() - t0
     out = res.stdout.str()
-    # both ranks ran test_allreduce collectively; the rank-1 failure is reported on every rank;
-    # the world_size=1 test is skipped (this job has 2 ranks)
-    assert out.count("PASSED test_user.py::test_allreduce") == 2
+    res.assert_outcomes(passed=3, failed=2)
+    # b: the marker's 30 s deadline became pytest-timeout's 2 s minus a margin, so the plugin's
+    # diagnosed verdict came first
+    assert "HANG (deadlock) at world_size=2: job did not finish within 1.5 s" in out
+    # d: its fixture used half of pytest-timeout's 3 s, which interrupted the run itself
+    assert "Timeout (>3.0s)" in out or "Timeout >3.0s" in out
+    # c and e ran on fresh groups and got their own results, not b's or d's
+    assert "PASSED test_user.py::test_c_innocent" in out and "PASSED test_user.py::test_e_innocent_again" in out
+    assert elapsed < 120, "nobody waited for the marker's 30 s deadline"
+
+
+ERGONOMICS_TESTS = '''
+import pytest
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+
+@pytest.mark.distributed(world_size=2)
+def test_values(rank):
+    print(f"hello from rank {rank}")
+    norms = [1.5, 2.5, float(rank)]
+    assert norms == [1.5, 2.5, 0.0]
+
+
+@pytest.mark.distributed(world_size=[1, 2])
+def test_sizes(rank, world_size):
+    assert dist.get_world_size() == world_size
+
+
+@given(st.integers())
+@pytest.mark.distributed(world_size=1)
+def test_given(rank, x):
+    pass
+'''
+
+
+def test_pool_mode_ergonomics(pytester, tagged):
+    pytester.makepyfile(test_user=ERGONOMICS_TESTS)
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-rA")
+    out = res.stdout.str()
+    res.assert_outcomes(passed=2, failed=1, errors=1)  # the error: @given refused at setup
+    # the assertion was rewritten on the rank: the values are in the message
+    assert "rank 1 raised AssertionError: assert [1.5, 2.5, 1.0] == [1.5, 2.5, 0.0]" in out
+    # each rank's output is attached to the report
+    assert "rank 1 stdout" in out and "hello from rank 1" in out and "hello from rank 0" in out
+    # one item per world size
+    assert "PASSED test_user.py::test_sizes[ws1]" in out and "PASSED test_user.py::test_sizes[ws2]" in out
+    # @given + distributed: refused with one line saying what to do instead
+    assert "@given cannot drive a @pytest.mark.distributed test" in out
+    assert "has no attribute 'accept'" not in out
+
+
+TORCHRUN_TESTS = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2, timeout=4)
+def test_a_rank1_raises_before_a_collective(rank):
+    if rank == 1:
+        raise ValueError("bad shard on rank 1")
+    dist.all_reduce(torch.ones(2))  # rank 0 waits here for a partner that never comes
+
+
+@pytest.mark.distributed(world_size=2)
+def test_b_next_test_runs(rank):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+
+
+@pytest.mark.distributed(world_size=2, timeout=3)
+def test_c_rank0_hangs_in_a_collective_rank1_skips(rank):
+    if rank == 0:
+        dist.all_reduce(torch.ones(2))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_d_after_the_hang(rank):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+'''
+
+
+def _torchrun():
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return exe if os.path.exists(exe) else shutil.which("torchrun")
+
+
+@pytest.mark.skipif(_torchrun() is None, reason="torchrun not installed")
+def test_torchrun_mode(pytester, tagged):
+    pytester.makepyfile(test_user=USER_TESTS, test_torchrun=TORCHRUN_TESTS)
+    t0 = time.monotonic()
+    res = pytester.run(_torchrun(), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                       "127.0.0.1:0", "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
+                       "-k", "allreduce or rank_1 or session_goes_on or test_a_ or test_b_ or test_c_ or test_d_", "-rA",
+                       "--junitxml=report.xml", timeout=240)
+    elapsed = time.monotonic() - t0
+    out = res.stdout.str()
+    # only rank 0 reports: each test's line appears once
+    assert out.count("PASSED test_user.py::test_allreduce") == 1
+    assert out.count("test session starts") == 1
     assert "rank 1: AssertionError: per-sample norm mismatch" in out
     assert "needs world_size=1; this torchrun job has 2 ranks" in out
+    # rank 1 raised before a collective rank 0 entered: the test ends naming rank 1 at the
+    # 4 s process-group timeout, and the session goes on with a renewed group
+    assert "rank 1: ValueError: bad shard on rank 1" in out
+    assert "rank(s) [0] were left waiting in a collective until the 4 s process-group timeout" in out
+    assert out.count("PASSED test_torchrun.py::test_b_next_test_runs") == 1
+    # rank 0 hung in a collective rank 1 never issued: named, and the session went on
+    assert "rank(s) [0] were left waiting in a collective until the 3 s process-group timeout" in out
+    assert out.count("PASSED test_torchrun.py::test_d_after_the_hang") == 1
+    assert (pytester.path / "report.xml").exists()
+    assert elapsed < 200, "no test waited for torch's 30-minute default timeout"
 
 
 def _cuda():

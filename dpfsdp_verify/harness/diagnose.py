@@ -143,7 +143,7 @@ def format_stacks(dumps: Dict[int, RankDump]) -> str:
     return "\n".join(out)
 
 
-def _analyser_layout(fr: dict, rank: int) -> dict:
+def _analyser_layout(fr: dict, rank: int, world_size: Optional[int] = None) -> dict:
     """A rank's trace as torch's analyser expects it. gloo traces of torch 2.13 (prototype) key
     ``pg_config`` by an empty name while their entries name the group (``('0', 'default_pg')``),
     and carry no ``rank``; the analyser then fails with ``KeyError: ('0', 0)``. Re-key the config
@@ -151,13 +151,18 @@ def _analyser_layout(fr: dict, rank: int) -> dict:
     fr = dict(fr)
     fr["rank"] = rank
     ranks = next(iter(fr.get("pg_config", {}).values()), {}).get("ranks")
+    if ranks in (None, "[]", []) and world_size:
+        # a process group created after an aborted one (``Renew``) is recorded with no ranks;
+        # its entries are all in the default group, whose members are every rank
+        ranks = str(list(range(world_size)))
     names = {tuple(e["process_group"]) for e in fr.get("entries", []) if e.get("process_group")}
     if ranks is not None and names:
         fr["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks} for name, desc in names}
     return fr
 
 
-def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "rank_") -> List[str]:
+def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "rank_",
+                   world_size: Optional[int] = None) -> List[str]:
     """Save each rank's flight-recorder trace as ``DIR/<prefix><rank>`` (pickle), in the layout
     ``python -m torch.distributed.flight_recorder.fr_trace -p rank_ DIR`` reads. Returns the paths."""
     os.makedirs(directory, exist_ok=True)
@@ -167,12 +172,12 @@ def write_fr_dumps(dumps: Dict[int, RankDump], directory: str, prefix: str = "ra
             continue
         path = os.path.join(directory, f"{prefix}{r}")
         with open(path, "wb") as f:
-            pickle.dump(_analyser_layout(d.flight_recorder, r), f)
+            pickle.dump(_analyser_layout(d.flight_recorder, r, world_size), f)
         paths.append(path)
     return paths
 
 
-def torch_analysis(dumps: Dict[int, RankDump]) -> Optional[str]:
+def torch_analysis(dumps: Dict[int, RankDump], world_size: Optional[int] = None) -> Optional[str]:
     """What torch's own flight-recorder analyser (``fr_trace``) says about these traces, or
     ``None`` when it is unavailable or has nothing to compare (fewer than two traces)."""
     if sum(d.flight_recorder is not None for d in dumps.values()) < 2:
@@ -189,7 +194,7 @@ def torch_analysis(dumps: Dict[int, RankDump]) -> Optional[str]:
     logger.handlers = [logging.StreamHandler(buf)]
     try:
         with tempfile.TemporaryDirectory(prefix="dpfsdp-fr-") as tmp:
-            write_fr_dumps(dumps, tmp)
+            write_fr_dumps(dumps, tmp, world_size=world_size)
             with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
                 fr_trace([tmp, "-p", "rank_", "--allow-incomplete-ranks"])
     except BaseException as e:  # an analyser failure must never cost the verdict

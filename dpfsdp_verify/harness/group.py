@@ -10,8 +10,17 @@ sentinels, so:
 * a rank raises and others are still running after ``ERROR_GRACE_S`` -> ``error`` / ``rank_crash``,
   the survivors' stacks are attached, the group is ended at once (they would wait forever);
 * a rank process dies     -> ``error`` / ``rank_crash`` with exit code or signal and stderr tail;
+* the ranks' probes prove a deadlock (``proof.py``: a rank waits in a collective a finished
+  peer never issued, or ranks issued different collectives under one sequence id, and nothing
+  changed for ``proof.QUIET_S``) -> the same as a passed deadline, at once: ``hang`` /
+  ``deadlock``, "deadlock proven after X s";
 * the deadline passes     -> dump every rank (stacks + flight recorder), say where collective
-  sequences diverge, end the group: ``hang`` / ``deadlock``.
+  sequences diverge, end the group: ``hang`` / ``deadlock``. After a *proven* deadlock the group
+  is kept instead when it can be freed: every rank aborts its process group (the blocked
+  collectives raise), creates a fresh one and is ready again within ``RECOVER_TIMEOUT_S``
+  (``GroupResult.recovered``); otherwise it is ended as after a deadline.
+* the wait is interrupted (KeyboardInterrupt, pytest-timeout...) -> the group is ended and the
+  exception propagates.
 
 Ending a group is SIGTERM to each rank's process group, ``KILL_GRACE_S`` later SIGKILL, then
 ``waitpid``; the temp dir (store file, logs) is removed. ``close()`` is idempotent.
@@ -30,10 +39,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import diagnose
-from .protocol import RANK_MODULE, JobResult, RankConfig, RankDump, recv, send
+from .backends import get_backend
+from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
+from .protocol import (RANK_MODULE, Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
+                       RankDump, Ready, Renew, Result, Stop, recv, send)
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -42,8 +54,13 @@ DUMP_TIMEOUT_S = 2.0
 #: Between SIGTERM and SIGKILL ("SIGTERM is not aggressive enough to terminate processes
 #: hanging in collectives" -- Lightning; we try it first so ranks can flush stderr).
 KILL_GRACE_S = 0.5
-#: Flight-recorder ring buffer entries per rank (set before the process group is created).
-FR_BUFFER_SIZE = 2000
+#: After a proven deadlock, how long the ranks get to abort their process group, leave the job and
+#: create a fresh group before the group is ended instead.
+RECOVER_TIMEOUT_S = 3.0
+#: Flight-recorder ring buffer entries per rank (set before the process group is created). A
+#: divergence is always among the newest entries; the buffer's size is what every probe pays to
+#: dump it: ~1-7 ms at 256 entries vs ~90-130 ms at 2000 (torch 2.13, gloo, loaded 2-core box).
+FR_BUFFER_SIZE = 256
 #: The process-group timeout inside ranks: far beyond any deadline, the watchdog decides.
 PG_TIMEOUT_S = 3600.0
 
@@ -79,6 +96,9 @@ class GroupResult:
     details: str = ""
     seconds: float = 0.0
     fr_dump_paths: List[str] = field(default_factory=list)
+    #: a proven deadlock whose ranks were freed (process group aborted and renewed): the group
+    #: stays warm instead of being restarted
+    recovered: bool = False
 
     @property
     def ok(self) -> bool:
@@ -108,28 +128,26 @@ def _signal_name(code: int) -> str:
 
 
 def check_backend(backend: str, world_size: int) -> None:
-    """Raise ``BackendUnavailable`` / ``ValueError`` before any process is started."""
+    """Return if ``backend`` can give ``world_size`` ranks here (see ``backends.BACKENDS``); raise
+    ``BackendUnavailable`` (a skip, with the reason) or ``ValueError`` (a config mistake) before
+    any process is started."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend == "gloo":
-        return
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BackendUnavailable("backend 'nccl' needs CUDA GPUs; none is available on this machine")
-        n = torch.cuda.device_count()
-        if n < world_size:
-            raise BackendUnavailable(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) visible")
-        return
-    raise ValueError(f"unknown backend {backend!r}; choose 'gloo' or 'nccl'")
+    reason = get_backend(backend).unavailable(world_size)
+    if reason:
+        raise BackendUnavailable(reason)
 
 
 class WorkerGroup:
     """``world_size`` initialised ranks that run jobs one at a time (see module docstring)."""
 
     def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True):
+        """Start the ranks. ``preload``: modules each rank imports before it is ready (what the
+        jobs of a group this one replaces had imported, so its first job does not pay for them).
+        ``wait_ready=False`` returns once the processes are spawned; the first ``run`` (or
+        ``ensure_ready``) waits for them. Raises ``BackendUnavailable`` / ``ValueError`` before
+        anything starts, ``GroupStartError`` when the ranks cannot start."""
         check_backend(backend, world_size)
         self.world_size, self.backend = world_size, backend
         self.env = dict(env or {})
@@ -140,8 +158,27 @@ class WorkerGroup:
         self.diag_conns: List[Connection] = []
         self.tmpdir: Optional[str] = None
         self.closed = False
+        self.preload = list(preload)
+        #: modules the jobs imported on the ranks (from their probes and results): a
+        #: replacement group preloads them
+        self.job_modules: List[str] = []
+        self._ready = False
         self._job_id = 0
         self._start()
+        if wait_ready:
+            self.ensure_ready()
+
+    def ensure_ready(self) -> None:
+        """Wait until every rank is ready (no-op when it already is). Raises ``GroupStartError``
+        (the group is then closed)."""
+        if self._ready:
+            return
+        try:
+            self._await_ready()
+        except BaseException:
+            self.close(polite=False)
+            raise
+        self._ready = True
 
     # -- launch ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -163,7 +200,7 @@ class WorkerGroup:
                 parent_diag, child_diag = socket.socketpair()
                 cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,
                                  job_fd=child_job.fileno(), diag_fd=child_diag.fileno(), parent_pid=os.getpid(),
-                                 pg_timeout_s=PG_TIMEOUT_S)
+                                 pg_timeout_s=PG_TIMEOUT_S, preload=self.preload)
                 log = open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb")
                 proc = subprocess.Popen([sys.executable, "-m", RANK_MODULE, cfg.to_argv()], env=env,
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -177,7 +214,6 @@ class WorkerGroup:
                 self.pidfds.append(os.pidfd_open(proc.pid))
                 self.job_conns.append(Connection(parent_job.detach()))
                 self.diag_conns.append(Connection(parent_diag.detach()))
-            self._await_ready()
         except BaseException:
             self.close()
             raise
@@ -199,17 +235,23 @@ class WorkerGroup:
                                           f"({self._exit_text(self.procs[r].poll())})\n" + self._logs_tail())
                 r = self.job_conns.index(obj)
                 msg = recv(obj)
-                assert msg[0] == "ready", msg
+                if not isinstance(msg, Ready):
+                    raise GroupStartError(f"rank {r} sent {msg!r} instead of Ready")
                 waiting.discard(r)
 
     # -- jobs --------------------------------------------------------------------------
     def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
-        """Run ``fn(*args, **kwargs)`` on every rank; never blocks past ``timeout`` + ~3 s.
+        """Run ``fn(*args, **kwargs)`` on every rank; returns a ``GroupResult``. Never blocks past
+        ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner.
 
-        Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then).
+        Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then). Anything that
+        interrupts the wait (KeyboardInterrupt, pytest-timeout's exception, any BaseException)
+        ends the group before it propagates: the ranks may still be in the job, and a group
+        left so would hand its stale result to the next job.
         """
         if self.closed:
             raise RuntimeError("worker group is closed")
+        self.ensure_ready()
         try:
             payload = pickle.dumps((fn, args, kwargs or {}))
         except Exception as e:
@@ -217,25 +259,54 @@ class WorkerGroup:
                                    "Job functions must be importable module-level functions with picklable "
                                    "arguments.") from e
         self._job_id += 1
+        try:
+            return self._run(payload, timeout)
+        except BaseException:
+            self.close(polite=False)
+            raise
+
+    def _run(self, payload: bytes, timeout: float) -> GroupResult:
+        job_id = self._job_id
         t0 = time.monotonic()
         for c in self.job_conns:
-            send(c, ("job", self._job_id, payload))
+            send(c, Job(job_id, payload))
         results: Dict[int, JobResult] = {}
         crashed: Dict[int, int] = {}
         deadline = t0 + timeout
         first_error: Optional[float] = None
+        proven: Optional[str] = None
         sentinels = {fd: r for r, fd in enumerate(self.pidfds)}
+        diag_rank = {c: r for r, c in enumerate(self.diag_conns)}
+        watch = DeadlockWatch(self.world_size, job_id) if self.world_size > 1 else None
+        next_probe = t0 + PROBE_AFTER_S
+        probing: set = set()  # ranks whose answer to the current probe round is outstanding
         while len(results) < self.world_size and not crashed:
+            now = time.monotonic()
             until = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
-            left = until - time.monotonic()
-            if left <= 0:
+            if until - now <= 0:
                 break
+            if watch is not None and first_error is None and not probing and now >= next_probe:
+                probing = self._send_probes(job_id)
+                next_probe = now + PROBE_EVERY_S
+            wake = until if probing or watch is None else min(until, next_probe)
             pending = [self.job_conns[r] for r in range(self.world_size) if r not in results]
-            for obj in wait(pending + list(sentinels), timeout=left):
+            probes = [self.diag_conns[r] for r in probing]
+            for obj in wait(pending + list(sentinels) + probes, timeout=max(0.0, wake - now)):
                 if obj in sentinels:
                     r = sentinels[obj]
                     if r not in results:
                         crashed[r] = self.procs[r].wait()
+                    continue
+                if obj in diag_rank:
+                    r = diag_rank[obj]
+                    probing.discard(r)
+                    try:
+                        msg = recv(obj)
+                    except (EOFError, OSError):
+                        continue  # the rank is dying: its sentinel says how
+                    if isinstance(msg, Probe):
+                        watch.update(msg)
+                        self._note_modules(msg.modules)
                     continue
                 r = self.job_conns.index(obj)
                 try:
@@ -243,10 +314,17 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     crashed[r] = self.procs[r].wait()
                     continue
-                res = msg[2]
-                results[r] = res
-                if not res.ok and first_error is None:
+                if not isinstance(msg, Result) or msg.job_id != job_id:
+                    continue  # never another job's result
+                results[r] = msg.result
+                self._note_modules(msg.result.modules)
+                if not msg.result.ok and first_error is None:
                     first_error = time.monotonic()
+            if watch is not None and not probing and first_error is None and not crashed:
+                proven = watch.check(set(results), time.monotonic())
+                if proven:
+                    break
+        self._drain_probes(probing)
         running = [r for r in range(self.world_size) if r not in results and r not in crashed]
         out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)
         if crashed:
@@ -254,13 +332,74 @@ class WorkerGroup:
         elif running and first_error is not None:
             self._finish_error_with_stuck(out, running)
         elif running:
-            self._finish_hang(out, running, timeout)
+            self._finish_hang(out, running, timeout, proven=proven, after=time.monotonic() - t0)
         elif any(not res.ok for res in results.values()):
             self._finish_raised(out)
         if any(res.dirty for res in results.values()):
             self.close()
         out.seconds = time.monotonic() - t0
         return out
+
+    def _recover(self, running: List[int]) -> bool:
+        """Abort every rank's process group (``Abort``), collect the stuck ranks' results of the
+        aborted job, have every rank create a fresh group (``Renew``) and wait for ``Ready``.
+        Returns True when every rank is ready within ``RECOVER_TIMEOUT_S``; False otherwise (the
+        caller then ends the group)."""
+        self._generation = getattr(self, "_generation", 0) + 1
+        try:
+            for c in self.diag_conns:
+                send(c, Abort())
+            for c in self.job_conns:
+                send(c, Renew(self._generation))
+        except OSError:
+            return False
+        waiting = set(range(self.world_size))
+        sentinels = set(self.pidfds)
+        deadline = time.monotonic() + RECOVER_TIMEOUT_S
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for obj in wait([self.job_conns[r] for r in waiting] + list(sentinels), timeout=left):
+                if obj in sentinels:
+                    return False  # a rank died: nothing to keep
+                try:
+                    msg = recv(obj)
+                except (EOFError, OSError):
+                    return False
+                if isinstance(msg, Ready):
+                    waiting.discard(self.job_conns.index(obj))
+                # a Result here is the aborted job's: its error is the abort's, not news
+        return True
+
+    def _note_modules(self, names: List[str]) -> None:
+        if names and len(names) > len(self.job_modules):
+            self.job_modules = list(names)
+
+    def _send_probes(self, job_id: int) -> set:
+        """Ask every rank for a ``Probe``; returns the ranks asked."""
+        asked = set()
+        for r, c in enumerate(self.diag_conns):
+            try:
+                send(c, ProbeRequest(job_id))
+                asked.add(r)
+            except OSError:
+                pass
+        return asked
+
+    def _drain_probes(self, probing: set) -> None:
+        """Read the answers to a probe round still in flight, so that the next message on a
+        diagnosis channel is the answer to the next request (ranks answer within milliseconds;
+        one that does not is in trouble, and its group is being ended anyway)."""
+        conns = {self.diag_conns[r]: r for r in probing}
+        deadline = time.monotonic() + DUMP_TIMEOUT_S
+        while conns and time.monotonic() < deadline:
+            for c in wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+                conns.pop(c)
+                try:
+                    recv(c)
+                except (EOFError, OSError):
+                    pass
 
     # -- verdicts ----------------------------------------------------------------------
     def _finish_raised(self, out: GroupResult) -> None:
@@ -288,24 +427,39 @@ class WorkerGroup:
                               if dumps else "")
         self.close(polite=False)
 
-    def _finish_hang(self, out: GroupResult, running: List[int], timeout: float) -> None:
+    def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
+                     after: float = 0.0) -> None:
         dumps, unresponsive = self.dump(list(range(self.world_size)))
         report = diagnose.hang_report(dumps, running, unresponsive)
         div = diagnose.find_divergence(dumps)
         out.status, out.diagnosis = "hang", "deadlock"
-        head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
+        if proven:
+            head = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: rank(s) {running} "
+                    f"can never finish ({proven})")
+            report = f"deadlock proven after {after:.1f} s: {proven}.\n" + report
+        else:
+            head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
         out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
         sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
         if sites:
             out.message += f" ({sites})"
-        analysis = diagnose.torch_analysis(dumps)
+        analysis = diagnose.torch_analysis(dumps, self.world_size)
         if analysis:
             report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis
         out.details = report + "\n" + diagnose.format_stacks(dumps)
         keep = os.environ.get("DPFSDP_VERIFY_FR_DIR")
         if keep:
-            out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"))
-        self.close(polite=False)
+            out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"),
+                                                        world_size=self.world_size)
+        # a proven deadlock has every stuck rank blocked in a collective: aborting the process
+        # group frees them, and the warm ranks are kept (no restart). A deadline hang may have a
+        # rank stuck anywhere: end the group.
+        if proven and self._recover(running):
+            out.recovered = True
+            out.details += ("\n(the ranks' process group was aborted and renewed; the warm ranks were kept for the "
+                            "next job)")
+        else:
+            self.close(polite=False)
 
     # -- diagnosis ---------------------------------------------------------------------
     def dump(self, ranks: List[int]):
@@ -313,7 +467,7 @@ class WorkerGroup:
         asked = {}
         for r in ranks:
             try:
-                send(self.diag_conns[r], ("dump",))
+                send(self.diag_conns[r], DumpRequest())
                 asked[self.diag_conns[r]] = r
             except OSError:
                 pass
@@ -321,11 +475,13 @@ class WorkerGroup:
         deadline = time.monotonic() + DUMP_TIMEOUT_S
         while asked and time.monotonic() < deadline:
             for c in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
-                r = asked.pop(c)
                 try:
-                    dumps[r] = recv(c)[1]
+                    msg = recv(c)
                 except (EOFError, OSError):
-                    pass
+                    asked.pop(c)
+                    continue
+                if isinstance(msg, Dump):  # a late Probe answer is skipped; keep waiting
+                    dumps[asked.pop(c)] = msg.dump
         return dumps, sorted(set(ranks) - set(dumps))
 
     def _exit_text(self, code: Optional[int]) -> str:
@@ -360,7 +516,7 @@ class WorkerGroup:
         if polite:
             for c in self.job_conns:
                 try:
-                    send(c, ("stop",))
+                    send(c, Stop())
                 except OSError:
                     pass
             _wait_all(self.procs, 2.0)

@@ -8,6 +8,12 @@ Jobs that need environment variables at process start (e.g. ``OPACUS_USE_DEFERRE
 their own group. At most ``max_groups`` groups are kept warm (least recently used is closed).
 ``reuse=False`` gives a fresh group per job (how ``mp.spawn``-style harnesses work; used by the
 benchmark and for isolation).
+
+A proven deadlock usually keeps its group (``GroupResult.recovered``). A crash or a deadline hang
+costs a group restart (seconds of ``import torch`` + rendezvous), so for a key that has already
+lost a group the pool starts a replacement (``spares=True``) as soon as its next job starts: if
+that job fails too, the next one finds its ranks (nearly) ready. A replacement preloads the
+modules its predecessor's jobs had imported (opacus...).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .group import GroupResult, WorkerGroup, check_backend
+from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
 
 Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
 
@@ -28,51 +34,94 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class Pool:
-    def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0):
+    def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0, spares: bool = True):
         self.max_groups = max_groups
         self.reuse = reuse
         self.start_timeout = start_timeout
+        self.spares_enabled = spares and reuse
         self.groups: "OrderedDict[Key, WorkerGroup]" = OrderedDict()
+        #: replacement groups being started, by key (not counted in ``max_groups``)
+        self.spares: Dict[Key, WorkerGroup] = {}
+        #: keys whose group was ended by a failed job: their next job gets a spare at once
+        self._lost: set = set()
         #: pid of every rank this pool ever started, including groups ended after a hang or crash:
         #: what a test checks to prove nothing was left behind
         self.started_pids: List[int] = []
         self._lock = threading.Lock()
 
+    @staticmethod
+    def key(world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> Key:
+        return (world_size, backend, tuple(sorted((env or {}).items())))
+
     def group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
-        """A live group for the key, starting one (and closing the least recently used) if needed."""
+        """A live group for the key, starting one (and closing the least recently used) if needed;
+        a spare started for the key is used first. Raises what ``WorkerGroup`` raises."""
         check_backend(backend, world_size)
-        key: Key = (world_size, backend, tuple(sorted((env or {}).items())))
+        key = self.key(world_size, backend, env)
         g = self.groups.get(key)
         if g is not None and not g.closed:
             self.groups.move_to_end(key)
             return g
+        if g is not None:
+            self._lost.add(key)
         self.groups.pop(key, None)
         while len(self.groups) >= self.max_groups:
             _, old = self.groups.popitem(last=False)
             old.close()
-        g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout)
-        self.started_pids += g.pids()
+        g = self.spares.pop(key, None)
+        if g is not None:
+            try:
+                g.ensure_ready()
+            except GroupStartError:  # the spare failed to start: start one the plain way
+                g = None
+        if g is None or g.closed:
+            g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout)
+            self.started_pids += g.pids()
         self.groups[key] = g
         return g
+
+    def _start_spare(self, key: Key, preload) -> None:
+        """Spawn (without waiting for it) a replacement group for ``key``, if none is pending."""
+        spare = self.spares.get(key)
+        if spare is not None and not spare.closed:
+            return
+        world_size, backend, env = key[0], key[1], dict(key[2])
+        try:
+            spare = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload,
+                                wait_ready=False)
+        except Exception:  # no spare then: the next job starts its group as before
+            return
+        self.started_pids += spare.pids()
+        self.spares[key] = spare
 
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
             env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> GroupResult:
         """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` group; see ``WorkerGroup.run``."""
         with self._lock:
             g = self.group(world_size, backend, env)
+            key = self.key(world_size, backend, env)
+            if self.spares_enabled and key in self._lost:
+                self._start_spare(key, g.job_modules or g.preload)
             try:
-                return g.run(fn, args, kwargs, timeout=timeout)
+                res = g.run(fn, args, kwargs, timeout=timeout)
             finally:
                 if not self.reuse:
                     g.close()
+            if g.closed and self.reuse:
+                self._lost.add(key)
+            return res
 
     def close(self) -> None:
         with self._lock:
             while self.groups:
                 self.groups.popitem()[1].close()
+            while self.spares:
+                self.spares.popitem()[1].close()
 
     def pids(self):
-        return [pid for g in self.groups.values() if not g.closed for pid in g.pids()]
+        """pids of the live groups' and spares' ranks."""
+        live = list(self.groups.values()) + list(self.spares.values())
+        return [pid for g in live if not g.closed for pid in g.pids()]
 
     def __enter__(self):
         return self

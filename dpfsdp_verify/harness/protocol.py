@@ -1,17 +1,26 @@
 """The tiny protocol between the parent (``group.py``) and each rank (``rank.py``).
 
 Each rank is a child process holding two ``multiprocessing.connection.Connection`` ends of
-``socket.socketpair()``s inherited from the parent — no TCP port, no socket file:
+``socket.socketpair()``s inherited from the parent — no TCP port, no socket file. Every message
+is one of the small dataclasses below (pickled with ``send``/``recv``):
 
 * the **job channel**, read by the rank's main thread:
-    parent -> rank  ``("job", job_id, payload)``  payload = ``pickle.dumps((fn, args, kwargs))``
-    parent -> rank  ``("stop",)``                 destroy the process group and exit 0
-    rank -> parent  ``("ready", rank, pid)``      once, after ``init_process_group``
-    rank -> parent  ``("result", job_id, JobResult)``
+    parent -> rank  ``Job(job_id, payload)``   payload = ``pickle.dumps((fn, args, kwargs))``
+    parent -> rank  ``Stop()``                 destroy the process group and exit 0
+    rank -> parent  ``Ready(rank, pid)``       once, after ``init_process_group``
+    rank -> parent  ``Result(job_id, result)`` result: a ``JobResult``
+    parent -> rank  ``Renew(generation)``      after an ``Abort``: create a fresh process group
+                                               (store prefix ``renew<generation>/``), then
+                                               ``Ready`` again
 * the **diagnosis channel**, read by a daemon thread in the rank so that it answers while the
   main thread is blocked in a collective or spinning in Python:
-    parent -> rank  ``("dump",)``
-    rank -> parent  ``("dump", RankDump)``
+    parent -> rank  ``ProbeRequest()``  cheap, polled while a job runs (no stacks)
+    rank -> parent  ``Probe(...)``      job state + last flight-recorder entry per process group
+    parent -> rank  ``DumpRequest()``   the full picture, for a verdict's report
+    rank -> parent  ``Dump(dump)``      dump: a ``RankDump`` (stacks + flight-recorder trace)
+    parent -> rank  ``Abort()``         free the main thread from a blocked collective (no answer;
+                                        ``Backend.free_blocked``: gloo's connections are shut
+                                        down, NCCL's communicator aborted)
 
 EOF on either channel means the parent is gone: the rank exits at once (it also has
 ``PR_SET_PDEATHSIG``), so a killed pytest/xdist worker leaves no orphans.
@@ -24,7 +33,7 @@ import json
 import pickle
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 #: Rank-side settings passed as argv[1] (JSON): see ``RankConfig``.
 RANK_MODULE = "dpfsdp_verify.harness.rank"
@@ -40,6 +49,8 @@ class RankConfig:
     diag_fd: int
     parent_pid: int
     pg_timeout_s: float
+    #: modules to import before Ready (see ``WorkerGroup(preload=...)``)
+    preload: List[str] = field(default_factory=list)
 
     def to_argv(self) -> str:
         return json.dumps(self.__dict__)
@@ -68,6 +79,12 @@ class JobResult:
     seconds: float = 0.0
     #: True when the job left the rank unusable for another job (it destroyed the process group).
     dirty: bool = False
+    #: What the job wrote to sys.stdout / sys.stderr on this rank (the tail, when long).
+    stdout: str = ""
+    stderr: str = ""
+    #: installed-package modules imported on this rank since it started (what a replacement
+    #: group preloads)
+    modules: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +102,80 @@ class RankDump:
     main_frames: List[tuple] = field(default_factory=list)        # (file, line, function) innermost last
     flight_recorder: Optional[dict] = None
     flight_recorder_error: Optional[str] = None
+
+
+# -- messages ------------------------------------------------------------------------------
+@dataclass
+class Job:
+    job_id: int
+    payload: bytes
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Ready:
+    rank: int
+    pid: int
+
+
+@dataclass
+class Result:
+    job_id: int
+    result: JobResult
+
+
+@dataclass
+class Renew:
+    generation: int
+
+
+@dataclass
+class Abort:
+    pass
+
+
+@dataclass
+class DumpRequest:
+    pass
+
+
+@dataclass
+class Dump:
+    dump: RankDump
+
+
+@dataclass
+class ProbeRequest:
+    job_id: int   # echoed in the answer, so a late answer is never taken for the next job's
+
+
+@dataclass
+class Probe:
+    """A rank's answer to ``ProbeRequest``.
+
+    ``running``: the job the rank's main thread is in (``None``: idle). ``done``: the newest job
+    whose ``Result`` the rank has already sent (so ``done >= job_id`` proves the rank finished
+    that job). ``recent``: per process group (the recorder's group name, ``"0"`` = the default
+    group), the newest flight-recorder entries this rank issued, ``{seq_id: (op, sizes)}`` e.g.
+    ``{3: ("gloo:all_reduce", "[[5]]")}``. ``error``: why there is no trace (recorder off...), in which case ``recent`` is
+    empty and nothing can be proven from it."""
+
+    rank: int
+    job_id: int
+    running: Optional[int] = None
+    done: int = 0
+    recent: Dict[str, Dict[int, Tuple[str, str]]] = field(default_factory=dict)
+    error: Optional[str] = None
+    modules: List[str] = field(default_factory=list)   # as ``JobResult.modules``
+
+    def last(self, pg: str) -> Optional[int]:
+        """The newest sequence id this rank issued in group ``pg`` (``None``: none recorded)."""
+        seqs = self.recent.get(pg)
+        return max(seqs) if seqs else None
 
 
 def _tensor_from_numpy(array):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
+import io
 import os
 import pickle
 import random
@@ -21,10 +23,66 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from .protocol import JobError, JobResult, RankConfig, RankDump, recv, send
+from .backends import get_backend
+from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
+                       RankDump, Ready, Renew, Result, Stop, recv, send)
 
 #: Every job starts from these seeds on every rank.
 JOB_SEED = 0
+#: Most output a job's result carries back per stream (the tail is kept).
+CAPTURE_LIMIT = 64 * 1024
+
+#: The job the main thread is running (``None`` between jobs). Set before a job starts, cleared
+#: only after its ``Result`` is sent, so a probe that reads ``None`` proves the result is on its
+#: way to the parent. Written by the main thread, read by the diagnosis thread (a plain
+#: attribute read/write is atomic under the GIL).
+_current_job = None
+#: The newest job whose ``Result`` was sent (0: none yet).
+_last_done = 0
+#: Whether dumps carry the recorder's per-entry C++/Python stack traces. The first such dump in a
+#: process costs ~1.8 s of CPU (symbolizer start-up; measured on torch 2.13 + gloo, 2 cores) --
+#: paid at every group start, or at every verdict -- while the report's call sites come from the
+#: ranks' own Python stacks. Kept only when the raw traces are kept for a human
+#: (DPFSDP_VERIFY_FR_DIR).
+_FR_STACKS = bool(os.environ.get("DPFSDP_VERIFY_FR_DIR"))
+#: Flight-recorder entries up to this ``record_id`` belong to a process group that was aborted
+#: and renewed (the new group reuses its name and restarts its sequence ids): probes and dumps
+#: leave them out.
+_fr_floor = -1
+#: Flight-recorder entries per process group a probe carries (the newest).
+PROBE_ENTRIES = 16
+#: Modules loaded when the rank became ready; see ``installed_modules``.
+_startup_modules: frozenset = frozenset()
+_installed_cache: tuple = (0, [])
+
+
+def installed_modules() -> list:
+    """Modules of installed packages (site-packages) imported since the rank became ready, by
+    name: what a replacement group preloads so that its first job does not import them again.
+    Test modules and the project's own sources are left out (they are imported by the job, e.g.
+    with pytest's assertion rewriting)."""
+    global _installed_cache
+    n = len(sys.modules)
+    if n == _installed_cache[0]:
+        return _installed_cache[1]
+    out = []
+    for name, mod in list(sys.modules.items()):
+        if name in _startup_modules:
+            continue
+        path = getattr(mod, "__file__", None) or ""
+        if ("site-packages" + os.sep) in path or ("dist-packages" + os.sep) in path:
+            out.append(name)
+    _installed_cache = (n, out)
+    return out
+
+
+def _preload(names) -> None:
+    """Import ``names`` (a failing one is skipped: the job will meet the error itself)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):
+            pass
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -46,6 +104,14 @@ def _frames_of(frame) -> list:
     return out
 
 
+def _current_entries(fr: dict) -> dict:
+    """The trace without the entries of process groups aborted before (see ``_fr_floor``)."""
+    if _fr_floor >= 0 and fr.get("entries"):
+        fr = dict(fr)
+        fr["entries"] = [e for e in fr["entries"] if e.get("record_id", 0) > _fr_floor]
+    return fr
+
+
 def dump_state(rank: int) -> RankDump:
     """Stacks of every thread and the flight-recorder trace of this process."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -61,28 +127,91 @@ def dump_state(rank: int) -> RankDump:
     try:
         import torch
 
-        raw = torch._C._distributed_c10d._dump_fr_trace()
-        dump.flight_recorder = pickle.loads(raw)
+        raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)
+        dump.flight_recorder = _current_entries(pickle.loads(raw))
     except Exception as e:  # older torch, or recorder off: degrade to stacks only
         dump.flight_recorder_error = f"{type(e).__name__}: {e}"
     return dump
 
 
-def _serve_dumps(conn: Connection, rank: int) -> None:
+def probe_state(rank: int, job_id: int) -> Probe:
+    """The cheap answer to ``ProbeRequest``: job state and the newest flight-recorder entries per
+    process group. No stacks: the recorder is dumped without its per-entry stack traces."""
+    # read the job state BEFORE the trace: a rank seen "done" cannot have issued anything after
+    probe = Probe(rank=rank, job_id=job_id, running=_current_job, done=_last_done, modules=installed_modules())
+    try:
+        import torch
+
+        fr = _current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
+    except Exception as e:  # recorder off or older torch: the parent then waits for the deadline
+        probe.error = f"{type(e).__name__}: {e}"
+        return probe
+    for e in fr.get("entries", []):
+        seq = e.get("collective_seq_id", -1)
+        if seq is None or seq < 0 or e.get("is_p2p", False):
+            continue
+        pg = e.get("process_group")
+        key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
+        probe.recent.setdefault(key, {})[seq] = (str(e.get("profiling_name", "?")), str(e.get("input_sizes")))
+    for key, seqs in probe.recent.items():  # keep the message small: the newest few per group
+        if len(seqs) > PROBE_ENTRIES:
+            probe.recent[key] = {s: seqs[s] for s in sorted(seqs)[-PROBE_ENTRIES:]}
+    return probe
+
+
+def _serve_dumps(conn: Connection, rank: int, backend: str) -> None:
     while True:
         try:
             msg = recv(conn)
         except (EOFError, OSError):
             os._exit(0)  # parent gone
-        if msg[0] == "dump":
+        if isinstance(msg, ProbeRequest):
             try:
-                dump = dump_state(rank)
-            except Exception:  # never leave the parent waiting: say what went wrong
-                dump = RankDump(rank=rank, pid=os.getpid(), flight_recorder_error=f"dump failed: {traceback.format_exc()}")
-            try:
-                send(conn, ("dump", dump))
+                reply = probe_state(rank, msg.job_id)
             except Exception:
-                os._exit(0)
+                reply = Probe(rank=rank, job_id=msg.job_id, running=_current_job, done=_last_done,
+                              error=traceback.format_exc())
+        elif isinstance(msg, Abort):
+            try:
+                get_backend(backend).free_blocked()
+            except Exception:  # the parent's timeout then ends the group
+                pass
+            continue
+        elif isinstance(msg, DumpRequest):
+            try:
+                reply = Dump(dump_state(rank))
+            except Exception:  # never leave the parent waiting: say what went wrong
+                reply = Dump(RankDump(rank=rank, pid=os.getpid(),
+                                      flight_recorder_error=f"dump failed: {traceback.format_exc()}"))
+        else:
+            continue
+        try:
+            send(conn, reply)
+        except Exception:
+            os._exit(0)
+
+
+def _renew_group(cfg: RankConfig, store, generation: int) -> None:
+    """A fresh default process group after an abort, on its own store prefix (the aborted
+    group's keys must not be read by the new one's rendezvous); its flight-recorder entries are
+    told apart from the aborted group's by ``_fr_floor``."""
+    global _fr_floor
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    try:
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
+        _fr_floor = max((e.get("record_id", 0) for e in entries), default=_fr_floor)
+    except Exception:
+        pass
+    dist.init_process_group(cfg.backend, store=dist.PrefixStore(f"renew{generation}/", store), rank=cfg.rank,
+                            world_size=cfg.world_size, timeout=timedelta(seconds=cfg.pg_timeout_s))
+    dist.barrier()
 
 
 def _reset_job_state(env_snapshot: dict) -> None:
@@ -99,10 +228,44 @@ def _reset_job_state(env_snapshot: dict) -> None:
     torch.set_grad_enabled(True)
 
 
+class _Tee(io.TextIOBase):
+    """Writes go to the rank's log (the crash-report tail reads it) and to a per-job buffer
+    (returned with the job's result, shown beside a failing test)."""
+
+    def __init__(self, stream):
+        self.stream, self.buffer_ = stream, io.StringIO()
+
+    def write(self, text):
+        self.buffer_.write(text)
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def isatty(self):
+        return False
+
+    def fileno(self):  # code that writes to the fd directly still reaches the log
+        return self.stream.fileno()
+
+    def captured(self) -> str:
+        text = self.buffer_.getvalue()
+        return text[-CAPTURE_LIMIT:]
+
+
 def _run_job(rank: int, payload: bytes) -> JobResult:
+    """Run one job; returns its ``JobResult`` (value or error, seconds, captured stdout/stderr)."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
+    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    sys.stdout, sys.stderr = out, err
     try:
         fn, args, kwargs = pickle.loads(payload)
         value = fn(*args, **kwargs)
@@ -110,6 +273,12 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
         result = JobResult(rank=rank, value=value)
     except BaseException as e:  # a job's SystemExit/KeyboardInterrupt is a job failure too
         result = JobResult(rank=rank, error=JobError(type(e).__name__, str(e), traceback.format_exc()))
+    finally:
+        sys.stdout, sys.stderr = out.stream, err.stream
+        out.flush()
+        err.flush()
+    result.stdout, result.stderr = out.captured(), err.captured()
+    result.modules = installed_modules()
     result.seconds = time.perf_counter() - t0
     result.dirty = not dist.is_initialized()
     return result
@@ -120,41 +289,56 @@ def main(argv=None) -> None:
     _die_with_parent(cfg.parent_pid)
     job_conn = Connection(cfg.job_fd)
     diag_conn = Connection(cfg.diag_fd)
-    threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank), name="dpfsdp-diagnosis",
+    threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank, cfg.backend), name="dpfsdp-diagnosis",
                      daemon=True).start()
 
     import torch
     import torch.distributed as dist
 
-    if cfg.backend == "nccl":
-        torch.cuda.set_device(cfg.rank % torch.cuda.device_count())
+    get_backend(cfg.backend).setup_rank(cfg.rank)
     store = dist.FileStore(cfg.store_path, cfg.world_size)
     dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=cfg.pg_timeout_s))
-    # Warm the dump path so a dump during a hang answers at once: the recorder's first dump
-    # after a recorded collective costs ~1 s (one-time init), measured on torch 2.13 + gloo.
     dist.barrier()
-    dump_state(cfg.rank)
+    if _FR_STACKS:
+        # warm the dump path so a dump during a hang answers at once (see _FR_STACKS)
+        dump_state(cfg.rank)
+    global _startup_modules
+    _startup_modules = frozenset(sys.modules)
+    _preload(cfg.preload)
     env_snapshot = dict(os.environ)
     gc.collect()
     gc.freeze()
-    send(job_conn, ("ready", cfg.rank, os.getpid()))
+    send(job_conn, Ready(cfg.rank, os.getpid()))
+    global _current_job, _last_done
     while True:
         try:
             msg = recv(job_conn)
         except (EOFError, OSError):
             os._exit(0)
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             break
-        _, job_id, payload = msg
+        if isinstance(msg, Renew):
+            try:
+                _renew_group(cfg, store, msg.generation)
+            except Exception:  # the parent times out waiting for Ready and ends the group
+                traceback.print_exc()
+                continue
+            send(job_conn, Ready(cfg.rank, os.getpid()))
+            continue
+        if not isinstance(msg, Job):
+            continue
         _reset_job_state(env_snapshot)
-        result = _run_job(cfg.rank, payload)
+        _current_job = msg.job_id
+        result = _run_job(cfg.rank, msg.payload)
         try:
-            send(job_conn, ("result", job_id, result))
+            send(job_conn, Result(msg.job_id, result))
         except Exception as e:  # e.g. an unpicklable exception object
-            send(job_conn, ("result", job_id, JobResult(
+            send(job_conn, Result(msg.job_id, JobResult(
                 rank=cfg.rank, error=JobError(type(e).__name__, f"could not send result: {e}", ""),
                 seconds=result.seconds, dirty=True)))
+        _last_done = msg.job_id  # before clearing _current_job: a probe never sees neither
+        _current_job = None
         # Free the job's cycles (FSDP modules, hooks) off the critical path, then freeze what
         # survives (modules the job imported, e.g. opacus): a full collect over them took
         # 100-200 ms per job; frozen, the next collect scans only the next job's objects.

@@ -1,0 +1,129 @@
+"""The process-group backends the harness knows, as data: one table read by every place that
+used to know "gloo" and "nccl" by name (group launch, rank setup, the CLI's ``--backend``, the
+pytest plugin's torchrun mode).
+
+A ``Backend`` says whether it can give ``world_size`` ranks here (``unavailable(world_size)``
+returns the reason it cannot, or ``None``), which device a rank uses, what a rank must do
+before ``init_process_group`` (``setup_rank``, e.g. ``torch.cuda.set_device``), and how a rank
+frees a collective it is blocked in (``free_blocked``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+
+def _gloo_unavailable(world_size: int) -> Optional[str]:
+    import torch.distributed as dist
+
+    if not dist.is_gloo_available():
+        return "backend 'gloo' is not built into this torch"
+    return None
+
+
+def _nccl_unavailable(world_size: int) -> Optional[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "backend 'nccl' needs CUDA GPUs; none is available on this machine"
+    n = torch.cuda.device_count()
+    if n < world_size:
+        return f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) visible"
+    return None
+
+
+def _close_tcp_connections() -> int:
+    """Shut down every connected TCP socket of this process (not listeners: gloo aborts the
+    process when its listener fails): with gloo those are the process groups' pairs, and a
+    collective blocked on one raises "Connection closed by peer" -- on this rank and on its
+    peers. ``_abort_process_group`` does not free a blocked gloo collective (measured, torch
+    2.13). Returns how many sockets were shut down."""
+    import socket
+
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if (s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                    and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # the dup only; shutdown already reached the shared socket
+    return n
+
+
+def _abort_default_group() -> int:
+    import torch.distributed as dist
+
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:
+        return 0
+    return 1
+
+
+def _cuda_device(local_rank: int) -> str:
+    import torch
+
+    return f"cuda:{local_rank % torch.cuda.device_count()}"
+
+
+def _cuda_setup(local_rank: int) -> None:
+    import torch
+
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    #: ``unavailable(world_size)`` -> the reason this backend cannot give that many ranks, or None
+    unavailable: Callable[[int], Optional[str]]
+    #: ``device(local_rank)`` -> the torch device string a rank computes on
+    device: Callable[[int], str]
+    #: ``setup_rank(local_rank)``: what a rank does before ``init_process_group``
+    setup_rank: Callable[[int], None]
+    #: ``free_blocked()``, called from a rank's diagnosis thread: make a collective the main thread
+    #: is blocked in raise (after a proven deadlock, so that the rank can be reused)
+    free_blocked: Callable[[], int]
+    description: str = ""
+
+
+BACKENDS: Dict[str, Backend] = {
+    b.name: b for b in (
+        Backend("gloo", _gloo_unavailable, lambda local_rank: "cpu", lambda local_rank: None, _close_tcp_connections,
+                "gloo (CPU)"),
+        Backend("nccl", _nccl_unavailable, _cuda_device, _cuda_setup, _abort_default_group, "nccl (one GPU per rank)"),
+    )
+}
+
+#: ``--backend`` choices, in the order they are documented.
+NAMES = tuple(BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The table entry for ``name``. Raises ``ValueError`` naming the known backends."""
+    try:
+        return BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown backend {name!r}; choose " + " or ".join(repr(n) for n in NAMES)) from None
+
+
+def preferred_backend() -> str:
+    """The first backend of the table that can give one rank here (nccl on a GPU box, else gloo):
+    what a torchrun job uses when nothing says otherwise."""
+    for name in ("nccl", "gloo"):
+        if BACKENDS[name].unavailable(1) is None:
+            return name
+    return "gloo"

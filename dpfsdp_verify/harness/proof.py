@@ -1,0 +1,117 @@
+"""Proving a deadlock before the deadline, from the ranks' probes (parent side).
+
+While a job runs, the parent polls every rank with a cheap ``ProbeRequest``; each answer
+(``protocol.Probe``) says whether the rank is still in the job and which collectives it issued
+last, per process group (the flight recorder's ``collective_seq_id`` and op/sizes). A gloo
+collective completes only once *every* member of its group has issued it, and with gloo the
+recorder leaves entries ``scheduled`` after they complete, so nothing here reads ``state``:
+the proof is about sequence ids and ops only.
+
+In the default process group (whose members are all ranks) the pending collectives can never
+complete when, and the watch only then says so:
+
+* **a finished peer**: rank ``r`` is in the job and issued collective ``#s``, while a rank ``p``
+  has finished the job (its result is sent) having issued only up to ``#s' < s``: ``p`` will
+  never issue ``#s``, so ``r`` waits forever;
+* **mismatched collectives**: two ranks still in the job issued different ops under the same
+  sequence id, the newest of at least one of them (or the same op with different sizes, for ops
+  whose sizes must agree on every rank: all_reduce, all_gather, reduce_scatter, broadcast,
+  barrier -- not gather/scatter/all_to_all, whose sizes legitimately differ): it waits for a
+  partner that will never come (the other rank used that sequence id for something else).
+
+and, in both cases, no rank's probe has changed for ``QUIET_S``. A rank that is merely slow
+(computing, sleeping, in a long Python loop between collectives) makes none of these true: its
+peers wait in a collective *it has not issued yet* while it is still in the job -- that is
+never a proof, and such a job runs to its deadline if it really never comes back.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Set, Tuple
+
+from .protocol import Probe
+
+#: Start probing once a job has run this long (most jobs finish before: they pay nothing).
+PROBE_AFTER_S = 1.0
+#: Between probe rounds.
+PROBE_EVERY_S = 0.25
+#: A proof must hold, with no rank's probe changing, for this long before it is a verdict.
+QUIET_S = 1.0
+#: The process group the proof is about: torch names the default (world) group "0".
+DEFAULT_PG = "0"
+#: Ops whose input sizes are the same on every rank of a correct program (the part after
+#: "gloo:"/"nccl:" in the recorder's profiling name).
+SIZE_MATCHED_OPS = frozenset({"all_reduce", "allreduce", "allreduce_coalesced", "all_gather", "allgather",
+                              "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
+                              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "broadcast",
+                              "barrier"})
+
+
+def same_collective(a: Tuple[str, str], b: Tuple[str, str]) -> bool:
+    """Whether two ranks' entries ``(op, sizes)`` under one sequence id can be the same collective."""
+    if a[0] != b[0]:
+        return False
+    return a[1] == b[1] or a[0].split(":")[-1] not in SIZE_MATCHED_OPS
+
+
+def _text(entry: Tuple[str, str]) -> str:
+    return f"{entry[0]} {entry[1]}"
+
+
+class DeadlockWatch:
+    """Collects one job's probes; ``check`` returns the proof sentence once one holds steadily."""
+
+    def __init__(self, world_size: int, job_id: int, quiet_s: float = QUIET_S):
+        self.world_size, self.job_id, self.quiet_s = world_size, job_id, quiet_s
+        self.latest: Dict[int, Probe] = {}
+        self._state = None
+        self._since = 0.0
+
+    def update(self, probe: Probe) -> None:
+        """Record a rank's answer (answers to another job's request are ignored)."""
+        if probe.job_id == self.job_id:
+            self.latest[probe.rank] = probe
+
+    def check(self, finished: Set[int], now: float) -> Optional[str]:
+        """The proof (one sentence) if the ranks' pending collectives can never complete and the
+        ranks' state has not changed for ``quiet_s``; else ``None``. ``finished``: ranks whose
+        result the parent already holds."""
+        if len(self.latest) < self.world_size or any(p.error for p in self.latest.values()):
+            return None
+        done = set(finished) | {r for r, p in self.latest.items() if p.done >= self.job_id}
+        state = tuple((r, r in done, tuple(sorted(p.recent.get(DEFAULT_PG, {}).items())))
+                      for r, p in sorted(self.latest.items()))
+        if state != self._state:
+            self._state, self._since = state, now
+            return None
+        if now - self._since < self.quiet_s:
+            return None
+        return stuck_reason(self.latest, done)
+
+
+def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
+    """Why the default group's pending collectives can never complete, or ``None`` if they might
+    (see the module docstring for the two cases)."""
+    running = sorted(r for r in probes if r not in done)
+    if not running:
+        return None
+    last = {r: probes[r].last(DEFAULT_PG) for r in probes}
+    for r in running:
+        if last[r] is None:
+            continue
+        for p in sorted(done):
+            if last[p] is None or last[p] < last[r]:
+                seen = f"after #{last[p]}" if last[p] is not None else "without issuing any collective"
+                op = _text(probes[r].recent[DEFAULT_PG][last[r]])
+                return (f"rank {r} waits in collective #{last[r]} ({op}), which rank {p} can never issue: "
+                        f"rank {p} finished the job {seen}")
+    for i, r in enumerate(running):
+        for q in running[i + 1:]:
+            mine, theirs = probes[r].recent.get(DEFAULT_PG, {}), probes[q].recent.get(DEFAULT_PG, {})
+            # only at a rank's newest entry: that is where it waits (an older mismatch that both
+            # ranks got past proves nothing about now)
+            for seq in sorted({last[r], last[q]} & set(mine) & set(theirs)):
+                if not same_collective(mine[seq], theirs[seq]):
+                    return (f"ranks {r} and {q} issued different collectives as #{seq} "
+                            f"(rank {r}: {_text(mine[seq])}; rank {q}: {_text(theirs[seq])}): neither can complete")
+    return None
