@@ -34,7 +34,11 @@ def reference_model(spec: RunSpec) -> torch.nn.Module:
 
 
 def reference_batch(spec: RunSpec, step: int = 0) -> models.Batch:
-    """The global batch of ``step`` in float64 (the reference always computes in float64)."""
+    """The global batch of ``step`` in float64 (the reference always computes in float64). For a
+    Poisson spec, the whole dataset (its step indices are dataset indices, whatever the step)."""
+    if spec.poisson:
+        return models.make_batch(spec.model, spec.dataset_size, spec.batch_seed, dtype=torch.float64,
+                                 **dict(spec.model_kwargs))
     return models.make_batch(spec.model, spec.global_batch_size, spec.batch_seed + step, dtype=torch.float64,
                              **dict(spec.model_kwargs))
 
@@ -143,6 +147,44 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
                                                          ("duplicated", dup)) if v]
                 return (f"rank {r}, step {k}: processed samples {got} but was given {want} ({'; '.join(parts)}): "
                         "the data path does not feed each rank the samples it was given")
+    return None
+
+
+def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]
+                    ) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with a Poisson run's data, as ``(diagnosis, message, evidence)``, or ``None``.
+    Indices are random, so they are checked for what Poisson sampling guarantees: every rank took
+    the same number of steps (``step_divergence``: evidence = each rank's step count and local
+    batch sizes), no more than asked for, every index is a dataset index, and no sample is in a
+    step twice, across all ranks (each sample's Bernoulli draw is made once) (``mismatch``)."""
+    counts = [len(o.steps) for o in outputs]
+    sizes = [[len(s.indices) for s in o.steps] for o in outputs]
+    brief = [x if len(x) <= 64 else f"{len(x)} steps, {sum(1 for b in x if b == 0)} empty, mean "
+             f"{sum(x) / max(1, len(x)):.3g}" for x in sizes]
+    evidence = {"step_counts": counts, "local_batch_sizes": brief}
+    if len(set(counts)) > 1:
+        return ("step_divergence", (
+            f"the ranks took different numbers of steps: {', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))} "
+            f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
+            "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
+            "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
+            "its Poisson mask from its own random stream and skips its empty local batches."), evidence)
+    if counts and counts[0] > spec.nominal_steps:
+        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.nominal_steps} are possible "
+                f"({spec.epochs} epoch(s) of {spec.steps_per_epoch})", evidence)
+    for k in range(counts[0] if counts else 0):
+        seen: Dict[int, int] = {}
+        for r, o in enumerate(outputs):
+            for i in o.steps[k].indices:
+                if not 0 <= i < spec.dataset_size:
+                    return ("mismatch", f"rank {r}, step {k}: drew index {i}, not a dataset index (0.."
+                            f"{spec.dataset_size - 1}): the data path feeds samples that are not in the dataset",
+                            evidence)
+                if i in seen:
+                    return ("mismatch", f"step {k}: sample {i} was processed by rank {seen[i]} and again by "
+                            f"rank {r}: each sample's inclusion must be one Bernoulli draw per step; a sample "
+                            "counted twice has twice the influence the clip bound allows", evidence)
+                seen[i] = r
     return None
 
 
