@@ -21,9 +21,11 @@ evidence):
 
 1. every rank took the same number of steps: else ``step_divergence`` (deterministic);
 2. ``correlated_sampling``: for each pair of ranks, the correlation of their local batch sizes
-   over steps (Fisher z); the dispersion of the global batch size, ``sum_t (B_t - Nq)^2 /
-   (N q (1-q))`` against chi^2_T two-sided (samples correlated within a step inflate it, fixed
-   batch sizes deflate it); the lag-1 autocorrelation of the batch size (draws reused across steps);
+   over steps (Fisher z); the dispersion of the global batch size around its mean, ``sum_t (B_t -
+   mean B)^2 / (N p (1-p))`` at the observed rate p, against chi^2_{T-1} two-sided (samples
+   correlated within a step inflate it, fixed batch sizes deflate it; measured at the observed
+   rate so that a wrong rate is not read as correlation); the lag-1 autocorrelation of the batch
+   size (draws reused across steps);
 3. ``wrong_sample_rate``: the total number of inclusions against Binomial(T N, q) (two-sided
    normal approximation; T N >= 16,000 here), and the per-sample inclusion counts against
    chi^2_N two-sided (some samples drawn more often than others, or each exactly once per epoch
@@ -117,13 +119,16 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                           f"ranks {a} and {b}: their local batch sizes are correlated (r = {r:.3f} over {t} steps; "
                           "0 expected): the ranks' Poisson draws are not independent -- e.g. every rank's sampler "
                           "seeded identically draws the same mask over its own shard of the data"))
-        disp = float(((batch - n * q) ** 2).sum() / (n * q * (1 - q)))
-        ratio = disp / t
-        tests.append(("correlated_sampling", "batch_size_dispersion", chi2_two_sided_p(disp, t),
+        # around the *observed* rate, so that a wrong rate (check 3) does not read as correlation
+        q_obs = float(batch.mean()) / n
+        var0 = n * q_obs * (1 - q_obs)
+        disp = float(((batch - batch.mean()) ** 2).sum() / var0) if var0 > 0 else float("nan")
+        ratio = disp / (t - 1) if t > 1 else float("nan")
+        tests.append(("correlated_sampling", "batch_size_dispersion", chi2_two_sided_p(disp, t - 1),
                       f"the global batch size varies {ratio:.3g}x as much as independent draws would (variance "
-                      f"{float(batch.var()):.4g} vs N q (1-q) = {n * q * (1 - q):.4g}): the samples' inclusions are "
-                      "not independent within a step" + (" (fixed-size batches are not Poisson sampling)"
-                                                         if ratio < 1 else "")))
+                      f"{float(batch.var()):.4g} vs N q (1-q) = {var0:.4g} at the observed rate): the samples' "
+                      "inclusions are not independent within a step" + (
+                          " (fixed-size batches are not Poisson sampling)" if ratio < 1 else "")))
         r, p = correlation_p(batch[:-1], batch[1:])
         tests.append(("correlated_sampling", "lag1_autocorrelation", p,
                       f"consecutive steps' batch sizes are correlated (r = {r:.3f}): draws are not independent "
@@ -138,9 +143,12 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if ws > 1 and abs(q_hat / q - ws) < 0.1 * ws:
         why = (f" = {q_hat / q:.3g}x q, about the world size: q looks computed from a rank's local loader "
                "(its shard of the dataset) instead of the global dataset")
-    elif q_hat > q:
-        why = (f" = {q_hat / q:.3g}x q: steps whose batch came out empty seem to be skipped (the accountant "
-               "counts the steps taken, each with rate q; per step taken the rate is higher)")
+    elif q_hat > q and t < spec.nominal_steps:
+        why = (f" = {q_hat / q:.3g}x q, and only {t} of the {spec.nominal_steps} nominal steps were taken: steps "
+               "whose batch came out empty are skipped (the accountant counts the steps taken, each with rate q; "
+               "per step taken the rate is higher)")
+    else:
+        why = f" = {q_hat / q:.3g}x q"
     tests.append(("wrong_sample_rate", "inclusion_rate", p_rate,
                   f"samples are included at rate {q_hat:.5g} per step over {t} steps, not the configured "
                   f"q = {q:.5g}{why}"))
