@@ -150,6 +150,16 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     return None
 
 
+def poisson_spec(spec: RunSpec, world_size: int, steps: int) -> RunSpec:
+    """``spec`` under Poisson sampling as a property's ``sampling="poisson"`` option runs it: a
+    dataset of ``8 * world_size`` samples, local batch 2 over a DistributedSampler (opacus derives
+    q = 1/4, expected batch 2 * world_size), ``same`` seeding, the first ``steps`` steps of one
+    epoch. Every rank stops after ``steps`` steps, so the ranks stay in lock-step whatever the
+    sampler does; the reference recomputes each step on the realised batch."""
+    return spec.with_(sampling="poisson", dataset_size=8 * world_size, sample_rate=0.25, epochs=1, seeding="same",
+                      steps=steps)
+
+
 def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]
                     ) -> Optional[Tuple[str, str, dict]]:
     """What is wrong with a Poisson run's data, as ``(diagnosis, message, evidence)``, or ``None``.
@@ -193,10 +203,10 @@ def fmt(x: float) -> str:
 
 
 def pick_clip_bound(spec: RunSpec) -> Optional[float]:
-    """C between the two middle reference norms of step 0's global batch (some samples clipped,
-    some not: a missing ``min(1, .)`` or a wrong norm both show); ``None`` if they tie or the
-    batch has fewer than two samples."""
-    if spec.global_batch_size < 2:
+    """C between the two middle reference norms of step 0's global batch (a Poisson spec: of its
+    dataset) (some samples clipped, some not: a missing ``min(1, .)`` or a wrong norm both show);
+    ``None`` if they tie or the batch has fewer than two samples."""
+    if (spec.dataset_size if spec.poisson else spec.global_batch_size) < 2:
         return None
     n = torch.sort(reference_norms(spec)).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
