@@ -39,7 +39,7 @@ append one line to a per-rank file the parent reads after a hang, so a hang is t
 
 Sampling without training: ``Target.sample_batches(spec)`` (optional) returns, on each rank, the
 dataset indices this rank's data pipeline draws at each step of a ``poisson`` spec, built
-exactly as ``run`` would build it; ``sampling_accounting`` calls it to draw thousands of batches
+exactly as ``run`` would build it; a sampling property calls it to draw thousands of batches
 in well under a second. The base class says it is not supported (that property then skips).
 
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
