@@ -25,7 +25,9 @@ evidence):
    mean B)^2 / (N p (1-p))`` at the observed rate p, against chi^2_{T-1} two-sided (samples
    correlated within a step inflate it, fixed batch sizes deflate it; measured at the observed
    rate so that a wrong rate is not read as correlation); the lag-1 autocorrelation of the batch
-   size (draws reused across steps);
+   size (draws reused across steps). Before the dispersion test (whose distribution it changes):
+   fewer steps taken than the nominal ``epochs * int(1/q)`` is ``wrong_sample_rate`` (steps with
+   an empty batch skipped: deterministic);
 3. ``wrong_sample_rate``: the total number of inclusions against Binomial(T N, q) (two-sided
    normal approximation; T N >= 16,000 here), and the per-sample inclusion counts against
    chi^2_N two-sided (some samples drawn more often than others, or each exactly once per epoch
@@ -106,7 +108,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         return case.verdict("fail", "wrong_sample_rate", f"the sampler drew no step at all in {spec.epochs} "
                             f"epoch(s) (nominal {spec.nominal_steps})")
     pairs = list(combinations(range(ws), 2))
-    m = 4 + len(pairs)
+    m = 4 + len(pairs)  # the deterministic steps-taken check costs no alpha
     level = alpha / m
     batch = x.sum(1)
     tests: List[tuple] = []  # (diagnosis, name, p, description)
@@ -129,6 +131,12 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                       f"{float(batch.var()):.4g} vs N q (1-q) = {var0:.4g} at the observed rate): the samples' "
                       "inclusions are not independent within a step" + (
                           " (fixed-size batches are not Poisson sampling)" if ratio < 1 else "")))
+        if t < spec.nominal_steps:  # deterministic: listed before the statistics it distorts
+            tests.insert(len(pairs), ("wrong_sample_rate", "steps_taken", 0.0,
+                         f"only {t} of the {spec.nominal_steps} nominal steps were taken "
+                         f"({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}): steps whose batch "
+                         "came out empty are skipped, so the accountant (one entry per step taken, each at rate "
+                         "q) describes neither the number of steps nor the rate per step taken"))
         r, p = correlation_p(batch[:-1], batch[1:])
         tests.append(("correlated_sampling", "lag1_autocorrelation", p,
                       f"consecutive steps' batch sizes are correlated (r = {r:.3f}): draws are not independent "
