@@ -168,8 +168,14 @@ def test_skipping_empty_local_batches_is_a_step_divergence(pool):
     assert [(v.status, v.diagnosis) for v in one] == [("fail", "wrong_sample_rate")] * 3
     assert "steps whose batch came out empty are skipped" in one[0].message
     two = by(vs, world_size=2)
-    assert [(v.status, v.diagnosis) for v in two] == [("fail", "step_divergence")] * 6
-    assert len(set(two[0].evidence["step_counts"])) == 2
+    seeded = [v for v in two if v.config["seeding"] != "unseeded"]
+    assert [(v.status, v.diagnosis) for v in seeded] == [("fail", "step_divergence")] * 4
+    assert len(set(seeded[0].evidence["step_counts"])) == 2
+    # unseeded: the two ranks' counts (~1300 of 2000 each) coincide by chance ~1% of the time; the
+    # skipped steps are then still caught, deterministically
+    for v in by(two, seeding="unseeded"):
+        assert (v.status, v.diagnosis) in {("fail", "step_divergence"), ("fail", "wrong_sample_rate")}, v.message
+        assert v.diagnosis == "step_divergence" or "nominal steps were taken" in v.message
 
 
 def test_target_without_a_data_pipeline_is_skipped(pool):
