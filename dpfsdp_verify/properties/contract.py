@@ -157,6 +157,14 @@ class Point:
         return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
                     self.options.backend, **kw)
 
+    def first_of_axes(self, models: Sequence[str], reductions: Sequence[str], dtypes: Sequence[str]) -> bool:
+        """Whether this is the first point of its world size and mode(s) along the model, reduction
+        and dtype axes (the options' lists, else the property's defaults given here): for cases
+        that do not depend on those axes (e.g. sampling), run once per world size, not per point."""
+        o = self.options
+        return (self.model == (o.models or models)[0] and self.reduction == (o.reductions or reductions)[0]
+                and self.dtype == (o.dtypes or dtypes)[0])
+
     def param(self, name: str) -> Any:
         """The property's own option ``name`` (its default unless the options set it)."""
         return dict(self.options.params)[name]

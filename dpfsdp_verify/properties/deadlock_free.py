@@ -13,7 +13,8 @@ with the harness's account of where the collective sequences diverge; a crash is
 Nothing a target cannot do is skipped: a target that crashes on an empty local batch gets that
 as its verdict (a user who accepts it says so explicitly).
 
-Poisson scenarios (at world size > 1; a single rank cannot diverge): DP-SGD's own sampling, run
+Poisson scenarios (at world size > 1, a single rank cannot diverge; once per world size, for the
+first model / reduction / dtype of the run): DP-SGD's own sampling, run
 as a user runs it (``RunSpec.sampling = "poisson"``): a dataset the world size does not divide
 (``N = 2 * ws + 1``), q = 1/ceil(N/ws) (opacus' q for one sample per local batch: an expected
 local batch of about one, so empty local batches are common), ``EPOCHS`` epochs, seeded
@@ -63,26 +64,32 @@ def poisson_spec(point: Point, seeding: str):
 
 
 def cases(point: Point):
-    """One case per scenario, each its own job so that a hang is pinned on the scenario."""
+    """One case per scenario, each its own job so that a hang is pinned on the scenario. The
+    Poisson scenarios run before ``empty``: a target that crashes there, or hangs in a Poisson
+    scenario, costs one replacement worker group, not two."""
     only = point.param("local_batches")
+    fixed = []
     for name, split in scenarios(point.world_size).items():
         if only is not None and name not in only:
             continue
         sizes = [len(s) for s in split]
         spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
                           rank_batches=(split,) * STEPS)
-        yield point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
-                         doing=f"{name} local batches {sizes}", isolate=True)
-    if point.world_size < 2:
-        return
-    for seeding in POISSON_SEEDINGS:
-        name = f"poisson_{seeding}"
-        if name not in (POISSON_DEFAULT if only is None else only):
-            continue
-        spec = poisson_spec(point, seeding)
-        yield point.case(spec, labels={"local_batches": name}, doing=(
-            f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs of "
-            f"{spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
+        fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
+                                doing=f"{name} local batches {sizes}", isolate=True))
+    last = [c for c in fixed if c.labels["local_batches"] == "empty"]
+    yield from (c for c in fixed if c not in last)
+    if point.world_size > 1 and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        # one rank cannot diverge; the sampler does not depend on model, reduction or dtype
+        for seeding in POISSON_SEEDINGS:
+            name = f"poisson_{seeding}"
+            if name not in (POISSON_DEFAULT if only is None else only):
+                continue
+            spec = poisson_spec(point, seeding)
+            yield point.case(spec, labels={"local_batches": name}, doing=(
+                f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
+                f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
+    yield from last
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:

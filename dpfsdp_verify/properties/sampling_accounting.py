@@ -35,7 +35,8 @@ evidence):
 
 False alarms: ``alpha`` (default 1e-4) is the family-wise level *per case*, Bonferroni-split
 over its ``4 + pairs of ranks`` tests (5 at two ranks, 7 at three); a NaN statistic rejects.
-The default gate runs 9 cases (world sizes 1 and 2), so its family-wise false-alarm rate on a
+Sampling does not depend on the model, reduction or dtype: the cases run once per world size
+(the first point of those axes). The default gate runs 9 cases (world sizes 1 and 2), so its family-wise false-alarm rate on a
 correct sampler is below 1e-3. q = 1 (every sample, every step) is deterministic: only checks
 1 and 3 apply.
 """
@@ -76,6 +77,8 @@ def prepare(spec: RunSpec) -> Prepared:
 
 
 def cases(point: Point):
+    if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        return  # sampling does not depend on the model, reduction or dtype: once per world size
     only = point.param("seedings")
     draws = point.param("draws")
     for data, (n, q) in datasets(point.world_size).items():
