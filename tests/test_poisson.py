@@ -89,6 +89,8 @@ def test_poisson_data_check():
     assert d == "mismatch" and "drew index 4, not a dataset index" in msg
     d, msg, _ = poisson_problem(spec, 1, outs([[0]] * 5))
     assert d == "mismatch" and "at most 4" in msg
+    d, msg, _ = poisson_problem(spec, 2, outs([], []))  # a target that ignores RunSpec.sampling
+    assert d == "mismatch" and "does the target implement RunSpec.sampling" in msg
 
 
 def test_progress_trails(tmp_path):

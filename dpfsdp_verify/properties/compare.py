@@ -179,6 +179,9 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
             "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
             "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
             "its Poisson mask from its own random stream and skips its empty local batches."), evidence)
+    if spec.task == "train" and counts and counts[0] == 0 and spec.nominal_steps > 0:
+        return ("mismatch", f"no rank took a step of the {spec.nominal_steps} nominal Poisson steps: does the target "
+                "implement RunSpec.sampling? (a target that ignores it runs the fixed path with steps=0)", evidence)
     if counts and counts[0] > spec.nominal_steps:
         return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.nominal_steps} are possible "
                 f"({spec.epochs} epoch(s) of {spec.steps_per_epoch})", evidence)
