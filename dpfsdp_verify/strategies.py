@@ -29,7 +29,7 @@ from hypothesis.errors import InvalidArgument
 
 from .models import MODEL_NAMES
 from .reference import REDUCTIONS
-from .targets.base import DATA_LAYOUTS, RunSpec
+from .targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
 #: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
@@ -200,12 +200,54 @@ def dtypes(values: Sequence[str] = DTYPES) -> st.SearchStrategy[str]:
     return st.sampled_from(tuple(values))
 
 
+def dataset_sizes(world_size: int, *, max_value: Optional[int] = None) -> st.SearchStrategy[int]:
+    """Poisson dataset sizes N in ``[world_size, max_value]`` (default ``4 * world_size + 3``: sizes
+    the world size divides and sizes it does not, so ranks own different numbers of samples).
+    Shrinks towards ``world_size`` (one sample per rank)."""
+    hi = 4 * world_size + 3 if max_value is None else max_value
+    if hi < world_size:
+        raise InvalidArgument(f"no dataset size in [{world_size}, {hi}]: a rank would own no sample")
+    return st.integers(world_size, hi)
+
+
+def seeding_policies(values: Sequence[str] = SEEDINGS) -> st.SearchStrategy[str]:
+    """How the ranks seed a Poisson sampler: ``same`` / ``per_rank`` / ``unseeded``
+    (``RunSpec.seeding``). Shrinks towards the first given (``same``: what most scripts do)."""
+    unknown = set(values) - set(SEEDINGS)
+    if unknown:
+        raise InvalidArgument(f"unknown seeding policies {sorted(unknown)}; choose from {SEEDINGS}")
+    return st.sampled_from(tuple(values))
+
+
+def opacus_sample_rate(dataset_size: int, world_size: int, local_batch: int) -> float:
+    """The q opacus derives (``1/len(data_loader)``) for a DistributedSampler over ``dataset_size``
+    samples at ``world_size`` ranks with local batch size ``local_batch``."""
+    n_local = -(-dataset_size // world_size)
+    return 1.0 / -(-n_local // max(1, min(local_batch, n_local)))
+
+
+@st.composite
+def poisson_params(draw, world_size: int, *, max_local_batch: int = 3, max_epochs: int = 3,
+                   seedings: Sequence[str] = SEEDINGS) -> Dict[str, object]:
+    """``RunSpec`` fields of a Poisson run at ``world_size`` ranks: ``dataset_size`` from
+    ``dataset_sizes``, ``sample_rate`` q as opacus derives it from a local batch of 1..
+    ``max_local_batch`` (``opacus_sample_rate``: an expected local batch of about that size, so
+    empty local batches are likely), ``epochs`` 1..``max_epochs``, ``seeding`` from
+    ``seeding_policies`` and ``sampling_seed`` 0..3. Shrinks towards N = world_size, local batch 1,
+    one epoch, ``same`` seeding, seed 0."""
+    n = draw(dataset_sizes(world_size))
+    b = draw(st.integers(1, max_local_batch))
+    return {"sampling": "poisson", "dataset_size": n, "sample_rate": opacus_sample_rate(n, world_size, b),
+            "epochs": draw(st.integers(1, max_epochs)), "seeding": draw(seeding_policies(seedings)),
+            "sampling_seed": draw(st.integers(0, 3)), "steps": 0}
+
+
 @st.composite
 def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = MODEL_NAMES,
               layouts: Sequence[str] = DATA_LAYOUTS, reduction_values: Sequence[str] = REDUCTIONS,
               dtype_values: Sequence[str] = ("float64",), steps: int = 1, min_global_batch: int = 1,
               min_per_rank: int = 1, explicit_splits: bool = True, grad_sample_mode: str = "ghost_fsdp",
-              seeds: bool = True) -> RunSpec:
+              seeds: bool = True, sampling_values: Sequence[str] = ("fixed",)) -> RunSpec:
     """A ``RunSpec`` for ``world_size`` ranks (an int, or a strategy such as ``world_sizes()``):
     the model from ``models`` with ``model_dims``; the layout, reduction and dtype from the given
     values; the global batch from ``global_batch_sizes``; ``steps`` steps.
@@ -215,6 +257,10 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = MODEL_
     ``explicit_splits``, ``"explicit"`` -- ``rank_batches`` from ``batch_splits(..., min_per_rank)``
     per step, uneven, empty on some ranks when ``min_per_rank=0`` (only for targets whose data path
     allows empty local batches). ``seeds`` also draws the model and batch seeds (0..3).
+
+    ``sampling_values``: ``("fixed",)`` (default: no sampling draws at all) or with ``"poisson"``:
+    the sampling is drawn (shrinking towards the first given) and a Poisson draw takes its
+    fields from ``poisson_params(ws)`` (the fixed batch fields stay as drawn, unused).
 
     Shrinks towards: the smallest world size, the first model, its smallest dims, split data on
     the sampler path with the smallest multiple of ``world_size`` >= ``min_global_batch``, seeds
@@ -244,9 +290,15 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = MODEL_
     splits = tuple(draw(batch_splits(split_of, ws, min_per_rank=min_per_rank)) for _ in range(steps))
     rank_batches = splits if (layout == "split" and path == "explicit") else None
     model_seed, batch_seed = (draw(st.integers(0, 3)), draw(st.integers(1, 4))) if seeds else (0, 1)
+    poisson: Dict[str, object] = {}
+    if tuple(sampling_values) != ("fixed",):
+        sampling = draw(st.sampled_from(tuple(sampling_values)))
+        params = draw(poisson_params(ws))  # drawn on both branches: equal-length choice sequences
+        if sampling == "poisson":
+            poisson, rank_batches = params, None
     return RunSpec(model=model, model_seed=model_seed, global_batch_size=batch, batch_seed=batch_seed,
-                   data_layout=layout, reduction=draw(reductions(reduction_values)),
-                   dtype=draw(dtypes(dtype_values)), steps=steps, grad_sample_mode=grad_sample_mode,
+                   data_layout="split" if poisson else layout, reduction=draw(reductions(reduction_values)),
+                   dtype=draw(dtypes(dtype_values)), **{"steps": steps, **poisson}, grad_sample_mode=grad_sample_mode,
                    rank_batches=rank_batches, model_kwargs=tuple(sorted(dims.items())))
 
 
@@ -254,7 +306,10 @@ def spec_summary(spec: RunSpec, world_size: int) -> str:
     """A one-line human description of a spec, for failure reports: ``mlp(d_in=1, hidden=3,
     classes=2) at world_size=2, split [2|1], batch 3, mean, float64``."""
     dims = ", ".join(f"{k}={v}" for k, v in spec.model_kwargs)
-    if spec.rank_batches is not None:
+    if spec.poisson:
+        data = (f"Poisson sampling (N={spec.dataset_size}, q={spec.sample_rate:.4g}, {spec.epochs} epoch(s), "
+                f"seeding {spec.seeding!r}, seed {spec.sampling_seed})")
+    elif spec.rank_batches is not None:
         data = "split " + " ".join("[" + "|".join(str(len(r)) for r in step) + "]" for step in spec.rank_batches)
     else:
         data = spec.data_layout + (" (DistributedSampler)" if spec.data_layout == "split" else "")
@@ -264,4 +319,5 @@ def spec_summary(spec: RunSpec, world_size: int) -> str:
 
 __all__ = ["SHARD_RELATIONS", "DTYPES", "PAD_FRACTIONS", "world_sizes", "shard_dims", "mlp_dims", "conv_dims",
            "transformer_dims", "model_dims", "seq_lens", "pad_fractions", "global_batch_sizes", "batch_splits",
-           "data_layouts", "reductions", "dtypes", "run_specs", "spec_summary"]
+           "data_layouts", "reductions", "dtypes", "run_specs", "spec_summary", "dataset_sizes", "seeding_policies",
+           "opacus_sample_rate", "poisson_params"]

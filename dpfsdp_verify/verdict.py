@@ -13,7 +13,8 @@ from typing import Any, Dict, Optional
 STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
-DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash")
+DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
+             "step_divergence", "correlated_sampling", "wrong_sample_rate")
 
 
 @dataclass

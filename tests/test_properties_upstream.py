@@ -121,3 +121,61 @@ def test_mode_equivalence_between_env_labels(pool):
 def test_mode_equivalence_needs_two_labels(pool):
     vs = run(pool, "mode_equivalence", world_sizes=(2,), models=("mlp",))
     assert [v.status for v in vs] == ["skip"]
+
+
+# -- Poisson sampling (issue 12) -----------------------------------------------------------------
+def test_clipped_step_and_trajectory_under_poisson_sampling(pool):
+    # every rank stops after K steps, so the ranks stay in lock-step whatever the sampler does: the
+    # DP step on the realised batch, normalised by opacus' expected batch int(q N), is exact
+    assert_all_pass(run(pool, "clipped_step", world_sizes=(1, 2), models=("mlp",), reductions=("mean",),
+                        dtypes=("float64",), sampling="poisson"))
+    assert_all_pass(run(pool, "trajectory", world_sizes=(2,), models=("mlp",), reductions=("mean",),
+                        sampling="poisson"))
+
+
+#: opacus 1.6.0, make_private(poisson_sampling=True) under FSDP: DistributedUniformWithReplacementSampler
+#: draws each rank's mask from that rank's global torch RNG and skips an empty local batch, so ranks
+#: whose streams differ take different numbers of steps and the rank with more steps waits forever in
+#: FSDP's next all_gather. Measured: dataset of 5, 2 ranks, q = 1/3, 4 epochs, seeds 0 / 1 per rank:
+#: rank 0 began step 6, rank 1 ended after 5 steps (identical seeds happened to give 8 and 8).
+POISSON_HANG = ("upstream opacus 1.6.0: Poisson sampling under FSDP skips empty local batches per rank; with "
+                "per-rank seeds the ranks take 6 vs 5 steps and rank 0 hangs in all_gather")
+
+
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=POISSON_HANG)
+def test_poisson_sampling_hangs_upstream(pool):
+    vs = run(pool, "deadlock_free", world_sizes=(2,), local_batches=("poisson_same", "poisson_per_rank"))
+    same, per_rank = vs
+    assert (same.status, same.evidence["step_counts"]) == ("pass", [8, 8]), same.message
+    if (per_rank.status, per_rank.diagnosis) == ("hang", "step_divergence") and \
+            per_rank.evidence["step_counts"] == [6, 5] and "gloo:all_gather" in per_rank.message:
+        raise KnownUpstreamBug(per_rank.message)
+
+
+#: opacus 1.6.0's distributed Poisson sampler, 2000 draws (q = 1/8 or 1/9, expected local batch ~1):
+#: at one rank empty batches are skipped (~1300 of 2000 steps taken: per step taken each sample's rate
+#: is ~1.55 q); at two ranks the step counts diverge (e.g. 1307 vs 1205), and with identical seeds and
+#: a dataset the world size divides the ranks draw identical masks (local batch sizes correlated r = 1).
+POISSON_ACCOUNTING = ("upstream opacus 1.6.0: distributed Poisson sampler skips empty local batches (wrong "
+                      "rate per step taken, step divergence across ranks) and, seeded identically, draws the "
+                      "same mask on every rank (correlated_sampling)")
+
+
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=POISSON_ACCOUNTING)
+def test_sampling_accounting_upstream(pool):
+    vs = run(pool, "sampling_accounting", world_sizes=(1, 2))
+    got = {(v.config["world_size"], v.config["dataset"], v.config["seeding"]): (v.status, v.diagnosis) for v in vs}
+    want = {(1, "divisible", s): ("fail", "wrong_sample_rate") for s in ("same", "per_rank", "unseeded")}
+    want.update({(2, d, s): ("fail", "step_divergence") for d in ("divisible", "indivisible")
+                 for s in ("same", "per_rank", "unseeded")})
+    want[(2, "divisible", "same")] = ("fail", "correlated_sampling")
+    for key in [k for k in got if k[2] == "unseeded" and k[0] == 2]:
+        # unseeded counts coincide by chance ~1% of the time; the skipped steps are then what is found
+        if got[key] == ("fail", "wrong_sample_rate"):
+            want[key] = got[key]
+    assert got == want, got
+    raise KnownUpstreamBug(by_key(vs, (2, "divisible", "same")).message)
+
+
+def by_key(vs, key):
+    return next(v for v in vs if (v.config["world_size"], v.config["dataset"], v.config["seeding"]) == key)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from . import (clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
-               sensitivity_bound, trajectory)
+               sampling_accounting, sensitivity_bound, trajectory)
 from .contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
 
 #: every property, in the order the gate runs and reports them
@@ -31,6 +31,7 @@ REGISTRY = (
     mode_equivalence.PROPERTY,
     trajectory.PROPERTY,
     deadlock_free.PROPERTY,
+    sampling_accounting.PROPERTY,
 )
 
 PROPERTIES: Dict[str, Property] = by_id(REGISTRY)

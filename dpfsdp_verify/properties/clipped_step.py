@@ -8,7 +8,10 @@ influence than analysed).
 The clip bound C is set between the middle two reference norms of the global batch, so some
 samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. Split
 data by default (opacus defines the FSDP step for a ``DistributedSampler`` over the global data).
-A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
+With the option ``sampling="poisson"`` the step is one step of DP-SGD's own Poisson sampling
+(``compare.poisson_spec``): the reference recomputes it on the realised batch (the union of what
+the ranks drew) with the normalisation opacus defines for ``"mean"``, the expected batch size
+``int(q * N)``, not the realised one. A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
 an uncapped clip coefficient, different norms) and says which one fits; the diagnosis is
 ``mismatch``.
 """
@@ -22,8 +25,8 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch, reference_model,
-                      tensors_close, tolerance)
+from .compare import (fmt, max_rel_diff, pick_clip_bound, poisson_spec, processed_indices, reference_batch,
+                      reference_model, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -39,6 +42,8 @@ def prepare(spec: RunSpec) -> Prepared:
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=4 * point.world_size)
+    if point.param("sampling") == "poisson":
+        spec = poisson_spec(spec, point.world_size, steps=1)
     ready = prepare(spec)
     case = point.case(ready if isinstance(ready, RunSpec) else spec, doing="one DP step with noise 0")
     yield case.verdict("skip", None, ready) if isinstance(ready, str) else case
@@ -48,7 +53,7 @@ def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
     """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0."""
     model = reference_model(spec)
     step = reference.dp_sgd_gradient(model, reference_batch(spec).select(indices), max_grad_norm=spec.max_grad_norm,
-                                     reduction=spec.reduction, expected_batch_size=spec.global_batch_size)
+                                     reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
     params = {n: p.detach() - spec.lr * step.gradient[n] for n, p in model.named_parameters()}
     return step, params
 
@@ -107,7 +112,7 @@ def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> s
     # clip coefficients without min(1, .)
     grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec).select(indices), spec.reduction)
     uncapped = spec.max_grad_norm / (step.norms + reference.CLIP_EPSILON)
-    d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
+    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
     alt = {n: v / d for n, v in reference.clipped_sum(grads, uncapped).items()}
     if float((got - _flat(alt, names)).abs().max()) <= FIT_RTOL * float(want.abs().max()):
         n_up = int((step.norms < spec.max_grad_norm).sum())
@@ -127,6 +132,6 @@ PROPERTY = Property(
     meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    dtypes=("float64", "float32"),
+    dtypes=("float64", "float32"), params=(("sampling", "fixed"),),
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

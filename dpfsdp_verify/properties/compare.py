@@ -34,7 +34,11 @@ def reference_model(spec: RunSpec) -> torch.nn.Module:
 
 
 def reference_batch(spec: RunSpec, step: int = 0) -> models.Batch:
-    """The global batch of ``step`` in float64 (the reference always computes in float64)."""
+    """The global batch of ``step`` in float64 (the reference always computes in float64). For a
+    Poisson spec, the whole dataset (its step indices are dataset indices, whatever the step)."""
+    if spec.poisson:
+        return models.make_batch(spec.model, spec.dataset_size, spec.batch_seed, dtype=torch.float64,
+                                 **dict(spec.model_kwargs))
     return models.make_batch(spec.model, spec.global_batch_size, spec.batch_seed + step, dtype=torch.float64,
                              **dict(spec.model_kwargs))
 
@@ -150,15 +154,66 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     return None
 
 
+def poisson_spec(spec: RunSpec, world_size: int, steps: int) -> RunSpec:
+    """``spec`` under Poisson sampling as a property's ``sampling="poisson"`` option runs it: a
+    dataset of ``8 * world_size`` samples, local batch 2 over a DistributedSampler (opacus derives
+    q = 1/4, expected batch 2 * world_size), ``same`` seeding, the first ``steps`` steps of one
+    epoch. Every rank stops after ``steps`` steps, so the ranks stay in lock-step whatever the
+    sampler does; the reference recomputes each step on the realised batch."""
+    return spec.with_(sampling="poisson", dataset_size=8 * world_size, sample_rate=0.25, epochs=1, seeding="same",
+                      steps=steps)
+
+
+def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]
+                    ) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with a Poisson run's data, as ``(diagnosis, message, evidence)``, or ``None``.
+    Indices are random, so they are checked for what Poisson sampling guarantees: every rank took
+    the same number of steps (``step_divergence``: evidence = each rank's step count and local
+    batch sizes), no more than asked for, every index is a dataset index, and no sample is in a
+    step twice, across all ranks (each sample's Bernoulli draw is made once) (``mismatch``)."""
+    counts = [len(o.steps) for o in outputs]
+    sizes = [[len(s.indices) for s in o.steps] for o in outputs]
+    brief = [x if len(x) <= 64 else f"{len(x)} steps, {sum(1 for b in x if b == 0)} empty, mean "
+             f"{sum(x) / max(1, len(x)):.3g}" for x in sizes]
+    evidence = {"step_counts": counts, "local_batch_sizes": brief}
+    if len(set(counts)) > 1:
+        return ("step_divergence", (
+            f"the ranks took different numbers of steps: {', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))} "
+            f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
+            "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
+            "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
+            "its Poisson mask from its own random stream and skips its empty local batches."), evidence)
+    if spec.task == "train" and counts and counts[0] == 0 and spec.nominal_steps > 0:
+        return ("mismatch", f"no rank took a step of the {spec.nominal_steps} nominal Poisson steps: does the target "
+                "implement RunSpec.sampling? (a target that ignores it runs the fixed path with steps=0)", evidence)
+    if counts and counts[0] > spec.nominal_steps:
+        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.nominal_steps} are possible "
+                f"({spec.epochs} epoch(s) of {spec.steps_per_epoch})", evidence)
+    for k in range(counts[0] if counts else 0):
+        seen: Dict[int, int] = {}
+        for r, o in enumerate(outputs):
+            for i in o.steps[k].indices:
+                if not 0 <= i < spec.dataset_size:
+                    return ("mismatch", f"rank {r}, step {k}: drew index {i}, not a dataset index (0.."
+                            f"{spec.dataset_size - 1}): the data path feeds samples that are not in the dataset",
+                            evidence)
+                if i in seen:
+                    return ("mismatch", f"step {k}: sample {i} was processed by rank {seen[i]} and again by "
+                            f"rank {r}: each sample's inclusion must be one Bernoulli draw per step; a sample "
+                            "counted twice has twice the influence the clip bound allows", evidence)
+                seen[i] = r
+    return None
+
+
 def fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
 def pick_clip_bound(spec: RunSpec) -> Optional[float]:
-    """C between the two middle reference norms of step 0's global batch (some samples clipped,
-    some not: a missing ``min(1, .)`` or a wrong norm both show); ``None`` if they tie or the
-    batch has fewer than two samples."""
-    if spec.global_batch_size < 2:
+    """C between the two middle reference norms of step 0's global batch (a Poisson spec: of its
+    dataset) (some samples clipped, some not: a missing ``min(1, .)`` or a wrong norm both show);
+    ``None`` if they tie or the batch has fewer than two samples."""
+    if (spec.dataset_size if spec.poisson else spec.global_batch_size) < 2:
         return None
     n = torch.sort(reference_norms(spec)).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])

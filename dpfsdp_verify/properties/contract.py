@@ -92,6 +92,9 @@ class Case:
     doing: str = ""
     #: run in a job of its own, so that a hang is pinned on this case alone
     isolate: bool = False
+    #: a shorter watchdog deadline (seconds) for this case's job than the options' timeout: a
+    #: case that may hang by design (Poisson step divergence) need not cost a full timeout
+    deadline: Optional[float] = None
     #: wall time of the job(s) this case ran in, shared out among the cases of a job
     seconds: float = 0.0
 
@@ -103,9 +106,13 @@ class Case:
         return self.modes[0]
 
     def config(self) -> dict:
+        sampling = {}  # fixed sampling adds nothing: configs of fixed runs are unchanged
+        if self.spec.poisson:
+            sampling = dict(sampling="poisson", sample_rate=round(self.spec.sample_rate, 6),
+                            dataset_size=self.spec.dataset_size, epochs=self.spec.epochs, seeding=self.spec.seeding)
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
-                "reduction": self.spec.reduction, "dtype": self.spec.dtype, **self.labels}
+                "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
 
     def repro(self) -> str:
         """The CLI line that re-runs this property for this model, reduction, world size and modes
@@ -149,6 +156,14 @@ class Point:
         """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
         return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
                     self.options.backend, **kw)
+
+    def first_of_axes(self, models: Sequence[str], reductions: Sequence[str], dtypes: Sequence[str]) -> bool:
+        """Whether this is the first point of its world size and mode(s) along the model, reduction
+        and dtype axes (the options' lists, else the property's defaults given here): for cases
+        that do not depend on those axes (e.g. sampling), run once per world size, not per point."""
+        o = self.options
+        return (self.model == (o.models or models)[0] and self.reduction == (o.reductions or reductions)[0]
+                and self.dtype == (o.dtypes or dtypes)[0])
 
     def param(self, name: str) -> Any:
         """The property's own option ``name`` (its default unless the options set it)."""

@@ -12,6 +12,19 @@ with the harness's account of where the collective sequences diverge; a crash is
 ``error``/``rank_crash``; a rank that returns early (fewer steps than asked) fails ``mismatch``.
 Nothing a target cannot do is skipped: a target that crashes on an empty local batch gets that
 as its verdict (a user who accepts it says so explicitly).
+
+Poisson scenarios (at world size > 1, a single rank cannot diverge; once per world size, for the
+first model / reduction / dtype of the run): DP-SGD's own sampling, run
+as a user runs it (``RunSpec.sampling = "poisson"``): a dataset the world size does not divide
+(``N = 2 * ws + 1``), q = 1/ceil(N/ws) (opacus' q for one sample per local batch: an expected
+local batch of about one, so empty local batches are common), ``EPOCHS`` epochs, seeded
+``same`` (``poisson_same``) or ``per_rank`` (``poisson_per_rank``); ``poisson_unseeded`` (each
+rank seeds from the OS) runs only when named in ``local_batches``: its outcome is random by
+construction, and a gate's verdict must be reproducible. A Poisson run that hangs because the
+ranks took different numbers of steps is ``hang`` / ``step_divergence``, told in DP terms from the
+ranks' progress trails ("rank 0 ended its run after 5 step(s); rank 1 began step 6 ... and never
+finished it") plus the harness's account of the collective it waits in. These cases run under a
+short watchdog (``POISSON_DEADLINE_S``): a correct run takes well under a second.
 """
 
 from __future__ import annotations
@@ -22,7 +35,12 @@ from ..verdict import Verdict
 from .contract import Case, Outputs, Point, Property
 
 STEPS = 2
-
+EPOCHS = 4
+#: watchdog for a Poisson scenario (a correct one finishes in < 1 s on 2 loaded cores)
+POISSON_DEADLINE_S = 10.0
+POISSON_SEEDINGS = ("same", "per_rank", "unseeded")
+#: the Poisson scenarios run unless ``local_batches`` names others
+POISSON_DEFAULT = ("poisson_same", "poisson_per_rank")
 
 def scenarios(ws: int) -> Dict[str, tuple]:
     """``{name: split}`` where ``split[r]`` lists rank r's global indices (same split every step)."""
@@ -38,20 +56,50 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     return out
 
 
+def poisson_spec(point: Point, seeding: str):
+    ws = point.world_size
+    n = 2 * ws + 1
+    return point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
+                      seeding=seeding, steps=0, noise_multiplier=1.0)
+
+
 def cases(point: Point):
-    """One case per scenario, each its own job so that a hang is pinned on the scenario."""
+    """One case per scenario, each its own job so that a hang is pinned on the scenario. The
+    Poisson scenarios run before ``empty``: a target that crashes there, or hangs in a Poisson
+    scenario, costs one replacement worker group, not two."""
     only = point.param("local_batches")
+    fixed = []
     for name, split in scenarios(point.world_size).items():
         if only is not None and name not in only:
             continue
         sizes = [len(s) for s in split]
         spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
                           rank_batches=(split,) * STEPS)
-        yield point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
-                         doing=f"{name} local batches {sizes}", isolate=True)
+        fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
+                                doing=f"{name} local batches {sizes}", isolate=True))
+    last = [c for c in fixed if c.labels["local_batches"] == "empty"]
+    yield from (c for c in fixed if c not in last)
+    if point.world_size > 1 and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        # one rank cannot diverge; the sampler does not depend on model, reduction or dtype
+        for seeding in POISSON_SEEDINGS:
+            name = f"poisson_{seeding}"
+            if name not in (POISSON_DEFAULT if only is None else only):
+                continue
+            spec = poisson_spec(point, seeding)
+            yield point.case(spec, labels={"local_batches": name}, doing=(
+                f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
+                f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
+    yield from last
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
+    if case.spec.poisson:
+        outputs = runs[0][0]
+        sizes = [[len(s.indices) for s in o.steps] for o in outputs]
+        return case.verdict("pass", None, (
+            f"Poisson sampling ({case.spec.seeding!r} seeding): every rank took {len(outputs[0].steps)} steps "
+            f"(local batch sizes {sizes}) and finished"), {"step_counts": [len(o.steps) for o in outputs],
+                                                         "local_batch_sizes": sizes})
     return case.verdict("pass", None, f"{STEPS} steps with {case.labels['local_batches']} local batches "
                         f"{case.facts['local_batch_sizes']} finished on all {case.world_size} rank(s)")
 

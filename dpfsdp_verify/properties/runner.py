@@ -9,6 +9,8 @@ an exception; a backend that cannot give the ranks is a ``skip`` with the reason
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -16,9 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ..harness import Pool, default_pool
 from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
-from ..targets import RankOutput, RunSpec, run_many_on_rank
+from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, non_finite
+from .compare import data_problem, non_finite, poisson_problem
 from .contract import Case, Options, Outputs, Property
 
 
@@ -40,16 +42,32 @@ def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], tim
 def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
     """What every property requires before its own judgement, then ``prop.judge``:
 
+    * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
+      sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
+      user who accepts it says so explicitly);
     * every rank took the steps it was asked for and processed exactly the samples it was given
       (read back from the data, not echoed): otherwise ``fail`` / ``mismatch`` -- no property can
-      compare against the reference on other data;
+      compare against the reference on other data. A Poisson run's samples are random: its ranks
+      must have taken the same number of steps (else ``fail`` / ``step_divergence``, with each
+      rank's step count and local batch sizes), drawn valid dataset indices, and no sample twice
+      within a step across ranks (else ``fail`` / ``mismatch``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
             where = f" (mode {mode.label!r})" if len(case.modes) > 1 else ""
-            problem = data_problem(spec, case.world_size, ranks)
+            unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
+            if unsupported:
+                return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
+            if spec.poisson:
+                found = poisson_problem(spec, case.world_size, ranks)
+                if found:
+                    diagnosis, message, evidence = found
+                    return case.verdict("fail", diagnosis, message + where, evidence)
+                problem = None
+            else:
+                problem = data_problem(spec, case.world_size, ranks)
             if problem:
                 return case.verdict("fail", "mismatch", problem + where)
             problem = non_finite(ranks)
@@ -71,6 +89,7 @@ class _Run:
     mode: Mode
     specs: Tuple[RunSpec, ...]
     isolate_key: Optional[int] = None
+    deadline: Optional[float] = None
 
 
 @dataclass
@@ -78,6 +97,8 @@ class _Failed:
     result: GroupResult
     together: int  # how many other runs shared the job
     seconds: float
+    #: each rank's progress trail of its last run (``targets.progress``), read after the failure
+    trails: Optional[list] = None
 
 
 def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
@@ -90,7 +111,7 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     case in it gets the hang verdict, which says the cases ran together.
     """
     pool = pool or default_pool()
-    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, c.specs, i if c.isolate else None)
+    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, c.specs, i if c.isolate else None, c.deadline)
                 for m in c.modes] for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
@@ -117,13 +138,18 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
     r0 = runs[0]
     flat = [s for r in runs for s in r.specs]
     t0 = time.monotonic()
+    trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
     try:
         res = pool.run(run_many_on_rank, r0.target_ref, flat, world_size=r0.world_size, backend=r0.backend,
-                       env=r0.mode.env_dict or None, timeout=timeout)
+                       env=r0.mode.env_dict or None, timeout=min([timeout] + [r.deadline for r in runs if r.deadline]),
+                       progress_dir=trail_dir)
+        trails = progress.read(trail_dir, r0.world_size) if not res.ok else None
     except BackendUnavailable as e:
         for r in runs:
             done[r] = f"backend unavailable: {e}"
         return
+    finally:
+        shutil.rmtree(trail_dir, ignore_errors=True)
     share = (time.monotonic() - t0) / len(runs)
     for r in runs:
         seconds[r] = seconds.get(r, 0.0) + share
@@ -140,7 +166,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
             _run_job([r], pool, timeout, done, seconds, allow_split=False)
         return
     for r in runs:
-        done[r] = _Failed(res, len(runs) - 1, share)
+        done[r] = _Failed(res, len(runs) - 1, share, trails)
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
@@ -150,12 +176,23 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     diagnosis = res.diagnosis or ("deadlock" if status == "hang" else "rank_crash")
     together = f" (ran as one job with {failed.together} other configuration(s))" if failed.together else ""
     lead = f"{case.doing}{together}: " if case.doing or together else ""
-    if status == "hang":
+    trails = failed.trails or []
+    evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    if status == "hang" and progress.diverged(trails):
+        diagnosis = "step_divergence"
+        msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
+               f"The rank with more steps waits forever in FSDP's next collective ({res.message}). Poisson "
+               "sampling draws each rank's batches from its own random stream; a sampler that skips empty "
+               "local batches (or ranks whose streams differ) gives the ranks different step counts.")
+        evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
+                         "local_batch_sizes": [t.sizes for t in trails]})
+    elif status == "hang":
         msg = (f"{lead}the target did not finish under the watchdog ({res.message}). A collective issued by "
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
+        if trails and all(t is not None for t in trails):
+            msg += f" Progress: {progress.describe(trails)}."
     else:
         msg = f"{lead}a rank failed ({res.message})."
-    evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
     if len(case.modes) > 1:
         mode = case.modes[mode_index]
         msg = f"mode {mode.label!r} ({mode.describe_env()}) did not complete: {msg}"

@@ -6,7 +6,9 @@ trains a different model than the one whose noise and clipping were accounted fo
 
 Noise 0, C between the middle two step-0 reference norms (clipping active), plain SGD; the batch
 loss before each step (reconstructed from the ranks' local losses) and the final parameters are
-compared with ``reference.dp_sgd_trajectory``. Diagnosis ``mismatch``; the message names the
+compared with ``reference.dp_sgd_trajectory``. Option ``sampling="poisson"``: the K steps are
+the first K of a Poisson epoch (``compare.poisson_spec``), each step's reference batch the union
+of what the ranks drew, normalised by opacus' expected batch size. Diagnosis ``mismatch``; the message names the
 first step whose loss drifts.
 """
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
-                      reference_model, tensors_close, tolerance)
+from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, poisson_spec, processed_indices,
+                      reference_batch, reference_model, tensors_close, tolerance)
 from .contract import Case, Outputs, Point, Property
 
 STEPS = 3
@@ -24,6 +26,8 @@ STEPS = 3
 def cases(point: Point):
     steps = point.param("steps")
     spec = point.spec(steps=steps, global_batch_size=4 * point.world_size, lr=0.5)
+    if point.param("sampling") == "poisson":
+        spec = poisson_spec(spec, point.world_size, steps=steps)
     yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=f"{steps} DP steps")
 
 
@@ -31,19 +35,20 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     rtol, atol = tolerance(spec.dtype)
     n_steps = min(len(o.steps) for o in outputs)
-    if n_steps != spec.steps:
+    if n_steps != spec.nominal_steps:
         return case.verdict("fail", "mismatch", f"the ranks reported {[len(o.steps) for o in outputs]} steps; "
-                            f"{spec.steps} were asked for")
-    batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(spec.steps)]
+                            f"{spec.nominal_steps} were asked for")
+    n_steps = spec.nominal_steps
+    batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
     ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
-                                      reduction=spec.reduction, expected_batch_size=spec.global_batch_size)
-    losses = [global_loss(outputs, k, spec) for k in range(spec.steps)]
+                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
+    losses = [global_loss(outputs, k, spec) for k in range(n_steps)]
     evidence = {"losses": losses, "reference_losses": ref.losses, "max_grad_norm": spec.max_grad_norm}
     for k, (got, want) in enumerate(zip(losses, ref.losses)):
         if not close(got, want, rtol, atol):
             p_err = max_rel_diff(outputs[0].steps[-1].parameters, ref.parameters)[0]
             return case.verdict("fail", "mismatch", (
-                f"training drifts from the single-process trajectory at step {k} of {spec.steps} "
+                f"training drifts from the single-process trajectory at step {k} of {n_steps} "
                 f"(world_size={ws}): loss {got:.10g} vs reference {want:.10g}"
                 + (f": update {k - 1} is the first that differs" if k > 0 else ": the initial model already differs")
                 + (f", after {k - 1} matching update(s) (state carried between steps is suspect)" if k > 1 else "")
@@ -52,9 +57,9 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         if not tensors_close(o.steps[-1].parameters, ref.parameters, rtol, atol):
             err, name = max_rel_diff(o.steps[-1].parameters, ref.parameters)
             return case.verdict("fail", "mismatch", (
-                f"rank {r}: every loss matches but the parameters after {spec.steps} steps differ from the "
+                f"rank {r}: every loss matches but the parameters after {n_steps} steps differ from the "
                 f"reference by up to {fmt(err)} relative (worst {name!r}) at world_size={ws}."), evidence)
-    return case.verdict("pass", None, f"{spec.steps} steps at world_size={ws} follow the single-process trajectory "
+    return case.verdict("pass", None, f"{n_steps} steps at world_size={ws} follow the single-process trajectory "
                         f"(losses {', '.join(f'{x:.6g}' for x in losses)})", evidence)
 
 
@@ -63,4 +68,4 @@ PROPERTY = Property(
     meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
              "on one process: the model the DP analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    params=(("steps", STEPS),))
+    params=(("steps", STEPS), ("sampling", "fixed")))

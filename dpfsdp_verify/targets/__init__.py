@@ -16,7 +16,7 @@ group: it loads the target there and returns that rank's ``RankOutput`` for each
 from __future__ import annotations
 
 import importlib
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from .base import DATA_LAYOUTS, RankOutput, RunSpec, StepOutput, Target
 
@@ -87,10 +87,39 @@ def target_info(ref: str) -> dict:
     return {"name": getattr(t, "name", ref), "version": t.version()}
 
 
-def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec]) -> List[RankOutput]:
-    """Harness job: several runs in one job (e.g. repeated noise draws), in order."""
-    target = load_target(target_ref)
-    return [target.run(s) for s in specs]
+def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Optional[str] = None
+                     ) -> List[RankOutput]:
+    """Harness job: several runs in one job (e.g. repeated noise draws), in order. ``task="sample"``
+    specs call ``Target.sample_batches`` (each step's drawn indices as a ``StepOutput``; a target
+    without it answers ``RankOutput.unsupported``). ``progress_dir``: where each rank leaves its
+    progress trail (``targets.progress``) for the parent to read after a hang."""
+    from . import progress
+    from .util import world
+
+    rank, world_size = world()
+    progress.open_sink(progress_dir, rank)
+    try:
+        target = load_target(target_ref)
+        out = []
+        for s in specs:
+            progress.run_begun(s.task)
+            if s.task == "sample":
+                out.append(_sample_on_rank(target, s, rank, world_size))
+            else:
+                out.append(target.run(s))
+            progress.run_ended()
+        return out
+    finally:
+        progress.close_sink()
+
+
+def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -> RankOutput:
+    if type(target).sample_batches is Target.sample_batches:
+        return RankOutput(rank, world_size, unsupported=f"target {getattr(target, 'name', '?')!r} does not "
+                          "expose its data pipeline (implement Target.sample_batches: the global indices "
+                          "each step draws on this rank)")
+    steps = [StepOutput(indices=[int(i) for i in b], norms=None, loss=0.0) for b in target.sample_batches(spec)]
+    return RankOutput(rank, world_size, steps=steps)
 
 
 __all__ = ["DATA_LAYOUTS", "RankOutput", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",

@@ -21,6 +21,27 @@ and judges the outputs of all ranks against ``dpfsdp_verify.reference``. ``run``
    (un-sharded) gradient after the DP step and parameters after the optimizer step, float64,
    keyed by the model's own parameter names (``fc1.weight``, no wrapper prefixes).
 
+Sampling (``spec.sampling``): ``"fixed"`` (the default) is everything above. ``"poisson"`` is
+DP-SGD's own sampling, run the way a user runs it: a dataset of ``spec.dataset_size`` samples
+(``spec.dataset()``; step indices are *dataset* indices ``0..dataset_size-1``), each sample in
+each step's batch independently with probability ``spec.sample_rate`` q, ``spec.epochs`` epochs
+of ``int(1/q)`` steps (opacus' ``num_batches``), the random source seeded as ``spec.seeding``
+says (``same``: ``torch.manual_seed(sampling_seed)`` on every rank; ``per_rank``:
+``sampling_seed + rank``; ``unseeded``: ``torch.seed()``), at most ``spec.steps`` steps
+(``steps=0``: every step of every epoch). The target reports the indices each step *really
+drew* (read back from the data), and the normalisation under ``"mean"`` is
+``spec.expected_batch_size`` (opacus: ``int(q * dataset_size)``), never the realised batch size.
+
+Progress (for hang reports): a target calls ``progress.step_begun(k, local_batch_size)`` and
+``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step; the calls
+append one line to a per-rank file the parent reads after a hang, so a hang is told in DP terms
+("rank 0 ended its epoch after 3 steps, rank 1 began step 4"). They are no-ops outside a job.
+
+Sampling without training: ``Target.sample_batches(spec)`` (optional) returns, on each rank, the
+dataset indices this rank's data pipeline draws at each step of a ``poisson`` spec, built
+exactly as ``run`` would build it; a sampling property calls it to draw thousands of batches
+in well under a second. The base class says it is not supported (that property then skips).
+
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
 and point the suite at it with ``--target package.module:Attr`` or the entry-point group
 ``dpfsdp_verify.targets`` (name -> ``module:attr``).
@@ -36,6 +57,10 @@ import torch
 from .. import models
 
 DATA_LAYOUTS = ("replicated", "split")
+#: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
+SAMPLINGS = ("fixed", "poisson")
+#: how a Poisson run's random source is seeded on the ranks (see module docstring)
+SEEDINGS = ("same", "per_rank", "unseeded")
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
@@ -65,6 +90,89 @@ class RunSpec:
     #: (e.g. ``(("hidden", 3),)``); ``()`` is the default model. Used by ``global_batch`` and by
     #: targets when they build the model.
     model_kwargs: tuple = ()
+    #: ``fixed`` or ``poisson`` (module docstring); the fields below matter only for ``poisson``
+    sampling: str = "fixed"
+    #: q: each sample's probability of being in a step's batch
+    sample_rate: float = 0.0
+    #: N: samples in the dataset the sampler draws from (the global dataset, all ranks together)
+    dataset_size: int = 0
+    epochs: int = 1
+    seeding: str = "same"
+    sampling_seed: int = 0
+    #: what the ranks are asked for: ``train`` (``Target.run``) or ``sample`` (``Target.sample_batches``)
+    task: str = "train"
+
+    def __post_init__(self):
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"unknown sampling {self.sampling!r}; choose one of {', '.join(SAMPLINGS)}")
+        if self.task not in ("train", "sample"):
+            raise ValueError(f"unknown task {self.task!r}; choose 'train' or 'sample'")
+        if self.sampling == "fixed":
+            if self.task == "sample":
+                raise ValueError("task='sample' needs sampling='poisson'")
+            return
+        q = self.sample_rate
+        if not (isinstance(q, (int, float)) and 0.0 < q <= 1.0):
+            raise ValueError(f"sample_rate q must be in (0, 1], got {q!r}")
+        if self.seeding not in SEEDINGS:
+            raise ValueError(f"unknown seeding policy {self.seeding!r}; choose one of {', '.join(SEEDINGS)}")
+        if not (isinstance(self.dataset_size, int) and self.dataset_size >= 1):
+            raise ValueError(f"dataset_size must be a positive int, got {self.dataset_size!r}")
+        if self.expected_batch_size < 1:
+            raise ValueError(f"expected batch int(q * dataset_size) = int({q} * {self.dataset_size}) is 0: "
+                             "opacus would divide by zero; raise q or the dataset size")
+        if not (isinstance(self.epochs, int) and self.epochs >= 1):
+            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
+        if not (isinstance(self.steps, int) and self.steps >= 0):
+            raise ValueError(f"steps must be an int >= 0 (0: every step of every epoch), got {self.steps!r}")
+
+    def check_world_size(self, world_size: int) -> None:
+        """``ValueError`` if this spec cannot run at ``world_size`` (a Poisson dataset smaller than
+        the world size leaves a rank without a single sample to draw from)."""
+        if self.sampling == "poisson" and self.dataset_size < world_size:
+            raise ValueError(f"dataset_size {self.dataset_size} is smaller than the world size {world_size}: "
+                             "some rank would own no sample")
+
+    @property
+    def poisson(self) -> bool:
+        return self.sampling == "poisson"
+
+    @property
+    def expected_batch_size(self) -> int:
+        """The divisor of a ``"mean"`` step: the given global batch size (``fixed``), or the
+        expected batch size as opacus defines it, ``int(q * dataset_size)`` (``poisson``; opacus
+        truncates), whatever the realised batch."""
+        if self.sampling == "poisson":
+            return int(self.sample_rate * self.dataset_size)
+        return self.global_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """``int(1/q)`` for ``poisson`` (opacus' ``num_batches``), ``steps`` for ``fixed``."""
+        return int(1 / self.sample_rate) if self.sampling == "poisson" else self.steps
+
+    @property
+    def nominal_steps(self) -> int:
+        """Steps every rank must take: ``steps`` (``fixed``); ``epochs * int(1/q)`` capped at
+        ``steps`` when ``steps > 0`` (``poisson``)."""
+        if self.sampling != "poisson":
+            return self.steps
+        total = self.epochs * self.steps_per_epoch
+        return min(total, self.steps) if self.steps else total
+
+    def dataset(self) -> models.Batch:
+        """The Poisson dataset (``dataset_size`` samples; index ``i`` is sample ``i``)."""
+        return models.make_batch(self.model, self.dataset_size, self.batch_seed, dtype=self.torch_dtype,
+                                 **dict(self.model_kwargs))
+
+    def seed_sampling(self, rank: int) -> None:
+        """Seed torch's global RNG the way ``seeding`` says a user does (Poisson runs)."""
+        if self.seeding == "same":
+            torch.manual_seed(self.sampling_seed)
+        elif self.seeding == "per_rank":
+            torch.manual_seed(self.sampling_seed + rank)
+        else:
+            torch.seed()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,6 +209,8 @@ class RankOutput:
     rank: int
     world_size: int
     steps: List[StepOutput] = field(default_factory=list)
+    #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case skips
+    unsupported: Optional[str] = None
 
 
 class Target:
@@ -113,3 +223,9 @@ class Target:
 
     def run(self, spec: RunSpec) -> RankOutput:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+        """Optional: on each rank, the dataset indices this rank's data pipeline draws at each
+        step of the Poisson ``spec`` (module docstring). Not overriding it is allowed."""
+        raise NotImplementedError(f"target {self.name!r} does not expose its data pipeline "
+                                  "(Target.sample_batches)")

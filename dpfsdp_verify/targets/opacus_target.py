@@ -12,6 +12,16 @@ batch sampler that yields exactly the requested global indices. Replicated data 
 ``DataLoader`` of the whole global batch on every rank; opacus defines a DP *step* only for split
 data (see ``properties``), but its per-sample norms are well defined for both layouts.
 
+Poisson sampling (``spec.sampling == "poisson"``) runs exactly as a user does: a ``DataLoader``
+with a ``DistributedSampler`` over the global dataset (``spec.dataset()``, an index column
+carried along) whose local batch size makes opacus derive ``q = 1/len(data_loader)`` equal to
+``spec.sample_rate`` (``opacus_local_batch_size``), the random source seeded as ``spec.seeding``
+says, then ``make_private(poisson_sampling=True)``, which swaps in opacus'
+``DistributedUniformWithReplacementSampler``; every batch the loader yields is a step, for
+``spec.epochs`` epochs (at most ``spec.steps`` steps when ``steps > 0``). ``sample_batches``
+builds the same loader with ``DPDataLoader.from_data_loader(..., distributed=True)`` -- what
+``make_private`` calls -- and returns the indices it draws, without training.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -24,8 +34,23 @@ import torch
 import torch.nn as nn
 
 from .. import models
+from . import progress
 from .base import RankOutput, RunSpec, StepOutput, Target
 from .util import dataset_index, gather_named, global_dataset, step_indices, world
+
+
+def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
+    """The local batch size b for which opacus derives ``sample_rate = 1/len(data_loader)`` equal
+    to ``spec.sample_rate`` over a ``DistributedSampler`` (each rank holds ``ceil(N/ws)`` samples,
+    so ``len(data_loader) = ceil(ceil(N/ws)/b)``). ``ValueError`` naming the rates opacus can give
+    when q is not one of them."""
+    n_local = -(-spec.dataset_size // world_size)
+    for b in range(1, n_local + 1):
+        if abs(1.0 / -(-n_local // b) - spec.sample_rate) <= 1e-12:
+            return b
+    rates = sorted({1.0 / -(-n_local // b) for b in range(1, n_local + 1)})
+    raise ValueError(f"opacus derives q = 1/len(data_loader); with dataset_size={spec.dataset_size} at world "
+                     f"size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not {spec.sample_rate}")
 
 
 class _ExactBatches(torch.utils.data.Sampler):
@@ -65,6 +90,37 @@ class OpacusTarget(Target):
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_size=b // world_size, sampler=sampler)
 
+    def _poisson_loader(self, spec: RunSpec, dataset, rank: int, world_size: int):
+        """What a user hands ``make_private``: a DistributedSampler over the global dataset."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        spec.check_world_size(world_size)
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(dataset, batch_size=opacus_local_batch_size(spec, world_size), sampler=sampler)
+
+    def _poisson_dataset(self, spec: RunSpec):
+        from torch.utils.data import TensorDataset
+
+        data = spec.dataset()
+        return data, TensorDataset(data.inputs, data.targets, torch.arange(spec.dataset_size))
+
+    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+        from opacus.data_loader import DPDataLoader
+
+        rank, world_size = world()
+        _, dataset = self._poisson_dataset(spec)
+        loader = DPDataLoader.from_data_loader(self._poisson_loader(spec, dataset, rank, world_size),
+                                               distributed=True)
+        spec.seed_sampling(rank)
+        out: List[List[int]] = []
+        for _ in range(spec.epochs):
+            for idx in loader.batch_sampler:
+                if spec.steps and len(out) >= spec.steps:
+                    return out
+                out.append([int(i) for i in idx])
+        return out
+
     def run(self, spec: RunSpec) -> RankOutput:
         from opacus import PrivacyEngine
         from opacus.utils.fsdp_utils import FSDP2Wrapper
@@ -74,20 +130,26 @@ class OpacusTarget(Target):
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
         fsdp = FSDP2Wrapper(model)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr)
-        data = global_dataset(spec)
-        # the index column travels with each sample: the indices reported are the ones the loader yielded
-        loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets, dataset_index(spec)), rank,
-                                   world_size)
+        if spec.poisson:
+            data, dataset = self._poisson_dataset(spec)
+            loader = self._poisson_loader(spec, dataset, rank, world_size)
+            spec.seed_sampling(rank)
+        else:
+            data = global_dataset(spec)
+            # the index column travels with each sample: the indices reported are the ones the loader yielded
+            loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets, dataset_index(spec)), rank,
+                                       world_size)
         criterion = nn.CrossEntropyLoss(reduction=spec.reduction)
         generator = torch.Generator().manual_seed(spec.noise_seed)
         module, optimizer, criterion, loader = PrivacyEngine().make_private(
             module=fsdp, optimizer=optimizer, criterion=criterion, data_loader=loader,
             noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
-            poisson_sampling=False, grad_sample_mode=spec.grad_sample_mode, loss_reduction=spec.reduction,
+            poisson_sampling=spec.poisson, grad_sample_mode=spec.grad_sample_mode, loss_reduction=spec.reduction,
             noise_generator=generator)
         module.train()
         out = RankOutput(rank=rank, world_size=world_size)
-        for k, (x, y, index) in enumerate(loader):
+        for k, (x, y, index) in enumerate(self._batches(spec, loader)):
+            progress.step_begun(k, len(index))
             optimizer.zero_grad()
             logits = module(x)
             if data.loss == "token_cross_entropy":
@@ -100,10 +162,27 @@ class OpacusTarget(Target):
             norms = None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone()
             optimizer.step()
             named = list(module.named_parameters())
+            indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
             out.steps.append(StepOutput(
-                indices=step_indices(index, spec, k), norms=norms, loss=float(loss.item()),
+                indices=indices, norms=norms, loss=float(loss.item()),
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param")))
+            progress.step_finished(k)
         return out
+
+    @staticmethod
+    def _batches(spec: RunSpec, loader):
+        """Every batch the loader yields: one pass (fixed), or ``spec.epochs`` passes capped at
+        ``spec.steps`` steps when ``steps > 0`` (poisson: a user training for a step budget)."""
+        if not spec.poisson:
+            yield from loader
+            return
+        k = 0
+        for _ in range(spec.epochs):
+            for batch in loader:
+                if spec.steps and k >= spec.steps:
+                    return
+                yield batch
+                k += 1
 
 
 class _Collate:

@@ -1,0 +1,116 @@
+"""Where each rank is in its training loop, readable by the parent after a hang.
+
+A hung rank cannot return its step count, so targets leave a trail instead: the job that runs a
+target on a rank (``targets.run_many_on_rank``) opens a small per-rank file in a directory the
+parent chose; ``step_begun(k, local_batch_size)`` and ``step_finished(k)`` append one line each
+(flushed, so the parent sees it even when the rank is later killed); ``run_ended()`` marks the
+end of a run. Outside such a job the calls do nothing, so a target can always call them.
+
+The parent (``properties.runner``) reads every rank's file after a hang with ``read`` and tells
+the hang in DP terms: "rank 0 ended its run after 3 steps; rank 1 began step 4 (local batch 1)
+and never finished it".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+_sink = None  # the open file of the current job on this rank, or None
+
+
+def open_sink(directory: Optional[str], rank: int) -> None:
+    """Start a trail for this rank in ``directory`` (``None``: no trail)."""
+    global _sink
+    close_sink()
+    if directory:
+        _sink = open(os.path.join(directory, f"rank{rank}.progress"), "a", buffering=1)
+
+
+def close_sink() -> None:
+    global _sink
+    if _sink is not None:
+        _sink.close()
+        _sink = None
+
+
+def _write(line: str) -> None:
+    if _sink is not None:
+        _sink.write(line + "\n")
+        _sink.flush()
+
+
+def run_begun(label: str = "") -> None:
+    _write(f"run {label}")
+
+
+def step_begun(step: int, local_batch_size: int) -> None:
+    _write(f"begin {step} {local_batch_size}")
+
+
+def step_finished(step: int) -> None:
+    _write(f"end {step}")
+
+
+def run_ended() -> None:
+    _write("done")
+
+
+@dataclass
+class Trail:
+    """One rank's progress in its last run: steps begun / finished, local batch sizes, whether
+    the run ended."""
+
+    begun: int = 0
+    finished: int = 0
+    sizes: List[int] = field(default_factory=list)
+    ended: bool = False
+    runs: int = 0
+
+    def describe(self, rank: int) -> str:
+        if self.ended:
+            return f"rank {rank} ended its run after {self.finished} step(s) (local batches {self.sizes})"
+        if self.begun > self.finished:
+            return (f"rank {rank} began step {self.begun} (local batch {self.sizes[-1]}) after {self.finished} "
+                    f"finished step(s) and never finished it (local batches {self.sizes})")
+        return f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes})"
+
+
+def read(directory: str, world_size: int) -> List[Optional[Trail]]:
+    """Each rank's ``Trail`` of its *last* run in ``directory`` (``None`` where no file exists)."""
+    out: List[Optional[Trail]] = []
+    for r in range(world_size):
+        path = os.path.join(directory, f"rank{r}.progress")
+        if not os.path.exists(path):
+            out.append(None)
+            continue
+        t = Trail()
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if not parts:
+                    continue
+                if parts[0] == "run":
+                    t = Trail(runs=t.runs + 1)
+                elif parts[0] == "begin" and len(parts) == 3:
+                    t.begun += 1
+                    t.sizes.append(int(parts[2]))
+                elif parts[0] == "end":
+                    t.finished += 1
+                elif parts[0] == "done":
+                    t.ended = True
+        out.append(t)
+    return out
+
+
+def diverged(trails: List[Optional[Trail]]) -> bool:
+    """True when the ranks began different numbers of steps in their last run (all trails known)."""
+    if any(t is None for t in trails) or len(trails) < 2:
+        return False
+    return len({t.begun for t in trails}) > 1
+
+
+def describe(trails: List[Optional[Trail]]) -> str:
+    return "; ".join(t.describe(r) if t is not None else f"rank {r} left no progress"
+                     for r, t in enumerate(trails))
