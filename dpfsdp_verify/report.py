@@ -225,7 +225,10 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
                   f"failures; {len(outcome.unmet)} no longer hold)", ""]
     lines += ["| property | config | status | diagnosis | seconds |", "|---|---|---|---|---|"]
     for v in verdicts:
-        lines.append(f"| `{v.property}` | {_md(config_label(v.config))} | {_badge(_status_text(v, outcome))} | "
+        status = _badge(_status_text(v, outcome))
+        if outcome is not None and outcome.is_expected(v):
+            status += f" #{outcome.entry_for(v).index}"
+        lines.append(f"| `{v.property}` | {_md(config_label(v.config))} | {status} | "
                      f"{v.diagnosis or ''} | {v.seconds:.1f} |")
     rows = norm_ratio_rows(verdicts)
     if rows:
@@ -244,12 +247,11 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
     if outcome is not None and outcome.unmet:
         lines += ["", "## Expectations that no longer hold", ""]
         lines += [f"- {u.message}" for u in outcome.unmet]
-    xfails = [v for v in verdicts if outcome is not None and outcome.is_expected(v)]
-    if xfails:
-        lines += ["", "## Expected failures", ""]
-        for v in xfails:
-            lines.append(f"- **{v.property}** ({config_label(v.config)}): {v.diagnosis} -- "
-                         f"{outcome.entry_for(v).describe_reason()}")
+    if outcome is not None and outcome.entries:
+        lines += ["", "## Expectations", "", "| entry | expected failures this run | reason |", "|---|---|---|"]
+        for e in outcome.entries:
+            n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
+            lines.append(f"| {_md(e.label())} | {n} | {_md(e.describe_reason())} |")
     return "\n".join(lines) + "\n"
 
 
