@@ -118,8 +118,12 @@ def preflight(args) -> Optional["Expectations"]:  # noqa: F821 - forward ref
             raise _usage_error(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
                                "install your fork (pip install -e PATH) or upstream (pip install "
                                "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
-    if getattr(args, "fuzz", 0) and args.fuzz > 0 and importlib.util.find_spec("hypothesis") is None:
-        raise _usage_error("--fuzz needs hypothesis, which is not installed", "pip install 'dpfsdp-verify[fuzz]'")
+    if getattr(args, "fuzz", 0) and args.fuzz > 0:
+        try:
+            import hypothesis  # noqa: F401
+        except ImportError as e:
+            raise _usage_error(f"--fuzz needs hypothesis, which is not importable ({type(e).__name__}: {e})",
+                               "pip install 'dpfsdp-verify[fuzz]'") from None
     if getattr(args, "expect", None):
         try:
             return load(args.expect)
