@@ -1,0 +1,69 @@
+"""Packaging facts a user and the ecosystem rely on, read from the installed metadata (as pip and
+pytest's plugin index see them), not from pyproject.toml's text."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata, resources
+
+from packaging.requirements import Requirement
+
+import dpfsdp_verify
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIST = "dpfsdp-verify"
+
+
+def _requirements(extra: str = ""):
+    """The distribution's requirements that apply when installed with ``extra`` ('' = plain)."""
+    out = []
+    for text in metadata.requires(DIST) or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": extra}):
+            out.append(req.name)
+    return out
+
+
+def test_installing_the_gate_never_pulls_an_implementation_under_test():
+    """A fork installed as `opacus 1.5.4+myfork` must survive `pip install dpfsdp-verify`: nothing
+    the plain install requires may name opacus (nor the test-only tools)."""
+    plain = _requirements()
+    assert "torch" in plain
+    assert not {"opacus", "hypothesis", "pytest"} & set(plain), plain
+    assert "opacus" in _requirements("opacus")
+    assert "hypothesis" in _requirements("fuzz")
+
+
+def test_test_extra_holds_everything_the_tests_import():
+    assert {"opacus", "hypothesis", "pytest", "pytest-xdist", "pytest-timeout", "jsonschema"} <= set(
+        _requirements("test"))
+
+
+def test_metadata_version_classifiers_license_and_typing():
+    md = metadata.metadata(DIST)
+    assert md["Version"] == dpfsdp_verify.__version__  # one version source
+    classifiers = md.get_all("Classifier")
+    for c in ("Framework :: Pytest", "Topic :: Scientific/Engineering :: Artificial Intelligence",
+              "Topic :: Software Development :: Testing", "Programming Language :: Python :: 3.11",
+              "License :: OSI Approved :: Apache Software License", "Typing :: Typed"):
+        assert c in classifiers
+    assert md["License"] == "Apache-2.0" or "Apache" in (md.get("License-Expression") or "")
+    with open(os.path.join(REPO, "LICENSE")) as f:
+        assert "Apache License" in f.read(300)
+    pkg = resources.files("dpfsdp_verify")
+    assert pkg.joinpath("py.typed").is_file() and pkg.joinpath("schema/report.schema.json").is_file()
+    assert pkg.joinpath("known_failures/opacus-1.6.0.toml").is_file()
+
+
+def test_python_m_and_version_name_the_opacus_it_would_test():
+    import opacus
+    import torch
+
+    r = subprocess.run([sys.executable, "-m", "dpfsdp_verify", "--version"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"dpfsdp-verify {dpfsdp_verify.__version__}" in r.stdout
+    assert f"opacus {opacus.__version__} ({os.path.dirname(opacus.__file__)})" in r.stdout
+    assert f"torch {torch.__version__}" in r.stdout
