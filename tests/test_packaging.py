@@ -67,3 +67,30 @@ def test_python_m_and_version_name_the_opacus_it_would_test():
     assert f"dpfsdp-verify {dpfsdp_verify.__version__}" in r.stdout
     assert f"opacus {opacus.__version__} ({os.path.dirname(opacus.__file__)})" in r.stdout
     assert f"torch {torch.__version__}" in r.stdout
+
+
+def test_pytest_plugin_works_without_hypothesis(tmp_path):
+    """The plugin is loaded in every pytest session of an environment that has dpfsdp-verify; with
+    hypothesis (the optional [fuzz] extra) absent it must not break pytest -- only asking for a
+    hypothesis profile says what to install."""
+    shadow = tmp_path / "shadow"
+    (shadow / "hypothesis").mkdir(parents=True)
+    (shadow / "hypothesis" / "__init__.py").write_text("raise ImportError('hypothesis hidden by the test')\n")
+    (tmp_path / "test_user.py").write_text(
+        "import pytest, torch, torch.distributed as dist\n\n"
+        "@pytest.mark.distributed(world_size=2, timeout=60)\n"
+        "def test_allreduce(rank, world_size):\n"
+        "    t = torch.tensor([float(rank + 1)])\n"
+        "    dist.all_reduce(t)\n"
+        "    assert t.item() == 3.0\n")
+    env = dict(os.environ, PYTHONPATH=str(shadow))
+    env.pop("DPFSDP_HYPOTHESIS_PROFILE", None)
+    # hypothesis' own pytest plugin is installed here; without hypothesis it would not be
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+           "-p", "no:xdist", "test_user.py"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(cmd, cwd=tmp_path, env=dict(env, DPFSDP_HYPOTHESIS_PROFILE="ci"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 4, r.stdout + r.stderr  # pytest's usage error
+    assert "pip install 'dpfsdp-verify[fuzz]'" in r.stderr
