@@ -282,7 +282,8 @@ class Outcome:
 
 def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
     """Judge ``verdicts`` against ``exp`` (see the module docstring)."""
-    from .report import FAILING, config_label
+    from .report import config_label
+    from .verdict import FAILING
 
     out = Outcome(exp.file, list(exp.entries))
     for v in verdicts:

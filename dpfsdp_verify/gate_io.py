@@ -29,9 +29,18 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def _usage_error(message: str, hint: str):
-    from .cli import UsageError
+    from .plan import UsageError
 
     return UsageError(message, hint)
+
+
+def require_hypothesis(what: str) -> None:
+    """``UsageError`` (exit 2, one line naming the extra) when hypothesis is not importable."""
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as e:
+        raise _usage_error(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
+                           "pip install 'dpfsdp-verify[fuzz]'") from None
 
 
 def _distribution_of(package: str) -> Optional[Dict[str, str]]:
@@ -119,11 +128,7 @@ def preflight(args) -> Optional["Expectations"]:  # noqa: F821 - forward ref
                                "install your fork (pip install -e PATH) or upstream (pip install "
                                "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
     if getattr(args, "fuzz", 0) and args.fuzz > 0:
-        try:
-            import hypothesis  # noqa: F401
-        except ImportError as e:
-            raise _usage_error(f"--fuzz needs hypothesis, which is not importable ({type(e).__name__}: {e})",
-                               "pip install 'dpfsdp-verify[fuzz]'") from None
+        require_hypothesis("--fuzz")
     if getattr(args, "expect", None):
         try:
             return load(args.expect)
@@ -146,7 +151,8 @@ def banner(target: Dict[str, Any], backend: str, world_sizes, properties) -> str
 
 
 def exit_code(verdicts, outcome=None) -> int:
-    from .report import FAILING, is_internal_error
+    from .report import is_internal_error
+    from .verdict import FAILING
 
     if any(is_internal_error(v) for v in verdicts):
         return EXIT_INTERNAL
@@ -160,6 +166,7 @@ def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectati
     the only thing on stdout (the table and messages go to stderr)."""
     from . import report
     from .expectations import apply
+    from .verdict import FAILING
 
     outcome = apply(expectations, verdicts) if expectations is not None else None
     code = exit_code(verdicts, outcome)
@@ -167,7 +174,7 @@ def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectati
     out = sys.stderr if json_to_stdout else sys.stdout
     print(report.terminal_table(verdicts, outcome), file=out)
     for v in verdicts:
-        if v.status in report.FAILING and not (outcome is not None and outcome.is_expected(v)):
+        if v.status in FAILING and not (outcome is not None and outcome.is_expected(v)):
             print(f"\n{report.verdict_label(v)} {v.status} ({v.diagnosis}): {v.message}"
                   + (f"\n  repro: {v.repro}" if v.repro else ""), file=out)
             if report.is_internal_error(v):

@@ -4,6 +4,7 @@ inside the suite, and one-line exit-2 messages for a missing optional dependency
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import jsonschema
 import pytest
 
 from dpfsdp_verify import cli, report
-from dpfsdp_verify.properties import PROPERTIES, Property
+from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Case
 from dpfsdp_verify.verdict import CONFIG_KEYS
 from test_cli import REPO, run_cli
 
@@ -71,14 +72,29 @@ def test_labels_leave_out_absent_values_and_keep_fuzz_settings():
     assert report.config_label(other) != report.config_label(fuzz_pass)
 
 
-def _raising_check(*args, **kwargs):
+def test_every_config_key_a_property_can_emit_is_known():
+    """Expectation files are checked against ``verdict.CONFIG_KEYS`` and the schema lists the same
+    keys: every case of every property (its plan; nothing runs) must stay within them."""
+    modes = {"immediate": {}, "deferred": {"SOME_SWITCH": "1"}}
+    seen = set()
+    for prop in REGISTRY:
+        for item in prop.plan(prop.options("opacus", world_sizes=(1, 2), modes=modes)):
+            cfg = item.config() if isinstance(item, Case) else item.config
+            seen |= set(cfg)
+    assert seen <= set(CONFIG_KEYS), seen - set(CONFIG_KEYS)
+    assert "local_batches" in seen
+    assert set(CONFIG_KEYS) <= set(SCHEMA["$defs"]["result"]["properties"]["config"]["properties"])
+
+
+def _raising_cases(point):
     raise ZeroDivisionError("planted bug in a check")
 
 
 def test_a_bug_inside_a_check_exits_3(tmp_path, capsys, monkeypatch):
     """An exception raised by property code in the gate process is the suite's bug, not the
     target's: diagnosis internal_error, exit 3 (a failing target is 1) -- even with --expect."""
-    monkeypatch.setitem(PROPERTIES, "clipped_step", Property("clipped_step", "m", _raising_check))
+    monkeypatch.setitem(PROPERTIES, "clipped_step", dataclasses.replace(PROPERTIES["clipped_step"],
+                                                                        cases=_raising_cases))
     j = tmp_path / "r.json"
     code = cli.main(["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "1", "-q",
                      "--expect", "opacus-1.6.0", "--json", str(j)])
@@ -96,7 +112,8 @@ def test_a_crash_of_the_cli_itself_exits_3(capsys, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("planted crash in the table")
 
-    monkeypatch.setitem(PROPERTIES, "clipped_step", Property("clipped_step", "m", lambda *a, **k: []))
+    monkeypatch.setitem(PROPERTIES, "clipped_step", dataclasses.replace(PROPERTIES["clipped_step"],
+                                                                        cases=lambda point: []))
     monkeypatch.setattr(report, "terminal_table", boom)
     assert cli.main(["run", "--properties", "clipped_step", "--world-sizes", "1", "-q"]) == 3
     err = capsys.readouterr().err
