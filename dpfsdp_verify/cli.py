@@ -26,7 +26,6 @@ import sys
 import time
 from typing import List, Optional
 
-from . import __version__
 from .harness import DEFAULT_TIMEOUT_S
 from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size

@@ -22,7 +22,7 @@ File format (``version = 1``)::
     description = "known failures of upstream opacus 1.6.0 (ghost_fsdp)"   # optional
 
     [[expect]]
-    property = "clipped_step"              # a property id (dpfsdp-verify list)
+    property = "PROPERTY_ID"               # a property id (dpfsdp-verify list)
     config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
                                            # a list means any of: world_size = [2, 3]
     status = "fail"                        # optional: fail (default), hang or error
@@ -31,7 +31,8 @@ File format (``version = 1``)::
     link = "https://..."                   # optional
 
 ``--expect`` takes a path, or the name of a file bundled with the package
-(``dpfsdp_verify/known_failures/NAME.toml``, e.g. ``--expect opacus-1.6.0``).
+(``dpfsdp_verify/properties/known_failures/NAME.toml``, e.g. ``--expect opacus-1.6.0``; they live
+beside the properties because they name them).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ else:  # pragma: no cover - exercised only on Python 3.10 (tomli is a dependency
     import tomli as tomllib
 
 FORMAT_VERSION = 1
-BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "known_failures")
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "properties", "known_failures")
 EXPECTABLE_STATUSES = ("fail", "hang", "error")
 _TOP_KEYS = ("version", "description", "expect")
 _ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link")

@@ -21,9 +21,12 @@ import argparse
 import importlib.util
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from . import __version__
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .expectations import Expectations
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -115,7 +118,7 @@ class VersionAction(argparse.Action):
         parser.exit(0)
 
 
-def preflight(args) -> Optional["Expectations"]:  # noqa: F821 - forward ref
+def preflight(args) -> Optional["Expectations"]:
     """Checks that need no run plan; raises the CLI's ``UsageError``. Returns the parsed
     ``--expect`` file (or None)."""
     from .expectations import ExpectationsError, load

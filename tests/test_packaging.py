@@ -54,7 +54,7 @@ def test_metadata_version_classifiers_license_and_typing():
         assert "Apache License" in f.read(300)
     pkg = resources.files("dpfsdp_verify")
     assert pkg.joinpath("py.typed").is_file() and pkg.joinpath("schema/report.schema.json").is_file()
-    assert pkg.joinpath("known_failures/opacus-1.6.0.toml").is_file()
+    assert pkg.joinpath("properties/known_failures/opacus-1.6.0.toml").is_file()
 
 
 def test_python_m_and_version_name_the_opacus_it_would_test():
