@@ -21,7 +21,8 @@ from test_cli import run_cli
 
 SHIPPED = expectations.bundled()["opacus-1.6.0"]
 #: the cheapest gate selection that exercises the shipped clipped_step entry and a passing neighbour
-SELECTION = ["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "2", "-q"]
+SELECTION = ["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "2", "--dtypes", "float64",
+             "-q"]
 
 
 def shipped_text() -> str:
@@ -73,12 +74,13 @@ def test_missing_file_names_the_bundled_ones(capsys):
     assert "no such file" in err and "opacus-1.6.0" in err
 
 
-def test_shipped_file_parses_and_lists_the_sum_finding():
+def test_shipped_file_parses_and_lists_the_upstream_findings():
     exp = expectations.load("opacus-1.6.0")
     assert exp.file == SHIPPED
     got = {(e.property, e.status, e.diagnosis, tuple(sorted(e.config.items()))) for e in exp.entries}
     assert got == {("clipped_step", "fail", "mismatch", (("reduction", "sum"), ("world_size", 2))),
-                   ("trajectory", "fail", "mismatch", (("reduction", "sum"), ("world_size", 2)))}
+                   ("trajectory", "fail", "mismatch", (("reduction", "sum"), ("world_size", 2))),
+                   ("deadlock_free", "error", "rank_crash", (("local_batches", "empty"),))}
     assert all(e.reason for e in exp.entries)
 
 
@@ -139,7 +141,9 @@ def test_parse_accepts_lists_status_and_link():
 # -- the gate on upstream opacus --------------------------------------------------------------------------
 def _results(path):
     report = json.loads(path.read_text())
-    return report, {(r["config"]["reduction"]): r for r in report["results"]}
+    by_reduction = {r["config"]["reduction"]: r for r in report["results"]}
+    assert len(by_reduction) == len(report["results"]) == 2
+    return report, by_reduction
 
 
 def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
@@ -153,7 +157,8 @@ def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
     assert report["summary"]["fail"] == 1 and report["summary"]["expected"] == 1 and report["exit_code"] == 0
     exp = report["expectations"]
     assert (exp["expected_failures"], exp["unexpected_failures"], exp["unmet"]) == (1, 0, [])
-    assert [e["property"] for e in exp["not_exercised"]] == ["trajectory"]  # not selected: not an error
+    # not selected: not an error
+    assert [e["property"] for e in exp["not_exercised"]] == ["trajectory", "deadlock_free"]
     assert "xfail" in r.stdout
     # JUnit: the expected failure is skipped with the reason (as pytest reports an xfail), nothing failed
     suite = ET.parse(x).getroot().find("testsuite")
@@ -183,7 +188,7 @@ def test_gate_with_an_entry_that_passes_exits_1(tmp_path):
     report, by_red = _results(j)
     assert by_red["sum"]["expected"] is True and by_red["mean"]["status"] == "pass"
     unmet, = report["expectations"]["unmet"]
-    assert unmet["entry"]["index"] == 3 and unmet["verdicts"][0]["status"] == "pass"
+    assert unmet["entry"]["index"] == 4 and unmet["verdicts"][0]["status"] == "pass"
     assert "no longer holds" in r.stdout and "clipped_step [ws=2 split mlp mean" in r.stdout
     suite = ET.parse(x).getroot().find("testsuite")
     failed = [c for c in suite.findall("testcase") if c.find("failure") is not None]
