@@ -194,7 +194,8 @@ def norm_ratio_rows(verdicts: List[Verdict]) -> List[Dict[str, Any]]:
             continue
         ws = v.config.get("world_size", 1)
         rows.append({"world_size": ws, "data_layout": v.config.get("data_layout"), "model": v.config.get("model"),
-                     "reduction": v.config.get("reduction"), "label": config_label(v.config),
+                     "reduction": v.config.get("reduction"), "dtype": v.config.get("dtype"),
+                     "label": config_label(v.config),
                      "mean_ratio": float(ratio), "sqrt_n": math.sqrt(ws), "status": v.status,
                      "diagnosis": v.diagnosis})
     return rows
@@ -233,10 +234,11 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
     rows = norm_ratio_rows(verdicts)
     if rows:
         lines += ["", "## Per-sample norm ratio (target / reference) vs the sqrt(N) line", "",
-                  "| world size | layout | model | reduction | measured ratio | sqrt(N) | status |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| world size | layout | model | reduction | dtype | measured ratio | sqrt(N) | status |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['world_size']} | {r['data_layout']} | {r['model']} | {r['reduction'] or ''} | "
+                         f"{r['dtype'] or ''} | "
                          f"{r['mean_ratio']:.6f} | {r['sqrt_n']:.6f} | {r['status']} {r['diagnosis'] or ''} |")
     bad = [v for v in verdicts if v.status in FAILING and not (outcome is not None and outcome.is_expected(v))]
     if bad:

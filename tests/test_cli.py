@@ -70,7 +70,7 @@ def test_upstream_opacus_verdicts(tmp_path):
     real upstream finding: FSDP averages gradients and opacus only compensates under "mean")."""
     j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
     r = run_cli("run", "--properties", "norm_fidelity,clipped_step", "--world-sizes", "1,2", "--models", "mlp",
-                "--json", str(j), "--junit", str(x), "--markdown", str(md))
+                "--dtypes", "float64", "--json", str(j), "--junit", str(x), "--markdown", str(md))
     assert r.returncode == 1, r.stderr
     report = json.loads(j.read_text())
     assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
@@ -116,8 +116,8 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path):
     assert got[(2, "split")] == ("fail", "sample_mixing")
     assert "sqrt(2)" in r.stdout
     # the CI summary page: measured ratio next to the sqrt(N) line (exactly on it when replicated)
-    assert "| 2 | replicated | mlp | mean | 1.414214 | 1.414214 | fail sqrt_n_inflation |" in md.read_text()
-    assert "| 1 | replicated | mlp | mean | 1.000000 | 1.000000 | pass  |" in md.read_text()
+    assert "| 2 | replicated | mlp | mean | float64 | 1.414214 | 1.414214 | fail sqrt_n_inflation |" in md.read_text()
+    assert "| 1 | replicated | mlp | mean | float64 | 1.000000 | 1.000000 | pass  |" in md.read_text()
 
 
 def test_crashing_mode_is_an_error_not_a_hang(tmp_path):
