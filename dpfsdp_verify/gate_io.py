@@ -183,6 +183,11 @@ def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectati
             if report.is_internal_error(v):
                 print("  this is a bug in dpfsdp-verify, not a verdict on the target; please report it with:\n"
                       + "\n".join("    " + line for line in (v.details or "").rstrip().splitlines()), file=out)
+    skipped = [v for v in verdicts if v.status == "skip"]
+    if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
+        print("\nskipped:", file=out)
+        for v in skipped:
+            print(f"  {report.verdict_label(v)}: {v.message}", file=out)
     if outcome is not None:
         for e in outcome.entries:
             n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
