@@ -70,7 +70,7 @@ def test_upstream_opacus_verdicts(tmp_path):
     real upstream finding: FSDP averages gradients and opacus only compensates under "mean")."""
     j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
     r = run_cli("run", "--properties", "norm_fidelity,clipped_step", "--world-sizes", "1,2", "--models", "mlp",
-                "--dtypes", "float64", "--json", str(j), "--junit", str(x), "--markdown", str(md))
+                "--json", str(j), "--junit", str(x), "--markdown", str(md))
     assert r.returncode == 1, r.stderr
     report = json.loads(j.read_text())
     assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
