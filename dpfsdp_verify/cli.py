@@ -3,14 +3,19 @@
     dpfsdp-verify run [--target opacus|MODULE:ATTR] [--grad-sample-mode ghost_fsdp]
         [--mode-env LABEL:VAR=VAL[,VAR=VAL]]... [--world-sizes 1,2] [--backend gloo|nccl]
         [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum] [--dtypes float64,float32]
-        [--timeout SECONDS] [--json PATH] [--junit PATH] [--markdown PATH]
+        [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
+        [--markdown PATH] [-q]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
-    dpfsdp-verify --version
+    dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
-Exit codes: 0 every selected property passed; 1 at least one fail / hang / error; 2 usage or
-configuration error (one line saying what is wrong and a hint; nothing is run).
-Progress goes to stderr while it runs; the summary table to stdout at the end.
+Exit codes (stable; gate_io.py): 0 every selected property passed -- with --expect, exactly the
+listed failures failed; 1 a fail / hang / error of the target that is not expected, or an
+expectation that no longer holds (an expected failure now passes); 2 usage or configuration error
+(one line saying what is wrong and a hint; nothing is run); 3 internal error of dpfsdp-verify (a
+check raised -- diagnosis internal_error -- or the CLI crashed), before 1.
+Progress goes to stderr while it runs; the summary table to stdout at the end (to stderr when
+--json - puts the JSON report on stdout).
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ import sys
 import time
 from typing import List, Optional
 
-from . import __version__
 from .harness import DEFAULT_TIMEOUT_S
 from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING
+from .gate_io import EXIT_INTERNAL, VersionAction  # issue 14
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_WORLD_SIZES = "1,2"
@@ -53,7 +58,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dpfsdp-verify", description="Correctness and deadlock gate for DP training under FSDP.")
-    p.add_argument("--version", action="version", version=f"dpfsdp-verify {__version__}")
+    p.add_argument("--version", action=VersionAction)  # issue 14: + the opacus it would test
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run the properties against a target and report verdicts")
     _target_args(run)
@@ -72,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "own: float64 everywhere, float32 too where the property runs it by default)")
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
-    run.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    run.add_argument("--expect", metavar="FILE|NAME",  # issue 14: expectations (gate_io, expectations.py)
+                     help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
+                          "such as opacus-1.6.0 also works")
+    run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -129,43 +137,28 @@ class Progress:
 
 
 def cmd_run(args) -> int:
-    from . import report
+    from . import gate_io
     from .gate import run_plan
 
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    expectations = gate_io.preflight(args)  # issue 14: opacus / hypothesis present, --expect file valid
     plan = RunPlan.from_args(args)
     progress = Progress(args.quiet)
+    target = gate_io.describe_target(args.target, plan.info)  # issue 14: + which opacus was imported
     if not args.quiet:
-        print(f"dpfsdp-verify {__version__}: target {plan.info['name']} "
-              f"{plan.info['version']}, {plan.backend}, world sizes {list(plan.world_sizes)}, "
-              f"properties {', '.join(plan.properties)}", file=sys.stderr, flush=True)
+        print(gate_io.banner(target, plan.backend, plan.world_sizes, plan.properties), file=sys.stderr, flush=True)
     verdicts = run_plan(plan, progress=progress)
-    print(report.terminal_table(verdicts))
-    for v in verdicts:
-        if v.status in FAILING:
-            print(f"\n{v.property} [{report.config_label(v.config)}] {v.status} ({v.diagnosis}): {v.message}"
-                  + (f"\n  repro: {v.repro}" if v.repro else ""))
-    skipped = [v for v in verdicts if v.status == "skip"]
-    if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
-        print("\nskipped:")
-        for v in skipped:
-            print(f"  {v.property} [{report.config_label(v.config)}]: {v.message}")
-    if args.json:
-        report.write_json(args.json, verdicts, plan.info, plan.backend)
-    if args.junit:
-        report.write_junit(args.junit, verdicts, plan.info["name"])
-    if args.markdown:
-        plot = os.path.splitext(args.markdown)[0] + "-norm-ratio.png"
-        has_plot = report.plot_norm_ratios(verdicts, plot)
-        with open(args.markdown, "w") as f:
-            f.write(report.to_markdown(verdicts, plan.info, os.path.basename(plot) if has_plot else None))
-    return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
+    # issue 14: expectations, reports (--json - to stdout) and the exit code live in gate_io
+    return gate_io.finish(args, verdicts, target, plan.backend, expectations)
 
 
 def cmd_replay(args) -> int:
     """Re-run one fuzzed spec; prints its verdict; exit 1 if it fails."""
+    from .gate_io import require_hypothesis
+
+    require_hypothesis("replay")  # issue 14: hypothesis is the optional [fuzz] extra -> exit 2, not 3
     from .fuzz import check_example, format_failure, fuzzable_property, spec_from_json
     from .harness import Pool
 
@@ -204,6 +197,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
         return EXIT_USAGE
+    except Exception:  # issue 14: a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict
+        import traceback
+
+        traceback.print_exc()
+        print("dpfsdp-verify: internal error (a bug in dpfsdp-verify, not a verdict on the target)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
         try:
             return fn()
         except Exception as e:  # a bug in a check or an unloadable target: report, go on
-            return [Verdict(pid, "error", _config(plan), message=f"{what} {pid} failed: {type(e).__name__}: {e}",
+            return [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # issue 14: exit 3
+                            message=f"{what} {pid} failed: {type(e).__name__}: {e}",
                             details=traceback.format_exc(), seconds=round(time.monotonic() - t0, 3))]
 
     try:

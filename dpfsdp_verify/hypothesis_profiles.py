@@ -20,6 +20,11 @@ The database is a ``DirectoryBasedExampleDatabase`` in ``<root>/.hypothesis/dpfs
 ``root`` is pytest's rootdir under the plugin, else ``DPFSDP_HYPOTHESIS_DB_ROOT``, else the current
 directory. Hypothesis writes each example as its own file with an atomic rename, so several
 ``pytest -n`` workers can share it.
+
+hypothesis is optional (``pip install 'dpfsdp-verify[fuzz]'``): without it this module still
+imports (the pytest plugin, loaded in every pytest session, registers the profiles through it),
+``register_profiles`` does nothing, and asking for a profile raises ``ProfileError`` saying what to
+install.
 """
 
 from __future__ import annotations
@@ -27,8 +32,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from hypothesis import HealthCheck, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+try:
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+except ImportError as _e:  # the optional [fuzz] extra is not installed
+    HealthCheck = settings = DirectoryBasedExampleDatabase = None
+    MISSING: Optional[str] = (f"hypothesis is not importable ({type(_e).__name__}: {_e}); "
+                              "pip install 'dpfsdp-verify[fuzz]'")
+else:
+    MISSING = None
 
 PROFILE_ENV = "DPFSDP_HYPOTHESIS_PROFILE"
 DB_ROOT_ENV = "DPFSDP_HYPOTHESIS_DB_ROOT"
@@ -38,7 +50,7 @@ PREFIX = "dpfsdp-"
 
 #: examples are whole distributed runs: slow by hypothesis' standards, and strategies draw many
 #: small integers; neither is a problem with the strategies
-_SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large]
+_SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large] if HealthCheck is not None else []
 
 _active: Optional[str] = None
 _registered_root: Optional[str] = None
@@ -57,6 +69,8 @@ def register_profiles(root: Optional[str] = None) -> None:
     """Register ``dpfsdp-ci``, ``dpfsdp-dev`` and ``dpfsdp-nightly`` with hypothesis (idempotent;
     a new ``root`` re-registers them with a database there)."""
     global _registered_root
+    if MISSING:
+        return  # nothing to register with
     if root is None and _registered_root is not None:
         return  # keep the root the plugin (or an earlier caller) chose
     path = database_path(root)
@@ -85,6 +99,8 @@ def resolve_name(name: Optional[str] = None) -> str:
 
 def profile_settings(name: Optional[str] = None, root: Optional[str] = None) -> settings:
     """The ``settings`` object of a profile (see ``resolve_name``), without loading it globally."""
+    if MISSING:
+        raise ImportError(MISSING)
     register_profiles(root)
     return settings.get_profile(PREFIX + resolve_name(name))
 
@@ -93,6 +109,8 @@ def load_profile(name: Optional[str] = None, root: Optional[str] = None) -> str:
     """Make the profile hypothesis' global default (``settings.load_profile``) and the fuzz
     drivers' default; returns its short name."""
     global _active
+    if MISSING:
+        raise ProfileError(f"hypothesis profile {name or os.environ.get(PROFILE_ENV)!r} requested but {MISSING}")
     register_profiles(root)
     chosen = resolve_name(name)
     settings.load_profile(PREFIX + chosen)

@@ -1,6 +1,9 @@
-"""Reports of a gate run: JSON (the schema in the README), JUnit XML, markdown, and the terminal table.
+"""Reports of a gate run: JSON (``schema/report.schema.json``), JUnit XML, markdown, and the terminal table.
 
-All four are pure functions of the verdict list plus run metadata, so they cannot disagree.
+All four are pure functions of the verdict list plus run metadata (and, with ``--expect``, the
+``expectations.Outcome`` saying which failures were expected), so they cannot disagree. Every
+verdict is named by ``config_label``, which renders every config key that has a value: labels
+are unique within a run and stable across runs (JUnit history and CI reporters key on them).
 """
 
 from __future__ import annotations
@@ -9,43 +12,121 @@ import json
 import math
 import platform
 import xml.etree.ElementTree as ET
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from . import __version__
-from .verdict import STATUSES, Verdict
+from .verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .expectations import Outcome
+
+#: version of the JSON report's layout (``schema/report.schema.json``); bumped on any change that
+#: can break a reader (a removed/renamed field or a changed meaning), not for added fields
+SCHEMA_VERSION = 1
+#: config keys shown by value alone, in this order, after ``ws=N``; every other key is ``key=value``
+_POSITIONAL = ("data_layout", "model", "reduction")
 
 
-def summary(verdicts: List[Verdict]) -> Dict[str, int]:
+def summary(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> Dict[str, int]:
+    """Counts per status, plus ``expected``: how many of the failing ones an expectations file
+    listed (0 without one). ``fail``/``hang``/``error`` count expected failures too."""
     out = {s: 0 for s in STATUSES}
     for v in verdicts:
         out[v.status] += 1
+    out["expected"] = sum(1 for v in verdicts if outcome is not None and outcome.is_expected(v))
     return out
 
 
+def _scalar(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _value(v: Any) -> Optional[str]:
+    """A config value as label text; ``None`` for values that are absent (None / empty)."""
+    if v is None or v == "" or v == {} or v == [] or v == ():
+        return None
+    if isinstance(v, dict):
+        # one level of settings (fuzz examples/seed, model sizes); nested dicts (e.g. the fuzzer's
+        # per-status counts) are outcomes, not configuration, and stay out of the label
+        items = [f"{k}={_scalar(x)}" for k, x in sorted(v.items()) if x is not None and not isinstance(x, dict)]
+        return "(" + ",".join(items) + ")" if items else None
+    if isinstance(v, (list, tuple)):
+        return ",".join(_scalar(x) for x in v)
+    return _scalar(v)
+
+
 def config_label(config: Dict[str, Any]) -> str:
-    """``ws=2 split mlp mean mode=default`` -- the short form used in tables and test names."""
-    parts = [f"ws={config.get('world_size')}", str(config.get("data_layout", "")), str(config.get("model", "")),
-             str(config.get("reduction", "")), f"mode={config.get('mode', 'default')}"]
-    return " ".join(p for p in parts if p)
+    """``ws=2 split mlp mean mode=default grad_sample_mode=ghost_fsdp local_batches=even``: every
+    config key with a value (absent ones -- ``None`` -- are left out), world size first, then data
+    layout, model and reduction by value, then ``mode`` and the other keys alphabetically as
+    ``key=value``. Used in the terminal table, progress lines, JUnit names and markdown."""
+    parts = []
+    if config.get("world_size") is not None:
+        parts.append(f"ws={_value(config['world_size'])}")
+    for k in _POSITIONAL:
+        text = _value(config.get(k))
+        if text is not None:
+            parts.append(text)
+    rest = sorted(k for k in config if k not in ("world_size",) + _POSITIONAL)
+    if "mode" in rest:
+        rest.remove("mode")
+        rest.insert(0, "mode")
+    for k in rest:
+        text = _value(config[k])
+        if text is not None:
+            parts.append(f"{k}{text}" if text.startswith("(") else f"{k}={text}")
+    return " ".join(parts)
 
 
-def to_json(verdicts: List[Verdict], target: Dict[str, str], backend: str) -> Dict[str, Any]:
+def verdict_label(v: Verdict) -> str:
+    """``property [config label]``, the name of one verdict in messages."""
+    return f"{v.property} [{config_label(v.config)}]"
+
+
+def is_internal_error(v: Verdict) -> bool:
+    return v.diagnosis == INTERNAL_ERROR
+
+
+def result_json(v: Verdict, outcome: Optional["Outcome"] = None) -> Dict[str, Any]:
+    """One ``results[]`` entry: the verdict's fields plus ``label`` and ``expected`` (and, for an
+    expected failure, the ``expectation`` that listed it)."""
+    d = v.to_json()
+    d["label"] = config_label(v.config)
+    entry = outcome.entry_for(v) if outcome is not None else None
+    d["expected"] = entry is not None
+    if entry is not None:
+        d["expectation"] = entry.to_json()
+    return d
+
+
+def to_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, outcome: Optional["Outcome"] = None,
+            exit_code: Optional[int] = None) -> Dict[str, Any]:
     import torch
 
     return {
+        "schema_version": SCHEMA_VERSION,
         "tool": "dpfsdp-verify",
         "version": __version__,
         "target": target,
         "environment": {"torch": torch.__version__, "backend": backend, "python": platform.python_version()},
-        "results": [v.to_json() for v in verdicts],
-        "summary": summary(verdicts),
+        "results": [result_json(v, outcome) for v in verdicts],
+        "summary": summary(verdicts, outcome),
+        "expectations": outcome.to_json() if outcome is not None else None,
+        "exit_code": exit_code,
     }
 
 
-def write_json(path: str, verdicts: List[Verdict], target: Dict[str, str], backend: str) -> None:
+def dumps_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, outcome: Optional["Outcome"] = None,
+               exit_code: Optional[int] = None) -> str:
+    return json.dumps(to_json(verdicts, target, backend, outcome, exit_code), indent=2, default=_jsonable) + "\n"
+
+
+def write_json(path: str, verdicts: List[Verdict], target: Dict[str, Any], backend: str,
+               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None) -> None:
     with open(path, "w") as f:
-        json.dump(to_json(verdicts, target, backend), f, indent=2, default=_jsonable)
-        f.write("\n")
+        f.write(dumps_json(verdicts, target, backend, outcome, exit_code))
 
 
 def _jsonable(o):
@@ -54,23 +135,49 @@ def _jsonable(o):
     return str(o)
 
 
-def write_junit(path: str, verdicts: List[Verdict], target_name: str) -> None:
-    """One testcase per property x config; failure text = the diagnosis message."""
-    s = summary(verdicts)
-    suite = ET.Element("testsuite", name=f"dpfsdp-verify[{target_name}]", tests=str(len(verdicts)),
-                       failures=str(s["fail"]), errors=str(s["error"] + s["hang"]), skipped=str(s["skip"]),
-                       time=f"{sum(v.seconds for v in verdicts):.3f}")
+def junit_names(verdicts: List[Verdict]) -> List[tuple]:
+    """``(classname, name)`` per verdict. Labels are unique by construction (every config key is in
+    them); should two verdicts ever share one, the later gets `` #2``, `` #3`` so that reporters
+    that key on (classname, name) still see every result."""
+    seen: Dict[tuple, int] = {}
+    out = []
     for v in verdicts:
-        case = ET.SubElement(suite, "testcase", classname=f"dpfsdp_verify.{v.property}",
-                             name=config_label(v.config), time=f"{v.seconds:.3f}")
+        key = (f"dpfsdp_verify.{v.property}", config_label(v.config))
+        seen[key] = seen.get(key, 0) + 1
+        out.append(key if seen[key] == 1 else (key[0], f"{key[1]} #{seen[key]}"))
+    return out
+
+
+def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: Optional["Outcome"] = None) -> None:
+    """One testcase per property x config; failure text = the diagnosis message. An expected
+    failure (``--expect``) is a ``skipped`` testcase of type ``expected_failure`` whose message is
+    the expectation's reason (as pytest reports an xfail); an expectation that no longer holds is
+    a failed testcase ``dpfsdp_verify.expectations`` named after the entry."""
+    unmet = outcome.unmet if outcome is not None else []
+    expected = [outcome is not None and outcome.is_expected(v) for v in verdicts]
+    failures = sum(1 for v, x in zip(verdicts, expected) if v.status == "fail" and not x) + len(unmet)
+    errors = sum(1 for v, x in zip(verdicts, expected) if v.status in ("error", "hang") and not x)
+    skipped = sum(1 for v, x in zip(verdicts, expected) if v.status == "skip" or x)
+    suite = ET.Element("testsuite", name=f"dpfsdp-verify[{target_name}]", tests=str(len(verdicts) + len(unmet)),
+                       failures=str(failures), errors=str(errors), skipped=str(skipped),
+                       time=f"{sum(v.seconds for v in verdicts):.3f}")
+    for v, x, (classname, name) in zip(verdicts, expected, junit_names(verdicts)):
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{v.seconds:.3f}")
         head = f"[{v.diagnosis}] {v.message}" if v.diagnosis else v.message
         body = head + (f"\nrepro: {v.repro}" if v.repro else "") + (f"\n\n{v.details}" if v.details else "")
-        if v.status == "fail":
+        if x:
+            entry = outcome.entry_for(v)
+            ET.SubElement(case, "skipped", type="expected_failure",
+                          message=f"expected {v.status} ({v.diagnosis}): {entry.describe_reason()}"[:500]).text = body
+        elif v.status == "fail":
             ET.SubElement(case, "failure", message=head[:500], type=v.diagnosis or "fail").text = body
         elif v.status in ("error", "hang"):
             ET.SubElement(case, "error", message=head[:500], type=v.diagnosis or v.status).text = body
         elif v.status == "skip":
             ET.SubElement(case, "skipped", message=v.message[:500])
+    for u in unmet:
+        case = ET.SubElement(suite, "testcase", classname="dpfsdp_verify.expectations", name=u.entry.label(), time="0")
+        ET.SubElement(case, "failure", message=u.message[:500], type="expectation_not_met").text = u.message
     root = ET.Element("testsuites")
     root.append(suite)
     ET.indent(root)
@@ -87,39 +194,72 @@ def norm_ratio_rows(verdicts: List[Verdict]) -> List[Dict[str, Any]]:
             continue
         ws = v.config.get("world_size", 1)
         rows.append({"world_size": ws, "data_layout": v.config.get("data_layout"), "model": v.config.get("model"),
+                     "reduction": v.config.get("reduction"), "dtype": v.config.get("dtype"),
+                     "label": config_label(v.config),
                      "mean_ratio": float(ratio), "sqrt_n": math.sqrt(ws), "status": v.status,
                      "diagnosis": v.diagnosis})
     return rows
 
 
-def to_markdown(verdicts: List[Verdict], target: Dict[str, str], plot_path: Optional[str] = None) -> str:
-    s = summary(verdicts)
-    lines = [f"# dpfsdp-verify: {target.get('name')} {target.get('version', '')}", "",
-             " ".join(f"**{k}** {n}" for k, n in s.items()), "",
-             "| property | config | status | diagnosis | seconds |", "|---|---|---|---|---|"]
+def _status_text(v: Verdict, outcome: Optional["Outcome"]) -> str:
+    if outcome is not None and outcome.is_expected(v):
+        return "xfail"
+    return v.status.upper() if v.status != "pass" else "pass"
+
+
+def _md(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Optional["Outcome"] = None) -> str:
+    """A page a GitHub step summary renders as is: text and tables only (no images, no links to
+    files beside it)."""
+    s = summary(verdicts, outcome)
+    lines = [f"# dpfsdp-verify: {target.get('name')} {target.get('version', '')}", ""]
+    opacus = target.get("opacus")
+    if opacus:
+        lines += [f"opacus imported: {opacus.get('version')} from `{opacus.get('path')}`", ""]
+    lines += [" ".join(f"**{k}** {n}" for k, n in s.items()), ""]
+    if outcome is not None:
+        lines += [f"expectations: `{outcome.file}` ({len(outcome.entries)} entries; {s['expected']} expected "
+                  f"failures; {len(outcome.unmet)} no longer hold)", ""]
+    lines += ["| property | config | status | diagnosis | seconds |", "|---|---|---|---|---|"]
     for v in verdicts:
-        lines.append(f"| `{v.property}` | {config_label(v.config)} | {_badge(v.status)} | {v.diagnosis or ''} | "
-                     f"{v.seconds:.1f} |")
+        status = _badge(_status_text(v, outcome))
+        if outcome is not None and outcome.is_expected(v):
+            status += f" #{outcome.entry_for(v).index}"
+        lines.append(f"| `{v.property}` | {_md(config_label(v.config))} | {status} | "
+                     f"{v.diagnosis or ''} | {v.seconds:.1f} |")
     rows = norm_ratio_rows(verdicts)
     if rows:
-        lines += ["", "## Per-sample norm ratio (target / reference) vs the sqrt(N) line", ""]
-        if plot_path:
-            lines += [f"![norm ratio vs sqrt(N)]({plot_path})", ""]
-        lines += ["| world size | layout | model | measured ratio | sqrt(N) | status |", "|---|---|---|---|---|---|"]
+        lines += ["", "## Per-sample norm ratio (target / reference) vs the sqrt(N) line", "",
+                  "| world size | layout | model | reduction | dtype | measured ratio | sqrt(N) | status |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['world_size']} | {r['data_layout']} | {r['model']} | {r['mean_ratio']:.6f} | "
-                         f"{r['sqrt_n']:.6f} | {r['status']} {r['diagnosis'] or ''} |")
-    bad = [v for v in verdicts if v.status in ("fail", "error", "hang")]
+            lines.append(f"| {r['world_size']} | {r['data_layout']} | {r['model']} | {r['reduction'] or ''} | "
+                         f"{r['dtype'] or ''} | "
+                         f"{r['mean_ratio']:.6f} | {r['sqrt_n']:.6f} | {r['status']} {r['diagnosis'] or ''} |")
+    bad = [v for v in verdicts if v.status in FAILING and not (outcome is not None and outcome.is_expected(v))]
     if bad:
         lines += ["", "## What went wrong", ""]
         for v in bad:
             lines.append(f"- **{v.property}** ({config_label(v.config)}): {v.message}" +
                          (f"  \n  repro: `{v.repro}`" if v.repro else ""))
+    if outcome is not None and outcome.unmet:
+        lines += ["", "## Expectations that no longer hold", ""]
+        lines += [f"- {u.message}" for u in outcome.unmet]
+    if outcome is not None and outcome.entries:
+        lines += ["", "## Expectations", "", "| entry | expected failures this run | reason |", "|---|---|---|"]
+        for e in outcome.entries:
+            n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
+            lines.append(f"| {_md(e.label())} | {n} | {_md(e.describe_reason())} |")
     return "\n".join(lines) + "\n"
 
 
 def plot_norm_ratios(verdicts: List[Verdict], path: str) -> bool:
-    """A small PNG of measured ratios vs sqrt(N) when matplotlib is importable; False otherwise."""
+    """A small PNG of measured ratios vs sqrt(N) when matplotlib is importable; False otherwise.
+    Written beside the markdown page for CI artifacts; the page itself never links it."""
     rows = norm_ratio_rows(verdicts)
     if not rows:
         return False
@@ -148,18 +288,23 @@ def plot_norm_ratios(verdicts: List[Verdict], path: str) -> bool:
 
 
 def _badge(status: str) -> str:
-    return {"pass": "pass", "fail": "**FAIL**", "hang": "**HANG**", "error": "**ERROR**", "skip": "skip"}[status]
+    return {"pass": "pass", "FAIL": "**FAIL**", "HANG": "**HANG**", "ERROR": "**ERROR**", "SKIP": "skip",
+            "xfail": "xfail (expected)"}[status]
 
 
-def terminal_table(verdicts: List[Verdict]) -> str:
-    """The summary table printed at the end of a run."""
-    rows = [(v.property, config_label(v.config), v.status.upper() if v.status != "pass" else "pass",
-             v.diagnosis or "", f"{v.seconds:.1f}s") for v in verdicts]
+def terminal_table(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> str:
+    """The summary table printed at the end of a run (``xfail`` = a failure the expectations
+    file lists)."""
+    rows = [(v.property, config_label(v.config), _status_text(v, outcome), v.diagnosis or "", f"{v.seconds:.1f}s")
+            for v in verdicts]
     head = ("property", "config", "status", "diagnosis", "time")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*r) for r in rows]
-    s = summary(verdicts)
-    out.append(", ".join(f"{n} {k}" for k, n in s.items() if n or k in ("pass", "fail")))
+    out += [fmt.format(*r).rstrip() for r in rows]
+    s = summary(verdicts, outcome)
+    counts = ", ".join(f"{n} {k}" for k, n in s.items() if k != "expected" and (n or k in ("pass", "fail")))
+    if outcome is not None:
+        counts += f" ({s['expected']} of them expected; {len(outcome.unmet)} expectation(s) no longer hold)"
+    out.append(counts)
     return "\n".join(out)

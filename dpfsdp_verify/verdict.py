@@ -1,8 +1,13 @@
 """The unit every property produces and every report consumes: one ``Verdict`` per property x config.
 
-Its fields are exactly one entry of ``results`` in the JSON report (README, "JSON report"):
-``status`` in ``STATUSES``, ``diagnosis`` in ``DIAGNOSES`` (or ``None``), ``config`` with at
-least ``world_size``, ``data_layout``, ``model``, ``mode``, ``grad_sample_mode``.
+Its fields are one entry of ``results`` in the JSON report (schema:
+``dpfsdp_verify/schema/report.schema.json``): ``status`` in ``STATUSES``, ``diagnosis`` in
+``DIAGNOSES`` (or ``None``), ``config`` with at least ``world_size``, ``data_layout``, ``model``,
+``mode``, ``grad_sample_mode`` (a value may be ``None`` where it does not apply); every key a
+property may put in ``config`` is listed in ``CONFIG_KEYS`` (expectation files are checked against it).
+
+``internal_error`` is the one diagnosis that is about the suite, not the target: property code in
+the gate process raised (a bug in a check). The CLI exits 3 when any verdict carries it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
-             "step_divergence", "correlated_sampling", "wrong_sample_rate")
+             "step_divergence", "correlated_sampling", "wrong_sample_rate", "internal_error")
+#: a bug inside the suite's own check code (not a verdict about the target)
+INTERNAL_ERROR = "internal_error"
+#: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
+#: expectations file rejects other keys, and a test checks every property's plan against this list)
+CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
+               "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
+               "seeding", "dataset")
 
 
 @dataclass

@@ -75,6 +75,12 @@ def test_upstream_opacus_verdicts(tmp_path):
     report = json.loads(j.read_text())
     assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
     assert report["target"]["version"] == "1.6.0" and report["environment"]["backend"] == "gloo"
+    # which opacus was imported: the report names its version and where it came from
+    import opacus
+
+    assert report["schema_version"] == 1 and report["target"]["opacus"]["version"] == opacus.__version__
+    assert report["target"]["opacus"]["path"] == os.path.dirname(opacus.__file__)
+    assert f"[opacus {opacus.__version__} from {os.path.dirname(opacus.__file__)}]" in r.stderr
     verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"],
                  v["config"]["dtype"]): (v["status"], v["diagnosis"]) for v in report["results"]}
     assert len(verdicts) == len(report["results"]) == 24  # float64 and float32 by default for these two
@@ -87,7 +93,7 @@ def test_upstream_opacus_verdicts(tmp_path):
         assert verdicts[("clipped_step", 1, "split", "sum", dtype)] == ("pass", None)
         assert verdicts[("clipped_step", 2, "split", "mean", dtype)] == ("pass", None)
         assert verdicts[("clipped_step", 2, "split", "sum", dtype)] == ("fail", "mismatch")
-    assert report["summary"] == {"pass": 22, "fail": 2, "hang": 0, "error": 0, "skip": 0}
+    assert report["summary"] == {"pass": 22, "fail": 2, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
     assert "2 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
     suite = ET.parse(x).getroot().find("testsuite")
@@ -110,8 +116,8 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path):
     assert got[(2, "split")] == ("fail", "sample_mixing")
     assert "sqrt(2)" in r.stdout
     # the CI summary page: measured ratio next to the sqrt(N) line (exactly on it when replicated)
-    assert "| 2 | replicated | mlp | 1.414214 | 1.414214 | fail sqrt_n_inflation |" in md.read_text()
-    assert "| 1 | replicated | mlp | 1.000000 | 1.000000 | pass  |" in md.read_text()
+    assert "| 2 | replicated | mlp | mean | float64 | 1.414214 | 1.414214 | fail sqrt_n_inflation |" in md.read_text()
+    assert "| 1 | replicated | mlp | mean | float64 | 1.000000 | 1.000000 | pass  |" in md.read_text()
 
 
 def test_crashing_mode_is_an_error_not_a_hang(tmp_path):

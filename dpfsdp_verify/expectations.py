@@ -1,0 +1,309 @@
+"""Known failures, checked in: ``dpfsdp-verify run --expect FILE``.
+
+A fork's CI must be able to say "these failures are known; anything else is news". An
+expectations file (TOML) lists failures by property, a subset of config keys, status and
+diagnosis, each with a reason. Against a run's verdicts (``apply``):
+
+* a failing verdict (``fail``/``hang``/``error``) that an entry lists is *expected*: its status
+  stays what it was, reports mark it (JSON ``"expected": true``, JUnit ``skipped`` of type
+  ``expected_failure``, ``xfail`` in the tables);
+* a failing verdict no entry lists is *unexpected* -> exit 1;
+* an entry is *strict*, like pytest's ``xfail(strict=True)``: every non-skipped verdict it selects
+  (same property, config keys equal) must fail with its status and diagnosis. If one passes (or
+  fails differently) the entry *no longer holds* -> exit 1, so the file cannot rot;
+* an entry that selects no verdict of this run (its property or world size was not selected) is
+  *not exercised*: reported, not an error, so a narrowed run can use the same file.
+
+``internal_error`` (a bug in the suite) can never be expected.
+
+File format (``version = 1``)::
+
+    version = 1
+    description = "known failures of upstream opacus 1.6.0 (ghost_fsdp)"   # optional
+
+    [[expect]]
+    property = "PROPERTY_ID"               # a property id (dpfsdp-verify list)
+    config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
+                                           # a list means any of: world_size = [2, 3]
+    status = "fail"                        # optional: fail (default), hang or error
+    diagnosis = "mismatch"                 # required: the verdict's diagnosis
+    reason = "why it fails, who owns it"   # required
+    link = "https://..."                   # optional
+
+``--expect`` takes a path, or the name of a file bundled with the package
+(``dpfsdp_verify/properties/known_failures/NAME.toml``, e.g. ``--expect opacus-1.6.0``; they live
+beside the properties because they name them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from .verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10 (tomli is a dependency there)
+    import tomli as tomllib
+
+FORMAT_VERSION = 1
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "properties", "known_failures")
+EXPECTABLE_STATUSES = ("fail", "hang", "error")
+_TOP_KEYS = ("version", "description", "expect")
+_ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link")
+_SCALARS = (str, int, float, bool)
+
+
+class ExpectationsError(ValueError):
+    """The expectations file cannot be used; the message is one line, ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+def bundled() -> Dict[str, str]:
+    """``{name: path}`` of the expectation files shipped with the package."""
+    if not os.path.isdir(BUNDLED_DIR):
+        return {}
+    return {f[:-5]: os.path.join(BUNDLED_DIR, f) for f in sorted(os.listdir(BUNDLED_DIR)) if f.endswith(".toml")}
+
+
+def resolve(ref: str) -> str:
+    """The file ``--expect REF`` names: an existing path, else a bundled name."""
+    if os.path.isfile(ref):
+        return ref
+    shipped = bundled()
+    name = ref[:-5] if ref.endswith(".toml") else ref
+    if os.sep not in ref and name in shipped:
+        return shipped[name]
+    raise ExpectationsError(f"--expect {ref}: no such file", "give a path to a TOML expectations file, or a bundled "
+                            f"name: {', '.join(shipped) or '(none)'}")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ",".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}={_fmt(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _matches(want: Any, got: Any) -> bool:
+    if isinstance(want, list):
+        return any(_matches(w, got) for w in want)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _matches(w, got[k]) for k, w in want.items())
+    if isinstance(want, bool) or isinstance(got, bool):
+        return want is got
+    return want == got
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One known failure (one ``[[expect]]`` table)."""
+
+    index: int  # 1-based position in the file
+    property: str
+    config: Dict[str, Any]
+    diagnosis: str
+    reason: str
+    status: str = "fail"
+    link: str = ""
+
+    def label(self) -> str:
+        cfg = " ".join(f"{k}={_fmt(v)}" for k, v in self.config.items())
+        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {self.status} ({self.diagnosis})"
+
+    def describe_reason(self) -> str:
+        return self.reason + (f" ({self.link})" if self.link else "")
+
+    def selects(self, v: Verdict) -> bool:
+        """Same property and every listed config key equal (a verdict without the key: no)."""
+        return v.property == self.property and all(k in v.config and _matches(w, v.config[k])
+                                                   for k, w in self.config.items())
+
+    def covers(self, v: Verdict) -> bool:
+        """``selects`` and failed exactly as listed."""
+        return self.selects(v) and v.status == self.status and v.diagnosis == self.diagnosis
+
+    def to_json(self) -> Dict[str, Any]:
+        d = {"index": self.index, "property": self.property, "config": dict(self.config), "status": self.status,
+             "diagnosis": self.diagnosis, "reason": self.reason}
+        if self.link:
+            d["link"] = self.link
+        return d
+
+
+@dataclass
+class Expectations:
+    file: str
+    entries: List[Entry]
+    description: str = ""
+
+
+def _check_value(where: str, key: str, v: Any, depth: int = 0) -> None:
+    if isinstance(v, _SCALARS):
+        return
+    if isinstance(v, list) and v and depth == 0 and all(isinstance(x, _SCALARS + (dict,)) for x in v):
+        for x in v:
+            _check_value(where, key, x, depth + 1)
+        return
+    if isinstance(v, dict) and v and depth <= 1:
+        for k, x in v.items():
+            _check_value(where, f"{key}.{k}", x, depth + 1)
+        return
+    raise ExpectationsError(f"{where}: config.{key} = {v!r} is not a value to match",
+                            "use a string, number or boolean, or a non-empty list of them (any of)")
+
+
+def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence[str]] = None) -> Expectations:
+    """Check and parse an expectations file's text. Raises ``ExpectationsError`` (one line)."""
+    if properties is None:
+        from .properties import PROPERTIES
+
+        properties = list(PROPERTIES)
+    name = os.path.basename(file)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in README.md (Expectations)") from None
+    unknown = [k for k in data if k not in _TOP_KEYS]
+    if unknown:
+        raise ExpectationsError(f"{name}: unknown top-level key {', '.join(map(repr, unknown))}",
+                                f"allowed: {', '.join(_TOP_KEYS)}")
+    if data.get("version") != FORMAT_VERSION:
+        raise ExpectationsError(f"{name}: version = {data.get('version')!r}; this dpfsdp-verify reads version "
+                                f"{FORMAT_VERSION}", f"put 'version = {FORMAT_VERSION}' at the top of the file")
+    raw = data.get("expect", [])
+    if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
+        raise ExpectationsError(f"{name}: 'expect' must be an array of tables", "write each entry as [[expect]]")
+    entries = []
+    for i, e in enumerate(raw, start=1):
+        where = f"{name}: [[expect]] #{i}"
+        bad = [k for k in e if k not in _ENTRY_KEYS]
+        if bad:
+            raise ExpectationsError(f"{where}: unknown key {', '.join(map(repr, bad))}",
+                                    f"allowed: {', '.join(_ENTRY_KEYS)}")
+        for k in ("property", "diagnosis", "reason"):
+            if not isinstance(e.get(k), str) or not e[k].strip():
+                raise ExpectationsError(f"{where}: '{k}' is missing or not a non-empty string",
+                                        "every entry needs property, diagnosis and reason")
+        if e["property"] not in properties:
+            raise ExpectationsError(f"{where}: unknown property {e['property']!r}",
+                                    f"choose from {', '.join(properties)}")
+        status = e.get("status", "fail")
+        if status not in EXPECTABLE_STATUSES:
+            raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
+                                    f"choose from {', '.join(EXPECTABLE_STATUSES)}")
+        if e["diagnosis"] == INTERNAL_ERROR:
+            raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
+                                    "expected", "report it instead")
+        if e["diagnosis"] not in DIAGNOSES:
+            raise ExpectationsError(f"{where}: unknown diagnosis {e['diagnosis']!r}",
+                                    f"choose from {', '.join(d for d in DIAGNOSES if d != INTERNAL_ERROR)}")
+        config = e.get("config", {})
+        if not isinstance(config, dict):
+            raise ExpectationsError(f"{where}: 'config' must be a table", "e.g. config = { world_size = 2 }")
+        unknown_keys = [k for k in config if k not in CONFIG_KEYS]
+        if unknown_keys:
+            raise ExpectationsError(f"{where}: unknown config key {', '.join(map(repr, unknown_keys))}",
+                                    f"choose from {', '.join(CONFIG_KEYS)}")
+        for k, v in config.items():
+            _check_value(where, k, v)
+        link = e.get("link", "")
+        if not isinstance(link, str):
+            raise ExpectationsError(f"{where}: 'link' must be a string", "e.g. link = \"https://...\"")
+        entries.append(Entry(i, e["property"], dict(config), e["diagnosis"], e["reason"].strip(), status, link))
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise ExpectationsError(f"{name}: 'description' must be a string", "or leave it out")
+    return Expectations(file, entries, description)
+
+
+def load(ref: str, properties: Optional[Sequence[str]] = None) -> Expectations:
+    """``resolve`` + read + ``parse``. Raises ``ExpectationsError``."""
+    path = resolve(ref)
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ExpectationsError(f"--expect {ref}: cannot read it: {e}", "give a readable UTF-8 TOML file") from None
+    return parse(text, path, properties)
+
+
+@dataclass
+class Unmet:
+    """An entry that selected verdicts which did not fail as it says."""
+
+    entry: Entry
+    verdicts: List[Verdict]
+    message: str
+
+
+@dataclass
+class Outcome:
+    """A run's verdicts judged against an expectations file."""
+
+    file: str
+    entries: List[Entry]
+    expected: Dict[int, Entry] = field(default_factory=dict)  # id(verdict) -> the entry listing it
+    unexpected: List[Verdict] = field(default_factory=list)
+    unmet: List[Unmet] = field(default_factory=list)
+    not_exercised: List[Entry] = field(default_factory=list)
+
+    def entry_for(self, v: Verdict) -> Optional[Entry]:
+        return self.expected.get(id(v))
+
+    def is_expected(self, v: Verdict) -> bool:
+        return id(v) in self.expected
+
+    @property
+    def holds(self) -> bool:
+        """No unexpected failure and every exercised entry still holds."""
+        return not self.unexpected and not self.unmet
+
+    def to_json(self) -> Dict[str, Any]:
+        from .report import config_label
+
+        return {
+            "file": self.file,
+            "entries": len(self.entries),
+            "expected_failures": len(self.expected),
+            "unexpected_failures": len(self.unexpected),
+            "unmet": [{"entry": u.entry.to_json(), "message": u.message,
+                       "verdicts": [{"property": v.property, "label": config_label(v.config), "status": v.status,
+                                     "diagnosis": v.diagnosis} for v in u.verdicts]} for u in self.unmet],
+            "not_exercised": [e.to_json() for e in self.not_exercised],
+        }
+
+
+def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
+    """Judge ``verdicts`` against ``exp`` (see the module docstring)."""
+    from .report import config_label
+    from .verdict import FAILING
+
+    out = Outcome(exp.file, list(exp.entries))
+    for v in verdicts:
+        if v.status not in FAILING:
+            continue
+        entry = None if v.diagnosis == INTERNAL_ERROR else next((e for e in exp.entries if e.covers(v)), None)
+        if entry is None:
+            out.unexpected.append(v)
+        else:
+            out.expected[id(v)] = entry
+    for e in exp.entries:
+        selected = [v for v in verdicts if e.selects(v) and v.status != "skip"]
+        if not selected:
+            out.not_exercised.append(e)
+            continue
+        other = [v for v in selected if not e.covers(v)]
+        if other:
+            what = "; ".join(f"{v.property} [{config_label(v.config)}] "
+                             + ("passed" if v.status == "pass" else f"{v.status} ({v.diagnosis})") for v in other)
+            out.unmet.append(Unmet(e, other, f"expectation {e.label()} no longer holds: {what}. Remove or narrow the "
+                                             f"entry in {os.path.basename(exp.file)}"))
+    return out

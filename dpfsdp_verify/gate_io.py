@@ -1,0 +1,216 @@
+"""What a gate run checks before it starts and writes after it ends (``cli.cmd_run`` calls in here).
+
+* ``preflight(args)``: the optional pieces a run needs are present -- the opacus it would test
+  (``--target opacus``), hypothesis for ``--fuzz``, a valid ``--expect`` file -- or a one-line
+  usage error (exit 2) naming the ``pip install`` that fixes it.
+* ``describe_target`` / ``banner`` / ``VersionAction``: which opacus was imported (version and
+  file), in the stderr banner, the JSON ``target``, the markdown page and ``--version``.
+* ``finish(args, verdicts, ...)``: judges the verdicts against the expectations, writes every
+  report and returns the exit code.
+
+Exit codes (stable): ``0`` every selected property passed (with ``--expect``: exactly the listed
+failures failed); ``1`` a failure, hang or error of the target that is not expected, or (with
+``--expect``) an expectation that no longer holds; ``2`` usage or configuration error, nothing
+run; ``3`` internal error of dpfsdp-verify (a check raised: diagnosis ``internal_error``, or the
+CLI itself crashed) -- takes precedence over ``1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from . import __version__
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .expectations import Expectations
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _usage_error(message: str, hint: str):
+    from .plan import UsageError
+
+    return UsageError(message, hint)
+
+
+def require_hypothesis(what: str) -> None:
+    """``UsageError`` (exit 2, one line naming the extra) when hypothesis is not importable."""
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as e:
+        raise _usage_error(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
+                           "pip install 'dpfsdp-verify[fuzz]'") from None
+
+
+def _distribution_of(package: str) -> Optional[Dict[str, str]]:
+    """``{"name", "version"}`` of the installed distribution that provides top-level ``package``."""
+    from importlib import metadata
+
+    try:
+        names = metadata.packages_distributions().get(package) or []
+    except Exception:  # pragma: no cover - broken metadata of an unrelated distribution
+        names = []
+    for name in names:
+        try:
+            return {"name": name, "version": metadata.version(name)}
+        except metadata.PackageNotFoundError:  # pragma: no cover
+            continue
+    return None
+
+
+def opacus_info(import_it: bool = False) -> Optional[Dict[str, Any]]:
+    """The opacus this process has imported (or, with ``import_it``, would import): ``{"version",
+    "path", "distribution"}``; ``None`` when it is not imported (and not importable). Without
+    ``import_it`` an opacus that is importable but not imported is described from its files and
+    metadata only (cheap: nothing is executed)."""
+    mod = sys.modules.get("opacus")
+    if mod is None and import_it:
+        try:
+            import opacus as mod  # noqa: F401
+        except ImportError:
+            return None
+    if mod is not None:
+        version = getattr(mod, "__version__", None)
+        path = os.path.dirname(getattr(mod, "__file__", None) or "") or None
+    else:
+        try:
+            spec = importlib.util.find_spec("opacus")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or [])
+        path = locations[0] if locations else spec.origin
+        version = None
+    dist = _distribution_of("opacus")
+    return {"version": version or (dist or {}).get("version") or "unknown", "path": path,
+            "distribution": f"{dist['name']} {dist['version']}" if dist else None}
+
+
+def version_text() -> str:
+    """``dpfsdp-verify --version``: this package, the opacus it would test, torch (nothing imported)."""
+    from importlib import metadata
+
+    lines = [f"dpfsdp-verify {__version__} ({os.path.dirname(os.path.abspath(__file__))})"]
+    op = opacus_info()
+    lines.append(f"opacus {op['version']} ({op['path']})" if op else
+                 "opacus: not installed (pip install 'dpfsdp-verify[opacus]', or install your fork)")
+    try:
+        lines.append(f"torch {metadata.version('torch')}")
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        lines.append("torch: not installed")
+    return "\n".join(lines)
+
+
+class VersionAction(argparse.Action):
+    """``--version``: computed when asked for, so other commands pay nothing for it."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show dpfsdp-verify's version and the opacus and torch it would use")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
+
+
+def preflight(args) -> Optional["Expectations"]:
+    """Checks that need no run plan; raises the CLI's ``UsageError``. Returns the parsed
+    ``--expect`` file (or None)."""
+    from .expectations import ExpectationsError, load
+
+    if getattr(args, "target", None) == "opacus":
+        try:
+            import opacus  # noqa: F401
+        except ImportError as e:
+            raise _usage_error(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
+                               "install your fork (pip install -e PATH) or upstream (pip install "
+                               "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
+    if getattr(args, "fuzz", 0) and args.fuzz > 0:
+        require_hypothesis("--fuzz")
+    if getattr(args, "expect", None):
+        try:
+            return load(args.expect)
+        except ExpectationsError as e:
+            raise _usage_error(str(e), e.hint) from None
+    return None
+
+
+def describe_target(ref: str, info: Dict[str, Any]) -> Dict[str, Any]:
+    """The JSON ``target``: ``name``, ``version``, ``ref`` (as given to --target) and ``opacus``
+    (version, path, distribution of the opacus imported while loading it; null if none was)."""
+    return {**info, "ref": ref, "opacus": opacus_info()}
+
+
+def banner(target: Dict[str, Any], backend: str, world_sizes, properties) -> str:
+    op = target.get("opacus")
+    where = f" [opacus {op['version']} from {op['path']}]" if op else ""
+    return (f"dpfsdp-verify {__version__}: target {target['name']} {target['version']}{where}, {backend}, "
+            f"world sizes {list(world_sizes)}, properties {', '.join(properties)}")
+
+
+def exit_code(verdicts, outcome=None) -> int:
+    from .report import is_internal_error
+    from .verdict import FAILING
+
+    if any(is_internal_error(v) for v in verdicts):
+        return EXIT_INTERNAL
+    if outcome is not None:
+        return EXIT_OK if outcome.holds else EXIT_FAIL
+    return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
+
+
+def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectations=None) -> int:
+    """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
+    the only thing on stdout (the table and messages go to stderr)."""
+    from . import report
+    from .expectations import apply
+    from .verdict import FAILING
+
+    outcome = apply(expectations, verdicts) if expectations is not None else None
+    code = exit_code(verdicts, outcome)
+    json_to_stdout = getattr(args, "json", None) == "-"
+    out = sys.stderr if json_to_stdout else sys.stdout
+    print(report.terminal_table(verdicts, outcome), file=out)
+    for v in verdicts:
+        if v.status in FAILING and not (outcome is not None and outcome.is_expected(v)):
+            print(f"\n{report.verdict_label(v)} {v.status} ({v.diagnosis}): {v.message}"
+                  + (f"\n  repro: {v.repro}" if v.repro else ""), file=out)
+            if report.is_internal_error(v):
+                print("  this is a bug in dpfsdp-verify, not a verdict on the target; please report it with:\n"
+                      + "\n".join("    " + line for line in (v.details or "").rstrip().splitlines()), file=out)
+    skipped = [v for v in verdicts if v.status == "skip"]
+    if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
+        print("\nskipped:", file=out)
+        for v in skipped:
+            print(f"  {report.verdict_label(v)}: {v.message}", file=out)
+    if outcome is not None:
+        for e in outcome.entries:
+            n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
+            if n:
+                print(f"\nexpected ({n} verdict(s), xfail above): expectation {e.label()}: {e.describe_reason()}",
+                      file=out)
+        for u in outcome.unmet:
+            print(f"\n{u.message}", file=out)
+        if outcome.not_exercised:
+            print(f"\n{len(outcome.not_exercised)} expectation(s) not exercised by this selection: "
+                  + "; ".join(e.label() for e in outcome.not_exercised), file=out)
+    if getattr(args, "json", None):
+        if json_to_stdout:
+            sys.stdout.write(report.dumps_json(verdicts, target, backend, outcome, code))
+            sys.stdout.flush()
+        else:
+            report.write_json(args.json, verdicts, target, backend, outcome, code)
+    if getattr(args, "junit", None):
+        report.write_junit(args.junit, verdicts, target["name"], outcome)
+    if getattr(args, "markdown", None):
+        # a PNG for the CI artifacts, beside the page; the page does not link it (a step summary
+        # cannot show a file from the runner's disk)
+        report.plot_norm_ratios(verdicts, os.path.splitext(args.markdown)[0] + "-norm-ratio.png")
+        with open(args.markdown, "w") as f:
+            f.write(report.to_markdown(verdicts, target, outcome))
+    return code

@@ -1,0 +1,196 @@
+"""``dpfsdp-verify run --expect FILE``: known failures are accepted, anything else is news.
+
+The gate tests run the real CLI on upstream opacus with the cheapest selection that shows the
+known ``loss_reduction="sum"`` finding (clipped_step, mlp, world size 2, both reductions): with
+the shipped file it exits 0; without the entry, 1 (a new failure); with an extra entry for a
+configuration that passes, 1 (the file cannot rot). The file checks run no property at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from dpfsdp_verify import cli, expectations
+from dpfsdp_verify.expectations import Entry, Expectations, ExpectationsError, apply, parse
+from dpfsdp_verify.verdict import Verdict
+from test_cli import run_cli
+
+SHIPPED = expectations.bundled()["opacus-1.6.0"]
+#: the cheapest gate selection that exercises the shipped clipped_step entry and a passing neighbour
+SELECTION = ["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "2", "--dtypes", "float64",
+             "-q"]
+
+
+def shipped_text() -> str:
+    with open(SHIPPED) as f:
+        return f.read()
+
+
+def without_entry(text: str, prop: str) -> str:
+    """The shipped file minus the [[expect]] table whose property is ``prop``."""
+    head, *tables = text.split("[[expect]]")
+    kept = [t for t in tables if f'property = "{prop}"' not in t]
+    assert len(kept) == len(tables) - 1
+    return head + "".join("[[expect]]" + t for t in kept)
+
+
+# -- the file format: one line + hint, exit 2, nothing run ---------------------------------------------
+@pytest.mark.parametrize("text, says", [
+    ("version = 1\n[[expect]\n", "not valid TOML"),
+    ("[[expect]]\nproperty='clipped_step'\ndiagnosis='mismatch'\nreason='r'\n", "version = None"),
+    ("version = 2\n", "reads version 1"),
+    ("version = 1\nexpected = []\n", "unknown top-level key 'expected'"),
+    ("version = 1\n[[expect]]\nproperty='clipped_stepp'\ndiagnosis='mismatch'\nreason='r'\n",
+     "unknown property 'clipped_stepp'"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\nconfig={ws=2}\ndiagnosis='mismatch'\nreason='r'\n",
+     "unknown config key 'ws'"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\ndiagnosis='mismatch'\n", "'reason' is missing"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\ndiagnosis='wrong'\nreason='r'\n", "unknown diagnosis 'wrong'"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\ndiagnosis='internal_error'\nreason='r'\n",
+     "cannot be expected"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\nstatus='pass'\ndiagnosis='mismatch'\nreason='r'\n",
+     "status 'pass' cannot be expected"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\ndiagnosis='mismatch'\nreason='r'\nowner='me'\n",
+     "unknown key 'owner'"),
+    ("version = 1\n[[expect]]\nproperty='clipped_step'\nconfig={world_size=[]}\ndiagnosis='mismatch'\nreason='r'\n",
+     "is not a value to match"),
+])
+def test_malformed_file_is_a_usage_error(tmp_path, capsys, text, says):
+    path = tmp_path / "known.toml"
+    path.write_text(text)
+    assert cli.main(["run", "--expect", str(path)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert says in err and err.startswith("dpfsdp-verify: error:") and "hint:" in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_missing_file_names_the_bundled_ones(capsys):
+    assert cli.main(["run", "--expect", "no/such/known.toml"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no such file" in err and "opacus-1.6.0" in err
+
+
+def test_shipped_file_parses_and_lists_the_upstream_findings():
+    exp = expectations.load("opacus-1.6.0")
+    assert exp.file == SHIPPED
+    got = {(e.property, e.status, e.diagnosis, tuple(sorted(e.config.items()))) for e in exp.entries}
+    assert got == {("clipped_step", "fail", "mismatch", (("reduction", "sum"), ("world_size", 2))),
+                   ("trajectory", "fail", "mismatch", (("reduction", "sum"), ("world_size", 2))),
+                   ("deadlock_free", "error", "rank_crash", (("local_batches", "empty"),))}
+    assert all(e.reason for e in exp.entries)
+
+
+# -- matching rules (pure logic, on hand-made verdicts) ---------------------------------------------------
+def _v(prop, status, diagnosis=None, **config):
+    base = {"world_size": 2, "data_layout": "split", "model": "mlp", "mode": "default",
+            "grad_sample_mode": "ghost_fsdp", "reduction": "mean"}
+    return Verdict(prop, status, {**base, **config}, diagnosis=diagnosis)
+
+
+def _exp(*entries) -> Expectations:
+    return Expectations("known.toml", [Entry(i, *e) for i, e in enumerate(entries, start=1)])
+
+
+def test_apply_expected_unexpected_unmet_not_exercised():
+    exp = _exp(("clipped_step", {"world_size": 2, "reduction": "sum"}, "mismatch", "r1"),
+               ("norm_fidelity", {"world_size": [2, 3]}, "sqrt_n_inflation", "r2"),
+               ("trajectory", {"reduction": "sum"}, "mismatch", "r3"))
+    vs = [_v("clipped_step", "fail", "mismatch", reduction="sum"),         # expected by #1
+          _v("clipped_step", "pass", reduction="mean"),                     # not selected by #1
+          _v("clipped_step", "fail", "mismatch", world_size=3, reduction="sum"),  # new: #1 says ws 2
+          _v("norm_fidelity", "fail", "sqrt_n_inflation", world_size=3),    # expected by #2 (any of)
+          _v("norm_fidelity", "pass", world_size=2),                         # #2 no longer holds
+          _v("deadlock_free", "skip", local_batches="empty")]
+    out = apply(exp, vs)
+    assert [out.entry_for(v).index if out.is_expected(v) else None for v in vs] == [1, None, None, 2, None, None]
+    assert out.unexpected == [vs[2]]
+    assert [u.entry.index for u in out.unmet] == [2] and "passed" in out.unmet[0].message
+    assert [e.index for e in out.not_exercised] == [3]
+    assert not out.holds
+
+
+def test_a_different_diagnosis_or_status_is_not_expected():
+    exp = _exp(("clipped_step", {"reduction": "sum"}, "mismatch", "r"))
+    vs = [_v("clipped_step", "fail", "undercount", reduction="sum"),
+          _v("clipped_step", "error", "rank_crash", reduction="sum")]
+    out = apply(exp, vs)
+    assert out.unexpected == vs and len(out.unmet) == 1 and not out.expected
+
+
+def test_internal_error_is_never_expected():
+    exp = _exp(("clipped_step", {}, "mismatch", "r"))
+    v = _v("clipped_step", "error", "internal_error")
+    out = apply(exp, [v])
+    assert out.unexpected == [v] and not out.is_expected(v)
+
+
+def test_parse_accepts_lists_status_and_link():
+    exp = parse('version = 1\ndescription = "d"\n[[expect]]\nproperty = "deadlock_free"\nstatus = "hang"\n'
+                'config = { world_size = [2, 4], local_batches = "uneven" }\ndiagnosis = "deadlock"\n'
+                'reason = "r"\nlink = "https://example.org/1"\n', "f.toml")
+    e, = exp.entries
+    assert (e.status, e.diagnosis, e.config["world_size"], e.link) == ("hang", "deadlock", [2, 4], "https://example.org/1")
+    with pytest.raises(ExpectationsError):
+        parse("version = 1\nexpect = 3\n", "f.toml")
+
+
+# -- the gate on upstream opacus --------------------------------------------------------------------------
+def _results(path):
+    report = json.loads(path.read_text())
+    by_reduction = {r["config"]["reduction"]: r for r in report["results"]}
+    assert len(by_reduction) == len(report["results"]) == 2
+    return report, by_reduction
+
+
+def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
+    j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
+    r = run_cli(*SELECTION, "--expect", "opacus-1.6.0", "--json", str(j), "--junit", str(x), "--markdown", str(md))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report, by_red = _results(j)
+    assert (by_red["sum"]["status"], by_red["sum"]["diagnosis"], by_red["sum"]["expected"]) == ("fail", "mismatch", True)
+    assert by_red["sum"]["expectation"]["index"] == 1
+    assert (by_red["mean"]["status"], by_red["mean"]["expected"]) == ("pass", False)
+    assert report["summary"]["fail"] == 1 and report["summary"]["expected"] == 1 and report["exit_code"] == 0
+    exp = report["expectations"]
+    assert (exp["expected_failures"], exp["unexpected_failures"], exp["unmet"]) == (1, 0, [])
+    # not selected: not an error
+    assert [e["property"] for e in exp["not_exercised"]] == ["trajectory", "deadlock_free"]
+    assert "xfail" in r.stdout
+    # JUnit: the expected failure is skipped with the reason (as pytest reports an xfail), nothing failed
+    suite = ET.parse(x).getroot().find("testsuite")
+    assert (suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("0", "0", "1")
+    skipped = suite.find("testcase/skipped")
+    assert skipped.get("type") == "expected_failure" and "loss_reduction='sum'" in skipped.get("message")
+    assert "xfail (expected) #1" in md.read_text()
+
+
+def test_gate_without_the_entry_exits_1(tmp_path):
+    f, j = tmp_path / "known.toml", tmp_path / "r.json"
+    f.write_text(without_entry(shipped_text(), "clipped_step"))
+    r = run_cli(*SELECTION, "--expect", str(f), "--json", str(j))
+    assert r.returncode == 1, r.stdout + r.stderr
+    report, by_red = _results(j)
+    assert (by_red["sum"]["status"], by_red["sum"]["expected"]) == ("fail", False)
+    assert report["expectations"]["unexpected_failures"] == 1 and report["exit_code"] == 1
+    assert "clipped_step [ws=2 split mlp sum" in r.stdout and "fail (mismatch)" in r.stdout
+
+
+def test_gate_with_an_entry_that_passes_exits_1(tmp_path):
+    f, j, x = tmp_path / "known.toml", tmp_path / "r.json", tmp_path / "r.xml"
+    f.write_text(shipped_text() + '\n[[expect]]\nproperty = "clipped_step"\nconfig = { world_size = 2, '
+                 'reduction = "mean" }\ndiagnosis = "mismatch"\nreason = "stale: fixed long ago"\n')
+    r = run_cli(*SELECTION, "--expect", str(f), "--json", str(j), "--junit", str(x))
+    assert r.returncode == 1, r.stdout + r.stderr
+    report, by_red = _results(j)
+    assert by_red["sum"]["expected"] is True and by_red["mean"]["status"] == "pass"
+    unmet, = report["expectations"]["unmet"]
+    assert unmet["entry"]["index"] == 4 and unmet["verdicts"][0]["status"] == "pass"
+    assert "no longer holds" in r.stdout and "clipped_step [ws=2 split mlp mean" in r.stdout
+    suite = ET.parse(x).getroot().find("testsuite")
+    failed = [c for c in suite.findall("testcase") if c.find("failure") is not None]
+    assert [c.get("classname") for c in failed] == ["dpfsdp_verify.expectations"]
+    assert os.path.basename(str(f)) in failed[0].find("failure").get("message")

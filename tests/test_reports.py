@@ -1,0 +1,153 @@
+"""Reports a CI reads: unique labels everywhere, JSON valid against the shipped schema and
+alone on stdout with ``--json -``, a markdown page a step summary can render, exit 3 for a bug
+inside the suite, and one-line exit-2 messages for a missing optional dependency."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib import resources
+
+import jsonschema
+import pytest
+
+from dpfsdp_verify import cli, report
+from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Case
+from dpfsdp_verify.verdict import CONFIG_KEYS
+from test_cli import REPO, run_cli
+
+SCHEMA = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
+
+
+def validate(report_json: dict) -> None:
+    jsonschema.validate(report_json, SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+def test_schema_is_a_valid_json_schema():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    assert SCHEMA["properties"]["schema_version"]["const"] == report.SCHEMA_VERSION
+
+
+def test_deadlock_free_scenarios_have_unique_labels_in_every_report(tmp_path):
+    """The four deadlock_free scenarios of one world size used to share one label (and so one
+    JUnit classname+name): reporters that key on them merged four results into one."""
+    x, md = tmp_path / "r.xml", tmp_path / "r.md"
+    r = run_cli("run", "--target", "fixtures.specimens:Correct", "--properties", "deadlock_free", "--world-sizes",
+                "2", "--models", "mlp", "--loss-reductions", "mean", "--json", "-", "--junit", str(x), "--markdown",
+                str(md))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)  # --json -: stdout is the JSON report and nothing else
+    validate(rep)
+    results = rep["results"]
+    assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "single", "uneven"]
+    labels = [v["label"] for v in results]
+    assert len(set(labels)) == 4 and all("local_batches=" in lab and "None" not in lab for lab in labels)
+    assert all(set(v["config"]) <= set(CONFIG_KEYS) for v in results)
+    # the terminal table went to stderr, one row per verdict, each with its own label
+    assert "4 pass" in r.stderr and all(lab in r.stderr for lab in labels)
+    cases = ET.parse(x).getroot().findall("testsuite/testcase")
+    names = [(c.get("classname"), c.get("name")) for c in cases]
+    assert len(names) == 4 and len(set(names)) == 4 and {n for _, n in names} == set(labels)
+    page = md.read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `deadlock_free`")]
+    assert len(rows) == 4 and len(set(rows)) == 4
+    assert "![" not in page and ".png" not in page  # nothing a GitHub step summary cannot show
+
+
+def test_labels_leave_out_absent_values_and_keep_fuzz_settings():
+    # the row gate.run_plan emits for a mode_equivalence without --mode-env labels
+    skipped = {"world_size": None, "data_layout": None, "model": None, "mode": "default",
+               "grad_sample_mode": "ghost_fsdp"}
+    assert report.config_label(skipped) == "mode=default grad_sample_mode=ghost_fsdp"
+    fuzz_pass = {"world_size": 2, "data_layout": "fuzzed", "model": "fuzzed:mlp", "mode": "default",
+                 "grad_sample_mode": "ghost_fsdp", "reduction": "fuzzed",
+                 "fuzz": {"examples": 10, "seed": 0, "statuses": {"pass": 10}}}
+    assert report.config_label(fuzz_pass) == ("ws=2 fuzzed fuzzed:mlp fuzzed mode=default fuzz(examples=10,seed=0) "
+                                              "grad_sample_mode=ghost_fsdp")
+    other = dict(fuzz_pass, fuzz={"examples": 20, "seed": 0})
+    assert report.config_label(other) != report.config_label(fuzz_pass)
+
+
+def test_every_config_key_a_property_can_emit_is_known():
+    """Expectation files are checked against ``verdict.CONFIG_KEYS`` and the schema lists the same
+    keys: every case of every property (its plan; nothing runs) must stay within them."""
+    modes = {"immediate": {}, "deferred": {"SOME_SWITCH": "1"}}
+    seen = set()
+    for prop in REGISTRY:
+        for item in prop.plan(prop.options("opacus", world_sizes=(1, 2), modes=modes)):
+            cfg = item.config() if isinstance(item, Case) else item.config
+            seen |= set(cfg)
+    assert seen <= set(CONFIG_KEYS), seen - set(CONFIG_KEYS)
+    assert "local_batches" in seen
+    assert set(CONFIG_KEYS) <= set(SCHEMA["$defs"]["result"]["properties"]["config"]["properties"])
+
+
+def _raising_cases(point):
+    raise ZeroDivisionError("planted bug in a check")
+
+
+def test_a_bug_inside_a_check_exits_3(tmp_path, capsys, monkeypatch):
+    """An exception raised by property code in the gate process is the suite's bug, not the
+    target's: diagnosis internal_error, exit 3 (a failing target is 1) -- even with --expect."""
+    monkeypatch.setitem(PROPERTIES, "clipped_step", dataclasses.replace(PROPERTIES["clipped_step"],
+                                                                        cases=_raising_cases))
+    j = tmp_path / "r.json"
+    code = cli.main(["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "1", "-q",
+                     "--expect", "opacus-1.6.0", "--json", str(j)])
+    assert code == 3
+    rep = json.loads(j.read_text())
+    validate(rep)
+    v, = rep["results"]
+    assert (v["status"], v["diagnosis"], v["expected"]) == ("error", "internal_error", False)
+    assert "planted bug in a check" in v["message"] and rep["exit_code"] == 3
+    out = capsys.readouterr().out
+    assert "bug in dpfsdp-verify" in out and "ZeroDivisionError" in out
+
+
+def test_a_crash_of_the_cli_itself_exits_3(capsys, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("planted crash in the table")
+
+    monkeypatch.setitem(PROPERTIES, "clipped_step", dataclasses.replace(PROPERTIES["clipped_step"],
+                                                                        cases=lambda point: []))
+    monkeypatch.setattr(report, "terminal_table", boom)
+    assert cli.main(["run", "--properties", "clipped_step", "--world-sizes", "1", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert "planted crash in the table" in err and "internal error" in err
+
+
+def test_target_opacus_without_opacus_exits_2(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "opacus", None)  # import opacus -> ImportError
+    assert cli.main(["run"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--target opacus: no opacus is importable" in err
+    assert "dpfsdp-verify[opacus]" in err
+
+
+@pytest.fixture
+def without_optional_deps(tmp_path):
+    """An environment where hypothesis, pytest and jsonschema cannot be imported (by the gate or by
+    its ranks): packages of those names that raise ImportError, first on PYTHONPATH."""
+    for name in ("hypothesis", "pytest", "_pytest", "jsonschema"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    return env
+
+
+def test_gate_needs_only_its_runtime_dependencies(without_optional_deps):
+    exe = os.path.join(os.path.dirname(sys.executable), "dpfsdp-verify")
+    r = subprocess.run([exe, "run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "1",
+                        "--loss-reductions", "mean", "--dtypes", "float64", "-q"], cwd=REPO, env=without_optional_deps,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 pass" in r.stdout
+    r = subprocess.run([exe, "run", "--fuzz", "2"], cwd=REPO, env=without_optional_deps, capture_output=True,
+                       text=True, timeout=600)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "--fuzz needs hypothesis" in err and "pip install 'dpfsdp-verify[fuzz]'" in err
