@@ -8,6 +8,7 @@ and tensors, shared so that no property imports a sibling.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,10 +44,33 @@ def reference_batch(spec: RunSpec, step: int = 0) -> models.Batch:
                              **dict(spec.model_kwargs))
 
 
+_GRADS_CACHE: "OrderedDict[tuple, reference.Grads]" = OrderedDict()
+
+
+def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
+    """``{name: [batch, *shape]}`` float64 per-sample gradients of ``reference_batch(spec, step)``
+    at the initial parameters. Cached (a property, its clip bound and its fuzz recipe all ask for
+    the same ones; a fuzz example computed them three times): callers must not modify them."""
+    key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+           spec.dataset_size if spec.poisson else spec.global_batch_size, 0 if spec.poisson else step)
+    grads = _GRADS_CACHE.get(key)
+    if grads is None:
+        grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction)
+        _GRADS_CACHE[key] = grads
+        while len(_GRADS_CACHE) > 32:
+            _GRADS_CACHE.popitem(last=False)
+    return grads
+
+
+def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
+    """The per-sample gradients of the samples ``indices``, in that order."""
+    index = torch.as_tensor(list(indices), dtype=torch.long)
+    return {n: g[index] for n, g in grads.items()}
+
+
 def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
     """``[global_batch_size]`` per-sample gradient norms at the initial parameters."""
-    g = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction)
-    return reference.per_sample_norms(g)
+    return reference.per_sample_norms(reference_grads(spec, step))
 
 
 def processed_indices(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> List[int]:

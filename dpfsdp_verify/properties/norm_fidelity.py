@@ -36,7 +36,7 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, pick_clip_bound, processed_indices, reference_batch, reference_model, reference_norms,
+from .compare import (fmt, pick_clip_bound, processed_indices, reference_grads, reference_norms, rows,
                       tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
@@ -136,7 +136,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     spec, ws = case.spec, case.world_size
     c = spec.max_grad_norm
     indices = processed_indices(outputs, 0, spec)
-    grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec).select(indices), spec.reduction)
+    grads = rows(reference_grads(spec), indices)
     names = sorted(grads)
     basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
     d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
