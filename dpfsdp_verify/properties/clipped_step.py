@@ -26,7 +26,7 @@ from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import (fmt, max_rel_diff, pick_clip_bound, poisson_spec, processed_indices, reference_batch,
-                      reference_model, tensors_close, tolerance)
+                      reference_grads, reference_model, rows, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -110,7 +110,7 @@ def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> s
             why = " = world_size: the gradient is summed over ranks where it should be averaged"
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
     # clip coefficients without min(1, .)
-    grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec).select(indices), spec.reduction)
+    grads = rows(reference_grads(spec), indices)
     uncapped = spec.max_grad_norm / (step.norms + reference.CLIP_EPSILON)
     d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
     alt = {n: v / d for n, v in reference.clipped_sum(grads, uncapped).items()}
