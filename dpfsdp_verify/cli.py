@@ -3,6 +3,8 @@
     dpfsdp-verify run [--target opacus|MODULE:ATTR] [--grad-sample-mode ghost_fsdp]
         [--mode-env LABEL:VAR=VAL[,VAR=VAL]]... [--world-sizes 1,2] [--backend gloo|nccl]
         [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum] [--dtypes float64,float32]
+        [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
+        [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
         [--markdown PATH] [-q]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
@@ -75,6 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtypes", default=None,
                      help="comma list of float64,float32,bfloat16 for every property (default: each property's "
                           "own: float64 everywhere, float32 too where the property runs it by default)")
+    run.add_argument("--sampling", default=None, metavar="fixed,poisson",
+                     help="comma list: how each step's batch is formed for every property on the sampling axis "
+                          "(fixed given batches; poisson: DP-SGD's own sampling, make_private's default). "
+                          "Default: each property's own (both for the DP-step properties)")
+    run.add_argument("--seeding", default=None, metavar="same,per_rank,unseeded",
+                     help="comma list of Poisson seeding policies: every rank seeds its sampler alike, "
+                          "seed + rank, or not at all (default: each property's own)")
+    run.add_argument("--sample-rate", type=float, default=None, metavar="Q",
+                     help="Poisson sample rate q in (0, 1] (default 0.25)")
+    run.add_argument("--dataset-size", type=int, default=None, metavar="N",
+                     help="Poisson dataset size, all ranks together (default 8 x world size)")
+    run.add_argument("--seed", type=int, default=None, metavar="S",
+                     help="the run's statistical seed (noise and sampling draws); default: a fresh random seed, "
+                          "printed at the start and in every repro line, so a failing run replays with --seed")
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
     run.add_argument("--expect", metavar="FILE|NAME",  # issue 14: expectations (gate_io, expectations.py)
@@ -149,9 +165,10 @@ def cmd_run(args) -> int:
     target = gate_io.describe_target(args.target, plan.info)  # issue 14: + which opacus was imported
     if not args.quiet:
         print(gate_io.banner(target, plan.backend, plan.world_sizes, plan.properties), file=sys.stderr, flush=True)
+        print(f"seed {plan.seed} (replay this run with --seed {plan.seed})", file=sys.stderr, flush=True)
     verdicts = run_plan(plan, progress=progress)
     # issue 14: expectations, reports (--json - to stdout) and the exit code live in gate_io
-    return gate_io.finish(args, verdicts, target, plan.backend, expectations)
+    return gate_io.finish(args, verdicts, target, plan.backend, expectations, seed=plan.seed)
 
 
 def cmd_replay(args) -> int:

@@ -164,7 +164,8 @@ def exit_code(verdicts, outcome=None) -> int:
     return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
 
 
-def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectations=None) -> int:
+def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectations=None,
+           seed: Optional[int] = None) -> int:
     """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
     the only thing on stdout (the table and messages go to stderr)."""
     from . import report
@@ -199,12 +200,15 @@ def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectati
         if outcome.not_exercised:
             print(f"\n{len(outcome.not_exercised)} expectation(s) not exercised by this selection: "
                   + "; ".join(e.label() for e in outcome.not_exercised), file=out)
+    if seed is not None:
+        print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
+              file=out)
     if getattr(args, "json", None):
         if json_to_stdout:
-            sys.stdout.write(report.dumps_json(verdicts, target, backend, outcome, code))
+            sys.stdout.write(report.dumps_json(verdicts, target, backend, outcome, code, seed))
             sys.stdout.flush()
         else:
-            report.write_json(args.json, verdicts, target, backend, outcome, code)
+            report.write_json(args.json, verdicts, target, backend, outcome, code, seed)
     if getattr(args, "junit", None):
         report.write_junit(args.junit, verdicts, target["name"], outcome)
     if getattr(args, "markdown", None):

@@ -47,6 +47,13 @@ class RunPlan:
     fuzz: int = 0
     #: ``None``: each property's own (float64, and float32 where the property runs it by default)
     dtypes: Optional[Tuple[str, ...]] = None
+    #: the sampling axis (``properties.Options``): ``None`` = each property's own
+    samplings: Optional[Tuple[str, ...]] = None
+    seedings: Optional[Tuple[str, ...]] = None
+    sample_rate: Optional[float] = None
+    dataset_size: Optional[int] = None
+    #: the run's statistical seed: random per run unless ``--seed`` replays one
+    seed: int = 0
 
     @property
     def info(self) -> Dict[str, str]:
@@ -59,7 +66,9 @@ class RunPlan:
 
         return Options(target=self.target, world_sizes=self.world_sizes, modes=self.modes or modes_mod.DEFAULT_MODES,
                        grad_sample_mode=self.grad_sample_mode, models=self.models, reductions=self.reductions,
-                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout)
+                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout, samplings=self.samplings,
+                       seedings=self.seedings, sample_rate=self.sample_rate, dataset_size=self.dataset_size,
+                       seed=self.seed)
 
     @classmethod
     def from_args(cls, args) -> "RunPlan":
@@ -110,6 +119,7 @@ class RunPlan:
             raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds", "e.g. --timeout 60")
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
+        sampling = parse_sampling(args, world_sizes[-1])
         modes = parse_modes(args.mode_env)
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
@@ -123,7 +133,28 @@ class RunPlan:
         return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
                    modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
                    models=models, reductions=reductions, timeout=float(args.timeout), fuzz=args.fuzz,
-                   dtypes=dtypes)
+                   dtypes=dtypes, **sampling)
+
+
+def parse_sampling(args, max_world_size: int) -> Dict:
+    """The sampling axis and the run seed from ``--sampling``, ``--seeding``, ``--sample-rate``,
+    ``--dataset-size``, ``--seed`` (``UsageError`` for a bad value; the rules are
+    ``properties.contract.sampling_problem``'s). No ``--seed``: a fresh random seed."""
+    import random
+
+    from .properties.contract import sampling_problem
+
+    samplings = tuple(csv(args.sampling)) if args.sampling is not None else None
+    seedings = tuple(csv(args.seeding)) if args.seeding is not None else None
+    problem = sampling_problem(samplings, seedings, args.sample_rate, args.dataset_size, max_world_size)
+    if problem:
+        raise UsageError(f"--{problem}" if problem.startswith(("sampling", "seeding")) else problem,
+                         "e.g. --sampling fixed,poisson --seeding same --sample-rate 0.25 --dataset-size 16")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 31:
+        raise UsageError(f"--seed {args.seed}: must be in 0..2**31-1", "copy it from a report's repro line")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2 ** 31)
+    return dict(samplings=samplings, seedings=seedings, sample_rate=args.sample_rate,
+                dataset_size=args.dataset_size, seed=seed)
 
 
 def parse_modes(items: List[str]) -> Tuple[Mode, ...]:

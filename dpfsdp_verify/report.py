@@ -102,7 +102,7 @@ def result_json(v: Verdict, outcome: Optional["Outcome"] = None) -> Dict[str, An
 
 
 def to_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, outcome: Optional["Outcome"] = None,
-            exit_code: Optional[int] = None) -> Dict[str, Any]:
+            exit_code: Optional[int] = None, seed: Optional[int] = None) -> Dict[str, Any]:
     import torch
 
     return {
@@ -115,18 +115,20 @@ def to_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, outco
         "summary": summary(verdicts, outcome),
         "expectations": outcome.to_json() if outcome is not None else None,
         "exit_code": exit_code,
+        "seed": seed,
     }
 
 
 def dumps_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, outcome: Optional["Outcome"] = None,
-               exit_code: Optional[int] = None) -> str:
-    return json.dumps(to_json(verdicts, target, backend, outcome, exit_code), indent=2, default=_jsonable) + "\n"
+               exit_code: Optional[int] = None, seed: Optional[int] = None) -> str:
+    return json.dumps(to_json(verdicts, target, backend, outcome, exit_code, seed), indent=2,
+                      default=_jsonable) + "\n"
 
 
 def write_json(path: str, verdicts: List[Verdict], target: Dict[str, Any], backend: str,
-               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None) -> None:
+               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None, seed: Optional[int] = None) -> None:
     with open(path, "w") as f:
-        f.write(dumps_json(verdicts, target, backend, outcome, exit_code))
+        f.write(dumps_json(verdicts, target, backend, outcome, exit_code, seed))
 
 
 def _jsonable(o):
