@@ -192,9 +192,12 @@ def cmd_replay(args) -> int:
         raise UsageError(f"--spec: not a RunSpec in JSON ({e})", "copy it from the fuzz verdict's repro line") from None
     modes = parse_modes(args.mode_env)
     load_target_info(args.target)
+    from .properties import Options
+
+    opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
+                   backend=args.backend, timeout=args.timeout)
     with Pool() as pool:
-        v = check_example(args.property, args.target, spec, world_size, pool=pool, modes=modes, backend=args.backend,
-                          timeout=args.timeout)
+        v = check_example(args.property, opts, spec, world_size, pool=pool)
     print(format_failure(v) if v.status in FAILING else f"{v.property}: {v.status}: {v.message}")
     return EXIT_FAIL if v.status in FAILING else EXIT_OK
 

@@ -66,11 +66,6 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
 
 
 def _fuzz(pid: str, plan: RunPlan, pool: Pool) -> List[Verdict]:
-    from .fuzz import fuzz_property
+    from .fuzz import fuzz_options
 
-    extra = {"dtypes": plan.dtypes} if plan.dtypes else {}
-    if plan.models:
-        extra["models"] = plan.models
-    return fuzz_property(pid, plan.target, plan.fuzz, pool=pool, world_sizes=plan.world_sizes,
-                         grad_sample_mode=plan.grad_sample_mode, modes=plan.modes or None, timeout=plan.timeout,
-                         seed=0, **extra)
+    return fuzz_options(pid, PROPERTIES[pid].with_defaults(plan.options()), plan.fuzz, pool=pool)

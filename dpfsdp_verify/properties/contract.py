@@ -303,10 +303,16 @@ class Property:
         return [(s, seeding) for s in self.samplings if opts.samplings is None or s in opts.samplings
                 for seeding in ((opts.seedings or self.seedings) if s == "poisson" else (None,))]
 
+    def mode_groups(self, modes: Sequence[Mode]) -> List[Tuple[Mode, ...]]:
+        """The modes each point (or fuzz run) runs under: each mode alone, or for a property that
+        compares modes the first mode with each other one (none if there is only one)."""
+        if self.compares_modes:
+            return [(modes[0], other) for other in modes[1:]]
+        return [(m,) for m in modes]
+
     def points(self, opts: Options) -> List[Point]:
         """The matrix in report order: world size, mode(s), sampling, model, layout, reduction, dtype."""
-        groups = [(opts.modes[0], other) for other in opts.modes[1:]] if self.compares_modes else \
-            [(m,) for m in opts.modes]
+        groups = self.mode_groups(opts.modes)
         axes = [(ws, modes, sampling, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
                 for sampling in self.sampling_points(opts)
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
@@ -318,16 +324,19 @@ class Property:
         """Every case (or ready verdict) for ``opts``, in report order."""
         problem = modes_problem(self, opts.modes)
         if problem:
-            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
-                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode},
-                            message=f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+            return [self.skip(opts, f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
         if not self.sampling_points(opts):
-            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
-                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
-                                              "sampling": ",".join(opts.samplings or ())},
-                            message=f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
-                                    f"selected sampling is {','.join(opts.samplings or ())}")]
+            return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
+                                    f"selected sampling is {','.join(opts.samplings or ())}",
+                              sampling=",".join(opts.samplings or ()))]
         return [item for point in self.points(opts) for item in self.cases(point)]
+
+    def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
+        """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own
+        selection makes inapplicable is a skip)."""
+        return Verdict(self.id, "skip", {"world_size": world_size, "data_layout": None, "model": None,
+                                         "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
+                                         **config}, message=message)
 
 
 #: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
