@@ -11,11 +11,8 @@
     dpfsdp-verify list
     dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
-Exit codes (stable; gate_io.py): 0 every selected property passed -- with --expect, exactly the
-listed failures failed; 1 a fail / hang / error of the target that is not expected, or an
-expectation that no longer holds (an expected failure now passes); 2 usage or configuration error
-(one line saying what is wrong and a hint; nothing is run); 3 internal error of dpfsdp-verify (a
-check raised -- diagnosis internal_error -- or the CLI crashed), before 1.
+Exit codes 0 / 1 / 2 / 3: stated once, in docs/gate.md ("Exit codes"); computed in
+``gate_io.exit_code``.
 Progress goes to stderr while it runs; the summary table to stdout at the end (to stderr when
 --json - puts the JSON report on stdout).
 """
@@ -93,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
     run.add_argument("--expect", metavar="FILE|NAME",
-                     help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
+                     help="known failures (TOML, see docs/gate.md): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")

@@ -170,7 +170,7 @@ def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in README.md (Expectations)") from None
+        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in docs/gate.md (Expectations)") from None
     unknown = [k for k in data if k not in _TOP_KEYS]
     if unknown:
         raise ExpectationsError(f"{name}: unknown top-level key {', '.join(map(repr, unknown))}",

@@ -4,13 +4,7 @@
   file), in the stderr banner, the JSON ``target``, the markdown page and ``--version``.
 * ``finish(plan, verdicts, target)``: judges the verdicts against the plan's expectations, writes
   every report the plan asks for and returns the exit code (``exit_code``, the one place it is
-  computed; the codes are ``EXIT_*`` below, documented in docs/gate.md).
-
-Exit codes (stable): ``0`` every selected property passed (with ``--expect``: exactly the listed
-failures failed); ``1`` a failure, hang or error of the target that is not expected, or (with
-``--expect``) an expectation that no longer holds; ``2`` usage or configuration error, nothing
-run; ``3`` internal error of dpfsdp-verify (a check raised: diagnosis ``internal_error``, or the
-CLI itself crashed) -- takes precedence over ``1``.
+  computed; the codes are ``EXIT_*`` below, stated once, in docs/gate.md, "Exit codes").
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ Sampling is an axis like the others: a property lists the samplings it runs unde
 (``samplings``: ``fixed`` given batches, ``poisson`` DP-SGD's own sampling, under each of its
 ``seedings``), and ``Point.spec`` builds the Poisson spec of a Poisson point, so every property on
 the axis runs on the DP default path without a code path of its own. ``samplings=None`` marks a
-property that draws its own sampling scenarios (``sampling_accounting``, ``deadlock_free``).
+property off the axis (it runs its fixed point whatever the options select). ``deadlock_free`` is a
+``fixed`` property that draws its own Poisson scenarios (``local_batches``); ``sampling_accounting``
+runs under ``poisson`` only.
 
 Randomness: ``Options.seed`` is the run's statistical seed. A property whose verdicts rest on
 random draws derives every seed it uses from it (``Point.seed``), so each gate run (which picks a

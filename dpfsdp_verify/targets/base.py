@@ -40,7 +40,10 @@ append one line to a per-rank file the parent reads after a hang, so a hang is t
 Sampling without training: ``Target.sample_batches(spec)`` (optional) returns, on each rank, the
 dataset indices this rank's data pipeline draws at each step of a ``poisson`` spec, built
 exactly as ``run`` would build it; a sampling property calls it to draw thousands of batches
-in well under a second. The base class says it is not supported (that property then skips).
+in well under a second. The base class says it is not supported, and what a target cannot do is
+a verdict: a property that needs it then *fails* ("not checkable on this target: ... does not
+expose its data pipeline (Target.sample_batches)"), it does not skip. A user who accepts that says so
+explicitly (an ``--expect`` entry).
 
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
 and point the suite at it with ``--target package.module:Attr`` or the entry-point group
@@ -209,7 +212,7 @@ class RankOutput:
     rank: int
     world_size: int
     steps: List[StepOutput] = field(default_factory=list)
-    #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case skips
+    #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case fails saying so
     unsupported: Optional[str] = None
 
 
@@ -226,6 +229,7 @@ class Target:
 
     def sample_batches(self, spec: RunSpec) -> List[List[int]]:
         """Optional: on each rank, the dataset indices this rank's data pipeline draws at each
-        step of the Poisson ``spec`` (module docstring). Not overriding it is allowed."""
+        step of the Poisson ``spec`` (module docstring). Not overriding it is allowed, but
+        a property that needs it then fails on this target (it cannot be checked)."""
         raise NotImplementedError(f"target {self.name!r} does not expose its data pipeline "
                                   "(Target.sample_batches)")
