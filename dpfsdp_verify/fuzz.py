@@ -286,3 +286,8 @@ def format_failure(v: Verdict) -> str:
         lines.append(f"blob: {v.evidence['reproduce_failure']}")
     lines.append(f"reproduce: {v.repro}")
     return "\n".join(lines)
+
+
+__all__ = ["fuzz_property", "fuzz_options", "fuzz_case", "check_example", "fuzzable_property",
+           "spec_strategy", "spec_to_json", "spec_from_json", "replay_command", "format_failure",
+           "Counterexample", "DEFAULT_MODELS", "DEFAULT_DTYPES"]

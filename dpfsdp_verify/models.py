@@ -222,3 +222,7 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     pad[:, 0] = False  # every sequence keeps at least one real target
     y[pad] = IGNORE_INDEX
     return Batch(x, y, "token_cross_entropy")
+
+
+__all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "MLP",
+           "ConvNet", "TinyGPT"]

@@ -261,3 +261,9 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
                 if n in step.gradient:
                     p -= lr * step.gradient[n]
     return Trajectory(losses, {n: p.detach().clone() for n, p in m.named_parameters()})
+
+
+__all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped_sum", "noise_like",
+           "dp_sgd_gradient", "dp_sgd_trajectory", "per_sample_losses", "batch_loss", "check_model",
+           "check_batch", "DPStep", "Trajectory", "ReferenceInputError", "UnsupportedLayerError",
+           "ParameterTyingError", "BatchError", "SUPPORTED_LAYERS", "CLIP_EPSILON", "LOSSES", "REDUCTIONS"]

@@ -232,3 +232,10 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     n = torch.sort(reference_norms(spec)).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
+
+
+#: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
+#: ``reference_model`` and ``reference_batch``); the data checks are the runner's
+__all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
+           "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
+           "pick_clip_bound", "fmt"]

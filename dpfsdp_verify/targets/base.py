@@ -233,3 +233,7 @@ class Target:
         a property that needs it then fails on this target (it cannot be checked)."""
         raise NotImplementedError(f"target {self.name!r} does not expose its data pipeline "
                                   "(Target.sample_batches)")
+
+
+__all__ = ["Target", "RunSpec", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
+           "DEFAULT_GRAD_SAMPLE_MODE"]

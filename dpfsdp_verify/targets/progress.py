@@ -114,3 +114,6 @@ def diverged(trails: List[Optional[Trail]]) -> bool:
 def describe(trails: List[Optional[Trail]]) -> str:
     return "; ".join(t.describe(r) if t is not None else f"rank {r} left no progress"
                      for r, t in enumerate(trails))
+
+
+__all__ = ["step_begun", "step_finished", "run_begun", "run_ended"]

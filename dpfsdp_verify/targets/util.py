@@ -132,3 +132,6 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     rows = torch.as_tensor(spec.rank_indices(step, rank, world_size), dtype=torch.long)
     return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
+
+__all__ = ["world", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
+           "dataset_index", "step_indices", "local_batch"]
