@@ -17,6 +17,7 @@ L = "fixtures.sampling_lag_specimens:"
 #: the default gate's cases of the property: world sizes 1 and 2, every seeding policy, both datasets
 DEFAULT_CASES = 3 + 6
 MEMBERSHIP = {"membership_lags", "membership_portmanteau"}
+BATCH_SIZE = {"batch_size_dispersion", "batch_size_lags", "ranks_0_1_correlation"}
 
 
 def sa(pool, target, **kw):
@@ -51,7 +52,9 @@ def test_sticky_membership_fails_on_membership_alone(pool):
         assert v.evidence["across_steps"]["lag"] == 1 and "a sample in step t is in step t+1" in v.message
         assert 0.25 < v.evidence["across_steps"]["conditional_rate"] < 0.4, v.message
         # batch sizes stay Binomial(n, q), independent across steps: only the membership tests see it
-        assert failed_tests(v) == MEMBERSHIP, (v.config, v.evidence["p_values"])
+        # (per_sample_rate may fail too, rarely: persistence also spreads the per-sample counts)
+        failed = failed_tests(v)
+        assert MEMBERSHIP <= failed and not failed & BATCH_SIZE, (v.config, v.evidence["p_values"])
 
 
 def test_correct_passes_with_the_lag_tests_run(pool):
