@@ -57,6 +57,15 @@ def test_sticky_membership_fails_on_membership_alone(pool):
         assert MEMBERSHIP <= failed and not failed & BATCH_SIZE, (v.config, v.evidence["p_values"])
 
 
+def test_batch_size_echoed_three_steps_later_fails_on_the_batch_size_lags(pool):
+    vs = sa(pool, L + "BatchSizeFromThreeStepsBack")
+    assert len(vs) == DEFAULT_CASES
+    for v in vs:
+        assert (v.status, v.diagnosis) == ("fail", "correlated_sampling"), (v.config, v.message)
+        assert "batch_size_lags" in failed_tests(v) and v.evidence["across_steps"]["batch_lag"] == 3, v.message
+        assert "the batch sizes of steps 3 apart are correlated" in v.message
+
+
 def test_correct_passes_with_the_lag_tests_run(pool):
     vs = sa(pool, "fixtures.specimens:Correct")
     assert len(vs) == DEFAULT_CASES
