@@ -59,8 +59,9 @@ def main(argv=None) -> int:
             s = across_steps(x, x.sum(1))
             for k in NAMES:
                 ps[k].append(s[k])
+        expected = ", ".join(f"{a * args.null:g}" for a in levels)
         print(f"null {label} (N={n}, q={q:.4g}), {args.null} matrices: rejections at level "
-              + ", ".join(f"{a:g}" for a in levels) + f" (expected {', '.join(f'{a * args.null:g}' for a in levels)})")
+              + ", ".join(f"{a:g}" for a in levels) + f" (expected {expected})")
         for k in NAMES:
             p = torch.tensor(ps[k])
             print(f"  {k:<24} " + ", ".join(str(int((p < a).sum())) for a in levels))
