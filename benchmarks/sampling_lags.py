@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                     s = across_steps(x, x.sum(1))
                     hits += any(s[k] < level for k in NAMES)
                 row.append(f"lag {lag}: {hits / args.power:.3f}")
-            print(f"power {label}: P(in t+L | in t) = q + {delta:g} (q = {q:.4g}) at level {level:.3g}: " + "; ".join(row))
+            print(f"power {label}: P(in t+L | in t) = q + {delta:g} (q = {q:.4g}) at level {level:.3g}: "
+                  + "; ".join(row))
     print(f"{time.perf_counter() - t0:.0f} s")
     return 0
 
