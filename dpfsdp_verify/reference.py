@@ -20,8 +20,15 @@ Definitions (they follow opacus 1.6.0, so that a correct opacus matches to float
   ``"mean"`` (1 under ``"sum"``).
 
 Config mistakes raise ``ReferenceInputError`` subclasses with a message naming the problem
-(unsupported layer, tied parameters, empty batch, mismatched batch sizes), never an error from
-deep inside torch.
+(unsupported layer, empty batch, mismatched batch sizes), never an error from deep inside torch.
+
+Fine-tuning (``docs/finetune.md``): only parameters with ``requires_grad`` have per-sample
+gradients; norms, clipping and noise are over those alone, and a frozen parameter never moves.
+A parameter used in several places (tied weights: one tensor under several names, e.g. an LM
+head that is its token embedding) is one parameter: its per-sample gradient is the *sum* over its
+uses, and it appears once, under its first name (``named_parameters()``). Both methods get that
+sum from autograd itself; ``per_use_grads`` unties the model to show each use on its own (the
+sum of the uses is tested against the tied gradient).
 """
 
 from __future__ import annotations
@@ -58,16 +65,13 @@ class UnsupportedLayerError(ReferenceInputError):
     pass
 
 
-class ParameterTyingError(ReferenceInputError):
-    pass
-
-
 class BatchError(ReferenceInputError):
     pass
 
 
 def check_model(model: nn.Module) -> None:
-    """Raise ``UnsupportedLayerError`` / ``ParameterTyingError`` if the model is out of scope."""
+    """Raise ``UnsupportedLayerError`` if the model is out of scope. Tied parameters are in scope
+    (module docstring: their per-sample gradient is the sum over their uses)."""
     for name, module in model.named_modules():
         # Checked before the parameter test: BatchNorm(affine=False) holds no parameters, yet in
         # training mode it couples the samples of a batch, so per-sample gradients do not exist
@@ -83,14 +87,6 @@ def check_model(model: nn.Module) -> None:
                 f"layer {name or '<root>'!r} of type {type(module).__name__} holds parameters but is not "
                 f"supported; supported layers: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)}"
             )
-    seen: Dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ParameterTyingError(
-                f"parameters {seen[id(p)]!r} and {name!r} are the same tensor (parameter tying); "
-                "opacus ghost clipping under FSDP does not support tied parameters"
-            )
-        seen[id(p)] = name
 
 
 def check_batch(batch: Batch, reduction: str = "mean") -> None:
@@ -134,7 +130,9 @@ def as_float64(model: nn.Module, batch: Batch):
 
 
 def per_sample_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap") -> Grads:
-    """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses.
+    """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses,
+    for the parameters with ``requires_grad`` (a tied one once, under its first name, summed over
+    its uses).
 
     ``method="loop"`` is the obvious one (autograd per sample); ``"vmap"`` is ``torch.func``.
     Raises ``ReferenceInputError`` subclasses for out-of-scope models or bad batches.
@@ -173,6 +171,44 @@ def _per_sample_grads_vmap(m: nn.Module, b: Batch, reduction: str) -> Grads:
         return per_sample_losses(out, y.unsqueeze(0), b.loss, reduction)[0]
 
     return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, b.inputs, b.targets)
+
+
+def tied_names(model: nn.Module) -> Dict[str, List[str]]:
+    """``{first name: [every name]}`` for each parameter registered under more than one name."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}
+
+
+def untie(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in which every use of a tied parameter (each name it is registered
+    under) is a separate parameter with the same values and ``requires_grad``."""
+    m = copy.deepcopy(model)
+    for group in tied_names(m).values():
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            module = m.get_submodule(owner) if owner else m
+            p = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    return m
+
+
+def per_use_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap") -> Grads:
+    """float64 per-sample gradients with each use of a tied parameter apart, keyed by the name of
+    the use (``tok.weight`` for the embedding's use, ``head.weight`` for the head's): the
+    per-sample gradients of ``untie(model)``. Summed over the names of a tied group they are the
+    tied parameter's per-sample gradient (``per_sample_grads``)."""
+    return per_sample_grads(untie(model), batch, reduction, method)
+
+
+def with_all_trainable(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose frozen parameters are trainable too (what a target that forgets
+    ``requires_grad`` computes): for diagnosing norms that include frozen parameters."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    return m
 
 
 def per_sample_norms(grads: Grads) -> torch.Tensor:
