@@ -19,7 +19,8 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
-             "step_divergence", "correlated_sampling", "wrong_sample_rate", "internal_error")
+             "step_divergence", "correlated_sampling", "wrong_sample_rate", "refused", "frozen_updated",
+             "internal_error")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the

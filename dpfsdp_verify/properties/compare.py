@@ -62,6 +62,58 @@ def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
     return grads
 
 
+_FROZEN_CACHE: "OrderedDict[tuple, Dict[str, torch.Tensor]]" = OrderedDict()
+
+
+def frozen_parameters(spec: RunSpec) -> Dict[str, torch.Tensor]:
+    """``{name: initial value}`` of the model's frozen parameters (``requires_grad=False``), in the
+    spec's dtype (what a target that never touches them reports), as float64. Cached (every run
+    of every case asks); callers must not modify them."""
+    key = (spec.model, spec.model_seed, spec.dtype, spec.model_kwargs)
+    if key not in _FROZEN_CACHE:
+        model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
+        _FROZEN_CACHE[key] = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()
+                              if not p.requires_grad}
+        while len(_FROZEN_CACHE) > 32:
+            _FROZEN_CACHE.popitem(last=False)
+    return _FROZEN_CACHE[key]
+
+
+def trainable_names(spec: RunSpec) -> List[str]:
+    """The names of the model's parameters with ``requires_grad`` (a tied one once)."""
+    return [n for n, p in reference_model(spec).named_parameters() if p.requires_grad]
+
+
+def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, dict]]:
+    """``(message, evidence)`` if a frozen parameter got a gradient (or noise) or moved on any rank
+    at any step; ``None`` if every frozen parameter was left exactly alone. Exact comparison: a
+    frozen parameter is not trained, so nothing about it may change, not even by rounding."""
+    frozen = frozen_parameters(spec)
+    if not frozen:
+        return None
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            for n, init in frozen.items():
+                g = s.gradient.get(n)
+                if g is not None and bool((torch.as_tensor(g) != 0).any()):
+                    g = torch.as_tensor(g, dtype=torch.float64)
+                    return (f"rank {o.rank}, step {k}: frozen parameter {n!r} (requires_grad=False) received "
+                            f"a gradient or noise: {int((g != 0).sum())} of {g.numel()} released coordinates are "
+                            f"non-zero (largest {float(g.abs().max()):.3g}). A frozen parameter is not trained: "
+                            "its gradient is not in the per-sample norms the clipping bounds, so any signal on it "
+                            "is unclipped (a privacy violation), and noise on it only corrupts the frozen base",
+                            {"frozen_parameter": n, "rank": o.rank, "step": k})
+                p = s.parameters.get(n)
+                if p is not None and not torch.equal(torch.as_tensor(p, dtype=torch.float64), init):
+                    diff = float((torch.as_tensor(p, dtype=torch.float64) - init).abs().max())
+                    return (f"rank {o.rank}, step {k}: frozen parameter {n!r} (requires_grad=False) changed by up "
+                            f"to {diff:.3g}: the optimizer updated a parameter the user froze. Its update is not "
+                            "covered by the clipping (norms are over trainable parameters) nor, unless noised, by "
+                            "the noise: a privacy violation, and the pretrained base drifts",
+                            {"frozen_parameter": n, "rank": o.rank, "step": k, "max_change": diff})
+    return None
+
+
 def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
     """The per-sample gradients of the samples ``indices``, in that order."""
     index = torch.as_tensor(list(indices), dtype=torch.long)

@@ -20,7 +20,7 @@ from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, non_finite, poisson_problem
+from .compare import data_problem, frozen_problem, non_finite, poisson_problem
 from .contract import Case, Options, Outputs, Property
 
 
@@ -44,19 +44,26 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
 
     * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
       sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
-      user who accepts it says so explicitly);
+      user who accepts it says so explicitly); one that *refuses* the configuration (it raised
+      ``targets.Refused``, e.g. for tied parameters) is ``fail`` / ``refused`` with its reason;
     * every rank took the steps it was asked for and processed exactly the samples it was given
       (read back from the data, not echoed): otherwise ``fail`` / ``mismatch`` -- no property can
       compare against the reference on other data. A Poisson run's samples are random: its ranks
       must have taken the same number of steps (else ``fail`` / ``step_divergence``, with each
       rank's step count and local batch sizes), drawn valid dataset indices, and no sample twice
       within a step across ranks (else ``fail`` / ``mismatch``);
+    * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
+      gradient, no noise and no update, exactly (else ``fail`` / ``frozen_updated``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
             where = f" (mode {mode.label!r})" if len(case.modes) > 1 else ""
+            refused = next((o.refused for o in ranks if o.refused), None)
+            if refused:
+                return case.verdict("fail", "refused", f"the target refuses this configuration: {refused}{where}",
+                                    {"refused_ranks": [o.rank for o in ranks if o.refused]})
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
             if unsupported:
                 return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
@@ -69,6 +76,10 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
+            if spec.task == "train":
+                frozen = frozen_problem(spec, ranks)
+                if frozen:
+                    return case.verdict("fail", "frozen_updated", frozen[0] + where, frozen[1])
             problem = non_finite(ranks)
             if problem:
                 return case.verdict("fail", "non_finite", f"non-finite values released: {problem}{where}. A DP "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import List, Optional, Sequence
 
-from .base import DATA_LAYOUTS, RankOutput, RunSpec, StepOutput, Target
+from .base import DATA_LAYOUTS, RankOutput, Refused, RunSpec, StepOutput, Target
 
 ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
 BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
@@ -91,7 +91,8 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
                      ) -> List[RankOutput]:
     """Harness job: several runs in one job (e.g. repeated noise draws), in order. ``task="sample"``
     specs call ``Target.sample_batches`` (each step's drawn indices as a ``StepOutput``; a target
-    without it answers ``RankOutput.unsupported``). ``progress_dir``: where each rank leaves its
+    without it answers ``RankOutput.unsupported``). A target that raises ``Refused`` answers
+    ``RankOutput.refused``. ``progress_dir``: where each rank leaves its
     progress trail (``targets.progress``) for the parent to read after a hang."""
     from . import progress
     from .util import world
@@ -106,7 +107,10 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
             if s.task == "sample":
                 out.append(_sample_on_rank(target, s, rank, world_size))
             else:
-                out.append(target.run(s))
+                try:
+                    out.append(target.run(s))
+                except Refused as e:
+                    out.append(RankOutput(rank, world_size, refused=str(e) or type(e).__name__))
             progress.run_ended()
         return out
     finally:
@@ -122,5 +126,5 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
     return RankOutput(rank, world_size, steps=steps)
 
 
-__all__ = ["DATA_LAYOUTS", "RankOutput", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
+__all__ = ["DATA_LAYOUTS", "RankOutput", "Refused", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
            "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]

@@ -45,6 +45,9 @@ a verdict: a property that needs it then *fails* ("not checkable on this target:
 expose its data pipeline (Target.sample_batches)"), it does not skip. A user who accepts that says so
 explicitly (an ``--expect`` entry).
 
+Refusing: a target that does not support a configuration (tied parameters, say) raises
+``Refused(reason)`` from ``run`` on every rank; the case's verdict is ``fail`` / ``refused``.
+
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
 and point the suite at it with ``--target package.module:Attr`` or the entry-point group
 ``dpfsdp_verify.targets`` (name -> ``module:attr``).
@@ -214,6 +217,18 @@ class RankOutput:
     steps: List[StepOutput] = field(default_factory=list)
     #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case fails saying so
     unsupported: Optional[str] = None
+    #: set when the target *refuses* the configuration (it raised ``Refused``, e.g. tied
+    #: parameters): the case's verdict is ``fail`` / ``refused`` with this reason
+    refused: Optional[str] = None
+
+
+class Refused(Exception):
+    """Raised by ``Target.run`` on every rank, before the ranks part ways (at set-up, or where
+    every rank reaches the same point), when the implementation deliberately does not support
+    the configuration -- e.g. tied parameters. The suite reports it as a refusal (verdict
+    ``fail``, diagnosis ``refused``, the message as given), not as a crash: a clear refusal is
+    the honest answer for what an implementation cannot do, and a user accepts it explicitly
+    (an expectations entry)."""
 
 
 class Target:

@@ -22,6 +22,14 @@ says, then ``make_private(poisson_sampling=True)``, which swaps in opacus'
 builds the same loader with ``DPDataLoader.from_data_loader(..., distributed=True)`` -- what
 ``make_private`` calls -- and returns the indices it draws, without training.
 
+Refusals: opacus 1.6.0 does not train tied parameters under FSDP. ``FSDP2Wrapper`` shards the
+embedding and the head that share a weight as two FSDP groups, which torch refuses at set-up
+(``ValueError: Parameter ... is shared with a parameter already managed by another FSDP
+group``); a module called twice trips ghost clipping's own guard in the first forward
+(``NotImplementedError: Parameter tying is not supported ...``). Both are raised on every rank
+at the same point, and are reported as ``targets.Refused`` with upstream's message (verdict
+``fail`` / ``refused``), not as a crash. Any other exception stays a crash.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -35,7 +43,7 @@ import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import RankOutput, RunSpec, StepOutput, Target
+from .base import RankOutput, Refused, RunSpec, StepOutput, Target
 from .util import dataset_index, gather_named, global_dataset, step_indices, world
 
 
@@ -64,6 +72,10 @@ class _ExactBatches(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.batches)
+
+
+#: the messages of upstream's deliberate refusals of tied parameters (module docstring)
+TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP group")
 
 
 class OpacusTarget(Target):
@@ -122,6 +134,14 @@ class OpacusTarget(Target):
         return out
 
     def run(self, spec: RunSpec) -> RankOutput:
+        try:
+            return self._run(spec)
+        except (ValueError, NotImplementedError) as e:
+            if any(m in str(e) for m in TYING_REFUSALS):
+                raise Refused(f"opacus {self.version()} refuses tied parameters: {type(e).__name__}: {e}") from e
+            raise
+
+    def _run(self, spec: RunSpec) -> RankOutput:
         from opacus import PrivacyEngine
         from opacus.utils.fsdp_utils import FSDP2Wrapper
         from torch.utils.data import TensorDataset
