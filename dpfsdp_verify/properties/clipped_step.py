@@ -52,7 +52,9 @@ def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
     model = reference_model(spec)
     step = reference.dp_sgd_gradient(model, reference_batch(spec).select(indices), max_grad_norm=spec.max_grad_norm,
                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
-    params = {n: p.detach() - spec.lr * step.gradient[n] for n, p in model.named_parameters()}
+    # a frozen parameter has no gradient: it stays as it was
+    params = {n: p.detach() - spec.lr * step.gradient[n] if n in step.gradient else p.detach()
+              for n, p in model.named_parameters()}
     return step, params
 
 

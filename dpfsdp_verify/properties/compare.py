@@ -114,6 +114,56 @@ def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tup
     return None
 
 
+def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of the ways a target gets frozen or
+    tied parameters wrong, as ``(diagnosis, norms, what it does)``: norms that include the frozen
+    parameters (all of them, or those sharing a layer with a trainable one); a tied parameter's
+    gradient from one of its uses only, or its uses' squared norms added (their cross term
+    dropped). ``undercount`` where some sample's norm comes out below its true norm (it can then
+    contribute more than C), else ``mismatch``. Empty for a model with neither."""
+    model, batch = reference_model(spec), reference_batch(spec)
+    true = reference_norms(spec)
+    out: List[Tuple[torch.Tensor, str]] = []
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        every = reference.per_sample_grads(reference.with_all_trainable(model), batch, spec.reduction)
+        out.append((reference.per_sample_norms(every), f"include the frozen parameters' per-sample gradients "
+                    f"({', '.join(frozen)}): a frozen parameter is not released, so it has no place in the norm"))
+        mixed = []
+        for name, module in model.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if any(p.requires_grad for _, p in own):
+                mixed += [f"{name}.{n}" if name else n for n, p in own if not p.requires_grad]
+        if mixed and len(mixed) < len(frozen):
+            keep = {n: g for n, g in every.items() if n not in set(frozen) - set(mixed)}
+            out.append((reference.per_sample_norms(keep), f"include the frozen parameters of layers that also hold a "
+                        f"trainable one ({', '.join(mixed)}): the layer's norm covers all its parameters, "
+                        "requires_grad is not looked at"))
+    ties = reference.tied_names(model)
+    if ties:
+        uses = reference.per_use_grads(model, batch, spec.reduction)
+        tied_uses = {u for group in ties.values() for u in group}
+        base = sum(g.flatten(1).pow(2).sum(1) for n, g in uses.items() if n not in tied_uses)
+
+        def sq(g):
+            return g.flatten(1).pow(2).sum(1)
+
+        for first, group in ties.items():
+            rest = base + sum(sq(sum(uses[u] for u in other)) for f, other in ties.items() if f != first)
+            for u in group:
+                out.append(((rest + sq(uses[u])).sqrt(), f"take the tied parameter {first!r} (also {', '.join(group[1:])}) "
+                            f"from its use as {u!r} only: each use's hook sets the parameter's norm, the last one wins; "
+                            "its per-sample gradient is the sum over all its uses"))
+            out.append(((rest + sum(sq(uses[u]) for u in group)).sqrt(), f"add the squared norms of the tied parameter "
+                        f"{first!r}'s uses ({', '.join(group)}) as if they were separate parameters: the norm of "
+                        "their sum has a cross term, which is dropped"))
+    found = []
+    for norms, what in out:
+        below = bool((norms < true * (1 - 1e-9)).any())
+        found.append(("undercount" if below else "mismatch", norms, what))
+    return found
+
+
 def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
     """The per-sample gradients of the samples ``indices``, in that order."""
     index = torch.as_tensor(list(indices), dtype=torch.long)

@@ -36,8 +36,8 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, pick_clip_bound, processed_indices, reference_grads, reference_norms, rows,
-                      tolerance)
+from .compare import (finetune_norms, fmt, pick_clip_bound, processed_indices, reference_grads, reference_norms,
+                      rows, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -224,6 +224,13 @@ def hypotheses(case: Case, want, steps, subject: str):
             f"{[s.indices[0] for s in steps]} (position 0 on each rank), not its own {float(want[0][0]):.4g}. "
             "Norm^2 is all-reduced across ranks that hold different samples; each sample is clipped by other "
             "samples' norms.")
+    # fine-tuned models: frozen parameters in the norm, a tied parameter's uses not summed
+    for diagnosis, norms, what in finetune_norms(case.spec):
+        shown = [norms[list(s.indices)] for s in steps]
+        consequence = ("some samples' norms come out below their true norm: such a sample can contribute more "
+                       "than C, a privacy violation" if diagnosis == "undercount" else
+                       "the norms are too large: samples are over-clipped (utility loss)")
+        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}."
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
