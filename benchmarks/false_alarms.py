@@ -12,7 +12,10 @@ Two kinds of verdicts, counted apart:
   with probability <= its ``false_alarm_rate`` (Bonferroni over every test of every verdict of the
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
-    python benchmarks/false_alarms.py [--runs 20] [--seed S]   (run i uses run seed S + i)
+    python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied]   (run i uses run seed S + i)
+
+``--models`` runs every property on those models instead of each property's own (e.g. the
+fine-tuning models, ``docs/finetune.md``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="first run seed (default: random, printed)")
+    ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
     args = ap.parse_args(argv)
+    axes = {"models": tuple(args.models.split(","))} if args.models else {}
     if args.seed is None:
         import random
 
@@ -49,7 +54,8 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for prop in REGISTRY:
                 failed = False
-                for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run):
+                for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
+                                **axes):
                     counts[(prop.id, v.status)] += 1
                     if v.status not in ("pass", "skip"):
                         failed = True
