@@ -224,11 +224,11 @@ def cmd_scale(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib", "pip install 'dpfsdp-verify[plot]'") from None
-    cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
-                            world_sizes=scale.parse_world_sizes(args.world_sizes),
-                            physical_batch_size=args.physical_batch_size, seeding=args.seeding,
-                            steps=args.steps, seed=args.seed)
     try:
+        cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
+                                world_sizes=scale.parse_world_sizes(args.world_sizes),
+                                physical_batch_size=args.physical_batch_size, seeding=args.seeding,
+                                steps=args.steps, seed=args.seed)
         cfg.validate()
         target = load_target(args.target)
         report = scale.scale_report(target, cfg, args.target)

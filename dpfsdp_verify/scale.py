@@ -161,7 +161,8 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
     """Check ``sample_masks`` against ``sample_batches`` (the pipeline as a user iterates it) on
     a spread of (trial, rank) pairs: identical indices, step by step. ``unseeded`` cannot be
     replayed (a fresh seed per call), so it is checked under ``per_rank``: the same generator
-    calls in the same order, another seed. ``RuntimeError`` on any difference."""
+    calls in the same order, another seed. ``ScaleUsageError`` on any difference (the adapter's
+    fast path is wrong: no figure is computed from it)."""
     rng = np.random.default_rng(cfg.seed + world_size)
     pairs = {(int(rng.integers(cfg.trials)), int(r)) for r in
              rng.choice(world_size, size=min(VERIFY_PAIRS, world_size), replace=False)}
@@ -174,8 +175,9 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
         replay = [indices[m].tolist() for m, k in zip(masks, took) if k]
         real = [[int(i) for i in b] for b in target.sample_batches(spec, rank=r, world_size=world_size)]
         if replay != real:
-            raise RuntimeError(f"sample_masks differs from sample_batches at world size {world_size}, rank {r}, "
-                               f"trial {t}: the fast path does not replay the target's sampler")
+            raise ScaleUsageError(f"sample_masks differs from sample_batches at world size {world_size}, rank {r}, "
+                                  f"epoch {t}: the fast path does not replay the target's sampler",
+                                  "fix the target's sample_masks or remove it (scale then iterates sample_batches)")
     return len(pairs)
 
 
@@ -190,7 +192,8 @@ def wilson(k: int, n: int) -> Tuple[float, float, float]:
     d = 1 + Z95 ** 2 / n
     c = (p + Z95 ** 2 / (2 * n)) / d
     h = Z95 * math.sqrt(p * (1 - p) / n + Z95 ** 2 / (4 * n * n)) / d
-    return p, max(0.0, c - h), min(1.0, c + h)
+    # the exact endpoints at 0 and n successes (no rounding residue like 1e-20)
+    return p, 0.0 if k == 0 else max(0.0, c - h), 1.0 if k == n else min(1.0, c + h)
 
 
 def mean_ci(x: np.ndarray) -> Tuple[float, float, float, int]:
