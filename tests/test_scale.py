@@ -169,3 +169,22 @@ def test_json_fields(capsys, tmp_path):
     for key in ("rank_empty", "some_rank_empty", "diverge", "passes_differ"):
         assert {"mc", "ci", "n", "closed_form", "agrees"} <= set(row[key])
     assert row["trials"] == 5 and row["steps_per_epoch"] == 10
+
+
+def test_plot_writes_risk_vs_world_size(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "risk.svg"
+    code, _ = _cli(capsys, *BASE, "--plot", str(path))
+    assert code == 0 and "<svg" in path.read_text()
+
+
+def test_matplotlib_is_only_the_plot_extra():
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def names(extra):
+        reqs = (Requirement(t) for t in metadata.requires("dpfsdp-verify") or [])
+        return {r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": extra})}
+
+    assert "matplotlib" in names("plot") and "matplotlib" not in names("")
