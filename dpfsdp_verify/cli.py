@@ -239,7 +239,7 @@ def cmd_scale(args) -> int:
     text = scale.format_report(report)
     print(text, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
-        data = json.dumps(report, indent=1)
+        data = json.dumps(report, indent=1, allow_nan=False)
         if args.json == "-":
             print(data)
         else:

@@ -295,6 +295,8 @@ def world_size_figures(cfg: ScaleConfig, d: Draws) -> dict:
     b = cfg.sample_rate * cfg.dataset_size / ws
 
     def prob(k: int, n: int, closed: Optional[float]) -> dict:
+        if n == 0:  # no such step was taken (JSON has no NaN)
+            return {"mc": None, "ci": None, "n": 0, "closed_form": closed, "agrees": None, "why": "no step to count"}
         est, lo, hi = wilson(k, n)
         return {"mc": est, "ci": [lo, hi], "n": n, "closed_form": closed,
                 "agrees": None if closed is None or n == 0 else bool(lo - 1e-12 <= closed <= hi + 1e-12)}
