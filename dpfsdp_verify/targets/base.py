@@ -44,7 +44,8 @@ in well under a second. The base class says it is not supported, and what a targ
 a verdict: a property that needs it then *fails* ("not checkable on this target: ... does not
 expose its data pipeline (Target.sample_batches)"), it does not skip. A user who accepts that says so
 explicitly (an ``--expect`` entry).
-It takes an optional *virtual* rank: ``sample_batches(spec, rank=r, world_size=ws)`` returns what
+
+``sample_batches`` takes an optional *virtual* rank: ``sample_batches(spec, rank=r, world_size=ws)`` returns what
 rank ``r`` of a ``ws``-rank job would draw, with no process group (``None``, the default: this
 process's real rank and world size). ``dpfsdp-verify scale`` drives it for thousands of virtual
 ranks to compute the at-scale hang risk of the pipeline; an adapter written against the older
