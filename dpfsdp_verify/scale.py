@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -125,6 +125,8 @@ class Draws:
     nominal: Optional[np.ndarray]
     source: str
     verified_pairs: int = 0
+    #: why the target's ``sample_masks`` was not used (it differed from ``sample_batches``)
+    refused: Optional[str] = None
 
 
 def rank_sizes(dataset_size: int, world_size: int) -> np.ndarray:
@@ -137,7 +139,13 @@ def rank_sizes(dataset_size: int, world_size: int) -> np.ndarray:
 def draw(target: Target, cfg: ScaleConfig, world_size: int) -> Draws:
     """Every rank's draws for ``cfg.trials`` independent epochs, from the target's own pipeline."""
     T, trials = cfg.steps_per_epoch, cfg.trials
+    refused = None
     if hasattr(target, "sample_masks"):
+        try:  # checked first: a fast path that does not replay the pipeline is never used
+            verified = _verify_masks(target, cfg, world_size)
+        except ScaleUsageError as e:
+            refused = str(e)
+    if hasattr(target, "sample_masks") and refused is None:
         nominal = np.zeros((trials, T, world_size), dtype=np.int64)
         taken: List[List[np.ndarray]] = [[None] * world_size for _ in range(trials)]
         specs = [cfg.spec(t) for t in range(trials)]
@@ -147,14 +155,13 @@ def draw(target: Target, cfg: ScaleConfig, world_size: int) -> Draws:
                 sizes = masks.sum(1).numpy()
                 nominal[t, :, r] = sizes
                 taken[t][r] = sizes[took.numpy()]
-        verified = _verify_masks(target, cfg, world_size)
         return Draws(world_size, taken, nominal, "sample_masks (checked against sample_batches)", verified)
     taken = [[np.array([len(b) for b in target.sample_batches(cfg.spec(t), rank=r, world_size=world_size)],
                        dtype=np.int64) for r in range(world_size)] for t in range(trials)]
     lock_step = all(len(s) == T for row in taken for s in row)
     # every rank took every nominal step: the steps are aligned, so the nominal sizes are seen
     nominal = np.stack([np.stack(row, 1) for row in taken]) if lock_step else None
-    return Draws(world_size, taken, nominal, "sample_batches")
+    return Draws(world_size, taken, nominal, "sample_batches", refused=refused)
 
 
 def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
@@ -162,7 +169,7 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
     a spread of (trial, rank) pairs: identical indices, step by step. ``unseeded`` cannot be
     replayed (a fresh seed per call), so it is checked under ``per_rank``: the same generator
     calls in the same order, another seed. ``ScaleUsageError`` on any difference (the adapter's
-    fast path is wrong: no figure is computed from it)."""
+    fast path is wrong: ``draw`` then iterates ``sample_batches`` instead and says why)."""
     rng = np.random.default_rng(cfg.seed + world_size)
     pairs = {(int(rng.integers(cfg.trials)), int(r)) for r in
              rng.choice(world_size, size=min(VERIFY_PAIRS, world_size), replace=False)}
@@ -177,7 +184,7 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
         if replay != real:
             raise ScaleUsageError(f"sample_masks differs from sample_batches at world size {world_size}, rank {r}, "
                                   f"epoch {t}: the fast path does not replay the target's sampler",
-                                  "fix the target's sample_masks or remove it (scale then iterates sample_batches)")
+                                  "fix the target's sample_masks")
     return len(pairs)
 
 
@@ -311,7 +318,7 @@ def world_size_figures(cfg: ScaleConfig, d: Draws) -> dict:
 
     out = {"world_size": ws, "expected_local_batch": b, "rank_samples": sorted({int(v) for v in n_r}),
            "trials": cfg.trials, "steps_per_epoch": T, "source": d.source, "verified_pairs": d.verified_pairs,
-           "skips_empty": skips, "nominal_steps_seen": d.nominal is not None}
+           "skips_empty": skips, "nominal_steps_seen": d.nominal is not None, "fast_path_refused": d.refused}
     # each rank's empty-batch rate per nominal step: seen from the skip counts even when hidden
     empties = int((T - counts).sum()) if skips or d.nominal is None else int((d.nominal == 0).sum())
     out["rank_empty"] = prob(empties, counts.size * T, cf["rank_empty"])
@@ -410,11 +417,14 @@ def format_report(report: dict) -> str:
                      + f", drawn by {r['source']}"
                      + (f" on {r['verified_pairs']} (epoch, rank) pairs" if r["verified_pairs"] else "")
                      + f", {r['seconds']:.1f} s")
+        if r["fast_path_refused"]:
+            lines.append(f"  the target's sample_masks was NOT used: {r['fast_path_refused']}")
         lines.append(_fmt_p(r["rank_empty"], "P(a rank's local batch is empty in a step)"))
         lines.append(_fmt_p(r["some_rank_empty"], "P(some rank's local batch is empty in a step)"))
         d = r["diverge"]
         lines.append(_fmt_p(d, "P(ranks' step counts diverge within an epoch: FSDP hangs)")
-                     + ("" if r["skips_empty"] else f" [if empty batches were skipped: {d['closed_form_if_skipping']:.4g}]"))
+                     + ("" if r["skips_empty"]
+                        else f" [if empty batches were skipped: {d['closed_form_if_skipping']:.4g}]"))
         if r["first_divergence_step"].get("mc") is not None:
             lines.append(_fmt_p(r["first_divergence_step"], "expected nominal step of the first divergence"))
         if r["hang_step"]["mc"] is not None:
@@ -422,7 +432,8 @@ def format_report(report: dict) -> str:
         if r["passes_differ"] is not None:
             lines.append(_fmt_p(r["passes_differ"], "P(physical pass counts differ in a step: collectives pair "
                                                     "across steps)"))
-        lines.append(_fmt_p(r["rate_per_step_taken"], f"realised sampling rate per step taken (q = {c['sample_rate']})"))
+        lines.append(_fmt_p(r["rate_per_step_taken"],
+                            f"realised sampling rate per step taken (q = {c['sample_rate']})"))
         sc = r["size_correlation"]
         lines.append(f"  cross-rank correlation of local batch sizes: "
                      + ("-" if sc["mc"] is None else f"{sc['mc']:.3g}")

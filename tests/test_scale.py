@@ -12,7 +12,7 @@ import json
 import pytest
 
 from dpfsdp_verify import cli
-from dpfsdp_verify.scale import ScaleConfig, ScaleUsageError, closed_forms, scale_report, wilson
+from dpfsdp_verify.scale import ScaleConfig, closed_forms, scale_report, wilson
 from dpfsdp_verify.targets import load_target
 
 C = "fixtures.specimens:Correct"
@@ -100,8 +100,15 @@ def test_correlated_ranks_are_seen():
 
 
 def test_fast_path_is_checked_against_the_real_sampler():
-    with pytest.raises(ScaleUsageError, match="does not replay the target's sampler"):
-        _report(S + "MaskReplayIgnoresSeeding", dataset_size=1600, sample_rate=0.01, world_sizes=(16,), steps=100)
+    """A replay that models the sampler (every rank one mask) would report no hang risk for a job
+    that hangs; it is refused and the real sampler is iterated instead, saying so."""
+    r = _by_ws(_report(S + "MaskReplayIgnoresSeeding", dataset_size=1600, sample_rate=0.01, world_sizes=(16,),
+                       steps=100))[16]
+    assert "does not replay the target's sampler" in r["fast_path_refused"] and r["source"] == "sample_batches"
+    assert r["skips_empty"] and r["diverge"]["mc"] == 1.0 and r["size_correlation"]["mc"] < 0.5
+    good = _by_ws(_report("opacus", dataset_size=1600, sample_rate=0.01, world_sizes=(16,), steps=100))[16]
+    assert good["fast_path_refused"] is None and good["verified_pairs"] >= 10
+    assert good["diverge"]["mc"] == 1.0
 
 
 def test_closed_form_some_rank_empty_formula():
@@ -165,7 +172,7 @@ def test_json_fields(capsys, tmp_path):
     assert {"world_size", "expected_local_batch", "rank_samples", "trials", "steps_per_epoch", "source",
             "verified_pairs", "skips_empty", "nominal_steps_seen", "rank_empty", "some_rank_empty", "diverge",
             "hang_step", "first_divergence_step", "passes_differ", "rate_per_step_taken", "size_correlation",
-            "seconds"} == set(row)
+            "seconds", "fast_path_refused"} == set(row)
     for key in ("rank_empty", "some_rank_empty", "diverge", "passes_differ"):
         assert {"mc", "ci", "n", "closed_form", "agrees"} <= set(row[key])
     assert row["trials"] == 5 and row["steps_per_epoch"] == 10
