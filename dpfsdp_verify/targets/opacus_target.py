@@ -184,7 +184,10 @@ class OpacusTarget(Target):
         rank, world_size, s = self._mask_sampler[1]
         indices = _split_order(s.total_size, s.shuffle, s.shuffle_seed + s.epoch)[s.rank:s.total_size:s.num_replicas]
         spec.seed_sampling(rank)
-        masks = torch.rand(s.num_batches, s.num_samples, generator=s.generator) < s.sample_rate
+        # in chunks of rows (memory): consecutive torch.rand calls continue the generator's stream
+        rows = max(1, (1 << 22) // max(1, s.num_samples))
+        masks = torch.cat([torch.rand(min(rows, s.num_batches - k), s.num_samples, generator=s.generator)
+                           < s.sample_rate for k in range(0, s.num_batches, rows)])
         return indices, masks, masks.any(1)
 
     def run(self, spec: RunSpec) -> RankOutput:
