@@ -9,6 +9,9 @@
         [--markdown PATH] [-q]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
+    dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
+        [--seeding per_rank|same|unseeded] [--steps S] [--world-sizes 8,64,512,1024] [--seed S]
+        [--json PATH|-] [--plot PATH]     # at-scale hang risk of the data pipeline (docs/scale.md)
     dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
 Exit codes 0 / 1 / 2 / 3: stated once, in docs/gate.md ("Exit codes"); computed in
@@ -102,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--world-size", required=True, help="number of ranks")
     replay.add_argument("--spec", required=True, help="the JSON RunSpec of a fuzz verdict's repro line")
     sub.add_parser("list", help="list properties and targets")
+    _scale_parser(sub)
     return p
 
 
@@ -194,6 +198,58 @@ def cmd_replay(args) -> int:
     return EXIT_FAIL if v.status in FAILING else EXIT_OK
 
 
+def _scale_parser(sub) -> None:
+    sc = sub.add_parser("scale", help="at-scale hang risk of the target's own Poisson data pipeline, without training")
+    sc.add_argument("--target", default="opacus", help="'opacus' or MODULE:ATTR (default: opacus)")
+    sc.add_argument("--dataset-size", type=int, required=True, help="N: samples in the global dataset")
+    sc.add_argument("--sample-rate", type=float, required=True, help="q: each sample's inclusion probability per step")
+    sc.add_argument("--physical-batch-size", type=int, default=None,
+                    help="BatchMemoryManager's max_physical_batch_size (gradient accumulation); default: none")
+    sc.add_argument("--seeding", default="per_rank", help="same, per_rank or unseeded (default per_rank)")
+    sc.add_argument("--steps", type=int, default=1000, help="nominal steps per rank, rounded up to epochs (default 1000)")
+    sc.add_argument("--world-sizes", default="8,64,512,1024", help="comma list (default 8,64,512,1024)")
+    sc.add_argument("--seed", type=int, default=0, help="sampling seed of the first epoch (default 0)")
+    sc.add_argument("--json", default=None, metavar="PATH|-", help="write the figures as JSON (docs/scale.md)")
+    sc.add_argument("--plot", default=None, metavar="PATH", help="risk vs world size, .png or .svg (extra 'plot')")
+
+
+def cmd_scale(args) -> int:
+    import json
+
+    from . import scale
+    from .targets import TargetLoadError, load_target
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib", "pip install 'dpfsdp-verify[plot]'") from None
+    try:
+        cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
+                                world_sizes=scale.parse_world_sizes(args.world_sizes),
+                                physical_batch_size=args.physical_batch_size, seeding=args.seeding,
+                                steps=args.steps, seed=args.seed)
+        cfg.validate()
+        target = load_target(args.target)
+        report = scale.scale_report(target, cfg, args.target)
+    except TargetLoadError as e:
+        raise UsageError(f"--target {args.target}: {e}", "give 'opacus' or an importable MODULE:ATTR") from None
+    except scale.ScaleUsageError as e:
+        raise UsageError(str(e), e.hint) from None
+    text = scale.format_report(report)
+    print(text, file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        data = json.dumps(report, indent=1, allow_nan=False)
+        if args.json == "-":
+            print(data)
+        else:
+            with open(args.json, "w") as f:
+                f.write(data + "\n")
+    if args.plot:
+        scale.plot(report, args.plot)
+    return EXIT_OK
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -204,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_run(args)
         if args.command == "replay":
             return cmd_replay(args)
+        if args.command == "scale":
+            return cmd_scale(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as e:

@@ -48,6 +48,17 @@ explicitly (an ``--expect`` entry).
 Refusing: a target that does not support a configuration (tied parameters, say) raises
 ``Refused(reason)`` from ``run`` on every rank; the case's verdict is ``fail`` / ``refused``.
 
+``sample_batches`` takes an optional *virtual* rank: ``sample_batches(spec, rank=r, world_size=ws)`` returns what
+rank ``r`` of a ``ws``-rank job would draw, with no process group (``None``, the default: this
+process's real rank and world size). ``dpfsdp-verify scale`` drives it for thousands of virtual
+ranks to compute the at-scale hang risk of the pipeline; an adapter written against the older
+one-argument signature still works everywhere else, and ``scale`` says it needs the new one.
+Optionally, ``sample_masks(spec, rank, world_size)`` returns the same draws as tensors, every
+nominal step included (a step the pipeline skips too): ``(indices [n], masks [steps, n] bool,
+taken [steps] bool)``, rank ``r``'s dataset indices, each nominal step's inclusion mask over
+them and whether the pipeline yields that step; ``scale`` uses it for speed and checks it
+against ``sample_batches`` on a subsample of ranks.
+
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
 and point the suite at it with ``--target package.module:Attr`` or the entry-point group
 ``dpfsdp_verify.targets`` (name -> ``module:attr``).
@@ -242,10 +253,12 @@ class Target:
     def run(self, spec: RunSpec) -> RankOutput:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+    def sample_batches(self, spec: RunSpec, rank: Optional[int] = None,
+                       world_size: Optional[int] = None) -> List[List[int]]:
         """Optional: on each rank, the dataset indices this rank's data pipeline draws at each
-        step of the Poisson ``spec`` (module docstring). Not overriding it is allowed, but
-        a property that needs it then fails on this target (it cannot be checked)."""
+        step of the Poisson ``spec`` (module docstring); ``rank``/``world_size`` given: those of a
+        virtual rank, no process group needed. Not overriding it is allowed, but a property
+        that needs it then fails on this target (it cannot be checked)."""
         raise NotImplementedError(f"target {self.name!r} does not expose its data pipeline "
                                   "(Target.sample_batches)")
 

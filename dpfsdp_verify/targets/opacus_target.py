@@ -20,7 +20,13 @@ says, then ``make_private(poisson_sampling=True)``, which swaps in opacus'
 ``DistributedUniformWithReplacementSampler``; every batch the loader yields is a step, for
 ``spec.epochs`` epochs (at most ``spec.steps`` steps when ``steps > 0``). ``sample_batches``
 builds the same loader with ``DPDataLoader.from_data_loader(..., distributed=True)`` -- what
-``make_private`` calls -- and returns the indices it draws, without training.
+``make_private`` calls -- and returns the indices it draws, without training; for a virtual rank
+(``sample_batches(spec, rank, world_size)``, no process group) opacus' sampler is built exactly
+so, with ``torch.distributed.get_rank/get_world_size`` answering the virtual rank while it is
+constructed (it reads them once, in ``__init__``). ``sample_masks`` replays that sampler's draws
+as one tensor: the same ``torch.rand(num_samples)`` calls on the same generator in the same
+order (``torch.rand(steps, n)`` consumes the CPU generator exactly as ``steps`` calls of
+``torch.rand(n)``), every nominal step kept, including the empty ones the sampler skips.
 
 Refusals: opacus 1.6.0 does not train tied parameters under FSDP. ``FSDP2Wrapper`` shards the
 embedding and the head that share a weight as two FSDP groups, which torch refuses at set-up
@@ -36,7 +42,9 @@ arguments here.
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+import functools
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -44,7 +52,24 @@ import torch.nn as nn
 from .. import models
 from . import progress
 from .base import RankOutput, Refused, RunSpec, StepOutput, Target
-from .util import dataset_index, gather_named, global_dataset, step_indices, world
+from .util import dataset_index, gather_named, global_dataset, rank_and_world, step_indices, world
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, world_size: int, virtual: bool):
+    """While opacus' distributed sampler is built, ``torch.distributed`` answers the virtual rank."""
+    if not virtual:
+        yield
+        return
+    import torch.distributed as dist
+
+    saved = dist.get_rank, dist.get_world_size
+    dist.get_rank = lambda group=None: rank
+    dist.get_world_size = lambda group=None: world_size
+    try:
+        yield
+    finally:
+        dist.get_rank, dist.get_world_size = saved
 
 
 def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
@@ -59,6 +84,20 @@ def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
     rates = sorted({1.0 / -(-n_local // b) for b in range(1, n_local + 1)})
     raise ValueError(f"opacus derives q = 1/len(data_loader); with dataset_size={spec.dataset_size} at world "
                      f"size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not {spec.sample_rate}")
+
+
+@functools.lru_cache(maxsize=4)
+def _index_dataset(n: int):
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(torch.arange(n))
+
+
+@functools.lru_cache(maxsize=4)
+def _split_order(n: int, shuffle: bool, seed: int) -> torch.Tensor:
+    """The dataset order opacus' distributed sampler splits among ranks (its ``__iter__``: a
+    permutation from its own shuffle seed, never the global RNG); the same for every rank."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(n)
 
 
 class _ExactBatches(torch.utils.data.Sampler):
@@ -117,21 +156,51 @@ class OpacusTarget(Target):
         data = spec.dataset()
         return data, TensorDataset(data.inputs, data.targets, torch.arange(spec.dataset_size))
 
-    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+    def _dp_sampler(self, spec: RunSpec, rank: Optional[int], world_size: Optional[int]):
+        """``(rank, world_size, opacus' batch sampler)`` as ``make_private(poisson_sampling=True)``
+        builds it from the user's loader; the dataset is the index column alone (the sampler
+        reads only its length; the indices it yields are what is reported)."""
         from opacus.data_loader import DPDataLoader
+        from torch.utils.data import TensorDataset
 
-        rank, world_size = world()
-        _, dataset = self._poisson_dataset(spec)
-        loader = DPDataLoader.from_data_loader(self._poisson_loader(spec, dataset, rank, world_size),
-                                               distributed=True)
+        virtual = rank is not None or world_size is not None
+        rank, world_size = rank_and_world(rank, world_size)
+        dataset = _index_dataset(spec.dataset_size)
+        with _as_rank(rank, world_size, virtual):
+            loader = DPDataLoader.from_data_loader(self._poisson_loader(spec, dataset, rank, world_size),
+                                                   distributed=True)
+        return rank, world_size, loader.batch_sampler
+
+    def sample_batches(self, spec: RunSpec, rank: Optional[int] = None,
+                       world_size: Optional[int] = None) -> List[List[int]]:
+        rank, world_size, sampler = self._dp_sampler(spec, rank, world_size)
         spec.seed_sampling(rank)
         out: List[List[int]] = []
         for _ in range(spec.epochs):
-            for idx in loader.batch_sampler:
+            for idx in sampler:
                 if spec.steps and len(out) >= spec.steps:
                     return out
                 out.append([int(i) for i in idx])
         return out
+
+    def sample_masks(self, spec: RunSpec, rank: int, world_size: int):
+        """``(indices [n], masks [steps, n], taken [steps])``: the draws of ``sample_batches`` for
+        one epoch, every nominal step kept (``Target`` docstring). The same sampler object, its
+        own ``num_samples``/``sample_rate``/``num_batches``/``generator``, its own split of the
+        (shuffled) dataset; ``taken``: the steps it yields (it skips an empty local batch)."""
+        if spec.epochs != 1 or spec.steps:
+            raise ValueError("sample_masks replays one whole epoch: epochs=1, steps=0")
+        key = (spec.with_(sampling_seed=0, seeding="same"), rank, world_size)
+        if getattr(self, "_mask_sampler", (None,))[0] != key:  # the sampler does not depend on the seed
+            self._mask_sampler = (key, self._dp_sampler(spec, rank, world_size))
+        rank, world_size, s = self._mask_sampler[1]
+        indices = _split_order(s.total_size, s.shuffle, s.shuffle_seed + s.epoch)[s.rank:s.total_size:s.num_replicas]
+        spec.seed_sampling(rank)
+        # in chunks of rows (memory): consecutive torch.rand calls continue the generator's stream
+        rows = max(1, (1 << 22) // max(1, s.num_samples))
+        masks = torch.cat([torch.rand(min(rows, s.num_batches - k), s.num_samples, generator=s.generator)
+                           < s.sample_rate for k in range(0, s.num_batches, rows)])
+        return indices, masks, masks.any(1)
 
     def run(self, spec: RunSpec) -> RankOutput:
         try:
