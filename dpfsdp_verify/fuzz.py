@@ -85,7 +85,7 @@ def check_example(property_id: str, target_ref: str, spec: RunSpec, world_size: 
     spec it cannot use is a ``skip``). ``modes`` holds one mode (two for a property that compares
     modes: the first is compared with the second)."""
     prop = fuzzable_property(property_id)
-    modes = modes_mod.from_mapping(modes)[:2 if prop.compares_modes else 1]
+    modes = prop.modes_for(modes_mod.from_mapping(modes))[:2 if prop.compares_modes else 1]
     # one switch of the thread count per example, not two: a switch and back costs ~0.35 ms (measured)
     with _one_thread():
         ready = prop.fuzz.prepare(spec)
@@ -184,7 +184,7 @@ def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool,
     strategy = strategy if strategy is not None else spec_strategy(property_id, world_size, models=models,
                                                                   grad_sample_mode=grad_sample_mode,
                                                                   dtype_values=dtypes)
-    modes = modes_mod.from_mapping(modes)
+    modes = fuzzable_property(property_id).modes_for(modes_mod.from_mapping(modes))
     seen: Counter = Counter()
     t0 = time.monotonic()
 
@@ -259,7 +259,7 @@ def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: O
     verdict records it). ``pool=None`` uses a private pool closed at the end. Raises ``ValueError``
     for a property that cannot be fuzzed."""
     prop = fuzzable_property(property_id)
-    modes = modes_mod.from_mapping(modes)
+    modes = prop.modes_for(modes_mod.from_mapping(modes))
     if prop.compares_modes:
         groups = [(modes[0], other) for other in modes[1:]]
     else:

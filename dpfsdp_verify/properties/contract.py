@@ -16,7 +16,9 @@ A property is one module that builds a ``Property``:
 Everything that runs a property -- the gate, the fuzzer, tests -- goes through ``Options`` (one
 frozen value instead of a dozen keywords) and ``runner.run_property``. A property whose
 ``compares_modes`` is set (``mode_equivalence``) gets points with two modes (the first label vs
-each other one) and needs at least two modes (``modes_problem``).
+each other one) and needs at least two modes (``modes_problem``), unless it brings its own pair
+for a run given one mode (``Property.default_pair``: e.g. the same step unsplit vs in physical
+batches, ``RunSpec`` changes rather than environments).
 """
 
 from __future__ import annotations
@@ -212,6 +214,9 @@ class Property:
     params: Tuple[Tuple[str, Any], ...] = ()
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
+    #: for a comparing property given one mode (no ``--mode-env``, or one): the two modes it compares
+    #: instead, built from that mode (``modes.Mode.spec`` changes under the same environment)
+    default_pair: Optional[Callable[[Mode], Tuple[Mode, Mode]]] = None
     fuzz: Optional[FuzzRecipe] = None
     #: for a property whose verdicts rest on random draws: the bound on the probability that a
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
@@ -237,10 +242,17 @@ class Property:
         """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
         return opts.with_(params=tuple(sorted({**dict(self.params), **dict(opts.params)}.items())))
 
+    def modes_for(self, modes: Sequence[Mode]) -> Tuple[Mode, ...]:
+        """The modes this property runs under ``modes``: its ``default_pair`` where it compares modes
+        and was given only one, else ``modes``."""
+        if self.compares_modes and len(modes) == 1 and self.default_pair is not None:
+            return tuple(self.default_pair(modes[0]))
+        return tuple(modes)
+
     def points(self, opts: Options) -> List[Point]:
         """The matrix in report order: world size, mode(s), model, layout, reduction, dtype."""
-        groups = [(opts.modes[0], other) for other in opts.modes[1:]] if self.compares_modes else \
-            [(m,) for m in opts.modes]
+        modes = self.modes_for(opts.modes)
+        groups = [(modes[0], other) for other in modes[1:]] if self.compares_modes else [(m,) for m in modes]
         axes = [(ws, modes, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
                 for red in opts.reductions or self.reductions for dtype in opts.dtypes or self.dtypes]
@@ -260,7 +272,7 @@ class Property:
 def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:
     """Why ``prop`` cannot run under ``modes`` (``None`` if it can): the one place the rule
     "a comparing property needs two or more modes" is written."""
-    if prop.compares_modes and len(modes) < 2:
+    if prop.compares_modes and len(prop.modes_for(modes)) < 2:
         return f"{prop.id} compares modes: it needs two or more --mode-env labels"
     return None
 

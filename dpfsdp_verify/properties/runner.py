@@ -20,7 +20,7 @@ from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, non_finite, poisson_problem
+from .compare import data_problem, non_finite, physical_problem, poisson_problem
 from .contract import Case, Options, Outputs, Property
 
 
@@ -50,12 +50,15 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       compare against the reference on other data. A Poisson run's samples are random: its ranks
       must have taken the same number of steps (else ``fail`` / ``step_divergence``, with each
       rank's step count and local batch sizes), drawn valid dataset indices, and no sample twice
-      within a step across ranks (else ``fail`` / ``mismatch``);
+      within a step across ranks (else ``fail`` / ``mismatch``); under gradient accumulation every
+      step says how it was split into physical passes, and the ranks ran equally many
+      (``compare.physical_problem``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
+            spec = mode.apply(spec)
             where = f" (mode {mode.label!r})" if len(case.modes) > 1 else ""
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
             if unsupported:
@@ -66,6 +69,7 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             else:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
+            found = found or physical_problem(spec, ranks)
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
@@ -110,8 +114,8 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     case in it gets the hang verdict, which says the cases ran together.
     """
     pool = pool or default_pool()
-    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, c.specs, i if c.isolate else None, c.deadline)
-                for m in c.modes] for i, c in enumerate(cases)]
+    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
+                     i if c.isolate else None, c.deadline) for m in c.modes] for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
     for r in unique:
