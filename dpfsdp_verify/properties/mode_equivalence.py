@@ -127,8 +127,8 @@ def _noise_problem(noised_a, clean_a, noised_b, clean_b, evidence) -> Tuple[Opti
                 f"(second mode / first, over {n} coordinates, z = {fmt(z)}): accumulation must add the noise once per "
                 "logical step with the same std (noise at every physical pass multiplies its variance by the number "
                 "of passes: more noise than the accountant assumes -- a utility loss; less is a privacy loss)"), ""
-    return None, (f"; with noise on, the modes drew different noise of the same std (ratio "
-                  f"{fmt(math.sqrt(vb / va))}, z = {fmt(z)}, {n} coordinates)")
+    return None, (f"; with noise on, the modes drew different noise whose std ratio {fmt(math.sqrt(vb / va))} "
+                  f"is within chance (|z| = {fmt(abs(z))} <= {NOISE_Z}, {n} coordinates)")
 
 
 def _who_matches(case: Case, sa, sb, step: int) -> str:

@@ -181,7 +181,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
-    if status == "hang" and progress.diverged(trails):
+    if status == "hang" and progress.diverged(trails) and not progress.passes_diverged(trails):
         diagnosis = "step_divergence"
         msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
                f"The rank with more steps waits forever in FSDP's next collective ({res.message}). Poisson "
@@ -189,6 +189,20 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "local batches (or ranks whose streams differ) gives the ranks different step counts.")
         evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
                          "local_batch_sizes": [t.sizes for t in trails]})
+    elif progress.diverged(trails) and any(t.accumulating for t in trails):
+        # gradient accumulation: passes, not only steps, must agree; a crash here is the same divergence
+        # (a pass's collectives met another kind of collective on a peer, e.g. a gradient gather)
+        diagnosis = "step_divergence"
+        outcome = ("the run hangs" if status == "hang" else "a rank crashed in a mismatched collective")
+        msg = (f"{lead}the ranks ran different numbers of logical steps or physical passes and {outcome}: "
+               f"{progress.describe(trails)}. Every physical pass is a full FSDP forward/backward, so passes that "
+               "differ pair their collectives across logical steps until one rank ends and the other waits "
+               f"forever ({res.message}). Gradient accumulation that splits each rank's own local batch "
+               "(opacus' BatchMemoryManager) gives ranks with more local samples more passes; the ranks must "
+               "agree on the pass count (e.g. the maximum, padding with empty passes).")
+        evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
+                         "local_batch_sizes": [t.sizes for t in trails],
+                         "physical_passes_per_step": [t.pass_counts for t in trails]})
     elif status == "hang":
         msg = (f"{lead}the target did not finish under the watchdog ({res.message}). A collective issued by "
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")

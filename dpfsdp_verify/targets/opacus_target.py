@@ -192,6 +192,8 @@ class OpacusTarget(Target):
             optimizer.step()
             if accumulating and getattr(optimizer, "_is_last_step_skipped", False):
                 continue  # a physical batch that is not the last of its logical batch
+            # the DP step is taken: what follows only reports it (its gathers are the suite's, not training's)
+            progress.step_finished(k)
             named = list(module.named_parameters())
             index = torch.cat([torch.as_tensor(i).reshape(-1) for i in index_parts])
             indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
@@ -200,7 +202,6 @@ class OpacusTarget(Target):
                 indices=indices, norms=norms, loss=self._step_loss(spec, losses),
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),
                 physical_batches=[n for _, n in losses] if accumulating else None))
-            progress.step_finished(k)
             k, index_parts, norm_parts, losses = k + 1, [], [], []
 
     @staticmethod

@@ -101,7 +101,8 @@ class Trail:
         if self.begun > self.finished:
             during = (f", during physical pass {self.pass_counts[-1]} of size {self.passes[-1][-1]}"
                       if self.passes and self.passes[-1] else "")
-            return (f"rank {rank} began step {self.begun} (local batch {self.sizes[-1]}) after {self.finished} "
+            size = self.sizes[-1] if self.given[-1] >= 0 else f">= {self.sizes[-1]}"  # passes so far
+            return (f"rank {rank} began step {self.begun} (local batch {size}) after {self.finished} "
                     f"finished step(s) and never finished it{during} (local batches {self.sizes}{self._passes()})")
         return (f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes}"
                 f"{self._passes()})")
@@ -146,12 +147,17 @@ def diverged(trails: List[Optional[Trail]]) -> bool:
 
 
 def passes_diverged(trails: List[Optional[Trail]]) -> bool:
-    """True when, in a step every rank finished, the ranks ran different numbers of physical passes
-    (a step still running on some rank may simply not have reached its last pass)."""
+    """True when some step's physical passes differ between ranks: ranks that finished the step
+    ran different numbers, or a rank still in the step has begun more passes than a rank that
+    finished it ran (a rank still in a step may simply not have reached its last pass yet)."""
     if any(t is None for t in trails) or len(trails) < 2 or not any(t.accumulating for t in trails):
         return False
-    done = min(t.finished for t in trails)
-    return any(len({t.pass_counts[k] for t in trails}) > 1 for k in range(done))
+    for k in range(max(t.begun for t in trails)):
+        done = {t.pass_counts[k] for t in trails if t.finished > k}
+        running = [t.pass_counts[k] for t in trails if t.finished <= k < t.begun]
+        if len(done) > 1 or (done and any(n > max(done) for n in running)):
+            return True
+    return False
 
 
 def describe(trails: List[Optional[Trail]]) -> str:
