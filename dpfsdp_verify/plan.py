@@ -47,6 +47,8 @@ class RunPlan:
     fuzz: int = 0
     #: ``None``: each property's own (float64, and float32 where the property runs it by default)
     dtypes: Optional[Tuple[str, ...]] = None
+    #: ``--physical-batch-size``: mode_equivalence's built-in pair (``None``: its default)
+    physical_batch_size: Optional[int] = None
 
     @property
     def info(self) -> Dict[str, str]:
@@ -59,7 +61,8 @@ class RunPlan:
 
         return Options(target=self.target, world_sizes=self.world_sizes, modes=self.modes or modes_mod.DEFAULT_MODES,
                        grad_sample_mode=self.grad_sample_mode, models=self.models, reductions=self.reductions,
-                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout)
+                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout,
+                       params=(("physical_batch_size", self.physical_batch_size),) if self.physical_batch_size else ())
 
     @classmethod
     def from_args(cls, args) -> "RunPlan":
@@ -111,6 +114,10 @@ class RunPlan:
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
         modes = parse_modes(args.mode_env)
+        p = getattr(args, "physical_batch_size", None)
+        if p is not None and p < 1:
+            raise UsageError(f"--physical-batch-size {p}: must be an integer >= 1 (samples per physical pass)",
+                             "e.g. --physical-batch-size 2")
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
@@ -123,7 +130,7 @@ class RunPlan:
         return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
                    modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
                    models=models, reductions=reductions, timeout=float(args.timeout), fuzz=args.fuzz,
-                   dtypes=dtypes)
+                   dtypes=dtypes, physical_batch_size=p)
 
 
 def parse_modes(items: List[str]) -> Tuple[Mode, ...]:

@@ -125,6 +125,9 @@ class Case:
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
         parts += modes_mod.cli_args(self.modes)
+        p = next((v for m in self.modes for k, v in m.spec if k == "physical_batch_size"), None)
+        if p:  # a built-in pair in physical batches (mode_equivalence)
+            parts += ["--physical-batch-size", str(p)]
         return " ".join(shlex.quote(p) for p in parts)
 
     def verdict(self, status: str, diagnosis: Optional[str] = None, message: str = "", evidence=None,
@@ -215,8 +218,9 @@ class Property:
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
     #: for a comparing property given one mode (no ``--mode-env``, or one): the two modes it compares
-    #: instead, built from that mode (``modes.Mode.spec`` changes under the same environment)
-    default_pair: Optional[Callable[[Mode], Tuple[Mode, Mode]]] = None
+    #: instead, built from that mode and the property's params (``modes.Mode.spec`` changes under
+    #: the same environment); raises ``ValueError`` for a param it cannot use
+    default_pair: Optional[Callable[[Mode, Dict[str, Any]], Tuple[Mode, Mode]]] = None
     fuzz: Optional[FuzzRecipe] = None
     #: for a property whose verdicts rest on random draws: the bound on the probability that a
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
@@ -236,22 +240,24 @@ class Property:
         if unknown:
             raise TypeError(f"{self.id}: unknown option(s) {', '.join(unknown)}; its own options: "
                             f"{', '.join(dict(self.params)) or 'none'}")
-        return self.with_defaults(opts)
+        opts = self.with_defaults(opts)
+        self.modes_for(opts.modes, opts.params)  # a param the built-in pair cannot use: ValueError now
+        return opts
 
     def with_defaults(self, opts: Options) -> Options:
         """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
         return opts.with_(params=tuple(sorted({**dict(self.params), **dict(opts.params)}.items())))
 
-    def modes_for(self, modes: Sequence[Mode]) -> Tuple[Mode, ...]:
-        """The modes this property runs under ``modes``: its ``default_pair`` where it compares modes
-        and was given only one, else ``modes``."""
+    def modes_for(self, modes: Sequence[Mode], params: Sequence[Tuple[str, Any]] = ()) -> Tuple[Mode, ...]:
+        """The modes this property runs under ``modes``: its ``default_pair`` (from ``params`` over
+        the property's defaults) where it compares modes and was given only one, else ``modes``."""
         if self.compares_modes and len(modes) == 1 and self.default_pair is not None:
-            return tuple(self.default_pair(modes[0]))
+            return tuple(self.default_pair(modes[0], {**dict(self.params), **dict(params)}))
         return tuple(modes)
 
     def points(self, opts: Options) -> List[Point]:
         """The matrix in report order: world size, mode(s), model, layout, reduction, dtype."""
-        modes = self.modes_for(opts.modes)
+        modes = self.modes_for(opts.modes, opts.params)
         groups = [(modes[0], other) for other in modes[1:]] if self.compares_modes else [(m,) for m in modes]
         axes = [(ws, modes, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts

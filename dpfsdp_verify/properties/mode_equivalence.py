@@ -11,8 +11,9 @@ which mode's norms match the float64 reference. A mode whose run hangs or crashe
 verdict (``hang``/``deadlock`` or ``error``/``rank_crash``), naming the mode.
 
 Without ``--mode-env`` (or with one) the pair is built in (``default_pair``): the same logical
-steps computed unsplit and in physical batches of ``PHYSICAL_BATCH`` samples (gradient
-accumulation, ``RunSpec.physical_batch_size``; local batches of 4, so two passes per step),
+steps computed unsplit and in physical batches of ``PHYSICAL_BATCH`` samples (the param
+``physical_batch_size``; gradient accumulation, ``RunSpec.physical_batch_size``; local batches of
+4, so two passes per step),
 under the same environment. Accumulation must not change the DP step: every sample clipped on
 its own in its pass, noise once per logical step, the ``"mean"`` divisor the expected logical
 batch. Norms, gradients and parameters are compared at noise 0 as above; a second run of one
@@ -44,12 +45,17 @@ PHYSICAL_BATCH = 2
 NOISE_Z = 4.89
 
 
-def default_pair(mode: Mode) -> Tuple[Mode, Mode]:
-    """Unsplit vs physical batches of ``PHYSICAL_BATCH``, under ``mode``'s environment."""
-    name = f"physical_batches_{PHYSICAL_BATCH}"
+def default_pair(mode: Mode, params: Dict) -> Tuple[Mode, Mode]:
+    """Unsplit vs physical batches of ``params["physical_batch_size"]`` (default ``PHYSICAL_BATCH``),
+    under ``mode``'s environment. ``ValueError`` for a physical batch that is not an int >= 1."""
+    p = params.get("physical_batch_size", PHYSICAL_BATCH)
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"mode_equivalence: physical_batch_size must be an int >= 1 (samples per physical "
+                         f"pass of the built-in pair), got {p!r}")
+    name = f"physical_batches_{p}"
     base = Mode(mode.label if mode.env else "unsplit", mode.env, mode.spec)
     split = Mode(f"{mode.label}+{name}" if mode.env else name, mode.env,
-                 tuple(sorted({**dict(mode.spec), "physical_batch_size": PHYSICAL_BATCH}.items())))
+                 tuple(sorted({**dict(mode.spec), "physical_batch_size": p}.items())))
     return base, split
 
 
@@ -152,7 +158,7 @@ PROPERTY = Property(
     meaning=("two modes that claim to be equivalent (e.g. deferred vs immediate norms) clip and update "
              "identically; otherwise at most one of them is the mechanism the privacy analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",),
-    compares_modes=True, default_pair=default_pair,
+    compares_modes=True, default_pair=default_pair, params=(("physical_batch_size", PHYSICAL_BATCH),),
     # like clipped_step, over 2 steps (state carried between steps is compared too)
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2), ("steps", STEPS),
                           ("reduction_values", ("mean",))), prepare=prepare))
