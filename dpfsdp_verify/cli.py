@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
     run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
-                     help="samples per physical pass in mode_equivalence's built-in pair (unsplit vs physical "
-                          "batches of P; default 2); used when no two --mode-env are given")
+                     help="gradient accumulation: mode_equivalence's built-in pair compares unsplit steps with "
+                          "physical batches of P (default 2), clipped_step computes its step in them")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")

@@ -112,6 +112,8 @@ class Case:
         if self.spec.poisson:
             sampling = dict(sampling="poisson", sample_rate=round(self.spec.sample_rate, 6),
                             dataset_size=self.spec.dataset_size, epochs=self.spec.epochs, seeding=self.spec.seeding)
+        if self.spec.physical_batch_size:  # accumulation adds a key; configs of other runs are unchanged
+            sampling["physical_batch_size"] = self.spec.physical_batch_size
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
@@ -125,8 +127,9 @@ class Case:
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
         parts += modes_mod.cli_args(self.modes)
-        p = next((v for m in self.modes for k, v in m.spec if k == "physical_batch_size"), None)
-        if p:  # a built-in pair in physical batches (mode_equivalence)
+        p = self.spec.physical_batch_size or next((v for m in self.modes for k, v in m.spec
+                                                   if k == "physical_batch_size"), None)
+        if p and self.labels.get("local_batches") is None:  # deadlock_free's scenarios fix their own p
             parts += ["--physical-batch-size", str(p)]
         return " ".join(shlex.quote(p) for p in parts)
 
