@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
     run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
-                     help="gradient accumulation: mode_equivalence's built-in pair compares unsplit steps with "
-                          "physical batches of P (default 2), clipped_step computes its step in them")
+                     help="gradient accumulation: the properties with the option physical_batch_size compute their "
+                          "steps in physical batches of at most P samples (the mode comparison's built-in pair: "
+                          "unsplit vs P, default 2)")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")

@@ -5,7 +5,7 @@ A fork's switches (``OPACUS_USE_DEFERRED_NORM=1``...) are process environment, s
 the one place that parses, validates and formats them (CLI, run plan, repro lines, fuzz replay).
 
 A mode may instead (or as well) change the ``RunSpec`` (``Mode.spec``): a comparing property's
-built-in pair needs no environment at all (``mode_equivalence`` compares a logical step computed
+built-in pair needs no environment at all (the mode comparison compares a logical step computed
 unsplit with the same step in physical batches -- gradient accumulation -- when no
 ``--mode-env`` is given). Such modes have no command-line form: the default run makes them.
 """

@@ -47,7 +47,7 @@ class RunPlan:
     fuzz: int = 0
     #: ``None``: each property's own (float64, and float32 where the property runs it by default)
     dtypes: Optional[Tuple[str, ...]] = None
-    #: ``--physical-batch-size``: mode_equivalence's built-in pair (``None``: its default)
+    #: ``--physical-batch-size``: the properties' option ``physical_batch_size`` (``None``: their defaults)
     physical_batch_size: Optional[int] = None
 
     @property
@@ -114,9 +114,9 @@ class RunPlan:
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
         modes = parse_modes(args.mode_env)
-        p = getattr(args, "physical_batch_size", None)
-        if p is not None and p < 1:
-            raise UsageError(f"--physical-batch-size {p}: must be an integer >= 1 (samples per physical pass)",
+        physical = getattr(args, "physical_batch_size", None)
+        if physical is not None and physical < 1:
+            raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
@@ -130,7 +130,7 @@ class RunPlan:
         return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
                    modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
                    models=models, reductions=reductions, timeout=float(args.timeout), fuzz=args.fuzz,
-                   dtypes=dtypes, physical_batch_size=p)
+                   dtypes=dtypes, physical_batch_size=physical)
 
 
 def parse_modes(items: List[str]) -> Tuple[Mode, ...]:
