@@ -3,6 +3,8 @@
     dpfsdp-verify run [--target opacus|MODULE:ATTR] [--grad-sample-mode ghost_fsdp]
         [--mode-env LABEL:VAR=VAL[,VAR=VAL]]... [--world-sizes 1,2] [--backend gloo|nccl]
         [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum] [--dtypes float64,float32]
+        [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
+        [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
         [--markdown PATH] [-q]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
@@ -28,12 +30,11 @@ from typing import List, Optional
 
 from .harness import DEFAULT_TIMEOUT_S
 from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size
+from .gate_io import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, VersionAction
+from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size, require_hypothesis
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING
-from .gate_io import EXIT_INTERNAL, VersionAction  # issue 14
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_WORLD_SIZES = "1,2"
 
 
@@ -58,7 +59,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dpfsdp-verify", description="Correctness and deadlock gate for DP training under FSDP.")
-    p.add_argument("--version", action=VersionAction)  # issue 14: + the opacus it would test
+    p.add_argument("--version", action=VersionAction)  # + the opacus it would test
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run the properties against a target and report verdicts")
     _target_args(run)
@@ -75,9 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtypes", default=None,
                      help="comma list of float64,float32,bfloat16 for every property (default: each property's "
                           "own: float64 everywhere, float32 too where the property runs it by default)")
+    run.add_argument("--sampling", default=None, metavar="fixed,poisson",
+                     help="comma list: how each step's batch is formed for every property on the sampling axis "
+                          "(fixed given batches; poisson: DP-SGD's own sampling, make_private's default). "
+                          "Default: each property's own (both for the DP-step properties)")
+    run.add_argument("--seeding", default=None, metavar="same,per_rank,unseeded",
+                     help="comma list of Poisson seeding policies: every rank seeds its sampler alike, "
+                          "seed + rank, or not at all (default: each property's own)")
+    run.add_argument("--sample-rate", type=float, default=None, metavar="Q",
+                     help="Poisson sample rate q in (0, 1] (default 0.25)")
+    run.add_argument("--dataset-size", type=int, default=None, metavar="N",
+                     help="Poisson dataset size, all ranks together (default 8 x world size)")
+    run.add_argument("--seed", type=int, default=None, metavar="S",
+                     help="the run's statistical seed (noise and sampling draws); default: a fresh random seed, "
+                          "printed at the start and in every repro line, so a failing run replays with --seed")
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
-    run.add_argument("--expect", metavar="FILE|NAME",  # issue 14: expectations (gate_io, expectations.py)
+    run.add_argument("--expect", metavar="FILE|NAME",
                      help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
     run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
@@ -147,22 +162,19 @@ def cmd_run(args) -> int:
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    expectations = gate_io.preflight(args)  # issue 14: opacus / hypothesis present, --expect file valid
     plan = RunPlan.from_args(args)
-    progress = Progress(args.quiet)
-    target = gate_io.describe_target(args.target, plan.info)  # issue 14: + which opacus was imported
-    if not args.quiet:
-        print(gate_io.banner(target, plan.backend, plan.world_sizes, plan.properties), file=sys.stderr, flush=True)
-    verdicts = run_plan(plan, progress=progress)
-    # issue 14: expectations, reports (--json - to stdout) and the exit code live in gate_io
-    return gate_io.finish(args, verdicts, target, plan.backend, expectations)
+    progress = Progress(plan.quiet)
+    target = gate_io.describe_target(plan.options.target, plan.info)
+    if not plan.quiet:
+        print(gate_io.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties),
+              file=sys.stderr, flush=True)
+        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr, flush=True)
+    return gate_io.finish(plan, run_plan(plan, progress=progress), target)
 
 
 def cmd_replay(args) -> int:
     """Re-run one fuzzed spec; prints its verdict; exit 1 if it fails."""
-    from .gate_io import require_hypothesis
-
-    require_hypothesis("replay")  # issue 14: hypothesis is the optional [fuzz] extra -> exit 2, not 3
+    require_hypothesis("replay")  # hypothesis is the optional [fuzz] extra: exit 2, not 3
     from .fuzz import check_example, format_failure, fuzzable_property, spec_from_json
     from .harness import Pool
 
@@ -179,9 +191,12 @@ def cmd_replay(args) -> int:
         raise UsageError(f"--spec: not a RunSpec in JSON ({e})", "copy it from the fuzz verdict's repro line") from None
     modes = parse_modes(args.mode_env)
     load_target_info(args.target)
+    from .properties import Options
+
+    opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
+                   backend=args.backend, timeout=args.timeout)
     with Pool() as pool:
-        v = check_example(args.property, args.target, spec, world_size, pool=pool, modes=modes, backend=args.backend,
-                          timeout=args.timeout)
+        v = check_example(args.property, opts, spec, world_size, pool=pool)
     print(format_failure(v) if v.status in FAILING else f"{v.property}: {v.status}: {v.message}")
     return EXIT_FAIL if v.status in FAILING else EXIT_OK
 
@@ -201,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
         return EXIT_USAGE
-    except Exception:  # issue 14: a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict
+    except Exception:  # a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict
         import traceback
 
         traceback.print_exc()

@@ -38,12 +38,54 @@ def run_cli(*args, cwd=REPO):
     (["run", "--physical-batch-size", "0"], "must be an integer >= 1"),
     (["run", "--json", "/no/such/dir/r.json"], "directory does not exist"),
     (["run", "--frobnicate"], "unrecognized arguments"),
+    (["run", "--sampling", "bernoulli"], "--sampling bernoulli: choose from fixed,poisson"),
+    (["run", "--seeding", "same,random"], "--seeding same,random: choose from same,per_rank,unseeded"),
+    (["run", "--sample-rate", "0"], "must be in (0, 1]"),
+    (["run", "--sample-rate", "1.5"], "must be in (0, 1]"),
+    (["run", "--dataset-size", "1", "--world-sizes", "2"], "smaller than the world size 2"),
+    (["run", "--dataset-size", "3", "--sample-rate", "0.1"], "expected batch int(q * dataset size)"),
+    (["run", "--seed", "-1"], "--seed -1: must be in"),
 ])
 def test_usage_errors_exit_2_with_one_line(capsys, args, says):
     assert cli.main(args) == cli.EXIT_USAGE
     err = capsys.readouterr().err.strip()
     assert says in err and err.startswith("dpfsdp-verify: error:") and "hint:" in err
     assert len(err.splitlines()) == 1
+
+
+def test_sampling_axis_selects_and_the_seed_replays(tmp_path):
+    """--sampling picks the DP-step properties' sampling; Poisson knobs reach the spec; a property
+    that runs under Poisson only is a skip that says why under --sampling fixed; --seed replays."""
+    from dpfsdp_verify.plan import RunPlan
+
+    plan = RunPlan.from_args(cli.build_parser().parse_args(
+        ["run", "--sampling", "poisson", "--seeding", "same,per_rank", "--sample-rate", "0.5", "--dataset-size", "6",
+         "--seed", "7"]))
+    opts = plan.options
+    assert (opts.samplings, opts.seedings, opts.sample_rate, opts.dataset_size, opts.seed) == \
+        (("poisson",), ("same", "per_rank"), 0.5, 6, 7)
+    points = PROPERTIES["clipped_step"].points(PROPERTIES["clipped_step"].with_defaults(opts))
+    assert {(p.sampling, p.seeding) for p in points} == {("poisson", "same"), ("poisson", "per_rank")}
+    spec = points[0].spec()
+    assert (spec.sampling, spec.sample_rate, spec.dataset_size, spec.expected_batch_size) == ("poisson", 0.5, 6, 3)
+    fixed = RunPlan.from_args(cli.build_parser().parse_args(["run", "--sampling", "fixed"])).options
+    v, = PROPERTIES["sampling_accounting"].plan(PROPERTIES["sampling_accounting"].with_defaults(fixed))
+    assert v.status == "skip" and "poisson sampling only" in v.message
+    seeds = {RunPlan.from_args(cli.build_parser().parse_args(["run"])).options.seed for _ in range(3)}
+    assert len(seeds) == 3  # a fresh seed per run
+    sel = ["run", "--properties", "noise_calibration", "--world-sizes", "1", "--loss-reductions", "mean",
+           "--sampling", "fixed", "--target", "fixtures.specimens:Correct", "-q"]
+    reports = []
+    for seed in ("12345", "12345", "54321"):
+        j = tmp_path / f"{len(reports)}.json"
+        assert run_cli(*sel, "--seed", seed, "--json", str(j)).returncode == 0
+        reports.append(json.loads(j.read_text()))
+    a, b, c = reports
+    assert a["seed"] == b["seed"] == 12345 and c["seed"] == 54321
+    ratio = [r["evidence"]["std_ratio"] for r in a["results"]]
+    assert ratio == [r["evidence"]["std_ratio"] for r in b["results"]]      # same seed: the same draws
+    assert ratio != [r["evidence"]["std_ratio"] for r in c["results"]]      # another seed: fresh draws
+    assert all("--seed 12345" in r["repro"] for r in a["results"])
 
 
 def test_nccl_without_gpus_is_a_usage_error(capsys):
@@ -82,22 +124,26 @@ def test_upstream_opacus_verdicts(tmp_path):
     assert report["target"]["opacus"]["path"] == os.path.dirname(opacus.__file__)
     assert f"[opacus {opacus.__version__} from {os.path.dirname(opacus.__file__)}]" in r.stderr
     verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"],
-                 v["config"]["dtype"]): (v["status"], v["diagnosis"]) for v in report["results"]}
-    assert len(verdicts) == len(report["results"]) == 24  # float64 and float32 by default for these two
+                 v["config"]["dtype"], v["config"].get("sampling", "fixed")): (v["status"], v["diagnosis"])
+                for v in report["results"]}
+    # float64 and float32 by default for these two; clipped_step under fixed and Poisson sampling
+    assert len(verdicts) == len(report["results"]) == 32
     for dtype in ("float64", "float32"):
         for ws in (1, 2):
             for layout in ("replicated", "split"):
                 for red in ("mean", "sum"):
-                    assert verdicts[("norm_fidelity", ws, layout, red, dtype)] == ("pass", None)
-        assert verdicts[("clipped_step", 1, "split", "mean", dtype)] == ("pass", None)
-        assert verdicts[("clipped_step", 1, "split", "sum", dtype)] == ("pass", None)
-        assert verdicts[("clipped_step", 2, "split", "mean", dtype)] == ("pass", None)
-        assert verdicts[("clipped_step", 2, "split", "sum", dtype)] == ("fail", "mismatch")
-    assert report["summary"] == {"pass": 22, "fail": 2, "hang": 0, "error": 0, "skip": 0, "expected": 0}
+                    assert verdicts[("norm_fidelity", ws, layout, red, dtype, "fixed")] == ("pass", None)
+        for sampling in ("fixed", "poisson"):
+            assert verdicts[("clipped_step", 1, "split", "mean", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", 1, "split", "sum", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", 2, "split", "mean", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
+    assert report["summary"] == {"pass": 28, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
+    assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
-    assert "2 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
+    assert "4 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
     suite = ET.parse(x).getroot().find("testsuite")
-    assert suite.get("tests") == "24" and suite.get("failures") == "2"
+    assert suite.get("tests") == "32" and suite.get("failures") == "4"
     assert "1/world_size" in suite.find("testcase/failure").text
     assert "clipped_step" in md.read_text()
 

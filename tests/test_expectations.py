@@ -22,6 +22,7 @@ from test_cli import run_cli
 SHIPPED = expectations.bundled()["opacus-1.6.0"]
 #: the cheapest gate selection that exercises the shipped clipped_step entry and a passing neighbour
 SELECTION = ["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "2", "--dtypes", "float64",
+             "--sampling", "fixed",
              "-q"]
 
 

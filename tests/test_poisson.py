@@ -236,6 +236,6 @@ def test_skipping_empty_local_batches_hangs_and_says_so_in_dp_terms(pool):
 def test_clipped_step_and_trajectory_under_poisson_on_the_correct_specimen(pool):
     for prop in ("clipped_step", "trajectory"):
         vs = PROPERTIES[prop](P + "PoissonCorrect", pool=pool, world_sizes=(1, 2), models=("mlp",),
-                              reductions=("mean", "sum"), sampling="poisson", timeout=60)
+                              reductions=("mean", "sum"), samplings=("poisson",), timeout=60)
         assert vs and all(v.config["sampling"] == "poisson" for v in vs)
         assert_all_pass(vs)

@@ -128,9 +128,9 @@ def test_clipped_step_and_trajectory_under_poisson_sampling(pool):
     # every rank stops after K steps, so the ranks stay in lock-step whatever the sampler does: the
     # DP step on the realised batch, normalised by opacus' expected batch int(q N), is exact
     assert_all_pass(run(pool, "clipped_step", world_sizes=(1, 2), models=("mlp",), reductions=("mean",),
-                        dtypes=("float64",), sampling="poisson"))
+                        dtypes=("float64",), samplings=("poisson",)))
     assert_all_pass(run(pool, "trajectory", world_sizes=(2,), models=("mlp",), reductions=("mean",),
-                        sampling="poisson"))
+                        samplings=("poisson",)))
 
 
 #: opacus 1.6.0, make_private(poisson_sampling=True) under FSDP: DistributedUniformWithReplacementSampler

@@ -8,13 +8,13 @@ influence than analysed).
 The clip bound C is set between the middle two reference norms of the global batch, so some
 samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. Split
 data by default (opacus defines the FSDP step for a ``DistributedSampler`` over the global data).
-With the option ``sampling="poisson"`` the step is one step of DP-SGD's own Poisson sampling
-(``compare.poisson_spec``): the reference recomputes it on the realised batch (the union of what
+Under Poisson sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own
+Poisson sampling: the reference recomputes it on the realised batch (the union of what
 the ranks drew) with the normalisation opacus defines for ``"mean"``, the expected batch size
 ``int(q * N)``, not the realised one. With the option ``physical_batch_size`` p (CLI
 ``--physical-batch-size``) the step is computed by gradient accumulation in physical passes of at
-most p samples (local batches of 4 and p = 3: two passes of 2, each smaller than p) and must still
-equal the unsplit reference step (noise 0). A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
+most p samples (fixed local batches of 4 and p = 3: two passes of 2, each smaller than p) and must
+still equal the unsplit reference step (noise 0). A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
 an uncapped clip coefficient, different norms) and says which one fits; the diagnosis is
 ``mismatch``.
 """
@@ -28,7 +28,7 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, max_rel_diff, pick_clip_bound, poisson_spec, processed_indices, reference_batch,
+from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
                       reference_grads, reference_model, rows, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
@@ -45,8 +45,6 @@ def prepare(spec: RunSpec) -> Prepared:
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=4 * point.world_size)
-    if point.param("sampling") == "poisson":
-        spec = poisson_spec(spec, point.world_size, steps=1)
     if point.param("physical_batch_size"):
         spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
     ready = prepare(spec)
@@ -142,6 +140,6 @@ PROPERTY = Property(
     meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    dtypes=("float64", "float32"), params=(("sampling", "fixed"), ("physical_batch_size", 0)),
+    dtypes=("float64", "float32"), samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

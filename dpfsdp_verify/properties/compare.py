@@ -178,16 +178,6 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     return None
 
 
-def poisson_spec(spec: RunSpec, world_size: int, steps: int) -> RunSpec:
-    """``spec`` under Poisson sampling as a property's ``sampling="poisson"`` option runs it: a
-    dataset of ``8 * world_size`` samples, local batch 2 over a DistributedSampler (opacus derives
-    q = 1/4, expected batch 2 * world_size), ``same`` seeding, the first ``steps`` steps of one
-    epoch. Every rank stops after ``steps`` steps, so the ranks stay in lock-step whatever the
-    sampler does; the reference recomputes each step on the realised batch."""
-    return spec.with_(sampling="poisson", dataset_size=8 * world_size, sample_rate=0.25, epochs=1, seeding="same",
-                      steps=steps)
-
-
 def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]
                     ) -> Optional[Tuple[str, str, dict]]:
     """What is wrong with a Poisson run's data, as ``(diagnosis, message, evidence)``, or ``None``.

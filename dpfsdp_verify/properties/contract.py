@@ -5,8 +5,8 @@ A property is one module that builds a ``Property``:
 * what it means: ``id``, ``meaning`` (one line, in DP terms), default ``models`` / ``layouts`` /
   ``reductions``, its own ``params`` (e.g. how many noise draws) with defaults;
 * which cases it runs: ``cases(point)`` for each ``Point`` of the options' matrix (world size x
-  mode x model x data layout x reduction x dtype) yields ``Case``s -- specs to run on the ranks -- or a
-  ready ``Verdict`` (a skip);
+  mode x model x data layout x reduction x dtype x sampling) yields ``Case``s -- specs to run on the
+  ranks -- or a ready ``Verdict`` (a skip);
 * how it judges: ``judge(case, outputs)`` -> ``Verdict`` from ``outputs[mode][spec][rank]``
   (``RankOutput``s). It is called only when every run of the case finished; a hang or a crash
   becomes the case's verdict in the runner (``runner.py``), never in a property;
@@ -19,6 +19,16 @@ frozen value instead of a dozen keywords) and ``runner.run_property``. A propert
 each other one) and needs at least two modes (``modes_problem``), unless it brings its own pair
 for a run given one mode (``Property.default_pair``: e.g. the same step unsplit vs in physical
 batches, ``RunSpec`` changes rather than environments).
+
+Sampling is an axis like the others: a property lists the samplings it runs under by default
+(``samplings``: ``fixed`` given batches, ``poisson`` DP-SGD's own sampling, under each of its
+``seedings``), and ``Point.spec`` builds the Poisson spec of a Poisson point, so every property on
+the axis runs on the DP default path without a code path of its own. ``samplings=None`` marks a
+property that draws its own sampling scenarios (``sampling_accounting``, ``deadlock_free``).
+
+Randomness: ``Options.seed`` is the run's statistical seed. A property whose verdicts rest on
+random draws derives every seed it uses from it (``Point.seed``), so each gate run (which picks a
+fresh seed and prints it) tests fresh randomness and ``--seed`` replays a run exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from .. import modes as modes_mod
 from ..harness import DEFAULT_TIMEOUT_S
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec
-from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE
+from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, SAMPLINGS, SEEDINGS
 from ..verdict import Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
@@ -55,6 +65,21 @@ class Options:
     backend: str = "gloo"
     timeout: float = DEFAULT_TIMEOUT_S
     params: Tuple[Tuple[str, Any], ...] = ()
+    #: ``fixed`` / ``poisson`` (``None``: each property's own); Poisson points run under each of
+    #: ``seedings`` (``None``: each property's own), with q = ``sample_rate`` over a dataset of
+    #: ``dataset_size`` samples (``None``: 0.25 and 8 x world size, ``POISSON_DEFAULTS``)
+    samplings: Optional[Tuple[str, ...]] = None
+    seedings: Optional[Tuple[str, ...]] = None
+    sample_rate: Optional[float] = None
+    dataset_size: Optional[int] = None
+    #: the run's statistical seed (module docstring)
+    seed: int = 0
+
+    def __post_init__(self):
+        problem = sampling_problem(self.samplings, self.seedings, self.sample_rate, self.dataset_size,
+                                   max(self.world_sizes or (1,)))
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def build(cls, target: str, **kw) -> "Options":
@@ -62,7 +87,7 @@ class Options:
         fields go to ``params`` (``Property.options`` refuses those the property does not take)."""
         known = {f.name for f in fields(cls)}
         params = {k: kw.pop(k) for k in list(kw) if k not in known}
-        for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes"):
+        for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes", "samplings", "seedings"):
             if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
@@ -99,6 +124,8 @@ class Case:
     deadline: Optional[float] = None
     #: wall time of the job(s) this case ran in, shared out among the cases of a job
     seconds: float = 0.0
+    #: the run's statistical seed (``Options.seed``), for the repro line
+    seed: int = 0
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
@@ -126,6 +153,13 @@ class Case:
                  "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
+        spec = self.spec
+        parts += ["--sampling", spec.sampling]
+        if spec.poisson:
+            parts += ["--seeding", spec.seeding, "--sample-rate", repr(spec.sample_rate),
+                      "--dataset-size", str(spec.dataset_size)]
+        if self.seed:
+            parts += ["--seed", str(self.seed)]
         parts += modes_mod.cli_args(self.modes)
         p = self.spec.physical_batch_size or next((v for m in self.modes for k, v in m.spec
                                                    if k == "physical_batch_size"), None)
@@ -154,16 +188,35 @@ class Point:
     dtype: str = "float64"
     #: how many points the property's matrix has (e.g. to share a false-alarm budget among them)
     matrix_size: int = 1
+    sampling: str = "fixed"
+    #: the Poisson seeding policy of a ``poisson`` point (``None`` for ``fixed``)
+    seeding: Optional[str] = None
 
     def spec(self, **fields_) -> RunSpec:
-        """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``."""
+        """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``.
+        At a ``poisson`` point (unless ``fields_`` names ``sampling``) the spec is DP-SGD's own
+        sampling: q and the dataset size from the options (``POISSON_DEFAULTS`` otherwise), the
+        point's seeding, one epoch, ``steps`` as given (default 1), the sampling seed from the run's
+        seed. Every rank stops after ``steps`` steps, so the ranks stay in lock-step whatever the
+        sampler does (a property that needs the whole epoch sets ``steps=0``)."""
+        if self.sampling == "poisson" and "sampling" not in fields_:
+            q, per_rank = POISSON_DEFAULTS
+            fields_ = {"steps": 1, **fields_, "sampling": "poisson",
+                       "sample_rate": self.options.sample_rate or q,
+                       "dataset_size": self.options.dataset_size or per_rank * self.world_size,
+                       "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.seed(0)}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
                        dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, **fields_)
 
     def case(self, spec: RunSpec, specs: Sequence[RunSpec] = (), **kw) -> Case:
         """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
         return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
-                    self.options.backend, **kw)
+                    self.options.backend, seed=self.options.seed, **kw)
+
+    def seed(self, base: int) -> int:
+        """The seed a random stream whose fixed seed would be ``base`` takes in this run
+        (``Options.seed``): ``base`` itself at run seed 0, unrelated seeds for other run seeds."""
+        return (base + self.options.seed * 1_000_003) % (2 ** 31)
 
     def first_of_axes(self, models: Sequence[str], reductions: Sequence[str], dtypes: Sequence[str]) -> bool:
         """Whether this is the first point of its world size and mode(s) along the model, reduction
@@ -218,6 +271,11 @@ class Property:
     dtypes: Tuple[str, ...] = ("float64",)
     #: property-specific options and their defaults (``Options.params``)
     params: Tuple[Tuple[str, Any], ...] = ()
+    #: samplings the property runs under (module docstring); the options' ``samplings`` select
+    #: among them. ``None``: it draws its own sampling scenarios and is not on the axis
+    samplings: Optional[Tuple[str, ...]] = ("fixed",)
+    #: Poisson seeding policies its Poisson points run under unless the options name others
+    seedings: Tuple[str, ...] = ("same",)
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
     #: for a comparing property given one mode (no ``--mode-env``, or one): the two modes it compares
@@ -251,6 +309,14 @@ class Property:
         """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
         return opts.with_(params=tuple(sorted({**dict(self.params), **dict(opts.params)}.items())))
 
+    def sampling_points(self, opts: Options) -> List[Tuple[str, Optional[str]]]:
+        """``(sampling, seeding)`` pairs this property runs under for ``opts`` (``[("fixed", None)]``
+        for a property off the axis)."""
+        if self.samplings is None:
+            return [("fixed", None)]
+        return [(s, seeding) for s in self.samplings if opts.samplings is None or s in opts.samplings
+                for seeding in ((opts.seedings or self.seedings) if s == "poisson" else (None,))]
+
     def modes_for(self, modes: Sequence[Mode], params: Sequence[Tuple[str, Any]] = ()) -> Tuple[Mode, ...]:
         """The modes this property runs under ``modes``: its ``default_pair`` (from ``params`` over
         the property's defaults) where it compares modes and was given only one, else ``modes``."""
@@ -258,24 +324,70 @@ class Property:
             return tuple(self.default_pair(modes[0], {**dict(self.params), **dict(params)}))
         return tuple(modes)
 
+    def mode_groups(self, modes: Sequence[Mode], params: Sequence[Tuple[str, Any]] = ()) -> List[Tuple[Mode, ...]]:
+        """The modes each point (or fuzz run) runs under: each mode alone, or for a property that
+        compares modes the first mode with each other one (its ``default_pair`` when given one
+        mode; none if it has no pair)."""
+        modes = self.modes_for(modes, params)
+        if self.compares_modes:
+            return [(modes[0], other) for other in modes[1:]]
+        return [(m,) for m in modes]
+
     def points(self, opts: Options) -> List[Point]:
-        """The matrix in report order: world size, mode(s), model, layout, reduction, dtype."""
-        modes = self.modes_for(opts.modes, opts.params)
-        groups = [(modes[0], other) for other in modes[1:]] if self.compares_modes else [(m,) for m in modes]
-        axes = [(ws, modes, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
+        """The matrix in report order: world size, mode(s), sampling, model, layout, reduction, dtype."""
+        groups = self.mode_groups(opts.modes, opts.params)
+        axes = [(ws, modes, sampling, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
+                for sampling in self.sampling_points(opts)
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
                 for red in opts.reductions or self.reductions for dtype in opts.dtypes or self.dtypes]
-        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes))
-                for ws, modes, model, layout, red, dtype in axes]
+        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding)
+                for ws, modes, (sampling, seeding), model, layout, red, dtype in axes]
 
     def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """Every case (or ready verdict) for ``opts``, in report order."""
         problem = modes_problem(self, opts.modes)
         if problem:
-            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
-                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode},
-                            message=f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+            return [self.skip(opts, f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+        if not self.sampling_points(opts):
+            return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
+                                    f"selected sampling is {','.join(opts.samplings or ())}",
+                              sampling=",".join(opts.samplings or ()))]
         return [item for point in self.points(opts) for item in self.cases(point)]
+
+    def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
+        """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own
+        selection makes inapplicable is a skip)."""
+        return Verdict(self.id, "skip", {"world_size": world_size, "data_layout": None, "model": None,
+                                         "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
+                                         **config}, message=message)
+
+
+#: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
+#: DistributedSampler (opacus derives q = 1/4; expected batch 2 x world size)
+POISSON_DEFAULTS = (0.25, 8)
+
+
+def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:
+    """Why these sampling options cannot run (``None`` if they can): the one place the rules are
+    written (the CLI turns the answer into exit 2, the API into ``ValueError``)."""
+    for name, given, allowed in (("sampling", samplings, SAMPLINGS), ("seeding", seedings, SEEDINGS)):
+        if given is not None and (not given or any(g not in allowed for g in given)):
+            return f"{name} {','.join(given) or '(none)'}: choose from {','.join(allowed)}"
+    if sample_rate is not None and not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
+        return f"sample rate {sample_rate!r}: must be in (0, 1]"
+    if dataset_size is not None:
+        if not isinstance(dataset_size, int) or dataset_size < 1:
+            return f"dataset size {dataset_size!r}: must be an integer >= 1"
+        if dataset_size < world_size:
+            return f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own no sample"
+        q = sample_rate or POISSON_DEFAULTS[0]
+        if int(q * dataset_size) < 1:
+            return (f"expected batch int(q * dataset size) = int({q} * {dataset_size}) is 0 (opacus would divide by "
+                    "zero): raise the sample rate or the dataset size")
+    elif sample_rate is not None and int(sample_rate * POISSON_DEFAULTS[1]) < 1:
+        return (f"sample rate {sample_rate}: the default dataset ({POISSON_DEFAULTS[1]} samples per rank) gives an "
+                "expected batch of 0; give --dataset-size too")
+    return None
 
 
 def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:

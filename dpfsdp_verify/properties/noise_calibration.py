@@ -83,7 +83,7 @@ def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
 def cases(point: Point):
     model_kwargs = MLP_DIMS if point.model == "mlp" else ()
     spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-                      noise_seed=point.param("noise_seed"), lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
+                      noise_seed=point.seed(point.param("noise_seed")), lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
     shapes = {n: p.shape for n, p in reference_model(spec).named_parameters()}
     alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, point.world_size)
     big = [math.prod(s) for s in shapes.values() if math.prod(s) >= POWER_MIN_NUMEL]

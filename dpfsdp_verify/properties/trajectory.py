@@ -6,8 +6,8 @@ trains a different model than the one whose noise and clipping were accounted fo
 
 Noise 0, C between the middle two step-0 reference norms (clipping active), plain SGD; the batch
 loss before each step (reconstructed from the ranks' local losses) and the final parameters are
-compared with ``reference.dp_sgd_trajectory``. Option ``sampling="poisson"``: the K steps are
-the first K of a Poisson epoch (``compare.poisson_spec``), each step's reference batch the union
+compared with ``reference.dp_sgd_trajectory``. Under Poisson sampling the K steps are
+the first K of a Poisson epoch (``Point.spec``), each step's reference batch the union
 of what the ranks drew, normalised by opacus' expected batch size. Diagnosis ``mismatch``; the message names the
 first step whose loss drifts.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, poisson_spec, processed_indices,
+from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices,
                       reference_batch, reference_model, tensors_close, tolerance)
 from .contract import Case, Outputs, Point, Property
 
@@ -26,8 +26,6 @@ STEPS = 3
 def cases(point: Point):
     steps = point.param("steps")
     spec = point.spec(steps=steps, global_batch_size=4 * point.world_size, lr=0.5)
-    if point.param("sampling") == "poisson":
-        spec = poisson_spec(spec, point.world_size, steps=steps)
     yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=f"{steps} DP steps")
 
 
@@ -68,4 +66,4 @@ PROPERTY = Property(
     meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
              "on one process: the model the DP analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    params=(("steps", STEPS), ("sampling", "fixed")))
+    params=(("steps", STEPS),), samplings=("fixed", "poisson"))
