@@ -139,7 +139,7 @@ def test_physical_batch_divisor_fails_mode_equivalence_and_clipped_step(pool):
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 2
     assert all("gradients differ at step 0" in v.message for v in vs)
     cs = run(pool, "clipped_step", A + "PhysicalBatchDivisor", world_sizes=(2,), models=("mlp",),
-             reductions=("mean",), physical_batch_size=3)
+             reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     [v] = cs
     assert (v.status, v.diagnosis) == ("fail", "mismatch")
     assert "normalised by the physical batch, not the expected logical batch" in v.message, v.message
@@ -151,7 +151,7 @@ def test_clipping_the_summed_pass_fails_mode_equivalence_and_clipped_step(pool):
     [v] = vs
     assert (v.status, v.diagnosis) == ("fail", "mismatch") and "gradients differ at step 0" in v.message
     [v] = run(pool, "clipped_step", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",),
-              reductions=("mean",), physical_batch_size=3)
+              reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
 
 
@@ -214,5 +214,8 @@ def test_upstream_mode_equivalence_default_pair_and_accumulated_step(pool):
     vs = run(pool, "mode_equivalence", "opacus", world_sizes=(1, 2))
     assert_all_pass(vs)
     assert len(vs) == 4 and all("released the same noise draw" in v.message for v in vs)
-    assert_all_pass(run(pool, "clipped_step", "opacus", world_sizes=(1, 2), models=("mlp",), reductions=("mean",),
-                        physical_batch_size=3))
+    # fixed batches, and Poisson sampling with 'same' seeding (the ranks' local batches agree)
+    vs = run(pool, "clipped_step", "opacus", world_sizes=(1, 2), models=("mlp",), reductions=("mean",),
+             physical_batch_size=3)
+    assert_all_pass(vs)
+    assert {v.config.get("sampling", "fixed") for v in vs} == {"fixed", "poisson"}
