@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--expect", metavar="FILE|NAME",
                      help="known failures (TOML, see docs/gate.md): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
+    run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
+                     help="gradient accumulation: the properties with the option physical_batch_size compute their "
+                          "steps in physical batches of at most P samples (the mode comparison's built-in pair: "
+                          "unsplit vs P, default 2)")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")

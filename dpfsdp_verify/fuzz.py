@@ -87,7 +87,7 @@ def check_example(property_id: str, opts: Options, spec: RunSpec, world_size: in
     spec it cannot use is a ``skip``). ``modes`` (default: the options' first mode group) holds one
     mode, or two for a property that compares modes (the first is compared with the second)."""
     prop = fuzzable_property(property_id)
-    modes = tuple(modes) or prop.mode_groups(opts.modes)[0]
+    modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
     # one switch of the thread count per example, not two: a switch and back costs ~0.35 ms (measured)
     with _one_thread():
         ready = prop.fuzz.prepare(spec)
@@ -259,7 +259,7 @@ def fuzz_options(property_id: str, opts: Options, n_examples: int, *, pool: Opti
     (ascending) and mode groups (``Property.mode_groups``): one verdict each. ``pool=None`` uses a
     private pool closed at the end."""
     prop = fuzzable_property(property_id)
-    groups = prop.mode_groups(opts.modes)
+    groups = prop.mode_groups(opts.modes, opts.params)
     own = pool is None
     pool = pool or Pool()
     verdicts: List[Verdict] = []

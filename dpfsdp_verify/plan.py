@@ -78,6 +78,10 @@ class RunPlan:
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
         modes = parse_modes(args.mode_env)
+        physical = getattr(args, "physical_batch_size", None)  # gradient accumulation: the properties' option
+        if physical is not None and physical < 1:
+            raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
+                             "e.g. --physical-batch-size 2")
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
@@ -91,7 +95,8 @@ class RunPlan:
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
-                          **parse_axes(args), **parse_sampling(args, world_sizes[-1]))
+                          **parse_axes(args), **parse_sampling(args, world_sizes[-1]),
+                          params=(("physical_batch_size", physical),) if physical else ())
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    expectations=expectations, reports=reports, quiet=args.quiet)
 

@@ -35,7 +35,7 @@ def run_cli(*args, cwd=REPO):
     (["run", "--models", "resnet"], "unknown model resnet"),
     (["run", "--loss-reductions", "max"], "choose from mean,sum"),
     (["run", "--timeout", "0"], "must be > 0"),
-    (["run", "--properties", "mode_equivalence"], "needs two or more --mode-env"),
+    (["run", "--physical-batch-size", "0"], "must be an integer >= 1"),
     (["run", "--json", "/no/such/dir/r.json"], "directory does not exist"),
     (["run", "--frobnicate"], "unrecognized arguments"),
     (["run", "--sampling", "bernoulli"], "--sampling bernoulli: choose from fixed,poisson"),

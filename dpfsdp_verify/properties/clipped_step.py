@@ -11,7 +11,10 @@ data by default (opacus defines the FSDP step for a ``DistributedSampler`` over 
 Under Poisson sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own
 Poisson sampling: the reference recomputes it on the realised batch (the union of what
 the ranks drew) with the normalisation opacus defines for ``"mean"``, the expected batch size
-``int(q * N)``, not the realised one. A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
+``int(q * N)``, not the realised one. With the option ``physical_batch_size`` p (CLI
+``--physical-batch-size``) the step is computed by gradient accumulation in physical passes of at
+most p samples (fixed local batches of 4 and p = 3: two passes of 2, each smaller than p) and must
+still equal the unsplit reference step (noise 0). A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
 an uncapped clip coefficient, different norms) and says which one fits; the diagnosis is
 ``mismatch``.
 """
@@ -42,6 +45,8 @@ def prepare(spec: RunSpec) -> Prepared:
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=4 * point.world_size)
+    if point.param("physical_batch_size"):
+        spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
     ready = prepare(spec)
     case = point.case(ready if isinstance(ready, RunSpec) else spec, doing="one DP step with noise 0")
     yield case.verdict("skip", None, ready) if isinstance(ready, str) else case
@@ -108,6 +113,11 @@ def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> s
                    "noise is relatively N times too large (utility loss)")
         elif ws > 1 and abs(k - ws) < FIT_RTOL * ws:
             why = " = world_size: the gradient is summed over ranks where it should be averaged"
+        elif spec.physical_batch_size and abs(k * spec.physical_batch_size * ws - spec.expected_batch_size) < \
+                FIT_RTOL * spec.expected_batch_size:
+            why = (f" = expected batch {spec.expected_batch_size} / ({spec.physical_batch_size} x {ws}): the step is "
+                   "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
+                   "scaled alike: not the DP-SGD step the accounting describes)")
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
     # clip coefficients without min(1, .)
     grads = rows(reference_grads(spec), indices)
@@ -132,6 +142,6 @@ PROPERTY = Property(
     meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    dtypes=("float64", "float32"), samplings=("fixed", "poisson"),
+    dtypes=("float64", "float32"), samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

@@ -321,6 +321,40 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     return None
 
 
+def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with the physical passes the ranks report under gradient accumulation
+    (``spec.physical_batch_size`` p > 0), as ``(diagnosis, message, evidence)``, or ``None``: each
+    step must say how it was split (a target that ignores p would run unsplit and pass every
+    comparison), every pass must hold at most p samples and the passes all of the step's samples
+    (``mismatch``), and the ranks must run equally many passes per step (``step_divergence``: under
+    FSDP every pass joins collectives)."""
+    p = spec.physical_batch_size
+    if not p:
+        return None
+    counts = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]
+    evidence = {"physical_passes_per_step": counts}
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            sizes = s.physical_batches
+            if not sizes:
+                return ("mismatch", f"rank {o.rank}, step {k}: no physical passes reported for physical_batch_size={p} "
+                        "(StepOutput.physical_batches): does the target implement gradient accumulation?", evidence)
+            if max(sizes) > p or sum(sizes) != len(s.indices):
+                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local batch "
+                        f"of {len(s.indices)} with physical_batch_size={p}: each pass must hold at most p samples and "
+                        "the passes together exactly the step's samples", evidence)
+    steps = min((len(c) for c in counts), default=0)
+    for k in range(steps):
+        per_rank = [c[k] for c in counts]
+        if len(set(per_rank)) > 1:
+            return ("step_divergence", (
+                f"step {k}: the ranks ran different numbers of physical passes "
+                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(per_rank))}; passes per step {counts}). "
+                "Under FSDP every pass joins collectives: passes that differ pair across logical steps and the "
+                "rank with more passes waits forever at the end"), evidence)
+    return None
+
+
 def fmt(x: float) -> str:
     return f"{x:.3g}"
 

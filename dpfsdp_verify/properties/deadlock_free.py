@@ -25,6 +25,17 @@ ranks took different numbers of steps is ``hang`` / ``step_divergence``, told in
 ranks' progress trails ("rank 0 ended its run after 5 step(s); rank 1 began step 6 ... and never
 finished it") plus the harness's account of the collective it waits in. These cases run under a
 short watchdog (``POISSON_DEADLINE_S``): a correct run takes well under a second.
+
+Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
+``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
+local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
+steps) and ``poisson_per_rank_accum`` (the ``poisson_per_rank`` scenario, ``ACCUM_EPOCHS``
+epoch(s)). Every physical pass is a full FSDP forward/backward, so ranks that run different numbers
+of passes pair their collectives across logical steps (same shapes: no error) until one rank
+ends and the other waits forever: ``hang`` / ``step_divergence``, the message giving each rank's
+logical steps and physical passes per step. A correct implementation has the ranks agree on the
+pass count (e.g. the maximum, padding with empty passes). Their watchdog is ``ACCUM_DEADLINE_S``
+(never more than the run's ``timeout``: the runner takes the smaller).
 """
 
 from __future__ import annotations
@@ -41,6 +52,15 @@ POISSON_DEADLINE_S = 10.0
 POISSON_SEEDINGS = ("same", "per_rank", "unseeded")
 #: the Poisson scenarios run unless ``local_batches`` names others
 POISSON_DEFAULT = ("poisson_same", "poisson_per_rank")
+#: physical batch of the accumulation scenarios: one sample per pass
+ACCUM_P = 1
+ACCUM_EPOCHS = 1
+#: watchdog for an accumulation scenario (a correct one: ~1 s on 2 loaded cores)
+ACCUM_DEADLINE_S = 6.0
+ACCUM_SCENARIOS = ("uneven_accum", "poisson_per_rank_accum")
+#: the accumulation scenarios run unless ``local_batches`` names others (on a target that diverges each
+#: costs a worker-group restart: the divergence ends in a crash at the suite's gather, or a hang)
+ACCUM_DEFAULT = ACCUM_SCENARIOS
 
 def scenarios(ws: int) -> Dict[str, tuple]:
     """``{name: split}`` where ``split[r]`` lists rank r's global indices (same split every step)."""
@@ -89,10 +109,36 @@ def cases(point: Point):
             yield point.case(spec, labels={"local_batches": name}, doing=(
                 f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
                 f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
+        yield from accum_cases(point, only)
     yield from last
 
 
+def accum_cases(point: Point, only):
+    """The gradient-accumulation scenarios (module docstring) named in ``only`` (``None``: all)."""
+    for name in ACCUM_SCENARIOS:
+        if name not in (ACCUM_DEFAULT if only is None else only):
+            continue
+        if name == "uneven_accum":
+            split = scenarios(point.world_size)["uneven"]
+            spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                              rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P)
+            what = f"uneven local batches {[len(s) for s in split]}"
+        else:
+            spec = poisson_spec(point, "per_rank").with_(epochs=ACCUM_EPOCHS, physical_batch_size=ACCUM_P)
+            what = (f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {ACCUM_EPOCHS} "
+                    f"epoch(s), seeding 'per_rank'")
+        yield point.case(spec, labels={"local_batches": name}, isolate=True, deadline=ACCUM_DEADLINE_S,
+                         doing=f"{what}, gradient accumulation in physical batches of {ACCUM_P}")
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
+    if case.spec.physical_batch_size:
+        outputs = runs[0][0]
+        passes = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]
+        return case.verdict("pass", None, (
+            f"{case.doing}: every rank took {len(outputs[0].steps)} logical step(s) with the same physical passes per "
+            f"step {passes[0]} (local batch sizes {[[len(s.indices) for s in o.steps] for o in outputs]}) and "
+            "finished"), {"step_counts": [len(o.steps) for o in outputs], "physical_passes_per_step": passes})
     if case.spec.poisson:
         outputs = runs[0][0]
         sizes = [[len(s.indices) for s in o.steps] for o in outputs]

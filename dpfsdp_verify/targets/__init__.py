@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import List, Optional, Sequence
 
-from .base import DATA_LAYOUTS, RankOutput, Refused, RunSpec, StepOutput, Target
+from .base import DATA_LAYOUTS, FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
 
 ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
 BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
@@ -104,7 +104,10 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
         out = []
         for s in specs:
             progress.run_begun(s.task)
-            if s.task == "sample":
+            missing = unsupported_feature(target, s)
+            if missing:
+                out.append(RankOutput(rank, world_size, unsupported=missing))
+            elif s.task == "sample":
                 out.append(_sample_on_rank(target, s, rank, world_size))
             else:
                 try:
@@ -117,6 +120,17 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
         progress.close_sink()
 
 
+def unsupported_feature(target: Target, spec: RunSpec) -> Optional[str]:
+    """Why ``target`` cannot run ``spec`` (a feature it does not declare in ``Target.features``),
+    or ``None``. An adapter that predates a feature would ignore the field and run without it: it
+    is told so instead."""
+    if spec.physical_batch_size and FEATURE_PHYSICAL_BATCHES not in tuple(getattr(target, "features", ())):
+        return (f"target {getattr(target, 'name', '?')!r} does not declare gradient accumulation "
+                f"(RunSpec.physical_batch_size={spec.physical_batch_size}; add {FEATURE_PHYSICAL_BATCHES!r} to "
+                "Target.features once run() computes each logical step in physical passes)")
+    return None
+
+
 def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -> RankOutput:
     if type(target).sample_batches is Target.sample_batches:
         return RankOutput(rank, world_size, unsupported=f"target {getattr(target, 'name', '?')!r} does not "
@@ -126,5 +140,6 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
     return RankOutput(rank, world_size, steps=steps)
 
 
-__all__ = ["DATA_LAYOUTS", "RankOutput", "Refused", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
+__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "unsupported_feature", "RankOutput", "Refused", "RunSpec",
+           "StepOutput", "Target", "TargetLoadError", "load_target",
            "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]

@@ -32,10 +32,26 @@ says (``same``: ``torch.manual_seed(sampling_seed)`` on every rank; ``per_rank``
 drew* (read back from the data), and the normalisation under ``"mean"`` is
 ``spec.expected_batch_size`` (opacus: ``int(q * dataset_size)``), never the realised batch size.
 
+Physical batches (gradient accumulation, ``spec.physical_batch_size`` p > 0; 0 = none): each
+logical step above is computed in *physical passes* of at most p samples each (a forward and a
+backward per pass, as a user with limited memory trains) and ends in ONE optimizer step: every
+sample clipped on its own in its pass, the clipped gradients summed over the passes, noise added
+once per logical step, the ``"mean"`` divisor the expected *logical* batch, never p. Poisson runs
+use the target's own accumulation machinery as a user runs it (opacus:
+``BatchMemoryManager(max_physical_batch_size=p)``); fixed batches take ``ceil(local / p)`` passes
+(the same machinery where there is one). Under FSDP each pass joins collectives, so a correct
+implementation keeps every rank at the same number of passes per step (e.g. agrees on the
+maximum and pads with empty passes). A target reports each step's pass sizes in
+``StepOutput.physical_batches`` and calls ``progress.pass_begun`` per pass; a target that cannot
+accumulate leaves ``"physical_batches"`` out of ``Target.features`` and is told so in a verdict
+(``RankOutput.unsupported``), never silently run unsplit.
+
 Progress (for hang reports): a target calls ``progress.step_begun(k, local_batch_size)`` and
-``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step; the calls
-append one line to a per-rank file the parent reads after a hang, so a hang is told in DP terms
-("rank 0 ended its epoch after 3 steps, rank 1 began step 4"). They are no-ops outside a job.
+``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step, and
+``progress.pass_begun(k, j, size)`` before each physical pass; the calls append one line to a
+per-rank file the parent reads after a hang, so a hang is told in DP terms ("rank 0 ended its
+epoch after 3 steps, rank 1 began step 4", with each step's physical passes). They are no-ops
+outside a job.
 
 Sampling without training: ``Target.sample_batches(spec)`` (optional) returns, on each rank, the
 dataset indices this rank's data pipeline draws at each step of a ``poisson`` spec, built
@@ -78,6 +94,9 @@ DATA_LAYOUTS = ("replicated", "split")
 SAMPLINGS = ("fixed", "poisson")
 #: how a Poisson run's random source is seeded on the ranks (see module docstring)
 SEEDINGS = ("same", "per_rank", "unseeded")
+#: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
+#: is answered ``RankOutput.unsupported``, a failing verdict that says so)
+FEATURE_PHYSICAL_BATCHES = "physical_batches"
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
@@ -118,8 +137,15 @@ class RunSpec:
     sampling_seed: int = 0
     #: what the ranks are asked for: ``train`` (``Target.run``) or ``sample`` (``Target.sample_batches``)
     task: str = "train"
+    #: p: gradient accumulation in physical passes of at most p samples per logical step (module
+    #: docstring); 0 = no accumulation (one pass per step)
+    physical_batch_size: int = 0
 
     def __post_init__(self):
+        p = self.physical_batch_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"physical_batch_size must be an int >= 0 (0: no gradient accumulation; p > 0: "
+                             f"physical batches of at most p samples), got {p!r}")
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"unknown sampling {self.sampling!r}; choose one of {', '.join(SAMPLINGS)}")
         if self.task not in ("train", "sample"):
@@ -219,6 +245,9 @@ class StepOutput:
     loss: float
     gradient: Dict[str, torch.Tensor] = field(default_factory=dict)
     parameters: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: sizes of the physical passes this logical step was computed in (``physical_batch_size`` > 0),
+    #: in order, empty passes included; ``None``: one pass (no accumulation) or not reported
+    physical_batches: Optional[List[int]] = None
 
 
 @dataclass
@@ -246,6 +275,10 @@ class Target:
     """Base class of adapters. Subclasses set ``name`` and implement ``run``."""
 
     name: str = "target"
+    #: optional ``RunSpec`` features this target implements (``FEATURE_PHYSICAL_BATCHES``); a
+    #: third-party adapter written before a feature existed declares none and is told so in a
+    #: verdict instead of being run without it
+    features: tuple = ()
 
     def version(self) -> str:
         return "unknown"

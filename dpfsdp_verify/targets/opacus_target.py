@@ -36,6 +36,14 @@ group``); a module called twice trips ghost clipping's own guard in the first fo
 at the same point, and are reported as ``targets.Refused`` with upstream's message (verdict
 ``fail`` / ``refused``), not as a crash. Any other exception stays a crash.
 
+Gradient accumulation (``spec.physical_batch_size`` p > 0) is opacus' own, as a user runs it:
+``with BatchMemoryManager(data_loader=loader, max_physical_batch_size=p, optimizer=optimizer)``,
+one forward/backward and ``optimizer.step()`` per physical batch; the optimizer takes the real
+step only after the last physical batch of a logical one (``BatchSplittingSampler`` signals the
+others as skipped). The same wrapper splits fixed batches (``ceil(local / p)`` passes each). A
+logical step ends where the optimizer did not skip (``optimizer._is_last_step_skipped`` after the
+step: opacus' own record of it); its ``StepOutput`` gathers the passes' indices and norms.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -51,7 +59,7 @@ import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import RankOutput, Refused, RunSpec, StepOutput, Target
+from .base import FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
 from .util import dataset_index, gather_named, global_dataset, rank_and_world, step_indices, world
 
 
@@ -119,6 +127,7 @@ TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a paramete
 
 class OpacusTarget(Target):
     name = "opacus"
+    features = (FEATURE_PHYSICAL_BATCHES,)
 
     def version(self) -> str:
         import opacus
@@ -237,8 +246,26 @@ class OpacusTarget(Target):
             noise_generator=generator)
         module.train()
         out = RankOutput(rank=rank, world_size=world_size)
-        for k, (x, y, index) in enumerate(self._batches(spec, loader)):
-            progress.step_begun(k, len(index))
+        if spec.physical_batch_size:
+            from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=spec.physical_batch_size,
+                                    optimizer=optimizer) as physical:
+                self._train(spec, data, module, optimizer, criterion, physical, out)
+        else:
+            self._train(spec, data, module, optimizer, criterion, loader, out)
+        return out
+
+    def _train(self, spec: RunSpec, data, module, optimizer, criterion, loader, out: RankOutput) -> None:
+        """Every batch the loader yields through forward, backward and ``optimizer.step()``; a
+        logical step ends where the optimizer really stepped (always, without accumulation)."""
+        accumulating = bool(spec.physical_batch_size)
+        k, index_parts, norm_parts, losses = 0, [], [], []
+        for x, y, index in self._batches(spec, loader):
+            if not losses:
+                progress.step_begun(k, None if accumulating else len(index))
+            if accumulating:
+                progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
             logits = module(x)
             if data.loss == "token_cross_entropy":
@@ -248,15 +275,32 @@ class OpacusTarget(Target):
                 loss = criterion(logits, y)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
-            norms = None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone()
+            norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())
+            index_parts.append(index)
+            losses.append((float(loss.item()), len(index)))
             optimizer.step()
-            named = list(module.named_parameters())
-            indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
-            out.steps.append(StepOutput(
-                indices=indices, norms=norms, loss=float(loss.item()),
-                gradient=gather_named(named, "grad"), parameters=gather_named(named, "param")))
+            if accumulating and getattr(optimizer, "_is_last_step_skipped", False):
+                continue  # a physical batch that is not the last of its logical batch
+            # the DP step is taken: what follows only reports it (its gathers are the suite's, not training's)
             progress.step_finished(k)
-        return out
+            named = list(module.named_parameters())
+            index = torch.cat([torch.as_tensor(i).reshape(-1) for i in index_parts])
+            indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
+            norms = None if any(n is None for n in norm_parts) else torch.cat(norm_parts)
+            out.steps.append(StepOutput(
+                indices=indices, norms=norms, loss=self._step_loss(spec, losses),
+                gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),
+                physical_batches=[n for _, n in losses] if accumulating else None))
+            k, index_parts, norm_parts, losses = k + 1, [], [], []
+
+    @staticmethod
+    def _step_loss(spec: RunSpec, losses) -> float:
+        """The logical step's local loss from its passes' ``(loss, size)``: the sum (``"sum"``), or the
+        mean over the step's samples (``"mean"``: each pass's mean weighted by its size)."""
+        if len(losses) == 1 or spec.reduction != "mean":
+            return float(sum(v for v, _ in losses))
+        n = sum(m for _, m in losses)
+        return float(sum(v * m for v, m in losses) / n) if n else 0.0
 
     @staticmethod
     def _batches(spec: RunSpec, loader):
