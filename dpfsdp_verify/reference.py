@@ -302,4 +302,5 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
 __all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped_sum", "noise_like",
            "dp_sgd_gradient", "dp_sgd_trajectory", "per_sample_losses", "batch_loss", "check_model",
            "check_batch", "DPStep", "Trajectory", "ReferenceInputError", "UnsupportedLayerError",
-           "BatchError", "tied_names", "untie", "per_use_grads", "with_all_trainable", "SUPPORTED_LAYERS", "CLIP_EPSILON", "LOSSES", "REDUCTIONS"]
+           "BatchError", "tied_names", "untie", "per_use_grads", "with_all_trainable", "SUPPORTED_LAYERS",
+           "CLIP_EPSILON", "LOSSES", "REDUCTIONS"]
