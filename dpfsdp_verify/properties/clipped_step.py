@@ -66,8 +66,14 @@ def cases(point: Point):
 
 
 def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
-    """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0."""
+    """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0. An empty (Poisson)
+    batch releases a zero gradient at noise 0 and leaves the parameters as they are."""
     model = reference_model(spec)
+    if not indices:
+        zero = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+        empty = torch.zeros(0, dtype=torch.float64)
+        return (reference.DPStep(empty, empty, zero, zero, zero, float("nan")),
+                {n: p.detach() for n, p in model.named_parameters()})
     step = reference.dp_sgd_gradient(model, reference_batch(spec).select(indices), max_grad_norm=spec.max_grad_norm,
                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
     # a frozen parameter has no gradient: it stays as it was
@@ -138,6 +144,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
         missing = sorted(set(step.gradient) - set(names))
         return f"{head}: parameters missing or of the wrong shape: {missing}"
     got, want = _flat(s.gradient, names), _flat(step.gradient, names)
+    if not indices:
+        return f"{head}: the realised batch is empty, so the gradient must be zero (noise 0); it is not."
     k = float(got @ want / (want @ want))
     if float((got - k * want).abs().max()) <= FIT_RTOL * float(want.abs().max()):
         why = ""
