@@ -281,16 +281,17 @@ class Trajectory:
 
 def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
                       reduction: str = "mean", expected_batch_size: Optional[int] = None,
-                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None) -> Trajectory:
+                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None,
+                      empty_steps: bool = False) -> Trajectory:
     """Plain-SGD DP training on one process, one step per batch, in float64.
 
-    An empty batch (Poisson sampling can draw one) is a step of noise alone, with loss NaN.
-    The input model is not modified.
+    An empty batch is refused (``BatchError``) unless ``empty_steps`` (Poisson sampling can draw
+    one): then it is a step of noise alone, with loss NaN. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
     losses = []
     for batch in batches:
-        if len(batch) == 0:
+        if empty_steps and len(batch) == 0 and len(batch.targets) == 0:
             # an empty Poisson batch: DP-SGD still takes the step and releases the noise alone; the
             # batch has no loss (NaN: a caller compares losses of non-empty batches only)
             losses.append(float("nan"))

@@ -148,7 +148,10 @@ def test_reference_takes_an_empty_poisson_step():
     model = models.build_model("transformer", 0, dtype=torch.float64)
     batch = models.make_batch("transformer", 3, 1, dtype=torch.float64)
     empty = batch.select([])
-    traj = reference.dp_sgd_trajectory(model, [empty, batch], lr=0.5, max_grad_norm=1.0, expected_batch_size=2)
+    with pytest.raises(reference.BatchError):  # only a Poisson caller asks for empty steps
+        reference.dp_sgd_trajectory(model, [empty, batch], lr=0.5, max_grad_norm=1.0)
+    traj = reference.dp_sgd_trajectory(model, [empty, batch], lr=0.5, max_grad_norm=1.0, expected_batch_size=2,
+                                       empty_steps=True)
     alone = reference.dp_sgd_trajectory(model, [batch], lr=0.5, max_grad_norm=1.0, expected_batch_size=2)
     assert math.isnan(traj.losses[0]) and traj.losses[1] == alone.losses[0]
     assert all(torch.equal(traj.parameters[n], alone.parameters[n]) for n in alone.parameters)

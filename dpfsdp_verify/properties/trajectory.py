@@ -51,7 +51,8 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     n_steps = spec.nominal_steps
     batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
     ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
-                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
+                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
+                                      empty_steps=spec.poisson)
     losses = [global_loss(outputs, k, spec) if len(batches[k]) else float("nan") for k in range(n_steps)]
     # an empty Poisson batch has no loss: None in the report (NaN is not JSON)
     evidence = {"losses": [x if x == x else None for x in losses],
@@ -91,7 +92,7 @@ def _realised_normaliser(spec, batches, outputs, off: int, rtol: float, atol: fl
     if not off:
         return ""
     alt = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
-                                      reduction=spec.reduction, expected_batch_size=None)
+                                      reduction=spec.reduction, expected_batch_size=None, empty_steps=True)
     if all(tensors_close(o.steps[-1].parameters, alt.parameters, rtol, atol) for o in outputs):
         return (f" It equals the trajectory normalised by each step's *realised* batch size "
                 f"({', '.join(str(len(b)) for b in batches)}) instead of opacus' expected batch size int(q*N) = "
