@@ -6,14 +6,19 @@ signal is relatively more noise: utility lost; a sample scaled up beyond its cli
 influence than analysed).
 
 The clip bound C is set between the middle two reference norms of the global batch, so some
-samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. Split
-data by default (opacus defines the FSDP step for a ``DistributedSampler`` over the global data).
-Under Poisson sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own
-Poisson sampling: the reference recomputes it on the realised batch (the union of what
-the ranks drew) with the normalisation opacus defines for ``"mean"``, the expected batch size
-``int(q * N)``, not the realised one. A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
-an uncapped clip coefficient, different norms) and says which one fits; the diagnosis is
-``mismatch``.
+samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. The tiny
+models' norms lie within ~10x of each other, so one extra run per world size (fixed sampling, the
+first model, reduction and dtype) clips at C = min norm/100: every sample at >= 100 C, where a
+floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Split data by default
+(opacus defines the FSDP step for a ``DistributedSampler`` over the global data). Under Poisson
+sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
+the reference recomputes it on the realised batch (the union of what the ranks drew) with the
+normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
+realised one. A failure tests simple explanations against the numbers and says which one fits: a
+constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser), a clip
+coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
+a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
+``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Numbers every property compares: tolerances, the float64 reference for a ``RunSpec``, the
-clip bound a property picks, and tensor comparisons.
+clip bound a property picks, tensor comparisons, and clip coefficients (read back from a released
+gradient; the coefficient error they fit, in words).
 
 No running here (that is ``runner.py``) and no verdicts: plain functions of specs, rank outputs
 and tensors, shared so that no property imports a sibling.
