@@ -295,12 +295,13 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
             # an empty Poisson batch: DP-SGD still takes the step and releases the noise alone; the
             # batch has no loss (NaN: a caller compares losses of non-empty batches only)
             losses.append(float("nan"))
-            shapes = {n: p.detach().unsqueeze(0) for n, p in m.named_parameters()}
+            shapes = {n: p.detach().unsqueeze(0) for n, p in m.named_parameters() if p.requires_grad}
             noise = noise_like(shapes, noise_multiplier * max_grad_norm, generator)
             divisor = float(expected_batch_size or 1) if reduction == "mean" else 1.0
             with torch.no_grad():
                 for n, p in m.named_parameters():
-                    p -= lr * noise[n] / divisor
+                    if n in noise:  # trainable ones only: a frozen parameter gets no noise either
+                        p -= lr * noise[n] / divisor
             continue
         step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)

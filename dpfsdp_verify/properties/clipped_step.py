@@ -75,7 +75,7 @@ def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
     batch releases a zero gradient at noise 0 and leaves the parameters as they are."""
     model = reference_model(spec)
     if not indices:
-        zero = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+        zero = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters() if p.requires_grad}
         empty = torch.zeros(0, dtype=torch.float64)
         return (reference.DPStep(empty, empty, zero, zero, zero, float("nan")),
                 {n: p.detach() for n, p in model.named_parameters()})
