@@ -108,7 +108,7 @@ def per_sample_losses(outputs: torch.Tensor, targets: torch.Tensor, loss: str, r
         return F.cross_entropy(outputs, targets, reduction="none")
     if loss == "token_cross_entropy":
         b, t = targets.shape
-        tok = F.cross_entropy(outputs.reshape(b * t, -1), targets.reshape(-1), reduction="none",
+        tok = F.cross_entropy(outputs.reshape(b * t, outputs.shape[-1]), targets.reshape(-1), reduction="none",
                               ignore_index=IGNORE_INDEX).view(b, t)
         if reduction == "sum":
             return tok.sum(dim=1)
@@ -281,14 +281,28 @@ class Trajectory:
 
 def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
                       reduction: str = "mean", expected_batch_size: Optional[int] = None,
-                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None) -> Trajectory:
+                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None,
+                      empty_steps: bool = False) -> Trajectory:
     """Plain-SGD DP training on one process, one step per batch, in float64.
 
-    The input model is not modified.
+    An empty batch is refused (``BatchError``) unless ``empty_steps`` (Poisson sampling can draw
+    one): then it is a step of noise alone, with loss NaN. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
     losses = []
     for batch in batches:
+        if empty_steps and len(batch) == 0 and len(batch.targets) == 0:
+            # an empty Poisson batch: DP-SGD still takes the step and releases the noise alone; the
+            # batch has no loss (NaN: a caller compares losses of non-empty batches only)
+            losses.append(float("nan"))
+            shapes = {n: p.detach().unsqueeze(0) for n, p in m.named_parameters() if p.requires_grad}
+            noise = noise_like(shapes, noise_multiplier * max_grad_norm, generator)
+            divisor = float(expected_batch_size or 1) if reduction == "mean" else 1.0
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if n in noise:  # trainable ones only: a frozen parameter gets no noise either
+                        p -= lr * noise[n] / divisor
+            continue
         step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)
         losses.append(step.loss)

@@ -1,5 +1,6 @@
 """Numbers every property compares: tolerances, the float64 reference for a ``RunSpec``, the
-clip bound a property picks, and tensor comparisons.
+clip bound a property picks, tensor comparisons, and clip coefficients (read back from a released
+gradient; the coefficient error they fit, in words).
 
 No running here (that is ``runner.py``) and no verdicts: plain functions of specs, rank outputs
 and tensors, shared so that no property imports a sibling.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -370,8 +372,136 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
 
 
+# -- clip coefficients: recovered from a released gradient, and the coefficient errors they fit --
+
+#: how far clip coefficients recovered from a released gradient may be from the reference's. They
+#: come from a least-squares solve against float64 per-sample gradients. Measured on upstream opacus
+#: and the correct specimen (mlp and transformer, 1-2 ranks, both layouts and reductions): float64
+#: within 4e-15, float32 within 3e-7 (its gradients carry ~1e-7 relative rounding). The bounds keep
+#: >= 30x margin and stay far below the smallest bug effect named here (a bfloat16-rounded
+#: coefficient: 2e-3; a factor sqrt(2): 0.3; a bound 1.01 C: 1e-2 relative).
+COEF_TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2}
+#: a sample's coefficient is recovered only if its gradient is this far (relative) from the span of
+#: the others': a zero gradient (a dead ReLU) or collinear samples (tiny fuzzed models) carry no
+#: information about their own coefficient, and rounding in the target's dtype is amplified by
+#: 1/distance
+IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
+
+
+def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
+    """``[B]`` bool: which columns of ``basis`` (``[P, B]`` per-sample gradients) have a relative
+    distance >= ``min_distance`` from the span of the other columns."""
+    norms = basis.norm(dim=0)
+    ok = norms > 1e-12 * float(norms.max().clamp_min(1e-300))
+    for i in range(basis.shape[1]):
+        others = torch.cat([basis[:, :i], basis[:, i + 1:]], dim=1)
+        if ok[i] and others.shape[1]:
+            col = basis[:, i:i + 1]
+            proj = others @ torch.linalg.lstsq(others, col, driver="gelsd").solution
+            ok[i] = float((col - proj).norm() / norms[i]) >= min_distance
+    return ok
+
+
+@dataclass
+class RecoveredCoefficients:
+    """Per-sample clip coefficients read back from a released (noise 0) gradient."""
+
+    indices: List[int]            # the processed samples, in the order of ``coefficients``
+    coefficients: torch.Tensor    # [len(indices)] float64 least-squares c_i
+    residual: float               # relative residual of the fit: > COEF_TOL means not sum_i c_i g_i
+    identifiable: torch.Tensor    # [len(indices)] bool: which c_i the data determine (``identifiable``)
+
+
+def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: Dict[str, torch.Tensor],
+                              step: int = 0) -> RecoveredCoefficients:
+    """With noise 0 the released gradient times the divisor D (``spec.expected_batch_size`` under
+    ``mean``, 1 under ``sum``) is ``sum_i c_i g_i`` over the processed samples ``indices``; a
+    least-squares fit against the reference per-sample gradients ``g_i`` at the initial parameters
+    (far more parameters than samples) recovers each ``c_i``. Step 0 only (later steps are at other
+    parameters)."""
+    indices = list(indices)
+    grads = rows(reference_grads(spec, step), indices)
+    names = sorted(grads)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
+    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
+    # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
+    # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)
+    coef = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    residual = float((basis @ coef - released).norm() / released.norm().clamp_min(1e-300))
+    seen = identifiable(basis, IDENTIFIABLE.get(spec.dtype, IDENTIFIABLE["float64"]))
+    return RecoveredCoefficients(indices, coef, residual, seen)
+
+
+@dataclass(frozen=True)
+class CoefficientFit:
+    """A clip-coefficient error that reproduces measured coefficients: ``kind`` is ``bound`` (clips
+    at ``value`` x C), ``floor`` (``max(min(1, C/n), value)``), ``cap`` (``min(value, C/n)``: the
+    cap of ``min(1, .)`` is ``value``; ``inf``: no cap at all), ``epsilon`` (``min(1, C/(n +
+    value))`` instead of opacus' ``n + 1e-6``) or ``scale`` (``value`` x ``min(1, C/n)``)."""
+
+    kind: str
+    value: float
+    max_error: float
+
+
+def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol: float
+                          ) -> Optional[CoefficientFit]:
+    """The first coefficient error (``CoefficientFit`` kinds, in that order) whose one parameter,
+    estimated from ``coef`` (measured per-sample coefficients) and ``norms`` (the true norms),
+    predicts every coefficient within ``tol`` (relative to max(1, the prediction)); ``None`` if
+    none fits. Only called for coefficients that differ from ``min(1, C/(n + 1e-6))``."""
+    coef, norms = coef.to(torch.float64), norms.to(torch.float64)
+    if not len(coef) or not bool(torch.isfinite(coef).all()):
+        return None
+    eps = reference.CLIP_EPSILON
+    true = reference.clip_coefficients(norms, c)
+    raw = c / (norms + eps)
+    clipped = coef < 1 - tol
+    candidates = []
+    if bool(clipped.any()):
+        k = float((coef[clipped] * (norms[clipped] + eps) / c).median())
+        if k > 0:
+            candidates.append(("bound", k, reference.clip_coefficients(norms, k * c)))
+    f = float(coef.min())
+    candidates.append(("floor", f, true.clamp(min=f)))
+    top = float(coef.max())
+    cap = float("inf") if top >= float(raw.max()) * (1 - tol) and top > 1 + tol else top
+    candidates.append(("cap", cap, raw.clamp(max=cap)))
+    if bool(clipped.any()):
+        e = float((c / coef[clipped] - norms[clipped]).median())
+        if e > -float(norms.min()):
+            candidates.append(("epsilon", e, (c / (norms + e)).clamp(max=1.0)))
+    k = float(coef @ true / (true @ true))
+    candidates.append(("scale", k, k * true))
+    for kind, value, pred in candidates:
+        err = float((coef - pred).abs().max())
+        if err <= tol * max(1.0, float(pred.abs().max())) and float((pred - true).abs().max()) > tol:
+            return CoefficientFit(kind, value, err)
+    return None
+
+
+def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
+    """``fit`` in words: what the target's clip coefficient is, in opacus' terms."""
+    if fit.kind == "bound":
+        return f"min(1, C'/||g_i||) with C' = {fit.value:.6g} x C (C={c:.4g}): clipped at the wrong bound"
+    if fit.kind == "floor":
+        return (f"max(min(1, C/||g_i||), {fit.value:.4g}): the clip coefficient is floored at {fit.value:.4g}, "
+                f"so a sample with norm above C/{fit.value:.4g} = {c / fit.value:.4g} contributes more than C")
+    if fit.kind == "cap":
+        if math.isinf(fit.value):
+            return ("C/||g_i|| *not capped at 1* (no min(1, .)): the samples with norm below C are scaled up "
+                    "to norm C instead of being left alone")
+        return f"min({fit.value:.4g}, C/||g_i||): the coefficient is capped at {fit.value:.4g} instead of 1"
+    if fit.kind == "epsilon":
+        return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, not opacus' "
+                f"{reference.CLIP_EPSILON:g}")
+    return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
+
+
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``); the data checks are the runner's
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
            "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
-           "pick_clip_bound", "fmt"]
+           "pick_clip_bound", "fmt", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
+           "recover_clip_coefficients", "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]
