@@ -12,10 +12,11 @@ Two kinds of verdicts, counted apart:
   with probability <= its ``false_alarm_rate`` (Bonferroni over every test of every verdict of the
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
-    python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied]   (run i uses run seed S + i)
+    python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied] [--properties noise_calibration]
+    (run i uses run seed S + i)
 
 ``--models`` runs every property on those models instead of each property's own (e.g. the
-fine-tuning models, ``docs/finetune.md``).
+fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None, help="first run seed (default: random, printed)")
     ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
+    ap.add_argument("--properties", default="", help="comma list of property ids (default: all)")
     args = ap.parse_args(argv)
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
+    registry = [p for p in REGISTRY if not args.properties or p.id in args.properties.split(",")]
     if args.seed is None:
         import random
 
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with Pool(max_groups=4) as pool:
         for run in range(args.runs):
-            for prop in REGISTRY:
+            for prop in registry:
                 failed = False
                 for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
                                 **axes):
@@ -63,8 +66,8 @@ def main(argv=None) -> int:
                 counts[(prop.id, "runs with an alarm")] += failed
             print(f"run {run + 1}/{args.runs} done, {len(alarms)} false alarm(s) so far "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    for kind, props in (("deterministic", [p for p in REGISTRY if p.false_alarm_rate is None]),
-                        ("statistical", [p for p in REGISTRY if p.false_alarm_rate is not None])):
+    for kind, props in (("deterministic", [p for p in registry if p.false_alarm_rate is None]),
+                        ("statistical", [p for p in registry if p.false_alarm_rate is not None])):
         verdicts = sum(n for (pid, s), n in counts.items() if s != "runs with an alarm" and
                        any(p.id == pid for p in props))
         n_alarms = sum(1 for p, _ in alarms if p in props)

@@ -20,14 +20,14 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
              "step_divergence", "correlated_sampling", "wrong_sample_rate", "refused", "frozen_updated",
-             "internal_error")
+             "non_gaussian_noise", "dependent_noise", "internal_error")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
 #: expectations file rejects other keys, and a test checks every property's plan against this list)
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
-               "seeding", "dataset", "physical_batch_size")
+               "seeding", "dataset", "physical_batch_size", "processes")
 
 
 @dataclass

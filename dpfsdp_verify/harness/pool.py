@@ -7,7 +7,7 @@ pool notices and starts a fresh one on the next job, so one bad job never skips 
 Jobs that need environment variables at process start (e.g. ``OPACUS_USE_DEFERRED_NORM``) get
 their own group. At most ``max_groups`` groups are kept warm (least recently used is closed).
 ``reuse=False`` gives a fresh group per job (how ``mp.spawn``-style harnesses work; used by the
-benchmark and for isolation).
+benchmark and for isolation); ``fresh_group`` gives one such group to a caller that runs it itself.
 
 A proven deadlock usually keeps its group (``GroupResult.recovered``). A crash or a deadline hang
 costs a group restart (seconds of ``import torch`` + rendezvous), so for a key that has already
@@ -113,6 +113,16 @@ class Pool:
             if g.closed and self.reuse:
                 self._lost.add(key)
             return res
+
+    def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
+        """A new group outside the warm set, for jobs that must be the first thing their rank
+        processes run (two training jobs are two fresh sets of processes). Its ranks are spawned
+        and not waited for (``run`` waits), so several can start at once; the caller closes it.
+        Its pids join ``started_pids``."""
+        check_backend(backend, world_size)
+        g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, wait_ready=False)
+        self.started_pids += g.pids()
+        return g
 
     def close(self) -> None:
         with self._lock:

@@ -121,6 +121,11 @@ class Case:
     doing: str = ""
     #: run in a job of its own, so that a hang is pinned on this case alone
     isolate: bool = False
+    #: ``k > 0``: run each of the first ``k`` specs as the first job of rank processes started for
+    #: it alone (not the warm pool) -- what separate training jobs are, for state a target keeps per
+    #: process (a generator created once per process); the remaining specs run after the k-th, in
+    #: its processes. Implies ``isolate``
+    fresh: int = 0
     #: a shorter watchdog deadline (seconds) for this case's job than the options' timeout: a
     #: case that may hang by design (Poisson step divergence) need not cost a full timeout
     deadline: Optional[float] = None

@@ -1,41 +1,62 @@
-"""noise_calibration: the added noise has std sigma*C/D on every coordinate of every tensor, is
-fresh at every step and independent across shards.
+"""noise_calibration: the added noise is Gaussian with std sigma*C/D on every coordinate of every
+tensor, fresh at every step, in every run and every training job, and independent across shards
+and tensors -- under fixed batches and under Poisson sampling (make_private's default path).
 
 DP meaning: the Gaussian mechanism's guarantee is for noise of exactly std sigma*C on the summed
 clipped gradient (sigma*C/D after dividing by D), on every coordinate it releases. Less noise
 (drawn on every rank and averaged, divided by N twice, missing on one tensor or on one rank's
-shard) is a privacy violation. More noise (not divided by N) is a utility bug. Noise that repeats
-(a generator re-seeded every step, ranks seeded alike, a seed that ignores the run) cancels in the
-difference of two releases: no privacy at all for what it was meant to hide.
+shard, missing on the Poisson path) is a privacy violation. More noise (not divided by N) is a
+utility bug. Noise of the right std but another distribution is a privacy violation too: the
+accountant's Renyi bounds are for Gaussian noise (uniform noise, bounded, gives no DP guarantee
+at all; Laplace noise is calibrated for L1, not the L2 sensitivity clipping bounds). Noise that
+repeats -- at any lag within a run (a generator re-seeded every step, a pool of noise vectors
+reused in turn), on two tensors (one buffer sliced for every tensor), on two shards (ranks seeded
+alike), in two runs with different seeds (the seed ignored), in two training jobs (a generator
+created once per process with a constant seed) -- cancels in the difference of two releases: no
+privacy at all for what it was meant to hide.
 
 Measured on the target itself, with ``lr = 0`` so every step sees the same parameters: one run of
 ``steps`` steps with noise 0 and ``repeats`` runs with noise on and different noise seeds, same
-data; each step's noise is gradient(sigma) - gradient(0) (signal bugs cancel; ``clipped_step``
-judges those). Deterministic checks first (no statistics needed):
+data (Poisson: the same sampling seed, so the same batches -- checked); each step's noise is
+gradient(sigma) - gradient(0) (signal bugs cancel; ``clipped_step`` judges those). Every noise
+seed derives from the run's seed (``Options.seed``), so each gate run draws fresh noise.
+
+Deterministic checks first (no statistics needed):
 
 * a coordinate whose noise is exactly 0 in every draw (a tensor, or a rank's shard, left
   un-noised);
-* the same noise at two steps of a run, or in two runs with different noise seeds.
+* the same noise values (any 4 consecutive values of a tensor's noise, quantised far below the
+  noise's scale) in two places: two shards, two tensors, two steps at any lag, two runs;
+* a ``fresh`` case (once per gate run, smallest world size): two runs with different noise seeds,
+  each in rank processes started for it alone, must not release the same noise.
 
-Then two-sided tests, each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and
-``alpha`` = ``FAMILY_ALPHA`` shared out over the verdicts of the run, so a correct target raises a
-false alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
+Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
+Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
+``FAMILY_ALPHA`` shared out over the verdicts of the run, so a correct target raises a false
+alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
 
 * scale, per parameter tensor and per rank-owned shard (FSDP's dim-0 chunks):
-  ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D``;
+  ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D`` (D = the batch size under ``mean``;
+  Poisson: opacus' expected batch size ``int(q N)``);
 * mean, per tensor: ``sum(noise) / (s sqrt(n)) ~ N(0, 1)``;
-* independence across shards (world_size > 1), across consecutive steps and across runs:
-  Pearson correlation, Fisher z ~ N(0, 1).
+* shape: the excess kurtosis of every coordinate's noise, each shard standardised by its own
+  RMS (so a scale error is the scale test's, never this one's), pooled: Anscombe-Glynn z ~ N(0, 1)
+  (Laplace: excess +3, heavy tails; uniform: -1.2, light tails);
+* independence across shards (world_size > 1), between consecutive steps and across runs
+  (Pearson correlation, Fisher z ~ N(0, 1)), and between every pair of draws at any lag
+  (``stats.pairwise_dependence``, chi^2).
 
-The evidence states each tensor's power: the smallest std error (too little / too much noise)
-detected with >= 99% probability. The number of draws is chosen so that it is <= 5% on every
-tensor of >= 64 elements (``draws_for``).
+The verdict states each test's power as tested: the smallest std error of a shard of >=
+``POWER_MIN_NUMEL`` coordinates detected with >= 99% probability (draws are chosen so that it is
+<= 5%: ``draws_for``), the true figure of the weakest (smallest) shard, and the smallest excess
+kurtosis the shape test detects. Measured detection and false-alarm rates: docs/noise.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+import zlib
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,57 +64,83 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .stats import chi2_two_sided_p, correlation_p, detectable_std_ratios, normal_two_sided_p
+from .stats import (chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios, kurtosis_z,
+                    normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3
 SIGMA = 1.0
 CLIP = 1.0
-#: power target: a std error of this size on a tensor of >= POWER_MIN_NUMEL elements ...
-POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 64, 0.99
-#: ... and the mlp dims that give the gate such a tensor: fc1.weight has 16 x 16 = 256 elements, so
-#: ~45 draws reach the target (a 64-element tensor would need ~170: the ``draws`` option)
-MLP_DIMS = (("d_in", 16), ("hidden", 16))
+#: power target: a std error of this size on a shard (as tested) of >= POWER_MIN_NUMEL coordinates ...
+POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
+#: ... and the mlp dims that give the gate such shards cheaply: fc1.weight 64 x 32 and fc2.weight
+#: 16 x 64 (at 2 ranks shards of 1024 and 512 coordinates), so ~20-30 draws reach the target on
+#: both weight matrices; the four bias / norm vectors (64, 64, 64, 16) are tested too, with the
+#: power their size gives (stated)
+MLP_DIMS = (("classes", 16), ("d_in", 32), ("hidden", 64))
 #: noise draws per run (steps at lr 0); runs with fresh noise seeds make up the rest of the draws
-STEPS_PER_RUN = 16
+STEPS_PER_RUN = 12
+#: consecutive values that make a repetition (a chance match of 4 quantised Gaussians is ~1e-25)
+WINDOW = 4
 
 
 def draws_for(numel: int, alpha: float) -> int:
-    """Draws of a ``numel``-element tensor that detect a ``POWER_STD_ERROR`` std error on either
+    """Draws of a ``numel``-coordinate shard that detect a ``POWER_STD_ERROR`` std error on either
     side with probability >= ``POWER`` at level ``alpha``."""
+    def err(d):
+        low, high = detectable_std_ratios(numel * d, alpha, POWER)
+        return max(1 - low, high - 1)
     lo, hi = 1, 1
-    while max(1 - detectable_std_ratios(numel * hi, alpha, POWER)[0],
-              detectable_std_ratios(numel * hi, alpha, POWER)[1] - 1) > POWER_STD_ERROR:
+    while err(hi) > POWER_STD_ERROR:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        low, high = detectable_std_ratios(numel * mid, alpha, POWER)
-        if max(1 - low, high - 1) > POWER_STD_ERROR:
+        if err(mid) > POWER_STD_ERROR:
             lo = mid
         else:
             hi = mid
     return hi
 
 
+def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
+    if not len(shape):
+        return [1]
+    return [c.numel() for c in torch.chunk(torch.empty(shape), ws, dim=0)]
+
+
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
-    shards = sum(len(torch.chunk(torch.empty(s), ws, dim=0)) if len(s) else 1 for s in shapes.values())
-    return shards + len(shapes) + (1 if ws > 1 else 0) + 2
+    """scale per shard + mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
+    shards = sum(len(_shard_sizes(s, ws)) for s in shapes.values())
+    return shards + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
 
 
 def cases(point: Point):
     model_kwargs = MLP_DIMS if point.model == "mlp" else ()
+    # every point draws its own noise (the same seed at every point would make its verdicts one draw)
+    where = f"{point.world_size}/{point.model}/{point.reduction}/{point.dtype}/{point.sampling}/{point.seeding}"
+    base_seed = point.seed(point.param("noise_seed") + 7 * (zlib.crc32(where.encode()) % 1_000_000))
     spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-                      noise_seed=point.seed(point.param("noise_seed")), lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
+                      noise_seed=base_seed, lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
+    if spec.poisson:  # enough epochs of int(1/q) steps for STEPS_PER_RUN draws per run
+        spec = spec.with_(epochs=-(-STEPS_PER_RUN // spec.steps_per_epoch))
     # frozen parameters are not released (the runner checks they get no noise at all)
     shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
     alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, point.world_size)
-    big = [math.prod(s) for s in shapes.values() if math.prod(s) >= POWER_MIN_NUMEL]
-    draws = point.param("draws") or max([draws_for(min(big), alpha)] if big else [4 * STEPS_PER_RUN])
+    big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
+    draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
-    runs = [spec.with_(noise_seed=spec.noise_seed + 7919 * i) for i in range(repeats)]
+    runs = [spec.with_(noise_seed=(base_seed + 7919 * i) % 2 ** 31) for i in range(repeats)]
     # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
     yield point.case(spec, [spec.with_(noise_multiplier=0.0)] + runs, doing="DP steps with noise",
                      facts={"alpha_per_test": alpha}, isolate=True)
+    o = point.options
+    if (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
+            and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes)):
+        one = spec.with_(steps=1)
+        seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
+        yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
+                               one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
+                         doing="one DP step with noise in each of two fresh sets of rank processes", fresh=2)
 
 
 def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
@@ -103,41 +150,113 @@ def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
              for s, c in zip(run[0].steps, clean)] for run in outputs[1:]]
 
 
-def _repeats(noise, names, ws: int) -> str:
-    """The first exact repetition of a tensor's noise across shards, steps or runs, described; ""
-    if none."""
-    for n in names:
-        step = noise[0][0][n]
-        chunks = torch.chunk(step, ws, dim=0) if step.dim() else [step]
-        for i in range(len(chunks)):
-            for j in range(i + 1, len(chunks)):
-                if chunks[i].shape == chunks[j].shape and torch.equal(chunks[i], chunks[j]):
-                    return (f"the noise is not independent across shards: rank {i}'s and rank {j}'s shards of {n!r} "
-                            "get identical noise (ranks seeded alike)")
+def _quantum(spec: RunSpec, s: float) -> float:
+    """Noise values closer than this are "the same value": far above the rounding of
+    gradient(sigma) - gradient(0) in the spec's dtype, far below the noise's scale ``s``."""
+    return s * max(2.0 ** -20, 2.0 ** 10 * torch.finfo(spec.torch_dtype).eps)
+
+
+def _windows(noise, names, quantum: float):
+    """Every ``WINDOW`` consecutive quantised values of every (run, step, tensor)'s noise:
+    ``(keys [M, WINDOW] int64, owners [M, 4] = (run, step, tensor index, offset))``."""
+    keys, owners = [], []
     for i, run in enumerate(noise):
-        for k in range(1, len(run)):
-            for n in names:
-                if torch.equal(run[k][n], run[k - 1][n]):
-                    return (f"the noise on {n!r} is identical at steps {k - 1} and {k} (run {i}): the generator is "
-                            "re-seeded every step, so each release repeats the last one's noise")
-    for i in range(1, len(noise)):
-        for n in names:
-            if torch.equal(noise[i][0][n], noise[i - 1][0][n]):
-                return (f"the noise on {n!r} is identical in two runs with different noise seeds (runs {i - 1} and "
-                        f"{i}, step 0): the target ignores the noise seed and draws the same noise every time")
-    return ""
+        for k, step in enumerate(run):
+            for t, n in enumerate(names):
+                q = torch.round(step[n].reshape(-1) / quantum).to(torch.int64)
+                w = min(WINDOW, q.numel())
+                if w < 2:
+                    continue
+                win = q.unfold(0, w, 1)
+                if w < WINDOW:  # short tensors: pad with a value no window of a long one holds
+                    win = torch.cat([win, torch.full((win.shape[0], WINDOW - w), -2 ** 62 - w)], dim=1)
+                keys.append(win)
+                off = torch.arange(win.shape[0])
+                owners.append(torch.stack([torch.full_like(off, i), torch.full_like(off, k), torch.full_like(off, t),
+                                           off], dim=1))
+    return torch.cat(keys), torch.cat(owners)
+
+
+def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]:
+    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none."""
+    keys, owners = _windows(noise, names, quantum)
+    _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+    dup = counts[inverse] > 1
+    if not bool(dup.any()):
+        return None
+    # pair each repeated window with the first window of its group
+    idx = dup.nonzero().reshape(-1)
+    first: Dict[int, int] = {}
+    found = []
+    for j in idx[:20_000].tolist():  # a repeating target repeats everywhere: the first ones name it
+        g = int(inverse[j])
+        if g in first:
+            found.append((owners[first[g]].tolist(), owners[j].tolist()))
+        else:
+            first[g] = j
+    shapes = {n: noise[0][0][n].shape for n in names}
+
+    def shard_of(name, offset):
+        shape = shapes[name]
+        row = offset // max(1, math.prod(shape[1:])) if len(shape) > 1 else offset
+        starts, acc = [], 0
+        for size in _shard_sizes(shape[:1], ws):
+            starts.append(acc)
+            acc += size
+        return max(r for r, s0 in enumerate(starts) if row >= s0)
+
+    def describe(a, b):
+        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
+        na, nb = names[ti], names[tj]
+        if (ri, si, ti) == (rj, sj, tj):
+            if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
+                return 0, (f"rank {shard_of(na, oi)}'s and rank {shard_of(na, oj)}'s shards of {na!r} get the same "
+                           f"noise (run {ri}, step {si})", "ranks seeded alike add the same noise to every shard")
+            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj})",
+                       "a short noise buffer tiled over the tensor")
+        if (ri, si) == (rj, sj):
+            return 1, (f"{na!r} and {nb!r} get the same noise values at step {si} (run {ri}): one noise buffer "
+                       f"sliced for every tensor", "different tensors must get independent noise")
+        if ri == rj and ti == tj:
+            lag = abs(sj - si)
+            cause = ("the generator is re-seeded every step, so each release repeats the last one's noise"
+                     if lag == 1 else f"a pool of {lag} noise vectors reused in turn: the releases at steps k "
+                     f"and k+{lag} carry the same noise")
+            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
+                       cause)
+        if ri != rj:
+            return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
+                       f"different noise seeds (runs {ri} and {rj})",
+                       "the target ignores the noise seed and draws the same noise every time")
+        return 4, (f"the noise of {na!r} at step {si} reappears on {nb!r} at step {sj} (run {ri})",
+                   "noise values reused across releases")
+
+    return min((describe(a, b) for a, b in found), key=lambda d: d[0])[1]
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
+    if case.fresh:
+        return _judge_fresh(case, outputs)
     spec, ws, runs = case.spec, case.world_size, outputs[0]
-    d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
+    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
     s = spec.noise_multiplier * spec.max_grad_norm / d
+    sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
+                if spec.poisson else "")
+    if spec.poisson:
+        clean = [[st.indices for st in rank.steps] for rank in runs[0]]
+        for i, run in enumerate(runs[1:]):
+            if [[st.indices for st in rank.steps] for rank in run] != clean:
+                return case.verdict("fail", None, (
+                    f"not checkable on this target: with the same sampling seed, the noisy run {i} sampled other "
+                    f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
+                    "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
+                    "the sampler's random stream changes its batches with the noise setting."))
     noise = _noise(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     stacked = {n: torch.stack([step[n] for run in noise for step in run]) for n in names}  # [draws, *shape]
     where = (f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
-             f"C={spec.max_grad_norm}, D={d:g}; {n_draws} draws of every coordinate)")
+             f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
     for n in names:
         for r, shard in enumerate(_shards(stacked[n], ws)):
@@ -147,25 +266,29 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                     f"PRIVACY VIOLATION: no noise at all on {int(silent.sum())} of {silent.numel()} coordinates of "
                     f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
                     "Every released coordinate needs its Gaussian noise."), evidence)
-    repeated = _repeats(noise, names, ws)
+    repeated = _repeats(noise, names, ws, _quantum(spec, s))
     if repeated:
-        return case.verdict("fail", "mismatch", f"PRIVACY VIOLATION: {repeated} {where}. Noise must be fresh for "
-                            "every release; repeated noise cancels in the difference of two releases.", evidence)
+        what, cause = repeated
+        return case.verdict("fail", "dependent_noise", (
+            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
+            "release; repeated noise cancels in the difference of two releases."), evidence)
     alpha = case.facts["alpha_per_test"]
-    tensors, failures = {}, []
+    tensors, failures, shard_power = {}, [], []
     for n in names:
         x = stacked[n]
         shard_stats = []
         for r, shard in enumerate(_shards(x, ws)):
             t, k = float((shard / s).pow(2).sum()), shard.numel()
             shard_stats.append((r, math.sqrt(t / k), chi2_two_sided_p(t, k), k))
+            low, high = detectable_std_ratios(k, alpha, POWER)
+            shard_power.append((max(1 - low, high - 1), n, r, k // n_draws))
         t_all, k_all = float((x / s).pow(2).sum()), x.numel()
         z_mean = float(x.sum()) / (s * math.sqrt(k_all))
-        low, high = detectable_std_ratios(k_all, alpha, POWER)
+        weakest = max(p for p in shard_power if p[1] == n)
         tensors[n] = {"coordinates": k_all // n_draws, "std_ratio": math.sqrt(t_all / k_all),
                       "shard_std_ratios": [round(ratio, 4) for _, ratio, _, _ in shard_stats],
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
-                      "detects_too_little": 1 - low, "detects_too_much": high - 1}
+                      "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
         for r, ratio, p, k in shard_stats:
             if not p >= alpha:
                 failures.append(("scale", n, r, ratio, p))
@@ -175,6 +298,24 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     evidence["tensors"] = tensors
     pooled = torch.cat([stacked[n].reshape(-1) for n in names])
     evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
+    # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
+    # 2.5x more), so non-Gaussian noise must be named as such, never as too little or too much noise.
+    # shape: each shard scaled by its own RMS, so only the distribution's shape is left to judge
+    standard = torch.cat([(sh / sh.pow(2).mean().sqrt()).reshape(-1) for n in names for sh in _shards(stacked[n], ws)])
+    excess, z_kurt = kurtosis_z(standard)
+    p_kurt = normal_two_sided_p(z_kurt)
+    kurt_power = detectable_excess_kurtosis(standard.numel(), alpha, POWER)
+    evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
+    if not p_kurt >= alpha:
+        tails = ("heavy tails (excess kurtosis {:+.2f}; Laplace noise has +3): noise calibrated for another "
+                 "mechanism, which the Gaussian accountant does not cover" if excess > 0 else
+                 "light tails (excess kurtosis {:+.2f}; uniform noise has -1.2): bounded noise gives no DP "
+                 "guarantee at all").format(excess)
+        return case.verdict("fail", "non_gaussian_noise", (
+            f"PRIVACY VIOLATION: the noise is not Gaussian {where}: {tails} (kurtosis test over "
+            f"{standard.numel()} standardised values, z={z_kurt:.3g}, p={p_kurt:.2g} < {alpha:.2g}). Whatever its std, "
+            "the privacy accounting (Renyi DP of the Gaussian mechanism) holds only for Gaussian "
+            "noise."), evidence)
     if failures:
         return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
     for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
@@ -182,20 +323,73 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         if not p_corr >= alpha:
             what = {"shard": "across shards (ranks seeded alike add the same noise to every shard)",
                     "step": "between consecutive steps", "run": "between runs with different noise seeds"}[test]
-            return case.verdict("fail", "mismatch", (
+            return case.verdict("fail", "dependent_noise", (
                 f"PRIVACY VIOLATION: the noise is not independent {what} {where}: correlation {r_corr:.3f} over "
                 f"{pairs} coordinate pairs (Fisher z test p={p_corr:.2g} < {alpha:.2g}). The mechanism assumes "
                 "independent noise on every coordinate of every release."), evidence)
-    big = {n: t for n, t in tensors.items() if t["coordinates"] >= POWER_MIN_NUMEL}
-    power = (f"; detects a std error of {max(max(t['detects_too_little'], t['detects_too_much']) for t in big.values()):.1%}"
-             f" or more on every tensor of >= {POWER_MIN_NUMEL} elements with {POWER:.0%} probability" if big else "")
+    draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
+    t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
+    evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
+    if not p_pairs >= alpha:
+        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
+        (ra, ka), (rb, kb) = at[i], at[j]
+        pair = (f"steps {ka} and {kb} of run {ra} (lag {kb - ka})" if ra == rb else
+                f"step {ka} of run {ra} and step {kb} of run {rb}")
+        return case.verdict("fail", "dependent_noise", (
+            f"PRIVACY VIOLATION: the noise of different releases is dependent {where}: over all {n_pairs} pairs of "
+            f"draws (any lag, any run) sum of m*r^2 = {t_pairs:.4g}; most correlated: {pair}, r={r_ij:.3f} "
+            f"(p={p_pairs:.2g} < {alpha:.2g}). Each release needs noise independent of every other release's; "
+            "correlated noise partly cancels in the difference of two releases."), evidence)
+    big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
+    worst = max(shard_power)
+    power = ""
+    if big:
+        b = max(big)
+        power = (f"; detects a std error of {b[0]:.1%} or more on every shard of >= {POWER_MIN_NUMEL} coordinates "
+                 f"with {POWER:.0%} probability")
+    power += (f" (smallest shard tested, {worst[1]!r}" + (f" rank {worst[2]}" if ws > 1 else "") +
+              f", {worst[3]} coordinates: {worst[0]:.1%}); not Gaussian: detects an excess kurtosis of "
+              f"{kurt_power:.2g} or more (Laplace +3, uniform -1.2) with ~{POWER:.0%} probability")
+    evidence["detects_std_error_big_shards"] = max(big)[0] if big else None
     ratios = [t["std_ratio"] for t in tensors.values()]
     return case.verdict("pass", None, (
-        f"noise std = sigma*C/D on all {len(names)} tensors {where}: std ratio per tensor "
-        f"{min(ratios):.3f}..{max(ratios):.3f}, fresh at every step and run"
-        f"{', independent across shards' if ws > 1 else ''}; "
-        f"{_tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)} two-sided tests at "
-        f"{alpha:.2g} each{power}"), evidence)
+        f"Gaussian noise of std sigma*C/D on all {len(names)} tensors {where}: std ratio per tensor "
+        f"{min(ratios):.3f}..{max(ratios):.3f}, excess kurtosis {excess:+.3f}, fresh at every step and run, no value "
+        f"repeated on another tensor{', independent across shards' if ws > 1 else ''}; "
+        f"{_tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)} tests at {alpha:.2g} each{power}"),
+        evidence)
+
+
+def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
+    """Two runs with different noise seeds, each the first job of its own rank processes (the
+    noise-0 run follows the second): their noise must differ."""
+    spec, ws = case.spec, case.world_size
+    a, b, clean = (run[0].steps[0].gradient for run in outputs[0])
+    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    s = spec.noise_multiplier * spec.max_grad_norm / d
+    quantum = _quantum(spec, s)
+    names = sorted(set(clean) & set(trainable_names(spec)))
+    where = f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype}"
+    na = {n: (a[n] - clean[n]).to(torch.float64) for n in names}
+    nb = {n: (b[n] - clean[n]).to(torch.float64) for n in names}
+    if all(bool((na[n] == 0).all()) and bool((nb[n] == 0).all()) for n in names):
+        return case.verdict("fail", "mismatch", f"PRIVACY VIOLATION: no noise at all in a fresh training job {where}: "
+                            "the released gradients equal the noise-0 run's.")
+    same = [n for n in names if torch.equal(torch.round(na[n] / quantum), torch.round(nb[n] / quantum))]
+    pooled = torch.cat([na[n].reshape(-1) for n in names])
+    evidence = {"identical_tensors": same, "noise_seeds": [sp.noise_seed for sp in case.specs[:2]],
+                "std_ratio": float(pooled.pow(2).mean().sqrt()) / s}
+    if same:
+        return case.verdict("fail", "dependent_noise", (
+            f"PRIVACY VIOLATION: two training jobs (each in rank processes started for it alone) with different noise "
+            f"seeds ({case.specs[0].noise_seed} and {case.specs[1].noise_seed}) release identical noise on "
+            f"{len(same)} of {len(names)} tensors ({', '.join(repr(n) for n in same[:3])}) {where}: a noise "
+            "generator created once per process with a constant seed (ignoring the run's seed) replays the same "
+            "noise in every training job, so two models trained on neighbouring datasets differ by the data alone."),
+            evidence)
+    return case.verdict("pass", None, (
+        f"two training jobs in fresh rank processes with different noise seeds draw different noise on all "
+        f"{len(names)} tensors {where}"), evidence)
 
 
 def _shards(x: torch.Tensor, ws: int):
@@ -260,7 +454,9 @@ def _independence(noise, names, ws):
 
 PROPERTY = Property(
     id="noise_calibration",
-    meaning=("the Gaussian noise has std sigma*C/D on every coordinate of every tensor (less: privacy violation; "
-             "more: utility loss), fresh at every step and independent across shards"),
+    meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
+             "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
+             "job, independent across shards and tensors, under fixed and Poisson sampling"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
+    samplings=("fixed", "poisson"),
     params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA)

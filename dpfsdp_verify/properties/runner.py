@@ -104,6 +104,7 @@ class _Run:
     specs: Tuple[RunSpec, ...]
     isolate_key: Optional[int] = None
     deadline: Optional[float] = None
+    fresh: int = 0
 
 
 @dataclass
@@ -120,13 +121,15 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict.
 
     Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
-    for ``Case.isolate``). A job that *errors* is re-run run by run so the crash lands on the
-    right case; a job that *hangs* is not re-run (that would cost a full deadline per run): every
-    case in it gets the hang verdict, which says the cases ran together.
+    for ``Case.isolate``; ``Case.fresh`` cases in groups of ranks started for them, ``_run_fresh``).
+    A job that *errors* is re-run run by run so the crash lands on the right case; a job that
+    *hangs* is not re-run (that would cost a full deadline per run): every case in it gets the hang
+    verdict, which says the cases ran together.
     """
     pool = pool or default_pool()
     runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
-                     i if c.isolate else None, c.deadline) for m in c.modes] for i, c in enumerate(cases)]
+                     i if c.isolate or c.fresh else None, c.deadline, c.fresh) for m in c.modes]
+               for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
     for r in unique:
@@ -134,7 +137,10 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     done: Dict[_Run, object] = {}
     seconds: Dict[_Run, float] = {}
     for runs in jobs.values():
-        _run_job(runs, pool, timeout, done, seconds, allow_split=True)
+        if runs[0].fresh:
+            _run_fresh(runs[0], pool, timeout, done, seconds)
+        else:
+            _run_job(runs, pool, timeout, done, seconds, allow_split=True)
     out: List = []
     for case, runs in zip(cases, runs_of):
         case.seconds += sum(seconds.get(r, 0.0) for r in runs)
@@ -181,6 +187,41 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         return
     for r in runs:
         done[r] = _Failed(res, len(runs) - 1, share, trails)
+
+
+def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -> None:
+    """Each of the first ``r.fresh`` specs of ``r`` as the first job of a worker group started for
+    it (the rest run with the last of them): every group is spawned first (their start-ups
+    overlap), then each runs its job and is closed."""
+    t0 = time.monotonic()
+    groups = []
+    try:
+        try:
+            for _ in range(r.fresh):
+                groups.append(pool.fresh_group(r.world_size, r.backend, r.mode.env_dict or None))
+        except BackendUnavailable as e:
+            done[r] = f"backend unavailable: {e}"
+            return
+        outs = []
+        jobs = [[spec] for spec in r.specs[:r.fresh - 1]] + [list(r.specs[r.fresh - 1:])]
+        for g, specs in zip(groups, jobs):
+            trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
+            try:
+                res = g.run(run_many_on_rank, (r.target_ref, specs), {"progress_dir": trail_dir},
+                            timeout=min([timeout] + ([r.deadline] if r.deadline else [])))
+                trails = progress.read(trail_dir, r.world_size) if not res.ok else None
+            finally:
+                shutil.rmtree(trail_dir, ignore_errors=True)
+            if not res.ok:
+                done[r] = _Failed(res, 0, time.monotonic() - t0, trails)
+                return
+            per_rank = res.values()  # [rank][spec]
+            outs += [[per_rank[k][j] for k in range(r.world_size)] for j in range(len(specs))]
+        done[r] = outs
+    finally:
+        for g in groups:
+            g.close()
+        seconds[r] = seconds.get(r, 0.0) + time.monotonic() - t0
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:

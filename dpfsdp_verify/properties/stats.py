@@ -134,3 +134,77 @@ def lag_autocovariance_z(y: torch.Tensor, lmax: int) -> Tuple[torch.Tensor, torc
     z = (acov + span * float(v.sum()) / t) / var.sqrt()
     skew = span * float((mu3 ** 2).sum()) / var ** 1.5
     return z, skew
+
+
+def kurtosis_z(x: torch.Tensor) -> Tuple[float, float]:
+    """``(excess, z)``: the sample excess kurtosis ``m4 / m2^2 - 3`` of ``x`` and its Anscombe-Glynn
+    (1983) normal score under normality (the transform scipy's ``kurtosistest`` uses; accurate
+    far into the tails for n >= 20). Heavy tails (Laplace: excess 3) give z > 0, light tails
+    (uniform: excess -1.2) z < 0. ``(nan, nan)`` for fewer than 20 values or a constant sample."""
+    x = x.reshape(-1).to(torch.float64)
+    n = x.numel()
+    if n < 20:
+        return math.nan, math.nan
+    d = x - x.mean()
+    m2, m4 = float(d.pow(2).mean()), float(d.pow(4).mean())
+    if not (m2 > 0 and math.isfinite(m4)):
+        return math.nan, math.nan
+    b2 = m4 / m2 ** 2
+    mean = 3.0 * (n - 1) / (n + 1)
+    var = 24.0 * n * (n - 2) * (n - 3) / ((n + 1) ** 2 * (n + 3) * (n + 5))
+    x_std = (b2 - mean) / math.sqrt(var)
+    beta1 = 6.0 * (n * n - 5 * n + 2) / ((n + 7) * (n + 9)) * math.sqrt(6.0 * (n + 3) * (n + 5) / (n * (n - 2) * (n - 3)))
+    a = 6.0 + 8.0 / beta1 * (2.0 / beta1 + math.sqrt(1 + 4.0 / beta1 ** 2))
+    denom = 1 + x_std * math.sqrt(2 / (a - 4))
+    if denom == 0:
+        return b2 - 3, math.inf
+    term2 = math.copysign(abs((1 - 2 / a) / denom) ** (1 / 3), denom)
+    return b2 - 3, ((1 - 2 / (9 * a)) - term2) / math.sqrt(2 / (9 * a))
+
+
+def pairwise_dependence(vectors: torch.Tensor) -> Tuple[float, int, float, Tuple[int, int, float]]:
+    """A lag-free independence test of ``k`` draws of one ``m``-dimensional noise vector
+    (``vectors``: ``[k, m]``, mean 0 under the null): ``(t, pairs, p, (i, j, r_ij))`` where
+    ``t = m * sum_{i<j} r_ij^2`` over every pair of draws (``r_ij`` the uncentred correlation of
+    draws i and j), ~ chi^2 with ``k(k-1)/2`` degrees of freedom when the draws are independent
+    (``m r^2`` has mean 1 and variance ~2 for any i.i.d. coordinates; its Beta tail is lighter than
+    chi^2's, so the test is conservative), and the most correlated pair. ``p`` combines (Bonferroni,
+    x2) the upper-tail p-value of ``t`` -- diffuse dependence among many pairs -- with that of the
+    largest ``m r_ij^2`` against chi^2_1 over all pairs -- one dependent pair, e.g. a noise vector
+    reused with a little fresh noise at one lag. Any dependence between any two draws, at any lag
+    or across runs, raises one of them."""
+    v = vectors.reshape(vectors.shape[0], -1).to(torch.float64)
+    k, m = v.shape
+    if k < 2 or m < 2:
+        return 0.0, 0, 1.0, (0, 0, 0.0)
+    unit = v / v.norm(dim=1, keepdim=True)
+    r = unit @ unit.T
+    iu = torch.triu_indices(k, k, offset=1)
+    rs = r[iu[0], iu[1]]
+    t = float(m * rs.pow(2).sum())
+    pairs = rs.numel()
+    worst = int(rs.abs().argmax())
+    top = float(m * rs[worst] ** 2)
+    if not (math.isfinite(t) and math.isfinite(top)):
+        return t, pairs, 0.0, (int(iu[0, worst]), int(iu[1, worst]), float(rs[worst]))
+    p = min(1.0, 2 * min(chi2_sf(t, pairs), pairs * chi2_sf(top, 1)))
+    return t, pairs, p, (int(iu[0, worst]), int(iu[1, worst]), float(rs[worst]))
+
+
+def detectable_excess_kurtosis(n: int, alpha: float, power: float = 0.99) -> float:
+    """The smallest |excess kurtosis| the two-sided kurtosis test on ``n`` values at level
+    ``alpha`` detects with probability ~``power`` (normal approximation with the null variance
+    24/n; heavy-tailed alternatives have a larger variance, so treat it as indicative -- the
+    measured rates are in docs/noise.md)."""
+    return (_norm_quantile(1 - alpha / 2) + _norm_quantile(power)) * math.sqrt(24.0 / n)
+
+
+def _norm_quantile(p: float) -> float:
+    lo, hi = -40.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if 1 - norm_sf(mid) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
