@@ -8,7 +8,7 @@ The first label of ``modes`` is the baseline; each other label is compared with 
 specs (noise 0, clipping active, two steps so state carried between steps is compared too). The
 message says which output differs first (norms, then gradient, then parameters), by how much, and
 which mode's norms match the float64 reference. A mode whose run hangs or crashes gets that as the
-verdict (``hang``/``deadlock`` or ``error``/``rank_crash``), naming the mode.
+verdict (``hang``/``deadlock``, ``hang``/``timeout`` or ``error``/``rank_crash``), naming the mode.
 """
 
 from __future__ import annotations
