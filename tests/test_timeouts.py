@@ -103,3 +103,28 @@ def test_proven_deadlocks_stay_proven_and_fast(pool):
                                      local_batches=("even",))
     assert (v.status, v.diagnosis) == ("hang", "deadlock"), v.message
     assert "deadlock proven after " in v.message and v.seconds < 15
+
+
+def test_watch_reports_idle_time_and_an_unconfirmed_suspicion():
+    """What a timeout's message reads from the proof's watch: per-rank time since a change was
+    seen (or "at least" since first seen), and a proof that held but not for the quiet period."""
+    from dpfsdp_verify.harness.proof import DeadlockWatch
+    from dpfsdp_verify.harness.protocol import Probe
+
+    ar = ("gloo:all_reduce", "[[5]]")
+
+    def probe(rank, entries, done=6):
+        return Probe(rank=rank, job_id=7, running=7, done=done, recent={"0": dict(entries)})
+
+    w = DeadlockWatch(2, 7)
+    w.update(probe(0, {2: ar}), now=10.0)
+    w.update(probe(1, {2: ar}), now=10.0)
+    w.update(probe(0, {2: ar, 3: ar}), now=11.0)   # rank 0 progressed
+    w.update(probe(1, {2: ar}), now=11.0)          # rank 1 did not
+    assert w.idle_for(14.0) == {0: (3.0, True), 1: (4.0, False)}
+    # rank 1 still in the job: nothing to suspect
+    assert w.candidate(set()) is None
+    # rank 1 finished after #2: a proof, but only a suspicion until it holds for the quiet period
+    w.update(probe(1, {2: ar}, done=7), now=11.5)
+    assert "rank 1 can never issue" in w.candidate(set())
+    assert w.check(set(), 11.6) is None
