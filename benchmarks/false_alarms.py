@@ -6,12 +6,16 @@ Two kinds of verdicts, counted apart:
 
 * deterministic (``Property.false_alarm_rate`` is None): a float64/float32 comparison against the
   reference; a correct target must never fail one, whatever the run;
-* statistical (``false_alarm_rate`` set, e.g. the noise tests): each run draws fresh noise seeds,
-  so the two-sided tests are exercised for real; a correct target fails one run of such a property
+* statistical (``false_alarm_rate`` set, e.g. the noise tests): each run has its own run seed
+  (``Options.seed``, as each gate run does), from which the properties derive their noise and
+  sampling seeds, so the tests are exercised on fresh draws; a correct target fails one run of such a property
   with probability <= its ``false_alarm_rate`` (Bonferroni over every test of every verdict of the
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
-    python benchmarks/false_alarms.py [--runs 10]
+    python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied]   (run i uses run seed S + i)
+
+``--models`` runs every property on those models instead of each property's own (e.g. the
+fine-tuning models, ``docs/finetune.md``).
 """
 
 from __future__ import annotations
@@ -33,17 +37,25 @@ MODES = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_US
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=None, help="first run seed (default: random, printed)")
+    ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
     args = ap.parse_args(argv)
+    axes = {"models": tuple(args.models.split(","))} if args.models else {}
+    if args.seed is None:
+        import random
+
+        args.seed = random.SystemRandom().randrange(1, 2 ** 30)
+    print(f"run seeds {args.seed}..{args.seed + args.runs - 1}", file=sys.stderr, flush=True)
     counts = collections.Counter()
     alarms = []
     t0 = time.perf_counter()
     with Pool(max_groups=4) as pool:
         for run in range(args.runs):
             for prop in REGISTRY:
-                kw = {"noise_seed": 100_000 * (run + 1)} if "noise_seed" in dict(prop.params) else {}
                 failed = False
-                for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, **kw):
+                for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
+                                **axes):
                     counts[(prop.id, v.status)] += 1
                     if v.status not in ("pass", "skip"):
                         failed = True

@@ -9,13 +9,13 @@
         [--markdown PATH] [-q]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
+    dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
+        [--seeding per_rank|same|unseeded] [--steps S] [--world-sizes 8,64,512,1024] [--seed S]
+        [--json PATH|-] [--plot PATH]     # at-scale hang risk of the data pipeline (docs/scale.md)
     dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
-Exit codes (stable; gate_io.py): 0 every selected property passed -- with --expect, exactly the
-listed failures failed; 1 a fail / hang / error of the target that is not expected, or an
-expectation that no longer holds (an expected failure now passes); 2 usage or configuration error
-(one line saying what is wrong and a hint; nothing is run); 3 internal error of dpfsdp-verify (a
-check raised -- diagnosis internal_error -- or the CLI crashed), before 1.
+Exit codes 0 / 1 / 2 / 3: stated once, in docs/gate.md ("Exit codes"); computed in
+``gate_io.exit_code``.
 Progress goes to stderr while it runs; the summary table to stdout at the end (to stderr when
 --json - puts the JSON report on stdout).
 """
@@ -30,12 +30,11 @@ from typing import List, Optional
 
 from .harness import DEFAULT_TIMEOUT_S
 from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size
+from .gate_io import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, VersionAction
+from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size, require_hypothesis
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING
-from .gate_io import EXIT_INTERNAL, VersionAction  # issue 14
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_WORLD_SIZES = "1,2"
 
 
@@ -60,7 +59,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dpfsdp-verify", description="Correctness and deadlock gate for DP training under FSDP.")
-    p.add_argument("--version", action=VersionAction)  # issue 14: + the opacus it would test
+    p.add_argument("--version", action=VersionAction)  # + the opacus it would test
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run the properties against a target and report verdicts")
     _target_args(run)
@@ -93,9 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "printed at the start and in every repro line, so a failing run replays with --seed")
     run.add_argument("--fuzz", type=int, default=0, metavar="N",
                      help="also run N hypothesis-fuzzed examples per fuzzable property")
-    run.add_argument("--expect", metavar="FILE|NAME",  # issue 14: expectations (gate_io, expectations.py)
-                     help="known failures (TOML, see README): exit 0 when exactly these fail; a bundled name "
+    run.add_argument("--expect", metavar="FILE|NAME",
+                     help="known failures (TOML, see docs/gate.md): exit 0 when exactly these fail; a bundled name "
                           "such as opacus-1.6.0 also works")
+    run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
+                     help="gradient accumulation: the properties with the option physical_batch_size compute their "
+                          "steps in physical batches of at most P samples (the mode comparison's built-in pair: "
+                          "unsplit vs P, default 2)")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--world-size", required=True, help="number of ranks")
     replay.add_argument("--spec", required=True, help="the JSON RunSpec of a fuzz verdict's repro line")
     sub.add_parser("list", help="list properties and targets")
+    _scale_parser(sub)
     return p
 
 
@@ -159,23 +163,19 @@ def cmd_run(args) -> int:
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    expectations = gate_io.preflight(args)  # issue 14: opacus / hypothesis present, --expect file valid
     plan = RunPlan.from_args(args)
-    progress = Progress(args.quiet)
-    target = gate_io.describe_target(args.target, plan.info)  # issue 14: + which opacus was imported
-    if not args.quiet:
-        print(gate_io.banner(target, plan.backend, plan.world_sizes, plan.properties), file=sys.stderr, flush=True)
-        print(f"seed {plan.seed} (replay this run with --seed {plan.seed})", file=sys.stderr, flush=True)
-    verdicts = run_plan(plan, progress=progress)
-    # issue 14: expectations, reports (--json - to stdout) and the exit code live in gate_io
-    return gate_io.finish(args, verdicts, target, plan.backend, expectations, seed=plan.seed)
+    progress = Progress(plan.quiet)
+    target = gate_io.describe_target(plan.options.target, plan.info)
+    if not plan.quiet:
+        print(gate_io.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties),
+              file=sys.stderr, flush=True)
+        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr, flush=True)
+    return gate_io.finish(plan, run_plan(plan, progress=progress), target)
 
 
 def cmd_replay(args) -> int:
     """Re-run one fuzzed spec; prints its verdict; exit 1 if it fails."""
-    from .gate_io import require_hypothesis
-
-    require_hypothesis("replay")  # issue 14: hypothesis is the optional [fuzz] extra -> exit 2, not 3
+    require_hypothesis("replay")  # hypothesis is the optional [fuzz] extra: exit 2, not 3
     from .fuzz import check_example, format_failure, fuzzable_property, spec_from_json
     from .harness import Pool
 
@@ -192,11 +192,66 @@ def cmd_replay(args) -> int:
         raise UsageError(f"--spec: not a RunSpec in JSON ({e})", "copy it from the fuzz verdict's repro line") from None
     modes = parse_modes(args.mode_env)
     load_target_info(args.target)
+    from .properties import Options
+
+    opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
+                   backend=args.backend, timeout=args.timeout)
     with Pool() as pool:
-        v = check_example(args.property, args.target, spec, world_size, pool=pool, modes=modes, backend=args.backend,
-                          timeout=args.timeout)
+        v = check_example(args.property, opts, spec, world_size, pool=pool)
     print(format_failure(v) if v.status in FAILING else f"{v.property}: {v.status}: {v.message}")
     return EXIT_FAIL if v.status in FAILING else EXIT_OK
+
+
+def _scale_parser(sub) -> None:
+    sc = sub.add_parser("scale", help="at-scale hang risk of the target's own Poisson data pipeline, without training")
+    sc.add_argument("--target", default="opacus", help="'opacus' or MODULE:ATTR (default: opacus)")
+    sc.add_argument("--dataset-size", type=int, required=True, help="N: samples in the global dataset")
+    sc.add_argument("--sample-rate", type=float, required=True, help="q: each sample's inclusion probability per step")
+    sc.add_argument("--physical-batch-size", type=int, default=None,
+                    help="BatchMemoryManager's max_physical_batch_size (gradient accumulation); default: none")
+    sc.add_argument("--seeding", default="per_rank", help="same, per_rank or unseeded (default per_rank)")
+    sc.add_argument("--steps", type=int, default=1000, help="nominal steps per rank, rounded up to epochs (default 1000)")
+    sc.add_argument("--world-sizes", default="8,64,512,1024", help="comma list (default 8,64,512,1024)")
+    sc.add_argument("--seed", type=int, default=0, help="sampling seed of the first epoch (default 0)")
+    sc.add_argument("--json", default=None, metavar="PATH|-", help="write the figures as JSON (docs/scale.md)")
+    sc.add_argument("--plot", default=None, metavar="PATH", help="risk vs world size, .png or .svg (extra 'plot')")
+
+
+def cmd_scale(args) -> int:
+    import json
+
+    from . import scale
+    from .targets import TargetLoadError, load_target
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib", "pip install 'dpfsdp-verify[plot]'") from None
+    try:
+        cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
+                                world_sizes=scale.parse_world_sizes(args.world_sizes),
+                                physical_batch_size=args.physical_batch_size, seeding=args.seeding,
+                                steps=args.steps, seed=args.seed)
+        cfg.validate()
+        target = load_target(args.target)
+        report = scale.scale_report(target, cfg, args.target)
+    except TargetLoadError as e:
+        raise UsageError(f"--target {args.target}: {e}", "give 'opacus' or an importable MODULE:ATTR") from None
+    except scale.ScaleUsageError as e:
+        raise UsageError(str(e), e.hint) from None
+    text = scale.format_report(report)
+    print(text, file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        data = json.dumps(report, indent=1, allow_nan=False)
+        if args.json == "-":
+            print(data)
+        else:
+            with open(args.json, "w") as f:
+                f.write(data + "\n")
+    if args.plot:
+        scale.plot(report, args.plot)
+    return EXIT_OK
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -209,12 +264,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_run(args)
         if args.command == "replay":
             return cmd_replay(args)
+        if args.command == "scale":
+            return cmd_scale(args)
         parser.print_help()
         return EXIT_USAGE
     except UsageError as e:
         print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
         return EXIT_USAGE
-    except Exception:  # issue 14: a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict
+    except Exception:  # a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict
         import traceback
 
         traceback.print_exc()

@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict
+from .verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict, config_label
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -170,7 +170,7 @@ def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in README.md (Expectations)") from None
+        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in docs/gate.md (Expectations)") from None
     unknown = [k for k in data if k not in _TOP_KEYS]
     if unknown:
         raise ExpectationsError(f"{name}: unknown top-level key {', '.join(map(repr, unknown))}",
@@ -267,7 +267,6 @@ class Outcome:
         return not self.unexpected and not self.unmet
 
     def to_json(self) -> Dict[str, Any]:
-        from .report import config_label
 
         return {
             "file": self.file,
@@ -283,7 +282,6 @@ class Outcome:
 
 def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
     """Judge ``verdicts`` against ``exp`` (see the module docstring)."""
-    from .report import config_label
     from .verdict import FAILING
 
     out = Outcome(exp.file, list(exp.entries))
@@ -302,7 +300,7 @@ def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
             continue
         other = [v for v in selected if not e.covers(v)]
         if other:
-            what = "; ".join(f"{v.property} [{config_label(v.config)}] "
+            what = "; ".join(f"{v.label} "
                              + ("passed" if v.status == "pass" else f"{v.status} ({v.diagnosis})") for v in other)
             out.unmet.append(Unmet(e, other, f"expectation {e.label()} no longer holds: {what}. Remove or narrow the "
                                              f"entry in {os.path.basename(exp.file)}"))

@@ -13,7 +13,10 @@ message for the minimal spec, the spec itself (``evidence["spec"]``), the hypoth
 
     dpfsdp-verify replay --target T --property P --world-size 2 --spec '{...}'
 
-From the command line, ``dpfsdp-verify run --properties P --fuzz N`` fuzzes (``fuzz_property``).
+From the command line, ``dpfsdp-verify run --properties P --fuzz N`` fuzzes (``fuzz_options``).
+Like running a property, fuzzing goes through one ``Options`` value (``fuzz_property`` turns the
+Python API's keywords into it, once): target, world sizes, modes, models, dtypes, backend, timeout
+and the run seed (the hypothesis seed) all come from it.
 Nothing here knows a property by name: what to draw and how to prepare a drawn spec is the
 property's recipe, how to judge it the property's ``judge``.
 """
@@ -35,14 +38,13 @@ from hypothesis import settings as Settings
 
 from . import modes as modes_mod
 from . import strategies
-from .harness import DEFAULT_TIMEOUT_S, Pool
+from .harness import Pool
 from .hypothesis_profiles import profile_settings
 from .modes import Mode
 from .properties import PROPERTIES, Property, fuzzable, modes_problem
-from .properties.contract import Case
+from .properties.contract import Case, Options
 from .properties.runner import judge_case, run_cases
 from .targets import RunSpec
-from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from .verdict import FAILING, Verdict
 
 DEFAULT_MODELS = ("mlp", "transformer")
@@ -79,21 +81,21 @@ def _one_thread():
 
 
 # -- one example ------------------------------------------------------------------------------
-def check_example(property_id: str, target_ref: str, spec: RunSpec, world_size: int, *, pool: Pool,
-                  modes: ModesLike, backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT_S) -> Verdict:
+def check_example(property_id: str, opts: Options, spec: RunSpec, world_size: int, *, pool: Pool,
+                  modes: Sequence[Mode] = ()) -> Verdict:
     """The property's verdict for one spec at one world size, after the recipe's ``prepare`` (a
-    spec it cannot use is a ``skip``). ``modes`` holds one mode (two for a property that compares
-    modes: the first is compared with the second)."""
+    spec it cannot use is a ``skip``). ``modes`` (default: the options' first mode group) holds one
+    mode, or two for a property that compares modes (the first is compared with the second)."""
     prop = fuzzable_property(property_id)
-    modes = modes_mod.from_mapping(modes)[:2 if prop.compares_modes else 1]
+    modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
     # one switch of the thread count per example, not two: a switch and back costs ~0.35 ms (measured)
     with _one_thread():
         ready = prop.fuzz.prepare(spec)
-        case = Case(prop.id, target_ref, ready if isinstance(ready, RunSpec) else spec, world_size, modes,
-                    backend=backend, doing="fuzzed configuration")
+        case = Case(prop.id, opts.target, ready if isinstance(ready, RunSpec) else spec, world_size, modes,
+                    backend=opts.backend, doing="fuzzed configuration")
         if isinstance(ready, str):
             return case.verdict("skip", None, ready)
-        outcome = run_cases([case], pool, timeout)[0]
+        outcome = run_cases([case], pool, opts.timeout)[0]
         if isinstance(outcome, Verdict):
             return outcome
         return judge_case(prop, case, outcome)
@@ -138,14 +140,14 @@ class Counterexample(Exception):
         self.verdict, self.spec = verdict, spec
 
 
-def spec_strategy(property_id: str, world_size: int, *, models: Sequence[str] = DEFAULT_MODELS,
-                  grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, dtype_values: Sequence[str] = ("float64",)):
-    """The ``run_specs`` a property is fuzzed with: its recipe's ``draw`` arguments over ``models``.
+def spec_strategy(property_id: str, world_size: int, opts: Options):
+    """The ``run_specs`` a property is fuzzed with: its recipe's ``draw`` arguments over the
+    options' models and dtypes (``DEFAULT_MODELS`` / ``DEFAULT_DTYPES`` when they name none).
     Every rank gets at least one sample: opacus' own data paths never give a rank an empty batch
     (its distributed Poisson sampler skips them), so an empty one would test the adapter, not the
     target."""
-    draw = dict(models=tuple(models), grad_sample_mode=grad_sample_mode, dtype_values=tuple(dtype_values),
-                min_per_rank=1)
+    draw = dict(models=tuple(opts.models or DEFAULT_MODELS), grad_sample_mode=opts.grad_sample_mode,
+                dtype_values=tuple(opts.dtypes or DEFAULT_DTYPES), min_per_rank=1)
     draw.update(fuzzable_property(property_id).fuzz.draw_kwargs())
     return strategies.run_specs(world_size, **draw)
 
@@ -167,50 +169,43 @@ def _notes(err: BaseException) -> List[str]:
     return notes
 
 
-def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool, modes: ModesLike,
-              n_examples: int, seed: Optional[int] = None, models: Sequence[str] = DEFAULT_MODELS,
-              grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, backend: str = "gloo",
-              timeout: float = DEFAULT_TIMEOUT_S, strategy=None, settings: Optional[Settings] = None,
-              dtypes: Sequence[str] = DEFAULT_DTYPES) -> Verdict:
+def fuzz_case(property_id: str, opts: Options, world_size: int, modes: Sequence[Mode], *, pool: Pool,
+              n_examples: int, strategy=None, settings: Optional[Settings] = None) -> Verdict:
     """One hypothesis run of ``n_examples`` examples at one world size under ``modes`` (one mode;
     two for a property that compares modes). ``strategy`` overrides ``spec_strategy``; ``settings`` the
-    profile's (``hypothesis_profiles.profile_settings()``). Returns a ``pass`` verdict (or ``skip``
-    if every example skipped), or the minimal failing example's verdict (module docstring)."""
+    profile's (``hypothesis_profiles.profile_settings()``). The hypothesis seed is the options' run
+    seed (``0``: the profile's -- fixed under ``ci``, random otherwise; the verdict records it).
+    Returns a ``pass`` verdict (or ``skip`` if every example skipped), or the minimal failing
+    example's verdict (module docstring)."""
     base = settings or profile_settings()
-    if seed is None:
-        seed = 0 if base.derandomize else random.getrandbits(32)
+    seed = opts.seed or (0 if base.derandomize else random.getrandbits(32))
     run_settings = Settings(base, max_examples=max(1, n_examples), derandomize=False, report_multiple_bugs=False,
                             deadline=None, print_blob=True)
-    strategy = strategy if strategy is not None else spec_strategy(property_id, world_size, models=models,
-                                                                  grad_sample_mode=grad_sample_mode,
-                                                                  dtype_values=dtypes)
-    modes = modes_mod.from_mapping(modes)
+    strategy = strategy if strategy is not None else spec_strategy(property_id, world_size, opts)
+    models, dtypes = opts.models or DEFAULT_MODELS, opts.dtypes or DEFAULT_DTYPES
     seen: Counter = Counter()
     t0 = time.monotonic()
 
     def example(spec):
-        v = check_example(property_id, target_ref, spec, world_size, pool=pool, modes=modes, backend=backend,
-                          timeout=timeout)
+        v = check_example(property_id, opts, spec, world_size, pool=pool, modes=modes)
         seen[v.status] += 1
         if v.status in FAILING:
             raise Counterexample(v, spec)
 
     # a database key per (property, target, world size, modes): a saved failure replays where it failed
-    example._hypothesis_internal_add_digest = repr((property_id, target_ref, world_size, sorted(
+    example._hypothesis_internal_add_digest = repr((property_id, opts.target, world_size, sorted(
         (m.label, list(m.env)) for m in modes))).encode()
     test = run_settings(hypothesis_seed(seed)(given(strategy)(example)))
-    mode = " vs ".join(m.label for m in modes[:2 if PROPERTIES[property_id].compares_modes else 1])
     config = {"world_size": world_size, "data_layout": "fuzzed", "model": "fuzzed:" + ",".join(models),
-              "mode": mode, "grad_sample_mode": grad_sample_mode, "reduction": "fuzzed",
-              "dtype": "fuzzed:" + ",".join(dtypes)}
+              "mode": " vs ".join(m.label for m in modes), "grad_sample_mode": opts.grad_sample_mode,
+              "reduction": "fuzzed", "dtype": "fuzzed:" + ",".join(dtypes)}
     try:
         test()
     except Exception as err:  # noqa: BLE001 - hypothesis re-raises what the example raised
         found = _find_counterexample(err)
         if found is None:
             raise
-        return _failure_verdict(property_id, target_ref, world_size, modes, backend, found, err, seed, seen,
-                                time.monotonic() - t0)
+        return _failure_verdict(property_id, opts, world_size, modes, found, err, seed, seen, time.monotonic() - t0)
     n = sum(seen.values())
     fuzz = {"examples": n, "seed": seed, "statuses": dict(seen)}
     if seen["pass"] == 0:
@@ -225,7 +220,7 @@ def fuzz_case(property_id: str, target_ref: str, world_size: int, *, pool: Pool,
                    evidence=fuzz, seconds=round(time.monotonic() - t0, 3))
 
 
-def _failure_verdict(property_id, target_ref, world_size, modes, backend, found: Counterexample, err, seed,
+def _failure_verdict(property_id, opts: Options, world_size, modes, found: Counterexample, err, seed,
                      seen, seconds) -> Verdict:
     v, spec = found.verdict, found.spec
     notes = _notes(err)
@@ -243,41 +238,38 @@ def _failure_verdict(property_id, target_ref, world_size, modes, backend, found:
     message = (f"fuzzing found a failing configuration; shrunk to the minimal one: {summary}. {v.message}")
     details = "\n".join(["hypothesis: " + n for n in notes] + ([v.details] if v.details else []))
     return Verdict(property_id, v.status, config, diagnosis=v.diagnosis, message=message, evidence=evidence,
-                   repro=replay_command(property_id, target_ref, spec, world_size, modes, backend),
+                   repro=replay_command(property_id, opts.target, spec, world_size, modes, opts.backend),
                    seconds=round(seconds, 3), details=details)
 
 
 # -- every world size -------------------------------------------------------------------------
 def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: Optional[Pool] = None,
-                  world_sizes: Sequence[int] = (1, 2), grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-                  modes: Optional[ModesLike] = None, timeout: float = DEFAULT_TIMEOUT_S, seed: Optional[int] = None,
-                  models: Sequence[str] = DEFAULT_MODELS, backend: str = "gloo",
-                  settings: Optional[Settings] = None, dtypes: Sequence[str] = DEFAULT_DTYPES) -> List[Verdict]:
-    """``n_examples`` fuzzed examples of ``property_id`` at each world size (ascending) and mode;
-    one verdict per (world size, mode) -- for a property that compares modes, per (world size,
-    first mode vs each other one). ``seed=None`` uses the profile's (fixed under ``ci``, random otherwise; the
-    verdict records it). ``pool=None`` uses a private pool closed at the end. Raises ``ValueError``
-    for a property that cannot be fuzzed."""
+                  settings: Optional[Settings] = None, **options) -> List[Verdict]:
+    """The Python API: ``fuzz_options`` with ``Options`` built from keywords, as a property call
+    takes them (``world_sizes``, ``modes``, ``models``, ``dtypes``, ``grad_sample_mode``,
+    ``backend``, ``timeout``, ``seed``; ``TypeError`` for one the property does not know).
+    Raises ``ValueError`` for a property that cannot be fuzzed."""
     prop = fuzzable_property(property_id)
-    modes = modes_mod.from_mapping(modes)
-    if prop.compares_modes:
-        groups = [(modes[0], other) for other in modes[1:]]
-    else:
-        groups = [(m,) for m in modes]
+    return fuzz_options(property_id, prop.options(target_ref, **options), n_examples, pool=pool, settings=settings)
+
+
+def fuzz_options(property_id: str, opts: Options, n_examples: int, *, pool: Optional[Pool] = None,
+                 settings: Optional[Settings] = None) -> List[Verdict]:
+    """``n_examples`` fuzzed examples of ``property_id`` at each of the options' world sizes
+    (ascending) and mode groups (``Property.mode_groups``): one verdict each. ``pool=None`` uses a
+    private pool closed at the end."""
+    prop = fuzzable_property(property_id)
+    groups = prop.mode_groups(opts.modes, opts.params)
     own = pool is None
     pool = pool or Pool()
     verdicts: List[Verdict] = []
     try:
-        for ws in sorted(set(world_sizes)):
+        for ws in sorted(set(opts.world_sizes)):
             if not groups:
-                verdicts.append(Verdict(prop.id, "skip", {
-                    "world_size": ws, "data_layout": "fuzzed", "model": "fuzzed", "mode": modes[0].label,
-                    "grad_sample_mode": grad_sample_mode}, message=modes_problem(prop, modes)))
+                verdicts.append(prop.skip(opts, modes_problem(prop, opts.modes), world_size=ws))
             for run_modes in groups:
-                verdicts.append(fuzz_case(prop.id, target_ref, ws, pool=pool, modes=run_modes,
-                                          n_examples=n_examples, seed=seed, models=models,
-                                          grad_sample_mode=grad_sample_mode, backend=backend, timeout=timeout,
-                                          settings=settings, dtypes=dtypes))
+                verdicts.append(fuzz_case(prop.id, opts, ws, run_modes, pool=pool, n_examples=n_examples,
+                                          settings=settings))
     finally:
         if own:
             pool.close()
@@ -294,3 +286,8 @@ def format_failure(v: Verdict) -> str:
         lines.append(f"blob: {v.evidence['reproduce_failure']}")
     lines.append(f"reproduce: {v.repro}")
     return "\n".join(lines)
+
+
+__all__ = ["fuzz_property", "fuzz_options", "fuzz_case", "check_example", "fuzzable_property",
+           "spec_strategy", "spec_to_json", "spec_from_json", "replay_command", "format_failure",
+           "Counterexample", "DEFAULT_MODELS", "DEFAULT_DTYPES"]

@@ -22,7 +22,7 @@ MAX_WARM_GROUPS = 6
 
 def _config(plan: RunPlan) -> dict:
     return {"world_size": None, "data_layout": None, "model": None, "mode": "default",
-            "grad_sample_mode": plan.grad_sample_mode}
+            "grad_sample_mode": plan.options.grad_sample_mode}
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
@@ -32,8 +32,8 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     own_pool = pool is None
     # one warm group per (world size, mode) so no property restarts ranks another one just used
     # (a restart costs seconds); idle ranks only cost memory
-    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(plan.world_sizes) * max(1, len(plan.modes))))
-    opts = plan.options()
+    opts = plan.options
+    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(opts.world_sizes) * len(opts.modes)))
     verdicts: List[Verdict] = []
 
     def emit(vs: List[Verdict]) -> None:
@@ -47,7 +47,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
         try:
             return fn()
         except Exception as e:  # a bug in a check or an unloadable target: report, go on
-            return [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # issue 14: exit 3
+            return [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # exit 3
                             message=f"{what} {pid} failed: {type(e).__name__}: {e}",
                             details=traceback.format_exc(), seconds=round(time.monotonic() - t0, 3))]
 
@@ -66,11 +66,6 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
 
 
 def _fuzz(pid: str, plan: RunPlan, pool: Pool) -> List[Verdict]:
-    from .fuzz import fuzz_property
+    from .fuzz import fuzz_options
 
-    extra = {"dtypes": plan.dtypes} if plan.dtypes else {}
-    if plan.models:
-        extra["models"] = plan.models
-    return fuzz_property(pid, plan.target, plan.fuzz, pool=pool, world_sizes=plan.world_sizes,
-                         grad_sample_mode=plan.grad_sample_mode, modes=plan.modes or None, timeout=plan.timeout,
-                         seed=0, **extra)
+    return fuzz_options(pid, PROPERTIES[pid].with_defaults(plan.options), plan.fuzz, pool=pool)

@@ -1,18 +1,10 @@
 """What a gate run checks before it starts and writes after it ends (``cli.cmd_run`` calls in here).
 
-* ``preflight(args)``: the optional pieces a run needs are present -- the opacus it would test
-  (``--target opacus``), hypothesis for ``--fuzz``, a valid ``--expect`` file -- or a one-line
-  usage error (exit 2) naming the ``pip install`` that fixes it.
 * ``describe_target`` / ``banner`` / ``VersionAction``: which opacus was imported (version and
   file), in the stderr banner, the JSON ``target``, the markdown page and ``--version``.
-* ``finish(args, verdicts, ...)``: judges the verdicts against the expectations, writes every
-  report and returns the exit code.
-
-Exit codes (stable): ``0`` every selected property passed (with ``--expect``: exactly the listed
-failures failed); ``1`` a failure, hang or error of the target that is not expected, or (with
-``--expect``) an expectation that no longer holds; ``2`` usage or configuration error, nothing
-run; ``3`` internal error of dpfsdp-verify (a check raised: diagnosis ``internal_error``, or the
-CLI itself crashed) -- takes precedence over ``1``.
+* ``finish(plan, verdicts, target)``: judges the verdicts against the plan's expectations, writes
+  every report the plan asks for and returns the exit code (``exit_code``, the one place it is
+  computed; the codes are ``EXIT_*`` below, stated once, in docs/gate.md, "Exit codes").
 """
 
 from __future__ import annotations
@@ -26,24 +18,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from . import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .expectations import Expectations
+    from .plan import RunPlan
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-def _usage_error(message: str, hint: str):
-    from .plan import UsageError
-
-    return UsageError(message, hint)
-
-
-def require_hypothesis(what: str) -> None:
-    """``UsageError`` (exit 2, one line naming the extra) when hypothesis is not importable."""
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError as e:
-        raise _usage_error(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
-                           "pip install 'dpfsdp-verify[fuzz]'") from None
 
 
 def _distribution_of(package: str) -> Optional[Dict[str, str]]:
@@ -118,28 +95,6 @@ class VersionAction(argparse.Action):
         parser.exit(0)
 
 
-def preflight(args) -> Optional["Expectations"]:
-    """Checks that need no run plan; raises the CLI's ``UsageError``. Returns the parsed
-    ``--expect`` file (or None)."""
-    from .expectations import ExpectationsError, load
-
-    if getattr(args, "target", None) == "opacus":
-        try:
-            import opacus  # noqa: F401
-        except ImportError as e:
-            raise _usage_error(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
-                               "install your fork (pip install -e PATH) or upstream (pip install "
-                               "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
-    if getattr(args, "fuzz", 0) and args.fuzz > 0:
-        require_hypothesis("--fuzz")
-    if getattr(args, "expect", None):
-        try:
-            return load(args.expect)
-        except ExpectationsError as e:
-            raise _usage_error(str(e), e.hint) from None
-    return None
-
-
 def describe_target(ref: str, info: Dict[str, Any]) -> Dict[str, Any]:
     """The JSON ``target``: ``name``, ``version``, ``ref`` (as given to --target) and ``opacus``
     (version, path, distribution of the opacus imported while loading it; null if none was)."""
@@ -164,17 +119,18 @@ def exit_code(verdicts, outcome=None) -> int:
     return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
 
 
-def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectations=None,
-           seed: Optional[int] = None) -> int:
+def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
     the only thing on stdout (the table and messages go to stderr)."""
     from . import report
     from .expectations import apply
     from .verdict import FAILING
 
+    expectations, reports = plan.expectations, plan.reports
+    backend, seed = plan.options.backend, plan.options.seed
     outcome = apply(expectations, verdicts) if expectations is not None else None
     code = exit_code(verdicts, outcome)
-    json_to_stdout = getattr(args, "json", None) == "-"
+    json_to_stdout = reports.json == "-"
     out = sys.stderr if json_to_stdout else sys.stdout
     print(report.terminal_table(verdicts, outcome), file=out)
     for v in verdicts:
@@ -203,18 +159,18 @@ def finish(args, verdicts: List, target: Dict[str, Any], backend: str, expectati
     if seed is not None:
         print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
               file=out)
-    if getattr(args, "json", None):
+    if reports.json:
         if json_to_stdout:
             sys.stdout.write(report.dumps_json(verdicts, target, backend, outcome, code, seed))
             sys.stdout.flush()
         else:
-            report.write_json(args.json, verdicts, target, backend, outcome, code, seed)
-    if getattr(args, "junit", None):
-        report.write_junit(args.junit, verdicts, target["name"], outcome)
-    if getattr(args, "markdown", None):
+            report.write_json(reports.json, verdicts, target, backend, outcome, code, seed)
+    if reports.junit:
+        report.write_junit(reports.junit, verdicts, target["name"], outcome)
+    if reports.markdown:
         # a PNG for the CI artifacts, beside the page; the page does not link it (a step summary
         # cannot show a file from the runner's disk)
-        report.plot_norm_ratios(verdicts, os.path.splitext(args.markdown)[0] + "-norm-ratio.png")
-        with open(args.markdown, "w") as f:
+        report.plot_norm_ratios(verdicts, os.path.splitext(reports.markdown)[0] + "-norm-ratio.png")
+        with open(reports.markdown, "w") as f:
             f.write(report.to_markdown(verdicts, target, outcome))
     return code

@@ -121,3 +121,8 @@ def load_profile(name: Optional[str] = None, root: Optional[str] = None) -> str:
 def active_profile() -> Optional[str]:
     """The short name ``load_profile`` last loaded, or ``None``."""
     return _active
+
+
+__all__ = ["register_profiles", "load_profile", "profile_settings", "resolve_name", "active_profile",
+           "database_path", "ProfileError", "PROFILES", "DEFAULT_PROFILE", "PROFILE_ENV", "DB_ROOT_ENV",
+           "PREFIX"]

@@ -23,12 +23,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODEL_NAMES = ("mlp", "conv", "transformer")
+#: the models every property runs on by default (all parameters trainable, none tied)
+BASE_MODELS = ("mlp", "conv", "transformer")
+#: the fine-tuning models (``docs/finetune.md``): a frozen base with LoRA adapters, and a tiny LM
+#: whose output head is its token embedding (tied weights); properties run them under ``--models``
+FINETUNE_MODELS = ("lora", "tied")
+MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS
 
 #: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds.
 MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 8, 3
 CONV_CHANNELS, CONV_SIZE, CONV_CLASSES = 2, 6, 3
 VOCAB, SEQ_LEN, D_MODEL, N_HEADS = 11, 5, 8, 2
+LORA_RANK = 2
+TIES = ("head", "none")
 IGNORE_INDEX = -100
 
 
@@ -133,6 +140,74 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class LoRAMLP(nn.Module):
+    """A fine-tuned MLP: frozen base ``fc1 -> ReLU -> LayerNorm -> fc2`` with LoRA adapters.
+
+    Each base Linear ``fcK`` (frozen) gets a low-rank update ``fcK_b(fcK_a(x))`` (``fcK_a``: in ->
+    ``rank``, ``fcK_b``: ``rank`` -> out, both bias-free and trainable), added to its output. The
+    LayerNorm is frozen whole (a frozen layer); ``fc2.bias`` stays trainable while ``fc2.weight``
+    is frozen (a layer with both kinds, as in BitFit or a re-initialised head bias), so a target
+    must tell frozen from trainable *within* a layer. Unlike LoRA's usual zero init of ``B``,
+    every adapter is drawn at random: with ``B = 0`` the per-sample gradient of ``A`` is exactly
+    zero at the first step, and a bug in it would not show.
+    """
+
+    def __init__(self, d_in: int = MLP_IN, hidden: int = MLP_HIDDEN, classes: int = MLP_CLASSES,
+                 rank: int = LORA_RANK):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank={rank} must be >= 1 (the LoRA adapters' inner dimension)")
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc1_a = nn.Linear(d_in, rank, bias=False)
+        self.fc1_b = nn.Linear(rank, hidden, bias=False)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+        self.fc2_a = nn.Linear(hidden, rank, bias=False)
+        self.fc2_b = nn.Linear(rank, classes, bias=False)
+        with torch.no_grad():  # LayerNorm starts at (1, 0): give the frozen norm non-trivial values
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+        for p in (self.fc1.weight, self.fc1.bias, self.norm.weight, self.norm.bias, self.fc2.weight):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x) + self.fc1_b(self.fc1_a(x)))
+        h = self.norm(h)
+        return self.fc2(h) + self.fc2_b(self.fc2_a(h))
+
+
+class TiedLM(nn.Module):
+    """A tiny LM whose output head *is* its token embedding (``tie="head"``, as GPT-2 ties them):
+    ``head.weight`` and ``tok.weight`` are one tensor, so its gradient is the sum of the
+    embedding's and the head's. Token + position embeddings, a pre-norm residual Linear block,
+    final LayerNorm, bias-free head. ``tie="none"`` is the same model with a separate head (the
+    same initial values): the untied twin.
+    """
+
+    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, tie="head"):
+        super().__init__()
+        if tie not in TIES:
+            raise ValueError(f"tie={tie!r}: choose one of {', '.join(TIES)}")
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.ln = nn.LayerNorm(d_model)
+        self.mix = nn.Linear(d_model, d_model)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        if tie == "head":
+            self.head.weight = self.tok.weight
+        else:
+            with torch.no_grad():
+                self.head.weight.copy_(self.tok.weight)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand_as(idx).contiguous()  # see TinyGPT
+        x = self.tok(idx) + self.pos(pos)
+        x = x + torch.tanh(self.mix(self.ln(x)))
+        return self.head(self.ln_f(x))
+
+
 @dataclass
 class Batch:
     """A batch: ``inputs`` and ``targets`` share dim 0; ``loss`` is ``"cross_entropy"``
@@ -158,11 +233,14 @@ MODEL_DIMS = {
     "mlp": ("d_in", "hidden", "classes"),
     "conv": ("channels", "size", "classes", "width", "groups", "mixer"),
     "transformer": ("vocab", "seq_len", "d_model", "n_heads", "norm", "d_ff"),
+    "lora": ("d_in", "hidden", "classes", "rank"),
+    "tied": ("vocab", "seq_len", "d_model", "tie"),
 }
 #: keywords only the batch uses (``build_model`` accepts and ignores them)
 BATCH_DIMS = ("pad_fraction",)
 _BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
-               "transformer": ("vocab", "seq_len", "pad_fraction")}
+               "transformer": ("vocab", "seq_len", "pad_fraction"), "lora": ("d_in", "classes"),
+               "tied": ("vocab", "seq_len", "pad_fraction")}
 
 
 def _check_dims(name: str, dims: dict) -> None:
@@ -182,7 +260,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     ``ValueError`` for an unknown name, an unknown dimension, or inconsistent sizes.
     """
     _check_dims(name, dims)
-    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT}[name]
+    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -205,7 +283,7 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     _check_dims(name, dims)
     d = {k: v for k, v in dims.items() if k in _BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
-    if name == "mlp":
+    if name in ("mlp", "lora"):
         d_in, classes = d.get("d_in", MLP_IN), d.get("classes", MLP_CLASSES)
         x = torch.randn(batch_size, d_in, generator=g, dtype=torch.float64).to(dtype)
         y = torch.randint(0, classes, (batch_size,), generator=g)
@@ -222,3 +300,7 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     pad[:, 0] = False  # every sequence keeps at least one real target
     y[pad] = IGNORE_INDEX
     return Batch(x, y, "token_cross_entropy")
+
+
+__all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "MLP",
+           "ConvNet", "TinyGPT"]

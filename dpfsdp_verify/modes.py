@@ -3,12 +3,17 @@
 A fork's switches (``OPACUS_USE_DEFERRED_NORM=1``...) are process environment, so a *mode* is
 ``LABEL:VAR=VAL[,VAR=VAL]`` on the command line and ``Mode(label, env)`` in code. This module is
 the one place that parses, validates and formats them (CLI, run plan, repro lines, fuzz replay).
+
+A mode may instead (or as well) change the ``RunSpec`` (``Mode.spec``): a comparing property's
+built-in pair needs no environment at all (the mode comparison compares a logical step computed
+unsplit with the same step in physical batches -- gradient accumulation -- when no
+``--mode-env`` is given). Such modes have no command-line form: the default run makes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 Env = Dict[str, str]
 
@@ -23,10 +28,16 @@ class ModeSyntaxError(ValueError):
 
 @dataclass(frozen=True)
 class Mode:
-    """A labelled environment (sorted ``(VAR, value)`` pairs: hashable, order-free)."""
+    """A labelled environment (sorted ``(VAR, value)`` pairs: hashable, order-free), and the
+    ``RunSpec`` fields the mode sets (sorted ``(field, value)`` pairs; ``()`` for env modes)."""
 
     label: str = "default"
     env: Tuple[Tuple[str, str], ...] = ()
+    spec: Tuple[Tuple[str, Any], ...] = ()
+
+    def apply(self, run_spec):
+        """``run_spec`` as this mode runs it (its ``spec`` fields set)."""
+        return run_spec.with_(**dict(self.spec)) if self.spec else run_spec
 
     @classmethod
     def of(cls, label: str, env: Optional[Mapping[str, str]] = None) -> "Mode":
@@ -37,8 +48,8 @@ class Mode:
         return dict(self.env)
 
     def describe_env(self) -> str:
-        """``A=1,B=2``, or ``no env``."""
-        return ",".join(f"{k}={v}" for k, v in self.env) or "no env"
+        """``A=1,B=2``, the spec fields it sets, or ``no env``."""
+        return ",".join([f"{k}={v}" for k, v in self.env] + [f"RunSpec.{k}={v}" for k, v in self.spec]) or "no env"
 
     def to_arg(self) -> str:
         """The ``--mode-env`` value that gives back this mode."""

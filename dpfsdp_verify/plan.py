@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from . import modes as modes_mod
 from .modes import Mode, ModeSyntaxError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .expectations import Expectations
+    from .properties import Options
 
 #: gloo ranks are processes on this host: more than this is a mistake on a CI runner
 MAX_GLOO_WORLD_SIZE = 16
@@ -32,108 +36,142 @@ def csv(text: str) -> List[str]:
 
 
 @dataclass(frozen=True)
+class Reports:
+    """Where the gate writes its reports (``None``: not asked for; ``json == "-"``: stdout)."""
+
+    json: Optional[str] = None
+    junit: Optional[str] = None
+    markdown: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    target: str
-    target_info: Tuple[Tuple[str, str], ...]
-    grad_sample_mode: str
-    modes: Tuple[Mode, ...]          # () = run once with no extra environment
-    world_sizes: Tuple[int, ...]
-    backend: str
+    """One gate run: the ``properties.Options`` every property runs with, plus what only the gate
+    has (which properties, fuzz examples, the loaded expectations, reports, verbosity)."""
+
+    options: "Options"
     properties: Tuple[str, ...]
-    #: ``None``: each property's own defaults (``Property.models`` / ``reductions`` / ``dtypes``)
-    models: Optional[Tuple[str, ...]]
-    reductions: Optional[Tuple[str, ...]]
-    timeout: float
+    target_info: Tuple[Tuple[str, str], ...] = ()
     fuzz: int = 0
-    #: ``None``: each property's own (float64, and float32 where the property runs it by default)
-    dtypes: Optional[Tuple[str, ...]] = None
-    #: the sampling axis (``properties.Options``): ``None`` = each property's own
-    samplings: Optional[Tuple[str, ...]] = None
-    seedings: Optional[Tuple[str, ...]] = None
-    sample_rate: Optional[float] = None
-    dataset_size: Optional[int] = None
-    #: the run's statistical seed: random per run unless ``--seed`` replays one
-    seed: int = 0
+    #: the parsed ``--expect`` file
+    expectations: Optional["Expectations"] = None
+    reports: Reports = Reports()
+    quiet: bool = False
 
     @property
     def info(self) -> Dict[str, str]:
         """``{"name", "version"}`` of the target (for reports)."""
         return dict(self.target_info)
 
-    def options(self):
-        """The ``properties.Options`` every property of the plan runs with."""
-        from .properties import Options
-
-        return Options(target=self.target, world_sizes=self.world_sizes, modes=self.modes or modes_mod.DEFAULT_MODES,
-                       grad_sample_mode=self.grad_sample_mode, models=self.models, reductions=self.reductions,
-                       dtypes=self.dtypes, backend=self.backend, timeout=self.timeout, samplings=self.samplings,
-                       seedings=self.seedings, sample_rate=self.sample_rate, dataset_size=self.dataset_size,
-                       seed=self.seed)
-
     @classmethod
     def from_args(cls, args) -> "RunPlan":
         """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong."""
-        from .harness import BackendUnavailable, check_backend
-        from .models import MODEL_NAMES
-        from .properties import PROPERTIES, modes_problem
+        from .properties import PROPERTIES, Options, modes_problem
 
-        try:
-            world_sizes = sorted({int(w) for w in csv(args.world_sizes)})
-        except ValueError:
-            raise UsageError(f"--world-sizes {args.world_sizes!r}: not a comma list of integers",
-                             "e.g. --world-sizes 1,2") from None
-        if not world_sizes or world_sizes[0] < 1:
-            raise UsageError(f"--world-sizes {args.world_sizes!r}: world sizes must be >= 1", "e.g. --world-sizes 1,2")
-        if args.backend == "gloo" and world_sizes[-1] > MAX_GLOO_WORLD_SIZE:
-            raise UsageError(f"--world-sizes: {world_sizes[-1]} gloo ranks is more than this gate runs on one host "
-                             f"(max {MAX_GLOO_WORLD_SIZE})", "use torchrun + the pytest plugin for larger worlds")
-        try:
-            check_backend(args.backend, world_sizes[-1])
-        except (BackendUnavailable, ValueError) as e:
-            raise UsageError(f"--backend {args.backend}: {e}", "use --backend gloo on CPU runners") from None
+        world_sizes = parse_world_sizes(args.world_sizes, args.backend)
         props = csv(args.properties) if args.properties else list(PROPERTIES)
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown property {', '.join(unknown)}", f"choose from {', '.join(PROPERTIES)}")
-        models = reductions = None
-        if args.models is not None:
-            models = tuple(csv(args.models))
-            bad = [m for m in models if m not in MODEL_NAMES]
-            if bad or not models:
-                raise UsageError(f"unknown model {', '.join(bad) or '(none)'}",
-                                 f"choose from {', '.join(MODEL_NAMES)}")
-        if args.loss_reductions is not None:
-            reductions = tuple(csv(args.loss_reductions))
-            if not reductions or any(r not in REDUCTIONS for r in reductions):
-                raise UsageError(f"--loss-reductions {args.loss_reductions!r}: choose from {','.join(REDUCTIONS)}",
-                                 "e.g. --loss-reductions mean")
-        dtypes = None
-        if args.dtypes is not None:
-            from .properties.compare import TOLERANCES
-
-            dtypes = tuple(csv(args.dtypes))
-            if not dtypes or any(d not in TOLERANCES for d in dtypes):
-                raise UsageError(f"--dtypes {args.dtypes!r}: choose from {','.join(TOLERANCES)}",
-                                 "e.g. --dtypes float64,float32")
         if args.timeout <= 0:
             raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds", "e.g. --timeout 60")
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
-        sampling = parse_sampling(args, world_sizes[-1])
         modes = parse_modes(args.mode_env)
+        physical = getattr(args, "physical_batch_size", None)  # gradient accumulation: the properties' option
+        if physical is not None and physical < 1:
+            raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
+                             "e.g. --physical-batch-size 2")
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
+        expectations = check_optional_pieces(args)
         info = load_target_info(args.target)
-        for path in (args.json, args.junit, args.markdown):
-            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
+        for path in (reports.json, reports.junit, reports.markdown):
+            if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
-        return cls(target=args.target, target_info=tuple(info.items()), grad_sample_mode=args.grad_sample_mode,
-                   modes=modes, world_sizes=tuple(world_sizes), backend=args.backend, properties=tuple(props),
-                   models=models, reductions=reductions, timeout=float(args.timeout), fuzz=args.fuzz,
-                   dtypes=dtypes, **sampling)
+        options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
+                          grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
+                          **parse_axes(args), **parse_sampling(args, world_sizes[-1]),
+                          params=(("physical_batch_size", physical),) if physical else ())
+        return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
+                   expectations=expectations, reports=reports, quiet=args.quiet)
+
+
+def parse_world_sizes(text: str, backend: str) -> List[int]:
+    """``--world-sizes`` as sorted distinct ints the backend can run; ``UsageError`` otherwise."""
+    from .harness import BackendUnavailable, check_backend
+
+    try:
+        world_sizes = sorted({int(w) for w in csv(text)})
+    except ValueError:
+        raise UsageError(f"--world-sizes {text!r}: not a comma list of integers", "e.g. --world-sizes 1,2") from None
+    if not world_sizes or world_sizes[0] < 1:
+        raise UsageError(f"--world-sizes {text!r}: world sizes must be >= 1", "e.g. --world-sizes 1,2")
+    if backend == "gloo" and world_sizes[-1] > MAX_GLOO_WORLD_SIZE:
+        raise UsageError(f"--world-sizes: {world_sizes[-1]} gloo ranks is more than this gate runs on one host "
+                         f"(max {MAX_GLOO_WORLD_SIZE})", "use torchrun + the pytest plugin for larger worlds")
+    try:
+        check_backend(backend, world_sizes[-1])
+    except (BackendUnavailable, ValueError) as e:
+        raise UsageError(f"--backend {backend}: {e}", "use --backend gloo on CPU runners") from None
+    return world_sizes
+
+
+def parse_axes(args) -> Dict:
+    """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own)."""
+    from .models import MODEL_NAMES
+    from .properties.compare import TOLERANCES
+
+    out: Dict = {"models": None, "reductions": None, "dtypes": None}
+    for key, flag, text, allowed, example in (
+            ("models", "--models", args.models, MODEL_NAMES, "--models mlp"),
+            ("reductions", "--loss-reductions", args.loss_reductions, REDUCTIONS, "--loss-reductions mean"),
+            ("dtypes", "--dtypes", args.dtypes, tuple(TOLERANCES), "--dtypes float64,float32")):
+        if text is None:
+            continue
+        values = tuple(csv(text))
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            what = f"unknown model {', '.join(bad) or '(none)'}" if key == "models" else f"{flag} {text!r}"
+            raise UsageError(f"{what}: choose from {','.join(allowed)}", f"e.g. {example}")
+        out[key] = values
+    return out
+
+
+def check_optional_pieces(args) -> Optional["Expectations"]:
+    """The optional pieces the run needs are present -- the opacus it would test (``--target
+    opacus``), hypothesis for ``--fuzz`` -- and the ``--expect`` file is valid: ``UsageError``
+    naming the ``pip install`` (or the file's mistake) otherwise. Returns the parsed expectations."""
+    from .expectations import ExpectationsError, load
+
+    if args.target == "opacus":
+        try:
+            import opacus  # noqa: F401
+        except ImportError as e:
+            raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
+                             "install your fork (pip install -e PATH) or upstream (pip install "
+                             "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
+    if args.fuzz > 0:
+        require_hypothesis("--fuzz")
+    if args.expect:
+        try:
+            return load(args.expect)
+        except ExpectationsError as e:
+            raise UsageError(str(e), e.hint) from None
+    return None
+
+
+def require_hypothesis(what: str) -> None:
+    """``UsageError`` (exit 2, one line naming the extra) when hypothesis is not importable."""
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
+                         "pip install 'dpfsdp-verify[fuzz]'") from None
 
 
 def parse_sampling(args, max_world_size: int) -> Dict:
@@ -186,5 +224,5 @@ def positive_world_size(text: str) -> int:
     return ws
 
 
-__all__ = ["RunPlan", "UsageError", "parse_modes", "load_target_info", "positive_world_size", "csv",
-           "MAX_GLOO_WORLD_SIZE"]
+__all__ = ["RunPlan", "Reports", "UsageError", "parse_modes", "load_target_info", "positive_world_size", "csv",
+           "require_hypothesis", "MAX_GLOO_WORLD_SIZE"]

@@ -20,8 +20,15 @@ Definitions (they follow opacus 1.6.0, so that a correct opacus matches to float
   ``"mean"`` (1 under ``"sum"``).
 
 Config mistakes raise ``ReferenceInputError`` subclasses with a message naming the problem
-(unsupported layer, tied parameters, empty batch, mismatched batch sizes), never an error from
-deep inside torch.
+(unsupported layer, empty batch, mismatched batch sizes), never an error from deep inside torch.
+
+Fine-tuning (``docs/finetune.md``): only parameters with ``requires_grad`` have per-sample
+gradients; norms, clipping and noise are over those alone, and a frozen parameter never moves.
+A parameter used in several places (tied weights: one tensor under several names, e.g. an LM
+head that is its token embedding) is one parameter: its per-sample gradient is the *sum* over its
+uses, and it appears once, under its first name (``named_parameters()``). Both methods get that
+sum from autograd itself; ``per_use_grads`` unties the model to show each use on its own (the
+sum of the uses is tested against the tied gradient).
 """
 
 from __future__ import annotations
@@ -58,16 +65,13 @@ class UnsupportedLayerError(ReferenceInputError):
     pass
 
 
-class ParameterTyingError(ReferenceInputError):
-    pass
-
-
 class BatchError(ReferenceInputError):
     pass
 
 
 def check_model(model: nn.Module) -> None:
-    """Raise ``UnsupportedLayerError`` / ``ParameterTyingError`` if the model is out of scope."""
+    """Raise ``UnsupportedLayerError`` if the model is out of scope. Tied parameters are in scope
+    (module docstring: their per-sample gradient is the sum over their uses)."""
     for name, module in model.named_modules():
         # Checked before the parameter test: BatchNorm(affine=False) holds no parameters, yet in
         # training mode it couples the samples of a batch, so per-sample gradients do not exist
@@ -83,14 +87,6 @@ def check_model(model: nn.Module) -> None:
                 f"layer {name or '<root>'!r} of type {type(module).__name__} holds parameters but is not "
                 f"supported; supported layers: {', '.join(t.__name__ for t in SUPPORTED_LAYERS)}"
             )
-    seen: Dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ParameterTyingError(
-                f"parameters {seen[id(p)]!r} and {name!r} are the same tensor (parameter tying); "
-                "opacus ghost clipping under FSDP does not support tied parameters"
-            )
-        seen[id(p)] = name
 
 
 def check_batch(batch: Batch, reduction: str = "mean") -> None:
@@ -112,7 +108,7 @@ def per_sample_losses(outputs: torch.Tensor, targets: torch.Tensor, loss: str, r
         return F.cross_entropy(outputs, targets, reduction="none")
     if loss == "token_cross_entropy":
         b, t = targets.shape
-        tok = F.cross_entropy(outputs.reshape(b * t, -1), targets.reshape(-1), reduction="none",
+        tok = F.cross_entropy(outputs.reshape(b * t, outputs.shape[-1]), targets.reshape(-1), reduction="none",
                               ignore_index=IGNORE_INDEX).view(b, t)
         if reduction == "sum":
             return tok.sum(dim=1)
@@ -134,7 +130,9 @@ def as_float64(model: nn.Module, batch: Batch):
 
 
 def per_sample_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap") -> Grads:
-    """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses.
+    """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses,
+    for the parameters with ``requires_grad`` (a tied one once, under its first name, summed over
+    its uses).
 
     ``method="loop"`` is the obvious one (autograd per sample); ``"vmap"`` is ``torch.func``.
     Raises ``ReferenceInputError`` subclasses for out-of-scope models or bad batches.
@@ -173,6 +171,44 @@ def _per_sample_grads_vmap(m: nn.Module, b: Batch, reduction: str) -> Grads:
         return per_sample_losses(out, y.unsqueeze(0), b.loss, reduction)[0]
 
     return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, b.inputs, b.targets)
+
+
+def tied_names(model: nn.Module) -> Dict[str, List[str]]:
+    """``{first name: [every name]}`` for each parameter registered under more than one name."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}
+
+
+def untie(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in which every use of a tied parameter (each name it is registered
+    under) is a separate parameter with the same values and ``requires_grad``."""
+    m = copy.deepcopy(model)
+    for group in tied_names(m).values():
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            module = m.get_submodule(owner) if owner else m
+            p = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+    return m
+
+
+def per_use_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap") -> Grads:
+    """float64 per-sample gradients with each use of a tied parameter apart, keyed by the name of
+    the use (``tok.weight`` for the embedding's use, ``head.weight`` for the head's): the
+    per-sample gradients of ``untie(model)``. Summed over the names of a tied group they are the
+    tied parameter's per-sample gradient (``per_sample_grads``)."""
+    return per_sample_grads(untie(model), batch, reduction, method)
+
+
+def with_all_trainable(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose frozen parameters are trainable too (what a target that forgets
+    ``requires_grad`` computes): for diagnosing norms that include frozen parameters."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        p.requires_grad_(True)
+    return m
 
 
 def per_sample_norms(grads: Grads) -> torch.Tensor:
@@ -245,14 +281,28 @@ class Trajectory:
 
 def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
                       reduction: str = "mean", expected_batch_size: Optional[int] = None,
-                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None) -> Trajectory:
+                      noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None,
+                      empty_steps: bool = False) -> Trajectory:
     """Plain-SGD DP training on one process, one step per batch, in float64.
 
-    The input model is not modified.
+    An empty batch is refused (``BatchError``) unless ``empty_steps`` (Poisson sampling can draw
+    one): then it is a step of noise alone, with loss NaN. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
     losses = []
     for batch in batches:
+        if empty_steps and len(batch) == 0 and len(batch.targets) == 0:
+            # an empty Poisson batch: DP-SGD still takes the step and releases the noise alone; the
+            # batch has no loss (NaN: a caller compares losses of non-empty batches only)
+            losses.append(float("nan"))
+            shapes = {n: p.detach().unsqueeze(0) for n, p in m.named_parameters() if p.requires_grad}
+            noise = noise_like(shapes, noise_multiplier * max_grad_norm, generator)
+            divisor = float(expected_batch_size or 1) if reduction == "mean" else 1.0
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if n in noise:  # trainable ones only: a frozen parameter gets no noise either
+                        p -= lr * noise[n] / divisor
+            continue
         step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)
         losses.append(step.loss)
@@ -261,3 +311,10 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
                 if n in step.gradient:
                     p -= lr * step.gradient[n]
     return Trajectory(losses, {n: p.detach().clone() for n, p in m.named_parameters()})
+
+
+__all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped_sum", "noise_like",
+           "dp_sgd_gradient", "dp_sgd_trajectory", "per_sample_losses", "batch_loss", "check_model",
+           "check_batch", "DPStep", "Trajectory", "ReferenceInputError", "UnsupportedLayerError",
+           "BatchError", "tied_names", "untie", "per_use_grads", "with_all_trainable", "SUPPORTED_LAYERS",
+           "CLIP_EPSILON", "LOSSES", "REDUCTIONS"]

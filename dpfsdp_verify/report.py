@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from . import __version__
-from .verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict
+from .verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Outcome
@@ -24,7 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
 #: can break a reader (a removed/renamed field or a changed meaning), not for added fields
 SCHEMA_VERSION = 1
 #: config keys shown by value alone, in this order, after ``ws=N``; every other key is ``key=value``
-_POSITIONAL = ("data_layout", "model", "reduction")
 
 
 def summary(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> Dict[str, int]:
@@ -35,54 +34,6 @@ def summary(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> Dic
         out[v.status] += 1
     out["expected"] = sum(1 for v in verdicts if outcome is not None and outcome.is_expected(v))
     return out
-
-
-def _scalar(v: Any) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
-
-
-def _value(v: Any) -> Optional[str]:
-    """A config value as label text; ``None`` for values that are absent (None / empty)."""
-    if v is None or v == "" or v == {} or v == [] or v == ():
-        return None
-    if isinstance(v, dict):
-        # one level of settings (fuzz examples/seed, model sizes); nested dicts (e.g. the fuzzer's
-        # per-status counts) are outcomes, not configuration, and stay out of the label
-        items = [f"{k}={_scalar(x)}" for k, x in sorted(v.items()) if x is not None and not isinstance(x, dict)]
-        return "(" + ",".join(items) + ")" if items else None
-    if isinstance(v, (list, tuple)):
-        return ",".join(_scalar(x) for x in v)
-    return _scalar(v)
-
-
-def config_label(config: Dict[str, Any]) -> str:
-    """``ws=2 split mlp mean mode=default grad_sample_mode=ghost_fsdp local_batches=even``: every
-    config key with a value (absent ones -- ``None`` -- are left out), world size first, then data
-    layout, model and reduction by value, then ``mode`` and the other keys alphabetically as
-    ``key=value``. Used in the terminal table, progress lines, JUnit names and markdown."""
-    parts = []
-    if config.get("world_size") is not None:
-        parts.append(f"ws={_value(config['world_size'])}")
-    for k in _POSITIONAL:
-        text = _value(config.get(k))
-        if text is not None:
-            parts.append(text)
-    rest = sorted(k for k in config if k not in ("world_size",) + _POSITIONAL)
-    if "mode" in rest:
-        rest.remove("mode")
-        rest.insert(0, "mode")
-    for k in rest:
-        text = _value(config[k])
-        if text is not None:
-            parts.append(f"{k}{text}" if text.startswith("(") else f"{k}={text}")
-    return " ".join(parts)
-
-
-def verdict_label(v: Verdict) -> str:
-    """``property [config label]``, the name of one verdict in messages."""
-    return f"{v.property} [{config_label(v.config)}]"
 
 
 def is_internal_error(v: Verdict) -> bool:

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from .models import MODEL_NAMES
+from .models import BASE_MODELS, MODEL_NAMES, TIES
 from .reference import REDUCTIONS
 from .targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec
 
@@ -130,7 +130,25 @@ def transformer_dims(draw, world_size: int) -> Dict[str, object]:
             "pad_fraction": draw(pad_fractions())}
 
 
-MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims}
+@st.composite
+def lora_dims(draw, world_size: int) -> Dict[str, int]:
+    """``mlp_dims`` plus ``rank`` (the LoRA adapters' inner dim, dim 0 of each ``*_a``) from
+    ``shard_dims``, for ``models.LoRAMLP``. Shrinks towards ``d_in=1, hidden=1, classes=2, rank=1``."""
+    return {**draw(mlp_dims(world_size)), "rank": draw(shard_dims(world_size))}
+
+
+@st.composite
+def tied_dims(draw, world_size: int) -> Dict[str, object]:
+    """Dims of ``models.TiedLM``: ``vocab`` (dim 0 of the tied embedding/head, >= 2) and
+    ``d_model`` from ``shard_dims``, ``seq_len`` from ``seq_lens()``, ``tie`` from ``TIES``,
+    ``pad_fraction``. Shrinks towards ``vocab=2, seq_len=1, d_model=1, tie="head", pad_fraction=0``."""
+    return {"vocab": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1))),
+            "seq_len": draw(seq_lens()), "d_model": draw(shard_dims(world_size)),
+            "tie": draw(st.sampled_from(TIES)), "pad_fraction": draw(pad_fractions())}
+
+
+MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
+                        "tied": tied_dims}
 
 
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:
@@ -243,7 +261,7 @@ def poisson_params(draw, world_size: int, *, max_local_batch: int = 3, max_epoch
 
 
 @st.composite
-def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = MODEL_NAMES,
+def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_MODELS,
               layouts: Sequence[str] = DATA_LAYOUTS, reduction_values: Sequence[str] = REDUCTIONS,
               dtype_values: Sequence[str] = ("float64",), steps: int = 1, min_global_batch: int = 1,
               min_per_rank: int = 1, explicit_splits: bool = True, grad_sample_mode: str = "ghost_fsdp",

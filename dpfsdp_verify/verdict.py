@@ -23,14 +23,15 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
-             "step_divergence", "correlated_sampling", "wrong_sample_rate", "internal_error", "timeout")
+             "step_divergence", "correlated_sampling", "wrong_sample_rate", "refused", "frozen_updated",
+             "internal_error", "timeout")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
 #: expectations file rejects other keys, and a test checks every property's plan against this list)
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
-               "seeding", "dataset")
+               "seeding", "dataset", "physical_batch_size")
 
 
 @dataclass
@@ -55,3 +56,64 @@ class Verdict:
         d = asdict(self)
         d.pop("details")
         return d
+
+    @property
+    def label(self) -> str:
+        """``property [config label]``: the name of this verdict in messages, reports and
+        expectations (``config_label``)."""
+        return f"{self.property} [{config_label(self.config)}]"
+
+
+#: config keys shown by value, not as ``key=value``, right after the world size
+_POSITIONAL = ("data_layout", "model", "reduction")
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _value(v: Any) -> Optional[str]:
+    """A config value as label text; ``None`` for values that are absent (None / empty)."""
+    if v is None or v == "" or v == {} or v == [] or v == ():
+        return None
+    if isinstance(v, dict):
+        # one level of settings (fuzz examples/seed, model sizes); nested dicts (e.g. the fuzzer's
+        # per-status counts) are outcomes, not configuration, and stay out of the label
+        items = [f"{k}={_scalar(x)}" for k, x in sorted(v.items()) if x is not None and not isinstance(x, dict)]
+        return "(" + ",".join(items) + ")" if items else None
+    if isinstance(v, (list, tuple)):
+        return ",".join(_scalar(x) for x in v)
+    return _scalar(v)
+
+
+def config_label(config: Dict[str, Any]) -> str:
+    """``ws=2 split mlp mean mode=default grad_sample_mode=ghost_fsdp local_batches=even``: every
+    config key with a value (absent ones -- ``None`` -- are left out), world size first, then data
+    layout, model and reduction by value, then ``mode`` and the other keys alphabetically as
+    ``key=value``. Used in the terminal table, progress lines, JUnit names and markdown."""
+    parts = []
+    if config.get("world_size") is not None:
+        parts.append(f"ws={_value(config['world_size'])}")
+    for k in _POSITIONAL:
+        text = _value(config.get(k))
+        if text is not None:
+            parts.append(text)
+    rest = sorted(k for k in config if k not in ("world_size",) + _POSITIONAL)
+    if "mode" in rest:
+        rest.remove("mode")
+        rest.insert(0, "mode")
+    for k in rest:
+        text = _value(config[k])
+        if text is not None:
+            parts.append(f"{k}{text}" if text.startswith("(") else f"{k}={text}")
+    return " ".join(parts)
+
+
+def verdict_label(v: Verdict) -> str:
+    """``v.label`` (kept for callers that map over verdicts)."""
+    return v.label
+
+
+

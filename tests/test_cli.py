@@ -35,7 +35,7 @@ def run_cli(*args, cwd=REPO):
     (["run", "--models", "resnet"], "unknown model resnet"),
     (["run", "--loss-reductions", "max"], "choose from mean,sum"),
     (["run", "--timeout", "0"], "must be > 0"),
-    (["run", "--properties", "mode_equivalence"], "needs two or more --mode-env"),
+    (["run", "--physical-batch-size", "0"], "must be an integer >= 1"),
     (["run", "--json", "/no/such/dir/r.json"], "directory does not exist"),
     (["run", "--frobnicate"], "unrecognized arguments"),
     (["run", "--sampling", "bernoulli"], "--sampling bernoulli: choose from fixed,poisson"),
@@ -61,17 +61,17 @@ def test_sampling_axis_selects_and_the_seed_replays(tmp_path):
     plan = RunPlan.from_args(cli.build_parser().parse_args(
         ["run", "--sampling", "poisson", "--seeding", "same,per_rank", "--sample-rate", "0.5", "--dataset-size", "6",
          "--seed", "7"]))
-    opts = plan.options()
+    opts = plan.options
     assert (opts.samplings, opts.seedings, opts.sample_rate, opts.dataset_size, opts.seed) == \
         (("poisson",), ("same", "per_rank"), 0.5, 6, 7)
     points = PROPERTIES["clipped_step"].points(PROPERTIES["clipped_step"].with_defaults(opts))
     assert {(p.sampling, p.seeding) for p in points} == {("poisson", "same"), ("poisson", "per_rank")}
     spec = points[0].spec()
     assert (spec.sampling, spec.sample_rate, spec.dataset_size, spec.expected_batch_size) == ("poisson", 0.5, 6, 3)
-    fixed = RunPlan.from_args(cli.build_parser().parse_args(["run", "--sampling", "fixed"])).options()
+    fixed = RunPlan.from_args(cli.build_parser().parse_args(["run", "--sampling", "fixed"])).options
     v, = PROPERTIES["sampling_accounting"].plan(PROPERTIES["sampling_accounting"].with_defaults(fixed))
     assert v.status == "skip" and "poisson sampling only" in v.message
-    seeds = {RunPlan.from_args(cli.build_parser().parse_args(["run"])).seed for _ in range(3)}
+    seeds = {RunPlan.from_args(cli.build_parser().parse_args(["run"])).options.seed for _ in range(3)}
     assert len(seeds) == 3  # a fresh seed per run
     sel = ["run", "--properties", "noise_calibration", "--world-sizes", "1", "--loss-reductions", "mean",
            "--sampling", "fixed", "--target", "fixtures.specimens:Correct", "-q"]

@@ -93,7 +93,10 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                                                                        ("seeding", ("per_rank", "unseeded")),
                                                                        ("world_size", 2))),
                    ("sampling_accounting", "fail", "step_divergence", (("dataset", "indivisible"),
-                                                                       ("world_size", 2)))}
+                                                                       ("world_size", 2))),
+                   ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
+                                                                                     "poisson_per_rank_accum")),
+                                                                  ("world_size", 2)))}
     assert all(e.reason for e in exp.entries)
 
 
@@ -172,7 +175,7 @@ def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
     assert (exp["expected_failures"], exp["unexpected_failures"], exp["unmet"]) == (1, 0, [])
     # not selected: not an error
     assert [e["property"] for e in exp["not_exercised"]] == ["trajectory", "deadlock_free", "deadlock_free"] + \
-        ["sampling_accounting"] * 4
+        ["sampling_accounting"] * 4 + ["deadlock_free"]
     assert "xfail" in r.stdout
     # JUnit: the expected failure is skipped with the reason (as pytest reports an xfail), nothing failed
     suite = ET.parse(x).getroot().find("testsuite")

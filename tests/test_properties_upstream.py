@@ -118,9 +118,9 @@ def test_mode_equivalence_between_env_labels(pool):
     assert_all_pass(run(pool, "mode_equivalence", world_sizes=(2,), modes=modes, models=("mlp",)))
 
 
-def test_mode_equivalence_needs_two_labels(pool):
+def test_mode_equivalence_without_labels_compares_unsplit_and_physical_batches(pool):
     vs = run(pool, "mode_equivalence", world_sizes=(2,), models=("mlp",))
-    assert [v.status for v in vs] == ["skip"]
+    assert [(v.status, v.config["mode"]) for v in vs] == [("pass", "unsplit vs physical_batches_2")]
 
 
 # -- Poisson sampling (issue 12) -----------------------------------------------------------------

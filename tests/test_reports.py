@@ -44,18 +44,19 @@ def test_deadlock_free_scenarios_have_unique_labels_in_every_report(tmp_path):
     validate(rep)
     results = rep["results"]
     assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "poisson_per_rank",
-                                                                     "poisson_same", "single", "uneven"]
+                                                                     "poisson_per_rank_accum", "poisson_same",
+                                                                     "single", "uneven", "uneven_accum"]
     labels = [v["label"] for v in results]
-    assert len(set(labels)) == 6 and all("local_batches=" in lab and "None" not in lab for lab in labels)
+    assert len(set(labels)) == 8 and all("local_batches=" in lab and "None" not in lab for lab in labels)
     assert all(set(v["config"]) <= set(CONFIG_KEYS) for v in results)
     # the terminal table went to stderr, one row per verdict, each with its own label
-    assert "6 pass" in r.stderr and all(lab in r.stderr for lab in labels)
+    assert "8 pass" in r.stderr and all(lab in r.stderr for lab in labels)
     cases = ET.parse(x).getroot().findall("testsuite/testcase")
     names = [(c.get("classname"), c.get("name")) for c in cases]
-    assert len(names) == 6 and len(set(names)) == 6 and {n for _, n in names} == set(labels)
+    assert len(names) == 8 and len(set(names)) == 8 and {n for _, n in names} == set(labels)
     page = md.read_text()
     rows = [line for line in page.splitlines() if line.startswith("| `deadlock_free`")]
-    assert len(rows) == 6 and len(set(rows)) == 6
+    assert len(rows) == 8 and len(set(rows)) == 8
     assert "![" not in page and ".png" not in page  # nothing a GitHub step summary cannot show
 
 

@@ -19,10 +19,12 @@ HANG_TIMEOUT = 6.0
 
 
 def run(pool, prop, target, **kw):
-    """The property's verdicts on a specimen; float64 only unless a test asks for more (float32 is
-    checked where a test says so: it doubles a property's cost)."""
+    """The property's verdicts on a specimen; float64 and fixed sampling only unless a test asks for
+    more (float32 and Poisson sampling are checked where a test says so: each doubles a property's
+    cost; the Poisson path of the DP step is tested in test_poisson.py and the breadth tests)."""
     kw.setdefault("timeout", 60)
     kw.setdefault("dtypes", ("float64",))
+    kw.setdefault("samplings", ("fixed",))
     out = PROPERTIES[prop](S + target, pool=pool, **kw)
     for v in out:
         assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
@@ -61,7 +63,7 @@ def test_correct_specimen_modes_equivalent_and_deadlock_free(pool):
     assert "--mode-env deferred:OPACUS_USE_DEFERRED_NORM=1" in vs[0].repro
     vs = run(pool, "deadlock_free", "Correct", world_sizes=(2,))
     assert {v.config["local_batches"] for v in vs} == {"even", "single", "uneven", "empty", "poisson_same",
-                                                       "poisson_per_rank"}
+                                                       "poisson_per_rank", "uneven_accum", "poisson_per_rank_accum"}
     assert_all_pass(vs)
 
 
@@ -187,7 +189,7 @@ def test_stale_activations_pass_one_step_but_drift_over_steps(pool):
                         reductions=("mean",)))
     vs = run(pool, "trajectory", "StaleActivations", world_sizes=(2,), models=("mlp",), reductions=("mean",))
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
-    assert "step 2 of 3" in vs[0].message
+    assert "step 2 of 6" in vs[0].message
 
 
 def test_deferred_drops_layer_breaks_mode_equivalence(pool):

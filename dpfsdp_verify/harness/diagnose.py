@@ -279,22 +279,29 @@ def torch_analysis(dumps: Dict[int, RankDump], world_size: Optional[int] = None)
         return None
     buf = io.StringIO()
     try:
-        with contextlib.redirect_stdout(buf):  # it prints a note at import when tabulate is missing
-            from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
-            from torch.distributed.flight_recorder.fr_trace import main as fr_trace
+        from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
     except ImportError:
         return None
+    # The analyser talks through the "Flight Recorder" logger (INFO lines such as "Not all ranks
+    # joining collective ...", a "tabulate is not installed" warning at import) and print(). Its
+    # finding belongs in the hang report, not on the gate's or pytest's terminal: while it runs,
+    # the logger writes only to ``buf`` (its own stderr handler swapped out, no propagation to the
+    # root logger, where pytest's log capture would show it again), and so do stdout and stderr.
     logger = FlightRecorderLogger().logger  # creating it installs its own stderr handler
-    saved = logger.handlers[:]
-    logger.handlers = [logging.StreamHandler(buf)]
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [logging.StreamHandler(buf)], False
     try:
-        with tempfile.TemporaryDirectory(prefix="dpfsdp-fr-") as tmp:
-            write_fr_dumps(dumps, tmp, world_size=world_size)
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                from torch.distributed.flight_recorder.fr_trace import main as fr_trace  # logs at import
+            except ImportError:
+                return None
+            with tempfile.TemporaryDirectory(prefix="dpfsdp-fr-") as tmp:
+                write_fr_dumps(dumps, tmp, world_size=world_size)
                 fr_trace([tmp, "-p", "rank_", "--allow-incomplete-ranks"])
     except BaseException as e:  # an analyser failure must never cost the verdict
         buf.write(f"(torch's analyser failed: {type(e).__name__}: {e})")
     finally:
-        logger.handlers = saved
+        logger.handlers, logger.propagate = saved
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip() and "tabulate is not installed" not in ln]
     return "\n".join(lines) if lines else None

@@ -14,7 +14,7 @@ is one of the small dataclasses below (pickled with ``send``/``recv``):
                                                ``Ready`` again
 * the **diagnosis channel**, read by a daemon thread in the rank so that it answers while the
   main thread is blocked in a collective or spinning in Python:
-    parent -> rank  ``ProbeRequest()``  cheap, polled while a job runs (no stacks)
+    parent -> rank  ``ProbeRequest(job_id)``  cheap, polled while a job runs (no stacks)
     rank -> parent  ``Probe(...)``      job state + last flight-recorder entry per process group
     parent -> rank  ``DumpRequest()``   the full picture, for a verdict's report
     rank -> parent  ``Dump(dump)``      dump: a ``RankDump`` (stacks + flight-recorder trace)

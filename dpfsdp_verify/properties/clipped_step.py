@@ -6,14 +6,22 @@ signal is relatively more noise: utility lost; a sample scaled up beyond its cli
 influence than analysed).
 
 The clip bound C is set between the middle two reference norms of the global batch, so some
-samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. Split
-data by default (opacus defines the FSDP step for a ``DistributedSampler`` over the global data).
-Under Poisson sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own
-Poisson sampling: the reference recomputes it on the realised batch (the union of what
-the ranks drew) with the normalisation opacus defines for ``"mean"``, the expected batch size
-``int(q * N)``, not the realised one. A failure tests simple explanations against the numbers (a constant factor such as 1/world_size,
-an uncapped clip coefficient, different norms) and says which one fits; the diagnosis is
-``mismatch``.
+samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. The tiny
+models' norms lie within ~10x of each other, so one extra run per world size (fixed sampling, the
+first model, reduction and dtype) clips at C = min norm/100: every sample at >= 100 C, where a
+floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Split data by default
+(opacus defines the FSDP step for a ``DistributedSampler`` over the global data). Under Poisson
+sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
+the reference recomputes it on the realised batch (the union of what the ranks drew) with the
+normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
+realised one. With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
+is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
+of 4 and p = 3: two passes of 2, each smaller than p) and must still equal the unsplit reference
+step (noise 0). A failure tests simple explanations against the numbers and says which one fits: a
+constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
+coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
+a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
+``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch,
-                      reference_grads, reference_model, rows, tensors_close, tolerance)
+from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
+                      processed_indices, recover_clip_coefficients, reference_batch, reference_model,
+                      reference_norms, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -40,56 +49,104 @@ def prepare(spec: RunSpec) -> Prepared:
     return spec.with_(max_grad_norm=c)
 
 
+#: the property's default axes (``Point.first_of_axes`` picks the point that runs the wide case)
+MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64", "float32")
+#: the wide case clips at this fraction of the smallest reference norm: every sample's norm is at
+#: least 100 C, so a clip coefficient floored at f >= 0.01 (or any other error that only shows far
+#: above C) changes every sample's weight
+WIDE_CLIP = 0.01
+
+
 def cases(point: Point):
     spec = point.spec(global_batch_size=4 * point.world_size)
+    if point.param("physical_batch_size"):
+        spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
     ready = prepare(spec)
-    case = point.case(ready if isinstance(ready, RunSpec) else spec, doing="one DP step with noise 0")
-    yield case.verdict("skip", None, ready) if isinstance(ready, str) else case
+    if isinstance(ready, str):
+        yield point.case(spec, doing="one DP step with noise 0").verdict("skip", None, ready)
+        return
+    specs = [ready]
+    # the mid-norm bound leaves every norm within a few C; one extra run at a bound 100x below the
+    # smallest norm (fixed sampling, the first model/reduction/dtype: the coefficient's shape does
+    # not depend on them) shows what the coefficient does far above C
+    if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
+        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * float(reference_norms(ready).min())))
+    yield point.case(ready, specs, doing="one DP step with noise 0"
+                     + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
 
 
 def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
-    """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0."""
+    """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0. An empty (Poisson)
+    batch releases a zero gradient at noise 0 and leaves the parameters as they are."""
     model = reference_model(spec)
+    if not indices:
+        zero = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters() if p.requires_grad}
+        empty = torch.zeros(0, dtype=torch.float64)
+        return (reference.DPStep(empty, empty, zero, zero, zero, float("nan")),
+                {n: p.detach() for n, p in model.named_parameters()})
     step = reference.dp_sgd_gradient(model, reference_batch(spec).select(indices), max_grad_norm=spec.max_grad_norm,
                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size)
-    params = {n: p.detach() - spec.lr * step.gradient[n] for n, p in model.named_parameters()}
+    # a frozen parameter has no gradient: it stays as it was
+    params = {n: p.detach() - spec.lr * step.gradient[n] if n in step.gradient else p.detach()
+              for n, p in model.named_parameters()}
     return step, params
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
-    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
+    ws = case.world_size
+    evidence: Dict[str, object] = {}
+    passed = []
+    for j, (spec, outputs) in enumerate(zip(case.specs, runs[0])):
+        tag = "" if j == 0 else "wide_"
+        problem = judge_spec(case, spec, outputs, evidence, tag)
+        if problem:
+            if j:
+                problem = (f"at C = min norm/100 = {spec.max_grad_norm:.4g} (every sample's norm >= 100 C; the "
+                           f"mid-norm C = {case.spec.max_grad_norm:.4g} passes): {problem}")
+            return case.verdict("fail", "mismatch", problem, evidence)
+        passed.append(f"{evidence[tag + 'clipped']} of {evidence[tag + 'samples']} samples clipped at "
+                      f"C={spec.max_grad_norm:.4g}")
+    errs = [v for k, v in evidence.items() if "err" in k]
+    return case.verdict("pass", None, (
+        f"DP step equals the reference at world_size={ws} ({'; '.join(passed)}; max relative error "
+        f"{fmt(max(errs))})"), evidence)
+
+
+def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
+    """The failure message for one spec's run (``None`` if it equals the reference); fills ``evidence``."""
     rtol, atol = tolerance(spec.dtype)
     if any(not o.steps for o in outputs):
-        return case.verdict("fail", "mismatch", "a rank reported no step")
+        return "a rank reported no step"
     indices = processed_indices(outputs, 0, spec)
     step, params = reference_step(spec, indices)
-    clipped = int((step.coefficients < 1).sum())
-    evidence = {"max_grad_norm": spec.max_grad_norm, "samples": len(indices), "clipped": clipped}
+    evidence.update({tag + "max_grad_norm": spec.max_grad_norm, tag + "samples": len(indices),
+                     tag + "clipped": int((step.coefficients < 1).sum())})
+    if spec.poisson:
+        evidence.update({"realised_batch": len(indices), "expected_batch": spec.expected_batch_size})
     for r, o in enumerate(outputs):
         s = o.steps[0]
         g_err, g_name = max_rel_diff(s.gradient, step.gradient)
         p_err, p_name = max_rel_diff(s.parameters, params)
-        evidence.update({f"rank{r}_grad_rel_err": g_err, f"rank{r}_param_rel_err": p_err})
+        evidence.update({f"{tag}rank{r}_grad_rel_err": g_err, f"{tag}rank{r}_param_rel_err": p_err})
         if not tensors_close(s.gradient, step.gradient, rtol, atol):
-            return case.verdict("fail", "mismatch", explain(case, s, step, indices, r, g_err, g_name), evidence)
+            return explain(case, spec, s, step, indices, r, g_err, g_name)
         if not tensors_close(s.parameters, params, rtol, atol):
-            return case.verdict("fail", "mismatch", (
-                f"rank {r}: the gradient is right but the parameters after the step differ from "
-                f"p - lr * grad (lr={spec.lr}) by up to {fmt(p_err)} relative (worst {p_name!r}): the "
-                "optimizer does not apply the DP gradient it computed"), evidence)
-    return case.verdict("pass", None, (
-        f"DP step equals the reference at world_size={ws} ({clipped} of {len(indices)} samples clipped at "
-        f"C={spec.max_grad_norm:.4g}; max relative error {fmt(max(v for k, v in evidence.items() if 'err' in k))})"),
-        evidence)
+            return (f"rank {r}: the gradient is right but the parameters after the step differ from "
+                    f"p - lr * grad (lr={spec.lr}) by up to {fmt(p_err)} relative (worst {p_name!r}): the "
+                    "optimizer does not apply the DP gradient it computed")
+    return None
 
 
 def _flat(d: Dict[str, torch.Tensor], names) -> torch.Tensor:
     return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
 
 
-def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> str:
-    """Which simple hypothesis the wrong gradient fits."""
-    spec, ws = case.spec, case.world_size
+def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, name: str) -> str:
+    """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
+    1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
+    coefficient error fitted to the coefficients recovered from the gradient
+    (``compare.fit_clip_coefficients``), or wrong norms."""
+    ws = case.world_size
     head = (f"rank {rank}: the DP gradient (noise 0) differs from the reference by up to {fmt(err)} relative "
             f"(worst {name!r}) at world_size={ws}, reduction={spec.reduction}")
     names = [n for n in step.gradient if n in s.gradient and s.gradient[n].shape == step.gradient[n].shape]
@@ -97,39 +154,53 @@ def explain(case: Case, s, step, indices, rank: int, err: float, name: str) -> s
         missing = sorted(set(step.gradient) - set(names))
         return f"{head}: parameters missing or of the wrong shape: {missing}"
     got, want = _flat(s.gradient, names), _flat(step.gradient, names)
+    if not indices:
+        return f"{head}: the realised batch is empty, so the gradient must be zero (noise 0); it is not."
     k = float(got @ want / (want @ want))
     if float((got - k * want).abs().max()) <= FIT_RTOL * float(want.abs().max()):
         why = ""
-        if ws > 1 and abs(k - 1 / ws) < FIT_RTOL:
+        realised, expected = len(indices), spec.expected_batch_size
+        if spec.poisson and spec.reduction == "mean" and realised != expected and abs(k - expected / realised) < FIT_RTOL:
+            why = (f" = int(q*N)/realised batch = {expected}/{realised}: the step is normalised by the batch it "
+                   f"happened to draw ({realised} samples) instead of opacus' expected batch size int(q*N) = "
+                   f"{expected}. The divisor then depends on which samples were drawn: the released mean is not "
+                   "the clipped sum over a fixed divisor whose sensitivity (C/int(q*N)) the accounting assumes")
+        elif ws > 1 and abs(k - 1 / ws) < FIT_RTOL:
             why = (f" = 1/world_size: the cross-rank gradient reduction averages over the {ws} ranks (FSDP "
                    "reduce-scatter AVG) and nothing compensates; the signal is 1/N of the DP-SGD sum, so the "
                    "noise is relatively N times too large (utility loss)")
         elif ws > 1 and abs(k - ws) < FIT_RTOL * ws:
             why = " = world_size: the gradient is summed over ranks where it should be averaged"
+        elif spec.physical_batch_size and abs(k * spec.physical_batch_size * ws - spec.expected_batch_size) < \
+                FIT_RTOL * spec.expected_batch_size:
+            why = (f" = expected batch {spec.expected_batch_size} / ({spec.physical_batch_size} x {ws}): the step is "
+                   "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
+                   "scaled alike: not the DP-SGD step the accounting describes)")
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
-    # clip coefficients without min(1, .)
-    grads = rows(reference_grads(spec), indices)
-    uncapped = spec.max_grad_norm / (step.norms + reference.CLIP_EPSILON)
-    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
-    alt = {n: v / d for n, v in reference.clipped_sum(grads, uncapped).items()}
-    if float((got - _flat(alt, names)).abs().max()) <= FIT_RTOL * float(want.abs().max()):
-        n_up = int((step.norms < spec.max_grad_norm).sum())
-        return (f"{head}: it equals the step with clip coefficients C/||g_i|| *not capped at 1*: the {n_up} "
-                "sample(s) with norm below C are scaled up to norm C instead of being left alone.")
+    tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    rec = recover_clip_coefficients(spec, indices, s.gradient)
+    seen = rec.identifiable
+    if rec.residual <= tol and bool(seen.any()):
+        fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
+        if fit is not None:
+            return (f"{head}: the clip coefficients recovered from its gradient are "
+                    f"{describe_clip_fit(fit, spec.max_grad_norm)} (fits {int(seen.sum())} samples to "
+                    f"{fmt(fit.max_error)}).")
     if s.norms is not None and len(s.norms) == len(s.indices):
         ref_own = step.norms[[indices.index(i) for i in s.indices]]
         nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own).max())
         if nerr > 1e-6:
             return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
                     "relative (see norm_fidelity), so its clip coefficients are wrong.")
-    return f"{head}: no simple explanation (constant factor, uncapped clipping, wrong norms) fits."
+    return (f"{head}: no simple explanation (constant factor; clip coefficient with a wrong bound, floor, cap, "
+            "epsilon or scale; wrong norms) fits.")
 
 
 PROPERTY = Property(
     id="clipped_step",
     meaning=("with noise 0 the DP step equals sum_i min(1, C/||g_i||) g_i / D: the signal the privacy "
              "accounting assumes, neither scaled nor with unclipped samples"),
-    cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    dtypes=("float64", "float32"), samplings=("fixed", "poisson"),
+    cases=cases, judge=judge, models=MODELS, layouts=("split",), reductions=REDUCTIONS,
+    dtypes=DTYPES, samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

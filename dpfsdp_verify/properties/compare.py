@@ -1,5 +1,6 @@
 """Numbers every property compares: tolerances, the float64 reference for a ``RunSpec``, the
-clip bound a property picks, and tensor comparisons.
+clip bound a property picks, tensor comparisons, and clip coefficients (read back from a released
+gradient; the coefficient error they fit, in words).
 
 No running here (that is ``runner.py``) and no verdicts: plain functions of specs, rank outputs
 and tensors, shared so that no property imports a sibling.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -60,6 +62,108 @@ def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
         while len(_GRADS_CACHE) > 32:
             _GRADS_CACHE.popitem(last=False)
     return grads
+
+
+_FROZEN_CACHE: "OrderedDict[tuple, Dict[str, torch.Tensor]]" = OrderedDict()
+
+
+def frozen_parameters(spec: RunSpec) -> Dict[str, torch.Tensor]:
+    """``{name: initial value}`` of the model's frozen parameters (``requires_grad=False``), in the
+    spec's dtype (what a target that never touches them reports), as float64. Cached (every run
+    of every case asks); callers must not modify them."""
+    key = (spec.model, spec.model_seed, spec.dtype, spec.model_kwargs)
+    if key not in _FROZEN_CACHE:
+        model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
+        _FROZEN_CACHE[key] = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()
+                              if not p.requires_grad}
+        while len(_FROZEN_CACHE) > 32:
+            _FROZEN_CACHE.popitem(last=False)
+    return _FROZEN_CACHE[key]
+
+
+def trainable_names(spec: RunSpec) -> List[str]:
+    """The names of the model's parameters with ``requires_grad`` (a tied one once)."""
+    return [n for n, p in reference_model(spec).named_parameters() if p.requires_grad]
+
+
+def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, dict]]:
+    """``(message, evidence)`` if a frozen parameter got a gradient (or noise) or moved on any rank
+    at any step; ``None`` if every frozen parameter was left exactly alone. Exact comparison: a
+    frozen parameter is not trained, so nothing about it may change, not even by rounding."""
+    frozen = frozen_parameters(spec)
+    if not frozen:
+        return None
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            for n, init in frozen.items():
+                g = s.gradient.get(n)
+                if g is not None and bool((torch.as_tensor(g) != 0).any()):
+                    g = torch.as_tensor(g, dtype=torch.float64)
+                    return (f"rank {o.rank}, step {k}: frozen parameter {n!r} (requires_grad=False) received "
+                            f"a gradient or noise: {int((g != 0).sum())} of {g.numel()} released coordinates are "
+                            f"non-zero (largest {float(g.abs().max()):.3g}). A frozen parameter is not trained: "
+                            "its gradient is not in the per-sample norms the clipping bounds, so any signal on it "
+                            "is unclipped (a privacy violation), and noise on it only corrupts the frozen base",
+                            {"frozen_parameter": n, "rank": o.rank, "step": k})
+                p = s.parameters.get(n)
+                if p is not None and not torch.equal(torch.as_tensor(p, dtype=torch.float64), init):
+                    diff = float((torch.as_tensor(p, dtype=torch.float64) - init).abs().max())
+                    return (f"rank {o.rank}, step {k}: frozen parameter {n!r} (requires_grad=False) changed by up "
+                            f"to {diff:.3g}: the optimizer updated a parameter the user froze. Its update is not "
+                            "covered by the clipping (norms are over trainable parameters) nor, unless noised, by "
+                            "the noise: a privacy violation, and the pretrained base drifts",
+                            {"frozen_parameter": n, "rank": o.rank, "step": k, "max_change": diff})
+    return None
+
+
+def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of the ways a target gets frozen or
+    tied parameters wrong, as ``(diagnosis, norms, what it does)``: norms that include the frozen
+    parameters (all of them, or those sharing a layer with a trainable one); a tied parameter's
+    gradient from one of its uses only, or its uses' squared norms added (their cross term
+    dropped). ``undercount`` where some sample's norm comes out below its true norm (it can then
+    contribute more than C), else ``mismatch``. Empty for a model with neither."""
+    model, batch = reference_model(spec), reference_batch(spec)
+    true = reference_norms(spec)
+    out: List[Tuple[torch.Tensor, str]] = []
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        every = reference.per_sample_grads(reference.with_all_trainable(model), batch, spec.reduction)
+        out.append((reference.per_sample_norms(every), f"include the frozen parameters' per-sample gradients "
+                    f"({', '.join(frozen)}): a frozen parameter is not released, so it has no place in the norm"))
+        mixed = []
+        for name, module in model.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if any(p.requires_grad for _, p in own):
+                mixed += [f"{name}.{n}" if name else n for n, p in own if not p.requires_grad]
+        if mixed and len(mixed) < len(frozen):
+            keep = {n: g for n, g in every.items() if n not in set(frozen) - set(mixed)}
+            out.append((reference.per_sample_norms(keep), f"include the frozen parameters of layers that also hold a "
+                        f"trainable one ({', '.join(mixed)}): the layer's norm covers all its parameters, "
+                        "requires_grad is not looked at"))
+    ties = reference.tied_names(model)
+    if ties:
+        uses = reference.per_use_grads(model, batch, spec.reduction)
+        tied_uses = {u for group in ties.values() for u in group}
+        base = sum(g.flatten(1).pow(2).sum(1) for n, g in uses.items() if n not in tied_uses)
+
+        def sq(g):
+            return g.flatten(1).pow(2).sum(1)
+
+        for first, group in ties.items():
+            rest = base + sum(sq(sum(uses[u] for u in other)) for f, other in ties.items() if f != first)
+            for u in group:
+                out.append(((rest + sq(uses[u])).sqrt(), f"take the tied parameter {first!r} (also {', '.join(group[1:])}) "
+                            f"from its use as {u!r} only: each use's hook sets the parameter's norm, the last one wins; "
+                            "its per-sample gradient is the sum over all its uses"))
+            out.append(((rest + sum(sq(uses[u]) for u in group)).sqrt(), f"add the squared norms of the tied parameter "
+                        f"{first!r}'s uses ({', '.join(group)}) as if they were separate parameters: the norm of "
+                        "their sum has a cross term, which is dropped"))
+    found = []
+    for norms, what in out:
+        below = bool((norms < true * (1 - 1e-9)).any())
+        found.append(("undercount" if below else "mismatch", norms, what))
+    return found
 
 
 def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
@@ -219,6 +323,40 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     return None
 
 
+def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with the physical passes the ranks report under gradient accumulation
+    (``spec.physical_batch_size`` p > 0), as ``(diagnosis, message, evidence)``, or ``None``: each
+    step must say how it was split (a target that ignores p would run unsplit and pass every
+    comparison), every pass must hold at most p samples and the passes all of the step's samples
+    (``mismatch``), and the ranks must run equally many passes per step (``step_divergence``: under
+    FSDP every pass joins collectives)."""
+    p = spec.physical_batch_size
+    if not p:
+        return None
+    counts = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]
+    evidence = {"physical_passes_per_step": counts}
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            sizes = s.physical_batches
+            if not sizes:
+                return ("mismatch", f"rank {o.rank}, step {k}: no physical passes reported for physical_batch_size={p} "
+                        "(StepOutput.physical_batches): does the target implement gradient accumulation?", evidence)
+            if max(sizes) > p or sum(sizes) != len(s.indices):
+                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local batch "
+                        f"of {len(s.indices)} with physical_batch_size={p}: each pass must hold at most p samples and "
+                        "the passes together exactly the step's samples", evidence)
+    steps = min((len(c) for c in counts), default=0)
+    for k in range(steps):
+        per_rank = [c[k] for c in counts]
+        if len(set(per_rank)) > 1:
+            return ("step_divergence", (
+                f"step {k}: the ranks ran different numbers of physical passes "
+                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(per_rank))}; passes per step {counts}). "
+                "Under FSDP every pass joins collectives: passes that differ pair across logical steps and the "
+                "rank with more passes waits forever at the end"), evidence)
+    return None
+
+
 def fmt(x: float) -> str:
     return f"{x:.3g}"
 
@@ -232,3 +370,138 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     n = torch.sort(reference_norms(spec)).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
+
+
+# -- clip coefficients: recovered from a released gradient, and the coefficient errors they fit --
+
+#: how far clip coefficients recovered from a released gradient may be from the reference's. They
+#: come from a least-squares solve against float64 per-sample gradients. Measured on upstream opacus
+#: and the correct specimen (mlp and transformer, 1-2 ranks, both layouts and reductions): float64
+#: within 4e-15, float32 within 3e-7 (its gradients carry ~1e-7 relative rounding). The bounds keep
+#: >= 30x margin and stay far below the smallest bug effect named here (a bfloat16-rounded
+#: coefficient: 2e-3; a factor sqrt(2): 0.3; a bound 1.01 C: 1e-2 relative).
+COEF_TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2}
+#: a sample's coefficient is recovered only if its gradient is this far (relative) from the span of
+#: the others': a zero gradient (a dead ReLU) or collinear samples (tiny fuzzed models) carry no
+#: information about their own coefficient, and rounding in the target's dtype is amplified by
+#: 1/distance
+IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
+
+
+def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
+    """``[B]`` bool: which columns of ``basis`` (``[P, B]`` per-sample gradients) have a relative
+    distance >= ``min_distance`` from the span of the other columns."""
+    norms = basis.norm(dim=0)
+    ok = norms > 1e-12 * float(norms.max().clamp_min(1e-300))
+    for i in range(basis.shape[1]):
+        others = torch.cat([basis[:, :i], basis[:, i + 1:]], dim=1)
+        if ok[i] and others.shape[1]:
+            col = basis[:, i:i + 1]
+            proj = others @ torch.linalg.lstsq(others, col, driver="gelsd").solution
+            ok[i] = float((col - proj).norm() / norms[i]) >= min_distance
+    return ok
+
+
+@dataclass
+class RecoveredCoefficients:
+    """Per-sample clip coefficients read back from a released (noise 0) gradient."""
+
+    indices: List[int]            # the processed samples, in the order of ``coefficients``
+    coefficients: torch.Tensor    # [len(indices)] float64 least-squares c_i
+    residual: float               # relative residual of the fit: > COEF_TOL means not sum_i c_i g_i
+    identifiable: torch.Tensor    # [len(indices)] bool: which c_i the data determine (``identifiable``)
+
+
+def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: Dict[str, torch.Tensor],
+                              step: int = 0) -> RecoveredCoefficients:
+    """With noise 0 the released gradient times the divisor D (``spec.expected_batch_size`` under
+    ``mean``, 1 under ``sum``) is ``sum_i c_i g_i`` over the processed samples ``indices``; a
+    least-squares fit against the reference per-sample gradients ``g_i`` at the initial parameters
+    (far more parameters than samples) recovers each ``c_i``. Step 0 only (later steps are at other
+    parameters)."""
+    indices = list(indices)
+    grads = rows(reference_grads(spec, step), indices)
+    names = sorted(grads)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
+    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
+    # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
+    # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)
+    coef = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    residual = float((basis @ coef - released).norm() / released.norm().clamp_min(1e-300))
+    seen = identifiable(basis, IDENTIFIABLE.get(spec.dtype, IDENTIFIABLE["float64"]))
+    return RecoveredCoefficients(indices, coef, residual, seen)
+
+
+@dataclass(frozen=True)
+class CoefficientFit:
+    """A clip-coefficient error that reproduces measured coefficients: ``kind`` is ``bound`` (clips
+    at ``value`` x C), ``floor`` (``max(min(1, C/n), value)``), ``cap`` (``min(value, C/n)``: the
+    cap of ``min(1, .)`` is ``value``; ``inf``: no cap at all), ``epsilon`` (``min(1, C/(n +
+    value))`` instead of opacus' ``n + 1e-6``) or ``scale`` (``value`` x ``min(1, C/n)``)."""
+
+    kind: str
+    value: float
+    max_error: float
+
+
+def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol: float
+                          ) -> Optional[CoefficientFit]:
+    """The first coefficient error (``CoefficientFit`` kinds, in that order) whose one parameter,
+    estimated from ``coef`` (measured per-sample coefficients) and ``norms`` (the true norms),
+    predicts every coefficient within ``tol`` (relative to max(1, the prediction)); ``None`` if
+    none fits. Only called for coefficients that differ from ``min(1, C/(n + 1e-6))``."""
+    coef, norms = coef.to(torch.float64), norms.to(torch.float64)
+    if not len(coef) or not bool(torch.isfinite(coef).all()):
+        return None
+    eps = reference.CLIP_EPSILON
+    true = reference.clip_coefficients(norms, c)
+    raw = c / (norms + eps)
+    clipped = coef < 1 - tol
+    candidates = []
+    if bool(clipped.any()):
+        k = float((coef[clipped] * (norms[clipped] + eps) / c).median())
+        if k > 0:
+            candidates.append(("bound", k, reference.clip_coefficients(norms, k * c)))
+    f = float(coef.min())
+    candidates.append(("floor", f, true.clamp(min=f)))
+    top = float(coef.max())
+    cap = float("inf") if top >= float(raw.max()) * (1 - tol) and top > 1 + tol else top
+    candidates.append(("cap", cap, raw.clamp(max=cap)))
+    if bool(clipped.any()):
+        e = float((c / coef[clipped] - norms[clipped]).median())
+        if e > -float(norms.min()):
+            candidates.append(("epsilon", e, (c / (norms + e)).clamp(max=1.0)))
+    k = float(coef @ true / (true @ true))
+    candidates.append(("scale", k, k * true))
+    for kind, value, pred in candidates:
+        err = float((coef - pred).abs().max())
+        if err <= tol * max(1.0, float(pred.abs().max())) and float((pred - true).abs().max()) > tol:
+            return CoefficientFit(kind, value, err)
+    return None
+
+
+def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
+    """``fit`` in words: what the target's clip coefficient is, in opacus' terms."""
+    if fit.kind == "bound":
+        return f"min(1, C'/||g_i||) with C' = {fit.value:.6g} x C (C={c:.4g}): clipped at the wrong bound"
+    if fit.kind == "floor":
+        return (f"max(min(1, C/||g_i||), {fit.value:.4g}): the clip coefficient is floored at {fit.value:.4g}, "
+                f"so a sample with norm above C/{fit.value:.4g} = {c / fit.value:.4g} contributes more than C")
+    if fit.kind == "cap":
+        if math.isinf(fit.value):
+            return ("C/||g_i|| *not capped at 1* (no min(1, .)): the samples with norm below C are scaled up "
+                    "to norm C instead of being left alone")
+        return f"min({fit.value:.4g}, C/||g_i||): the coefficient is capped at {fit.value:.4g} instead of 1"
+    if fit.kind == "epsilon":
+        return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, not opacus' "
+                f"{reference.CLIP_EPSILON:g}")
+    return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
+
+
+#: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
+#: ``reference_model`` and ``reference_batch``); the data checks are the runner's
+__all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
+           "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
+           "pick_clip_bound", "fmt", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
+           "recover_clip_coefficients", "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]

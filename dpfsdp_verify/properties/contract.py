@@ -16,13 +16,17 @@ A property is one module that builds a ``Property``:
 Everything that runs a property -- the gate, the fuzzer, tests -- goes through ``Options`` (one
 frozen value instead of a dozen keywords) and ``runner.run_property``. A property whose
 ``compares_modes`` is set (``mode_equivalence``) gets points with two modes (the first label vs
-each other one) and needs at least two modes (``modes_problem``).
+each other one) and needs at least two modes (``modes_problem``), unless it brings its own pair
+for a run given one mode (``Property.default_pair``: e.g. the same step unsplit vs in physical
+batches, ``RunSpec`` changes rather than environments).
 
 Sampling is an axis like the others: a property lists the samplings it runs under by default
 (``samplings``: ``fixed`` given batches, ``poisson`` DP-SGD's own sampling, under each of its
 ``seedings``), and ``Point.spec`` builds the Poisson spec of a Poisson point, so every property on
 the axis runs on the DP default path without a code path of its own. ``samplings=None`` marks a
-property that draws its own sampling scenarios (``sampling_accounting``, ``deadlock_free``).
+property off the axis (it runs its fixed point whatever the options select). ``deadlock_free`` is a
+``fixed`` property that draws its own Poisson scenarios (``local_batches``); ``sampling_accounting``
+runs under ``poisson`` only.
 
 Randomness: ``Options.seed`` is the run's statistical seed. A property whose verdicts rest on
 random draws derives every seed it uses from it (``Point.seed``), so each gate run (which picks a
@@ -138,6 +142,8 @@ class Case:
         if self.spec.poisson:
             sampling = dict(sampling="poisson", sample_rate=round(self.spec.sample_rate, 6),
                             dataset_size=self.spec.dataset_size, epochs=self.spec.epochs, seeding=self.spec.seeding)
+        if self.spec.physical_batch_size:  # accumulation adds a key; configs of other runs are unchanged
+            sampling["physical_batch_size"] = self.spec.physical_batch_size
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
@@ -158,6 +164,10 @@ class Case:
         if self.seed:
             parts += ["--seed", str(self.seed)]
         parts += modes_mod.cli_args(self.modes)
+        p = self.spec.physical_batch_size or next((v for m in self.modes for k, v in m.spec
+                                                   if k == "physical_batch_size"), None)
+        if p and self.labels.get("local_batches") is None:  # deadlock_free's scenarios fix their own p
+            parts += ["--physical-batch-size", str(p)]
         return " ".join(shlex.quote(p) for p in parts)
 
     def verdict(self, status: str, diagnosis: Optional[str] = None, message: str = "", evidence=None,
@@ -284,6 +294,10 @@ class Property:
     seedings: Tuple[str, ...] = ("same",)
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
+    #: for a comparing property given one mode (no ``--mode-env``, or one): the two modes it compares
+    #: instead, built from that mode and the property's params (``modes.Mode.spec`` changes under
+    #: the same environment); raises ``ValueError`` for a param it cannot use
+    default_pair: Optional[Callable[[Mode, Dict[str, Any]], Tuple[Mode, Mode]]] = None
     fuzz: Optional[FuzzRecipe] = None
     #: for a property whose verdicts rest on random draws: the bound on the probability that a
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
@@ -303,7 +317,9 @@ class Property:
         if unknown:
             raise TypeError(f"{self.id}: unknown option(s) {', '.join(unknown)}; its own options: "
                             f"{', '.join(dict(self.params)) or 'none'}")
-        return self.with_defaults(opts)
+        opts = self.with_defaults(opts)
+        self.modes_for(opts.modes, opts.params)  # a param the built-in pair cannot use: ValueError now
+        return opts
 
     def with_defaults(self, opts: Options) -> Options:
         """``opts`` with this property's ``params`` defaults filled in (what ``Point.param`` reads)."""
@@ -317,10 +333,25 @@ class Property:
         return [(s, seeding) for s in self.samplings if opts.samplings is None or s in opts.samplings
                 for seeding in ((opts.seedings or self.seedings) if s == "poisson" else (None,))]
 
+    def modes_for(self, modes: Sequence[Mode], params: Sequence[Tuple[str, Any]] = ()) -> Tuple[Mode, ...]:
+        """The modes this property runs under ``modes``: its ``default_pair`` (from ``params`` over
+        the property's defaults) where it compares modes and was given only one, else ``modes``."""
+        if self.compares_modes and len(modes) == 1 and self.default_pair is not None:
+            return tuple(self.default_pair(modes[0], {**dict(self.params), **dict(params)}))
+        return tuple(modes)
+
+    def mode_groups(self, modes: Sequence[Mode], params: Sequence[Tuple[str, Any]] = ()) -> List[Tuple[Mode, ...]]:
+        """The modes each point (or fuzz run) runs under: each mode alone, or for a property that
+        compares modes the first mode with each other one (its ``default_pair`` when given one
+        mode; none if it has no pair)."""
+        modes = self.modes_for(modes, params)
+        if self.compares_modes:
+            return [(modes[0], other) for other in modes[1:]]
+        return [(m,) for m in modes]
+
     def points(self, opts: Options) -> List[Point]:
         """The matrix in report order: world size, mode(s), sampling, model, layout, reduction, dtype."""
-        groups = [(opts.modes[0], other) for other in opts.modes[1:]] if self.compares_modes else \
-            [(m,) for m in opts.modes]
+        groups = self.mode_groups(opts.modes, opts.params)
         axes = [(ws, modes, sampling, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
                 for sampling in self.sampling_points(opts)
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
@@ -332,16 +363,19 @@ class Property:
         """Every case (or ready verdict) for ``opts``, in report order."""
         problem = modes_problem(self, opts.modes)
         if problem:
-            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
-                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode},
-                            message=f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+            return [self.skip(opts, f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
         if not self.sampling_points(opts):
-            return [Verdict(self.id, "skip", {"world_size": None, "data_layout": None, "model": None,
-                                              "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
-                                              "sampling": ",".join(opts.samplings or ())},
-                            message=f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
-                                    f"selected sampling is {','.join(opts.samplings or ())}")]
+            return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
+                                    f"selected sampling is {','.join(opts.samplings or ())}",
+                              sampling=",".join(opts.samplings or ()))]
         return [item for point in self.points(opts) for item in self.cases(point)]
+
+    def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
+        """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own
+        selection makes inapplicable is a skip)."""
+        return Verdict(self.id, "skip", {"world_size": world_size, "data_layout": None, "model": None,
+                                         "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
+                                         **config}, message=message)
 
 
 #: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
@@ -375,7 +409,7 @@ def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size:
 def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:
     """Why ``prop`` cannot run under ``modes`` (``None`` if it can): the one place the rule
     "a comparing property needs two or more modes" is written."""
-    if prop.compares_modes and len(modes) < 2:
+    if prop.compares_modes and len(prop.modes_for(modes)) < 2:
         return f"{prop.id} compares modes: it needs two or more --mode-env labels"
     return None
 

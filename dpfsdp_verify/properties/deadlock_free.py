@@ -27,12 +27,24 @@ finished it") plus the harness's account of the collective it waits in.
 
 Deadlines: a deadlock is *proven* within ~1-2 s whatever the deadline (the harness's
 ``proof.py``); the deadline only ends a run nothing proved stuck, and that is ``hang`` /
-``timeout`` naming the busy rank, never ``deadlock``. The Poisson scenarios state a built-in
-deadline, ``POISSON_DEADLINE_S`` (a correct run takes about a second; the margin is for targets
-slower per step), which ``contract.case_deadline`` turns into the job's deadline under the user's
-timeout: ``min(timeout, max(POISSON_DEADLINE_S, POISSON_DEADLINE_S * timeout / DEFAULT_TIMEOUT_S))``
+``timeout`` naming the busy rank, never ``deadlock``. The Poisson and accumulation scenarios state
+built-in deadlines, ``POISSON_DEADLINE_S`` / ``ACCUM_DEADLINE_S`` (a correct run takes about a
+second; the margin is for targets slower per step), which ``contract.case_deadline`` turns into the job's deadline under the user's
+timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-in ``D``
 -- at the default timeout the built-in one, raised in proportion by a longer ``--timeout``, never
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.
+
+
+Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
+``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
+local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
+steps) and ``poisson_per_rank_accum`` (the ``poisson_per_rank`` scenario, ``ACCUM_EPOCHS``
+epoch(s)). Every physical pass is a full FSDP forward/backward, so ranks that run different numbers
+of passes pair their collectives across logical steps (same shapes: no error) until one rank
+ends and the other waits forever: ``hang`` / ``step_divergence``, the message giving each rank's
+logical steps and physical passes per step. A correct implementation has the ranks agree on the
+pass count (e.g. the maximum, padding with empty passes). Their built-in deadline is
+``ACCUM_DEADLINE_S`` (see Deadlines).
 """
 
 from __future__ import annotations
@@ -50,6 +62,16 @@ POISSON_DEADLINE_S = 30.0
 POISSON_SEEDINGS = ("same", "per_rank", "unseeded")
 #: the Poisson scenarios run unless ``local_batches`` names others
 POISSON_DEFAULT = ("poisson_same", "poisson_per_rank")
+#: physical batch of the accumulation scenarios: one sample per pass
+ACCUM_P = 1
+ACCUM_EPOCHS = 1
+#: built-in watchdog for an accumulation scenario at the default timeout (a correct one: ~1 s on 2
+#: loaded cores; 3 steps of a target taking ~1 s each, e.g. ``SlowCorrect``, need ~6 s with start-up)
+ACCUM_DEADLINE_S = 15.0
+ACCUM_SCENARIOS = ("uneven_accum", "poisson_per_rank_accum")
+#: the accumulation scenarios run unless ``local_batches`` names others (on a target that diverges each
+#: costs a worker-group restart: the divergence ends in a crash at the suite's gather, or a hang)
+ACCUM_DEFAULT = ACCUM_SCENARIOS
 
 def scenarios(ws: int) -> Dict[str, tuple]:
     """``{name: split}`` where ``split[r]`` lists rank r's global indices (same split every step)."""
@@ -98,10 +120,36 @@ def cases(point: Point):
             yield point.case(spec, labels={"local_batches": name}, doing=(
                 f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
                 f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
+        yield from accum_cases(point, only)
     yield from last
 
 
+def accum_cases(point: Point, only):
+    """The gradient-accumulation scenarios (module docstring) named in ``only`` (``None``: all)."""
+    for name in ACCUM_SCENARIOS:
+        if name not in (ACCUM_DEFAULT if only is None else only):
+            continue
+        if name == "uneven_accum":
+            split = scenarios(point.world_size)["uneven"]
+            spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                              rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P)
+            what = f"uneven local batches {[len(s) for s in split]}"
+        else:
+            spec = poisson_spec(point, "per_rank").with_(epochs=ACCUM_EPOCHS, physical_batch_size=ACCUM_P)
+            what = (f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {ACCUM_EPOCHS} "
+                    f"epoch(s), seeding 'per_rank'")
+        yield point.case(spec, labels={"local_batches": name}, isolate=True, deadline=ACCUM_DEADLINE_S,
+                         doing=f"{what}, gradient accumulation in physical batches of {ACCUM_P}")
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
+    if case.spec.physical_batch_size:
+        outputs = runs[0][0]
+        passes = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]
+        return case.verdict("pass", None, (
+            f"{case.doing}: every rank took {len(outputs[0].steps)} logical step(s) with the same physical passes per "
+            f"step {passes[0]} (local batch sizes {[[len(s.indices) for s in o.steps] for o in outputs]}) and "
+            "finished"), {"step_counts": [len(o.steps) for o in outputs], "physical_passes_per_step": passes})
     if case.spec.poisson:
         outputs = runs[0][0]
         sizes = [[len(s.indices) for s in o.steps] for o in outputs]

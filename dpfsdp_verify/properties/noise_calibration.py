@@ -41,7 +41,7 @@ import torch
 
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import reference_model
+from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p, correlation_p, detectable_std_ratios, normal_two_sided_p
 
@@ -84,7 +84,8 @@ def cases(point: Point):
     model_kwargs = MLP_DIMS if point.model == "mlp" else ()
     spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
                       noise_seed=point.seed(point.param("noise_seed")), lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
-    shapes = {n: p.shape for n, p in reference_model(spec).named_parameters()}
+    # frozen parameters are not released (the runner checks they get no noise at all)
+    shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
     alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, point.world_size)
     big = [math.prod(s) for s in shapes.values() if math.prod(s) >= POWER_MIN_NUMEL]
     draws = point.param("draws") or max([draws_for(min(big), alpha)] if big else [4 * STEPS_PER_RUN])
@@ -132,7 +133,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
     s = spec.noise_multiplier * spec.max_grad_norm / d
     noise = _noise(runs)
-    names = sorted(noise[0][0])
+    names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     stacked = {n: torch.stack([step[n] for run in noise for step in run]) for n in names}  # [draws, *shape]
     where = (f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "

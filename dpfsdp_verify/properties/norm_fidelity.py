@@ -36,8 +36,8 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (fmt, pick_clip_bound, processed_indices, reference_grads, reference_norms, rows,
-                      tolerance)
+from .compare import (COEF_TOL, finetune_norms, fmt, pick_clip_bound, processed_indices, recover_clip_coefficients,
+                      reference_norms, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -100,53 +100,15 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                         f"Clips with: {clips_msg}", evidence)
 
 
-#: how far clip coefficients recovered from a released gradient may be from the reference's. They
-#: come from a least-squares solve against float64 per-sample gradients. Measured on upstream opacus
-#: and the correct specimen (mlp and transformer, 1-2 ranks, both layouts and reductions): float64
-#: within 4e-15, float32 within 3e-7 (its gradients carry ~1e-7 relative rounding). The bounds keep
-#: >= 30x margin and stay far below the smallest bug effect named here (a bfloat16-rounded
-#: coefficient: 2e-3; a factor sqrt(2): 0.3).
-COEF_TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2}
-#: a sample's coefficient is recovered only if its gradient is this far (relative) from the span of
-#: the others': a zero gradient (a dead ReLU) or collinear samples (tiny fuzzed models) carry no
-#: information about their own coefficient, and rounding in the target's dtype is amplified by
-#: 1/distance
-IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
-
-
-def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
-    """``[B]`` bool: which columns of ``basis`` (``[P, B]`` per-sample gradients) have a relative
-    distance >= ``min_distance`` from the span of the other columns."""
-    norms = basis.norm(dim=0)
-    ok = norms > 1e-12 * float(norms.max().clamp_min(1e-300))
-    for i in range(basis.shape[1]):
-        others = torch.cat([basis[:, :i], basis[:, i + 1:]], dim=1)
-        if ok[i] and others.shape[1]:
-            col = basis[:, i:i + 1]
-            proj = others @ torch.linalg.lstsq(others, col, driver="gelsd").solution
-            ok[i] = float((col - proj).norm() / norms[i]) >= min_distance
-    return ok
-
-
 def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
-    """``(diagnosis or None, message, evidence)`` for the norms the target *clips with*: with noise
-    0 its released gradient, times the divisor D, is ``sum_i c_i g_i`` over the processed samples;
-    a least-squares fit against the reference per-sample gradients ``g_i`` (far more parameters
-    than samples) recovers each ``c_i``, compared with ``min(1, C/(||g_i|| + eps))``."""
+    """``(diagnosis or None, message, evidence)`` for the norms the target *clips with*: each
+    sample's ``c_i`` recovered from the released gradient (``compare.recover_clip_coefficients``),
+    compared with ``min(1, C/(||g_i|| + eps))``."""
     spec, ws = case.spec, case.world_size
     c = spec.max_grad_norm
-    indices = processed_indices(outputs, 0, spec)
-    grads = rows(reference_grads(spec), indices)
-    names = sorted(grads)
-    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
-    d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
-    released = torch.cat([outputs[0].steps[0].gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
-    # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
-    # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)
-    coef = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    residual = float((basis @ coef - released).norm() / released.norm().clamp_min(1e-300))
+    got = recover_clip_coefficients(spec, processed_indices(outputs, 0, spec), outputs[0].steps[0].gradient)
+    indices, coef, residual, seen = got.indices, got.coefficients, got.residual, got.identifiable
     tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
-    seen = identifiable(basis, IDENTIFIABLE.get(spec.dtype, IDENTIFIABLE["float64"]))
     fit = {"clip_fit_residual": residual, "identifiable_samples": int(seen.sum()), "max_grad_norm": c}
     where = f"at world_size={ws} ({spec.data_layout} data)"
     if not residual <= tol:
@@ -224,6 +186,13 @@ def hypotheses(case: Case, want, steps, subject: str):
             f"{[s.indices[0] for s in steps]} (position 0 on each rank), not its own {float(want[0][0]):.4g}. "
             "Norm^2 is all-reduced across ranks that hold different samples; each sample is clipped by other "
             "samples' norms.")
+    # fine-tuned models: frozen parameters in the norm, a tied parameter's uses not summed
+    for diagnosis, norms, what in finetune_norms(case.spec):
+        shown = [norms[list(s.indices)] for s in steps]
+        consequence = ("some samples' norms come out below their true norm: such a sample can contribute more "
+                       "than C, a privacy violation" if diagnosis == "undercount" else
+                       "the norms are too large: samples are over-clipped (utility loss)")
+        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}."
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, non_finite, poisson_problem
+from .compare import data_problem, frozen_problem, non_finite, physical_problem, poisson_problem
 from .contract import Case, Options, Outputs, Property, case_deadline
 
 
@@ -47,19 +47,29 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
 
     * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
       sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
-      user who accepts it says so explicitly);
+      user who accepts it says so explicitly); one that *refuses* the configuration (it raised
+      ``targets.Refused``, e.g. for tied parameters) is ``fail`` / ``refused`` with its reason;
     * every rank took the steps it was asked for and processed exactly the samples it was given
       (read back from the data, not echoed): otherwise ``fail`` / ``mismatch`` -- no property can
       compare against the reference on other data. A Poisson run's samples are random: its ranks
       must have taken the same number of steps (else ``fail`` / ``step_divergence``, with each
       rank's step count and local batch sizes), drawn valid dataset indices, and no sample twice
-      within a step across ranks (else ``fail`` / ``mismatch``);
+      within a step across ranks (else ``fail`` / ``mismatch``); under gradient accumulation every
+      step says how it was split into physical passes, and the ranks ran equally many
+      (``compare.physical_problem``);
+    * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
+      gradient, no noise and no update, exactly (else ``fail`` / ``frozen_updated``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
+            spec = mode.apply(spec)
             where = f" (mode {mode.label!r})" if len(case.modes) > 1 else ""
+            refused = next((o.refused for o in ranks if o.refused), None)
+            if refused:
+                return case.verdict("fail", "refused", f"the target refuses this configuration: {refused}{where}",
+                                    {"refused_ranks": [o.rank for o in ranks if o.refused]})
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
             if unsupported:
                 return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
@@ -69,9 +79,14 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             else:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
+            found = found or physical_problem(spec, ranks)
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
+            if spec.task == "train":
+                frozen = frozen_problem(spec, ranks)
+                if frozen:
+                    return case.verdict("fail", "frozen_updated", frozen[0] + where, frozen[1])
             problem = non_finite(ranks)
             if problem:
                 return case.verdict("fail", "non_finite", f"non-finite values released: {problem}{where}. A DP "
@@ -113,8 +128,8 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     case in it gets the hang verdict, which says the cases ran together.
     """
     pool = pool or default_pool()
-    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, c.specs, i if c.isolate else None, c.deadline)
-                for m in c.modes] for i, c in enumerate(cases)]
+    runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
+                     i if c.isolate else None, c.deadline) for m in c.modes] for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
     for r in unique:
@@ -191,7 +206,8 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
             if last:
                 msg += f" {last[0].upper()}{last[1:]}."
         evidence["busy_ranks"] = list(res.busy_ranks)
-    elif status == "hang" and diagnosis == "deadlock" and progress.diverged(trails):
+    elif status == "hang" and diagnosis == "deadlock" and progress.diverged(trails) \
+            and not progress.passes_diverged(trails):
         diagnosis = "step_divergence"
         msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
                f"The rank with more steps waits forever in FSDP's next collective ({res.message}). Poisson "
@@ -199,6 +215,21 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "local batches (or ranks whose streams differ) gives the ranks different step counts.")
         evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
                          "local_batch_sizes": [t.sizes for t in trails]})
+    elif (status == "error" or diagnosis == "deadlock") and progress.diverged(trails) \
+            and any(t.accumulating for t in trails):
+        # gradient accumulation: passes, not only steps, must agree; a crash here is the same divergence
+        # (a pass's collectives met another kind of collective on a peer, e.g. a gradient gather)
+        diagnosis = "step_divergence"
+        outcome = ("the run hangs" if status == "hang" else "a rank crashed in a mismatched collective")
+        msg = (f"{lead}the ranks ran different numbers of logical steps or physical passes and {outcome}: "
+               f"{progress.describe(trails)}. Every physical pass is a full FSDP forward/backward, so passes that "
+               "differ pair their collectives across logical steps until one rank ends and the other waits "
+               f"forever ({res.message}). Gradient accumulation that splits each rank's own local batch "
+               "(opacus' BatchMemoryManager) gives ranks with more local samples more passes; the ranks must "
+               "agree on the pass count (e.g. the maximum, padding with empty passes).")
+        evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
+                         "local_batch_sizes": [t.sizes for t in trails],
+                         "physical_passes_per_step": [t.pass_counts for t in trails]})
     elif status == "hang":
         msg = (f"{lead}the run deadlocked ({res.message}). A collective issued by "
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")

@@ -8,8 +8,12 @@ Measured by leave-one-out on the target itself (noise 0): the step on the global
 step on the batch without sample j, times the divisor D, is sample j's contribution. The expected
 batch size (the divisor under ``mean``) stays the global batch size in both runs (an explicit
 ``rank_batches`` split with sample j removed), so the difference is the contribution alone. C is
-half the smallest reference norm, so *every* sample is clipped and each contribution should have
-norm C (up to opacus' 1e-6 clip epsilon): an under-count of the norms shows at once.
+1/100 of the smallest reference norm, so *every* sample is clipped, every norm is >= 100 C, and
+each contribution should have norm C (up to opacus' 1e-6 clip epsilon): an under-count of the norms
+shows at once, and so does a clip coefficient that is floored (``max(coef, f)`` for any f >= 0.01
+lets a sample of norm 100 C contribute 100 f C) or clips at a bound above C. A failure names the
+coefficient error the measured coefficients (contribution / true norm) fit
+(``compare.fit_clip_coefficients``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import reference_norms, tolerance
+from .compare import describe_clip_fit, fit_clip_coefficients, reference_norms, tolerance
 from .contract import Case, Outputs, Point, Property
 
 
@@ -33,9 +37,16 @@ def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:
     return out
 
 
+#: C as a fraction of the smallest reference norm: every sample is clipped, at >= 100 x C
+CLIP_FRACTION = 0.01
+#: how close measured coefficients must be to a fitted coefficient error to name it (it only names a
+#: cause; pass/fail is the slack below): float64 leave-one-out differences carry ~1e-12 relative error
+NAME_TOL = 1e-6
+
+
 def cases(point: Point):
     spec = point.spec(global_batch_size=3 * point.world_size)
-    spec = spec.with_(max_grad_norm=0.5 * float(reference_norms(spec).min()))
+    spec = spec.with_(max_grad_norm=CLIP_FRACTION * float(reference_norms(spec).min()))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
 
@@ -60,12 +71,15 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     # two gradients of magnitude ~|full| are subtracted: their rounding is an absolute error
     slack = c * rtol + d * float(full.abs().max()) * rtol * full.numel() ** 0.5 + atol
     ratios = [x / c for x in contributions]
-    evidence = {"max_grad_norm": c, "contribution_norms": contributions, "max_ratio_to_C": max(ratios)}
+    norms = reference_norms(spec)
+    evidence = {"max_grad_norm": c, "contribution_norms": contributions, "max_ratio_to_C": max(ratios),
+                "min_norm_over_C": float(norms.min()) / c, "max_norm_over_C": float(norms.max()) / c}
     worst = max(range(len(contributions)), key=lambda j: contributions[j])
     if contributions[worst] <= c + slack:
         return case.verdict("pass", None, (
             f"every sample's clipped contribution has norm <= C={c:.4g} at world_size={ws} (largest "
-            f"{max(ratios):.6f} C, leave-one-out over {len(contributions)} samples)"), evidence)
+            f"{max(ratios):.6f} C, leave-one-out over {len(contributions)} samples with norms "
+            f"{evidence['min_norm_over_C']:.4g}..{evidence['max_norm_over_C']:.4g} C)"), evidence)
     owner = next(r for r in range(ws) if worst in spec.rank_indices(0, r, ws))
     reported = runs[0][owner].steps[0]
     cause = ""
@@ -77,6 +91,13 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             diagnosis = "undercount"
             cause = (f" Rank {owner} clipped it with norm {said:.4g} but its true gradient norm is {true:.4g} "
                      f"(ratio {said / true:.4g}): the norms undercount, so the clip coefficient is too large.")
+    if diagnosis == "mismatch":
+        # each contribution is c_j g_j: its norm over the true norm is the coefficient sample j got
+        measured = torch.tensor(contributions, dtype=torch.float64) / norms
+        fit = fit_clip_coefficients(measured, norms, c, NAME_TOL)
+        if fit is not None:
+            evidence["clip_fit"] = {"kind": fit.kind, "value": fit.value}
+            cause = f" The coefficients the samples got (contribution / true norm) are {describe_clip_fit(fit, c)}."
     return case.verdict("fail", diagnosis, (
         f"PRIVACY VIOLATION: sample {worst}'s clipped contribution has norm {contributions[worst]:.4g} = "
         f"{ratios[worst]:.4g} x C (C={c:.4g}) at world_size={ws}; {sum(r > 1 + 1e-6 for r in ratios)} of "

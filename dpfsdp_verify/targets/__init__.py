@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import List, Optional, Sequence
 
-from .base import DATA_LAYOUTS, RankOutput, RunSpec, StepOutput, Target
+from .base import DATA_LAYOUTS, FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
 
 ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
 BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
@@ -91,7 +91,8 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
                      ) -> List[RankOutput]:
     """Harness job: several runs in one job (e.g. repeated noise draws), in order. ``task="sample"``
     specs call ``Target.sample_batches`` (each step's drawn indices as a ``StepOutput``; a target
-    without it answers ``RankOutput.unsupported``). ``progress_dir``: where each rank leaves its
+    without it answers ``RankOutput.unsupported``). A target that raises ``Refused`` answers
+    ``RankOutput.refused``. ``progress_dir``: where each rank leaves its
     progress trail (``targets.progress``) for the parent to read after a hang."""
     from . import progress
     from .util import world
@@ -103,14 +104,31 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
         out = []
         for s in specs:
             progress.run_begun(s.task)
-            if s.task == "sample":
+            missing = unsupported_feature(target, s)
+            if missing:
+                out.append(RankOutput(rank, world_size, unsupported=missing))
+            elif s.task == "sample":
                 out.append(_sample_on_rank(target, s, rank, world_size))
             else:
-                out.append(target.run(s))
+                try:
+                    out.append(target.run(s))
+                except Refused as e:
+                    out.append(RankOutput(rank, world_size, refused=str(e) or type(e).__name__))
             progress.run_ended()
         return out
     finally:
         progress.close_sink()
+
+
+def unsupported_feature(target: Target, spec: RunSpec) -> Optional[str]:
+    """Why ``target`` cannot run ``spec`` (a feature it does not declare in ``Target.features``),
+    or ``None``. An adapter that predates a feature would ignore the field and run without it: it
+    is told so instead."""
+    if spec.physical_batch_size and FEATURE_PHYSICAL_BATCHES not in tuple(getattr(target, "features", ())):
+        return (f"target {getattr(target, 'name', '?')!r} does not declare gradient accumulation "
+                f"(RunSpec.physical_batch_size={spec.physical_batch_size}; add {FEATURE_PHYSICAL_BATCHES!r} to "
+                "Target.features once run() computes each logical step in physical passes)")
+    return None
 
 
 def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -> RankOutput:
@@ -122,5 +140,6 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
     return RankOutput(rank, world_size, steps=steps)
 
 
-__all__ = ["DATA_LAYOUTS", "RankOutput", "RunSpec", "StepOutput", "Target", "TargetLoadError", "load_target",
+__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "unsupported_feature", "RankOutput", "Refused", "RunSpec",
+           "StepOutput", "Target", "TargetLoadError", "load_target",
            "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]

@@ -32,15 +32,48 @@ says (``same``: ``torch.manual_seed(sampling_seed)`` on every rank; ``per_rank``
 drew* (read back from the data), and the normalisation under ``"mean"`` is
 ``spec.expected_batch_size`` (opacus: ``int(q * dataset_size)``), never the realised batch size.
 
+Physical batches (gradient accumulation, ``spec.physical_batch_size`` p > 0; 0 = none): each
+logical step above is computed in *physical passes* of at most p samples each (a forward and a
+backward per pass, as a user with limited memory trains) and ends in ONE optimizer step: every
+sample clipped on its own in its pass, the clipped gradients summed over the passes, noise added
+once per logical step, the ``"mean"`` divisor the expected *logical* batch, never p. Poisson runs
+use the target's own accumulation machinery as a user runs it (opacus:
+``BatchMemoryManager(max_physical_batch_size=p)``); fixed batches take ``ceil(local / p)`` passes
+(the same machinery where there is one). Under FSDP each pass joins collectives, so a correct
+implementation keeps every rank at the same number of passes per step (e.g. agrees on the
+maximum and pads with empty passes). A target reports each step's pass sizes in
+``StepOutput.physical_batches`` and calls ``progress.pass_begun`` per pass; a target that cannot
+accumulate leaves ``"physical_batches"`` out of ``Target.features`` and is told so in a verdict
+(``RankOutput.unsupported``), never silently run unsplit.
+
 Progress (for hang reports): a target calls ``progress.step_begun(k, local_batch_size)`` and
-``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step; the calls
-append one line to a per-rank file the parent reads after a hang, so a hang is told in DP terms
-("rank 0 ended its epoch after 3 steps, rank 1 began step 4"). They are no-ops outside a job.
+``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step, and
+``progress.pass_begun(k, j, size)`` before each physical pass; the calls append one line to a
+per-rank file the parent reads after a hang, so a hang is told in DP terms ("rank 0 ended its
+epoch after 3 steps, rank 1 began step 4", with each step's physical passes). They are no-ops
+outside a job.
 
 Sampling without training: ``Target.sample_batches(spec)`` (optional) returns, on each rank, the
 dataset indices this rank's data pipeline draws at each step of a ``poisson`` spec, built
 exactly as ``run`` would build it; a sampling property calls it to draw thousands of batches
-in well under a second. The base class says it is not supported (that property then skips).
+in well under a second. The base class says it is not supported, and what a target cannot do is
+a verdict: a property that needs it then *fails* ("not checkable on this target: ... does not
+expose its data pipeline (Target.sample_batches)"), it does not skip. A user who accepts that says so
+explicitly (an ``--expect`` entry).
+
+Refusing: a target that does not support a configuration (tied parameters, say) raises
+``Refused(reason)`` from ``run`` on every rank; the case's verdict is ``fail`` / ``refused``.
+
+``sample_batches`` takes an optional *virtual* rank: ``sample_batches(spec, rank=r, world_size=ws)`` returns what
+rank ``r`` of a ``ws``-rank job would draw, with no process group (``None``, the default: this
+process's real rank and world size). ``dpfsdp-verify scale`` drives it for thousands of virtual
+ranks to compute the at-scale hang risk of the pipeline; an adapter written against the older
+one-argument signature still works everywhere else, and ``scale`` says it needs the new one.
+Optionally, ``sample_masks(spec, rank, world_size)`` returns the same draws as tensors, every
+nominal step included (a step the pipeline skips too): ``(indices [n], masks [steps, n] bool,
+taken [steps] bool)``, rank ``r``'s dataset indices, each nominal step's inclusion mask over
+them and whether the pipeline yields that step; ``scale`` uses it for speed and checks it
+against ``sample_batches`` on a subsample of ranks.
 
 Third-party adapters: expose a ``Target`` subclass (or a zero-argument factory returning one)
 and point the suite at it with ``--target package.module:Attr`` or the entry-point group
@@ -61,6 +94,9 @@ DATA_LAYOUTS = ("replicated", "split")
 SAMPLINGS = ("fixed", "poisson")
 #: how a Poisson run's random source is seeded on the ranks (see module docstring)
 SEEDINGS = ("same", "per_rank", "unseeded")
+#: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
+#: is answered ``RankOutput.unsupported``, a failing verdict that says so)
+FEATURE_PHYSICAL_BATCHES = "physical_batches"
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
@@ -101,8 +137,15 @@ class RunSpec:
     sampling_seed: int = 0
     #: what the ranks are asked for: ``train`` (``Target.run``) or ``sample`` (``Target.sample_batches``)
     task: str = "train"
+    #: p: gradient accumulation in physical passes of at most p samples per logical step (module
+    #: docstring); 0 = no accumulation (one pass per step)
+    physical_batch_size: int = 0
 
     def __post_init__(self):
+        p = self.physical_batch_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"physical_batch_size must be an int >= 0 (0: no gradient accumulation; p > 0: "
+                             f"physical batches of at most p samples), got {p!r}")
         if self.sampling not in SAMPLINGS:
             raise ValueError(f"unknown sampling {self.sampling!r}; choose one of {', '.join(SAMPLINGS)}")
         if self.task not in ("train", "sample"):
@@ -202,6 +245,9 @@ class StepOutput:
     loss: float
     gradient: Dict[str, torch.Tensor] = field(default_factory=dict)
     parameters: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: sizes of the physical passes this logical step was computed in (``physical_batch_size`` > 0),
+    #: in order, empty passes included; ``None``: one pass (no accumulation) or not reported
+    physical_batches: Optional[List[int]] = None
 
 
 @dataclass
@@ -209,14 +255,30 @@ class RankOutput:
     rank: int
     world_size: int
     steps: List[StepOutput] = field(default_factory=list)
-    #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case skips
+    #: set when the target cannot do what was asked (e.g. no ``sample_batches``): the case fails saying so
     unsupported: Optional[str] = None
+    #: set when the target *refuses* the configuration (it raised ``Refused``, e.g. tied
+    #: parameters): the case's verdict is ``fail`` / ``refused`` with this reason
+    refused: Optional[str] = None
+
+
+class Refused(Exception):
+    """Raised by ``Target.run`` on every rank, before the ranks part ways (at set-up, or where
+    every rank reaches the same point), when the implementation deliberately does not support
+    the configuration -- e.g. tied parameters. The suite reports it as a refusal (verdict
+    ``fail``, diagnosis ``refused``, the message as given), not as a crash: a clear refusal is
+    the honest answer for what an implementation cannot do, and a user accepts it explicitly
+    (an expectations entry)."""
 
 
 class Target:
     """Base class of adapters. Subclasses set ``name`` and implement ``run``."""
 
     name: str = "target"
+    #: optional ``RunSpec`` features this target implements (``FEATURE_PHYSICAL_BATCHES``); a
+    #: third-party adapter written before a feature existed declares none and is told so in a
+    #: verdict instead of being run without it
+    features: tuple = ()
 
     def version(self) -> str:
         return "unknown"
@@ -224,8 +286,15 @@ class Target:
     def run(self, spec: RunSpec) -> RankOutput:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+    def sample_batches(self, spec: RunSpec, rank: Optional[int] = None,
+                       world_size: Optional[int] = None) -> List[List[int]]:
         """Optional: on each rank, the dataset indices this rank's data pipeline draws at each
-        step of the Poisson ``spec`` (module docstring). Not overriding it is allowed."""
+        step of the Poisson ``spec`` (module docstring); ``rank``/``world_size`` given: those of a
+        virtual rank, no process group needed. Not overriding it is allowed, but a property
+        that needs it then fails on this target (it cannot be checked)."""
         raise NotImplementedError(f"target {self.name!r} does not expose its data pipeline "
                                   "(Target.sample_batches)")
+
+
+__all__ = ["Target", "RunSpec", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
+           "DEFAULT_GRAD_SAMPLE_MODE"]

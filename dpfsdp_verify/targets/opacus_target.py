@@ -20,7 +20,29 @@ says, then ``make_private(poisson_sampling=True)``, which swaps in opacus'
 ``DistributedUniformWithReplacementSampler``; every batch the loader yields is a step, for
 ``spec.epochs`` epochs (at most ``spec.steps`` steps when ``steps > 0``). ``sample_batches``
 builds the same loader with ``DPDataLoader.from_data_loader(..., distributed=True)`` -- what
-``make_private`` calls -- and returns the indices it draws, without training.
+``make_private`` calls -- and returns the indices it draws, without training; for a virtual rank
+(``sample_batches(spec, rank, world_size)``, no process group) opacus' sampler is built exactly
+so, with ``torch.distributed.get_rank/get_world_size`` answering the virtual rank while it is
+constructed (it reads them once, in ``__init__``). ``sample_masks`` replays that sampler's draws
+as one tensor: the same ``torch.rand(num_samples)`` calls on the same generator in the same
+order (``torch.rand(steps, n)`` consumes the CPU generator exactly as ``steps`` calls of
+``torch.rand(n)``), every nominal step kept, including the empty ones the sampler skips.
+
+Refusals: opacus 1.6.0 does not train tied parameters under FSDP. ``FSDP2Wrapper`` shards the
+embedding and the head that share a weight as two FSDP groups, which torch refuses at set-up
+(``ValueError: Parameter ... is shared with a parameter already managed by another FSDP
+group``); a module called twice trips ghost clipping's own guard in the first forward
+(``NotImplementedError: Parameter tying is not supported ...``). Both are raised on every rank
+at the same point, and are reported as ``targets.Refused`` with upstream's message (verdict
+``fail`` / ``refused``), not as a crash. Any other exception stays a crash.
+
+Gradient accumulation (``spec.physical_batch_size`` p > 0) is opacus' own, as a user runs it:
+``with BatchMemoryManager(data_loader=loader, max_physical_batch_size=p, optimizer=optimizer)``,
+one forward/backward and ``optimizer.step()`` per physical batch; the optimizer takes the real
+step only after the last physical batch of a logical one (``BatchSplittingSampler`` signals the
+others as skipped). The same wrapper splits fixed batches (``ceil(local / p)`` passes each). A
+logical step ends where the optimizer did not skip (``optimizer._is_last_step_skipped`` after the
+step: opacus' own record of it); its ``StepOutput`` gathers the passes' indices and norms.
 
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
@@ -28,15 +50,34 @@ arguments here.
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+import functools
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import RankOutput, RunSpec, StepOutput, Target
-from .util import dataset_index, gather_named, global_dataset, step_indices, world
+from .base import FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
+from .util import dataset_index, gather_named, global_dataset, rank_and_world, step_indices, world
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, world_size: int, virtual: bool):
+    """While opacus' distributed sampler is built, ``torch.distributed`` answers the virtual rank."""
+    if not virtual:
+        yield
+        return
+    import torch.distributed as dist
+
+    saved = dist.get_rank, dist.get_world_size
+    dist.get_rank = lambda group=None: rank
+    dist.get_world_size = lambda group=None: world_size
+    try:
+        yield
+    finally:
+        dist.get_rank, dist.get_world_size = saved
 
 
 def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
@@ -53,6 +94,20 @@ def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
                      f"size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not {spec.sample_rate}")
 
 
+@functools.lru_cache(maxsize=4)
+def _index_dataset(n: int):
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(torch.arange(n))
+
+
+@functools.lru_cache(maxsize=4)
+def _split_order(n: int, shuffle: bool, seed: int) -> torch.Tensor:
+    """The dataset order opacus' distributed sampler splits among ranks (its ``__iter__``: a
+    permutation from its own shuffle seed, never the global RNG); the same for every rank."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(n)
+
+
 class _ExactBatches(torch.utils.data.Sampler):
     """A batch sampler yielding the given lists of dataset indices, in order (may be empty)."""
 
@@ -66,8 +121,13 @@ class _ExactBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+#: the messages of upstream's deliberate refusals of tied parameters (module docstring)
+TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP group")
+
+
 class OpacusTarget(Target):
     name = "opacus"
+    features = (FEATURE_PHYSICAL_BATCHES,)
 
     def version(self) -> str:
         import opacus
@@ -105,23 +165,61 @@ class OpacusTarget(Target):
         data = spec.dataset()
         return data, TensorDataset(data.inputs, data.targets, torch.arange(spec.dataset_size))
 
-    def sample_batches(self, spec: RunSpec) -> List[List[int]]:
+    def _dp_sampler(self, spec: RunSpec, rank: Optional[int], world_size: Optional[int]):
+        """``(rank, world_size, opacus' batch sampler)`` as ``make_private(poisson_sampling=True)``
+        builds it from the user's loader; the dataset is the index column alone (the sampler
+        reads only its length; the indices it yields are what is reported)."""
         from opacus.data_loader import DPDataLoader
+        from torch.utils.data import TensorDataset
 
-        rank, world_size = world()
-        _, dataset = self._poisson_dataset(spec)
-        loader = DPDataLoader.from_data_loader(self._poisson_loader(spec, dataset, rank, world_size),
-                                               distributed=True)
+        virtual = rank is not None or world_size is not None
+        rank, world_size = rank_and_world(rank, world_size)
+        dataset = _index_dataset(spec.dataset_size)
+        with _as_rank(rank, world_size, virtual):
+            loader = DPDataLoader.from_data_loader(self._poisson_loader(spec, dataset, rank, world_size),
+                                                   distributed=True)
+        return rank, world_size, loader.batch_sampler
+
+    def sample_batches(self, spec: RunSpec, rank: Optional[int] = None,
+                       world_size: Optional[int] = None) -> List[List[int]]:
+        rank, world_size, sampler = self._dp_sampler(spec, rank, world_size)
         spec.seed_sampling(rank)
         out: List[List[int]] = []
         for _ in range(spec.epochs):
-            for idx in loader.batch_sampler:
+            for idx in sampler:
                 if spec.steps and len(out) >= spec.steps:
                     return out
                 out.append([int(i) for i in idx])
         return out
 
+    def sample_masks(self, spec: RunSpec, rank: int, world_size: int):
+        """``(indices [n], masks [steps, n], taken [steps])``: the draws of ``sample_batches`` for
+        one epoch, every nominal step kept (``Target`` docstring). The same sampler object, its
+        own ``num_samples``/``sample_rate``/``num_batches``/``generator``, its own split of the
+        (shuffled) dataset; ``taken``: the steps it yields (it skips an empty local batch)."""
+        if spec.epochs != 1 or spec.steps:
+            raise ValueError("sample_masks replays one whole epoch: epochs=1, steps=0")
+        key = (spec.with_(sampling_seed=0, seeding="same"), rank, world_size)
+        if getattr(self, "_mask_sampler", (None,))[0] != key:  # the sampler does not depend on the seed
+            self._mask_sampler = (key, self._dp_sampler(spec, rank, world_size))
+        rank, world_size, s = self._mask_sampler[1]
+        indices = _split_order(s.total_size, s.shuffle, s.shuffle_seed + s.epoch)[s.rank:s.total_size:s.num_replicas]
+        spec.seed_sampling(rank)
+        # in chunks of rows (memory): consecutive torch.rand calls continue the generator's stream
+        rows = max(1, (1 << 22) // max(1, s.num_samples))
+        masks = torch.cat([torch.rand(min(rows, s.num_batches - k), s.num_samples, generator=s.generator)
+                           < s.sample_rate for k in range(0, s.num_batches, rows)])
+        return indices, masks, masks.any(1)
+
     def run(self, spec: RunSpec) -> RankOutput:
+        try:
+            return self._run(spec)
+        except (ValueError, NotImplementedError) as e:
+            if any(m in str(e) for m in TYING_REFUSALS):
+                raise Refused(f"opacus {self.version()} refuses tied parameters: {type(e).__name__}: {e}") from e
+            raise
+
+    def _run(self, spec: RunSpec) -> RankOutput:
         from opacus import PrivacyEngine
         from opacus.utils.fsdp_utils import FSDP2Wrapper
         from torch.utils.data import TensorDataset
@@ -148,8 +246,26 @@ class OpacusTarget(Target):
             noise_generator=generator)
         module.train()
         out = RankOutput(rank=rank, world_size=world_size)
-        for k, (x, y, index) in enumerate(self._batches(spec, loader)):
-            progress.step_begun(k, len(index))
+        if spec.physical_batch_size:
+            from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=spec.physical_batch_size,
+                                    optimizer=optimizer) as physical:
+                self._train(spec, data, module, optimizer, criterion, physical, out)
+        else:
+            self._train(spec, data, module, optimizer, criterion, loader, out)
+        return out
+
+    def _train(self, spec: RunSpec, data, module, optimizer, criterion, loader, out: RankOutput) -> None:
+        """Every batch the loader yields through forward, backward and ``optimizer.step()``; a
+        logical step ends where the optimizer really stepped (always, without accumulation)."""
+        accumulating = bool(spec.physical_batch_size)
+        k, index_parts, norm_parts, losses = 0, [], [], []
+        for x, y, index in self._batches(spec, loader):
+            if not losses:
+                progress.step_begun(k, None if accumulating else len(index))
+            if accumulating:
+                progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
             logits = module(x)
             if data.loss == "token_cross_entropy":
@@ -159,15 +275,32 @@ class OpacusTarget(Target):
                 loss = criterion(logits, y)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
-            norms = None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone()
+            norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())
+            index_parts.append(index)
+            losses.append((float(loss.item()), len(index)))
             optimizer.step()
-            named = list(module.named_parameters())
-            indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
-            out.steps.append(StepOutput(
-                indices=indices, norms=norms, loss=float(loss.item()),
-                gradient=gather_named(named, "grad"), parameters=gather_named(named, "param")))
+            if accumulating and getattr(optimizer, "_is_last_step_skipped", False):
+                continue  # a physical batch that is not the last of its logical batch
+            # the DP step is taken: what follows only reports it (its gathers are the suite's, not training's)
             progress.step_finished(k)
-        return out
+            named = list(module.named_parameters())
+            index = torch.cat([torch.as_tensor(i).reshape(-1) for i in index_parts])
+            indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
+            norms = None if any(n is None for n in norm_parts) else torch.cat(norm_parts)
+            out.steps.append(StepOutput(
+                indices=indices, norms=norms, loss=self._step_loss(spec, losses),
+                gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),
+                physical_batches=[n for _, n in losses] if accumulating else None))
+            k, index_parts, norm_parts, losses = k + 1, [], [], []
+
+    @staticmethod
+    def _step_loss(spec: RunSpec, losses) -> float:
+        """The logical step's local loss from its passes' ``(loss, size)``: the sum (``"sum"``), or the
+        mean over the step's samples (``"mean"``: each pass's mean weighted by its size)."""
+        if len(losses) == 1 or spec.reduction != "mean":
+            return float(sum(v for v, _ in losses))
+        n = sum(m for _, m in losses)
+        return float(sum(v * m for v, m in losses) / n) if n else 0.0
 
     @staticmethod
     def _batches(spec: RunSpec, loader):

@@ -2,13 +2,16 @@
 
 A hung rank cannot return its step count, so targets leave a trail instead: the job that runs a
 target on a rank (``targets.run_many_on_rank``) opens a small per-rank file in a directory the
-parent chose; ``step_begun(k, local_batch_size)`` and ``step_finished(k)`` append one line each
+parent chose; ``step_begun(k, local_batch_size)``, ``pass_begun(k, j, size)`` (physical pass j of
+logical step k, under gradient accumulation) and ``step_finished(k)`` append one line each
 (flushed, so the parent sees it even when the rank is later killed); ``run_ended()`` marks the
-end of a run. Outside such a job the calls do nothing, so a target can always call them.
+end of a run. A target that learns a step's local batch size only from its passes (opacus'
+``BatchMemoryManager`` yields physical batches) gives ``local_batch_size=None``: the trail then
+counts the step's size as the sum of its passes. Outside such a job the calls do nothing, so a target can always call them.
 
 The parent (``properties.runner``) reads every rank's file after a hang with ``read`` and tells
 the hang in DP terms: "rank 0 ended its run after 3 steps; rank 1 began step 4 (local batch 1)
-and never finished it".
+and never finished it", and, under accumulation, "physical passes per step [2, 1, 3]".
 """
 
 from __future__ import annotations
@@ -45,8 +48,13 @@ def run_begun(label: str = "") -> None:
     _write(f"run {label}")
 
 
-def step_begun(step: int, local_batch_size: int) -> None:
-    _write(f"begin {step} {local_batch_size}")
+def step_begun(step: int, local_batch_size: Optional[int] = None) -> None:
+    _write(f"begin {step} {-1 if local_batch_size is None else int(local_batch_size)}")
+
+
+def pass_begun(step: int, index: int, size: int) -> None:
+    """Physical pass ``index`` (0-based) of logical step ``step``, of ``size`` samples."""
+    _write(f"pass {step} {index} {int(size)}")
 
 
 def step_finished(step: int) -> None:
@@ -59,29 +67,52 @@ def run_ended() -> None:
 
 @dataclass
 class Trail:
-    """One rank's progress in its last run: steps begun / finished, local batch sizes, whether
-    the run ended."""
+    """One rank's progress in its last run: steps begun / finished, local batch sizes, physical
+    passes of each step (sizes; empty list: the target reported none), whether the run ended."""
 
     begun: int = 0
     finished: int = 0
-    sizes: List[int] = field(default_factory=list)
+    given: List[int] = field(default_factory=list)  # local batch size per step as given (-1: unknown)
+    passes: List[List[int]] = field(default_factory=list)
     ended: bool = False
     runs: int = 0
     #: wall-clock time (``time.time()``) of the trail's last line (``None``: unknown)
     updated: Optional[float] = None
-    #: the trail's last line ("begin 3 1", "end 3", "run ...", "done")
+    #: the trail's last line ("begin 3 1", "pass 3 0 1", "end 3", "run ...", "done")
     last_line: str = ""
+
+    @property
+    def sizes(self) -> List[int]:
+        """Local batch size of each step begun (the sum of its passes where the target did not say)."""
+        return [g if g >= 0 else sum(p) for g, p in zip(self.given, self.passes)]
+
+    @property
+    def pass_counts(self) -> List[int]:
+        """Physical passes begun in each step begun (all 0 when the target reports no passes)."""
+        return [len(p) for p in self.passes]
+
+    @property
+    def accumulating(self) -> bool:
+        return any(self.passes)
+
+    def _passes(self) -> str:
+        return f"; physical passes per step {self.pass_counts}" if self.accumulating else ""
 
     def describe(self, rank: int, proven: bool = True) -> str:
         """``proven=False`` (a deadline passed, nothing proven): a step begun and not finished is
         told as not finished *yet* -- it may still finish."""
         if self.ended:
-            return f"rank {rank} ended its run after {self.finished} step(s) (local batches {self.sizes})"
+            return (f"rank {rank} ended its run after {self.finished} step(s) (local batches {self.sizes}"
+                    f"{self._passes()})")
         if self.begun > self.finished:
+            during = (f", during physical pass {self.pass_counts[-1]} of size {self.passes[-1][-1]}"
+                      if self.passes and self.passes[-1] else "")
+            size = self.sizes[-1] if self.given[-1] >= 0 else f">= {self.sizes[-1]}"  # passes so far
             never = "and never finished it" if proven else "and had not finished it when the deadline passed"
-            return (f"rank {rank} began step {self.begun} (local batch {self.sizes[-1]}) after {self.finished} "
-                    f"finished step(s) {never} (local batches {self.sizes})")
-        return f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes})"
+            return (f"rank {rank} began step {self.begun} (local batch {size}) after {self.finished} "
+                    f"finished step(s) {never}{during} (local batches {self.sizes}{self._passes()})")
+        return (f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes}"
+                f"{self._passes()})")
 
 
 def read(directory: str, world_size: int) -> List[Optional[Trail]]:
@@ -104,7 +135,10 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
                     t = Trail(runs=t.runs + 1)
                 elif parts[0] == "begin" and len(parts) == 3:
                     t.begun += 1
-                    t.sizes.append(int(parts[2]))
+                    t.given.append(int(parts[2]))
+                    t.passes.append([])
+                elif parts[0] == "pass" and len(parts) == 4 and t.passes:
+                    t.passes[-1].append(int(parts[3]))
                 elif parts[0] == "end":
                     t.finished += 1
                 elif parts[0] == "done":
@@ -115,12 +149,27 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
 
 
 def diverged(trails: List[Optional[Trail]]) -> bool:
-    """True when the trails prove the ranks' step counts differ (all trails known): some rank
-    *ended* its run after ``n`` steps -- a final count -- while another began more than ``n``.
-    Counts that merely differ at some moment prove nothing: a rank may be one step behind."""
+    """True when the trails prove the ranks' step or pass counts differ (all trails known): some
+    rank *ended* its run after ``n`` steps -- a final count -- while another began more than ``n``,
+    or ``passes_diverged``. Step counts that merely differ at some moment prove nothing: a rank
+    may be one step behind."""
     if any(t is None for t in trails) or len(trails) < 2:
         return False
-    return any(t.ended and any(u.begun > t.begun for u in trails) for t in trails)
+    return any(t.ended and any(u.begun > t.begun for u in trails) for t in trails) or passes_diverged(trails)
+
+
+def passes_diverged(trails: List[Optional[Trail]]) -> bool:
+    """True when some step's physical passes differ between ranks: ranks that finished the step
+    ran different numbers, or a rank still in the step has begun more passes than a rank that
+    finished it ran (a rank still in a step may simply not have reached its last pass yet)."""
+    if any(t is None for t in trails) or len(trails) < 2 or not any(t.accumulating for t in trails):
+        return False
+    for k in range(max(t.begun for t in trails)):
+        done = {t.pass_counts[k] for t in trails if t.finished > k}
+        running = [t.pass_counts[k] for t in trails if t.finished <= k < t.begun]
+        if len(done) > 1 or (done and any(n > max(done) for n in running)):
+            return True
+    return False
 
 
 def describe(trails: List[Optional[Trail]], proven: bool = True) -> str:
@@ -129,8 +178,9 @@ def describe(trails: List[Optional[Trail]], proven: bool = True) -> str:
 
 
 def last_progress(trails: List[Optional[Trail]], ranks: List[int], at: Optional[float]) -> str:
-    """For ``ranks``: each one's last progress line and how long before ``at`` (wall clock) it was
-    written -- e.g. "rank 1's last progress: 'begin 3 1', 2.4 s before the deadline"."""
+    """For ``ranks``: each one's last progress line in words and how long before ``at`` (wall
+    clock) it was written -- e.g. "rank 1's last progress: began step 4 (local batch 1), 2.4 s
+    before the deadline"."""
     out = []
     for r in ranks:
         t = trails[r] if r < len(trails) else None
@@ -142,10 +192,16 @@ def last_progress(trails: List[Optional[Trail]], ranks: List[int], at: Optional[
 
 
 def _said(line: str) -> str:
-    """A trail line in words (steps counted from 1, as ``Trail.describe`` does)."""
+    """A trail line in words (steps and passes counted from 1, as ``Trail.describe`` does)."""
     parts = line.split()
     if parts[0] == "begin" and len(parts) == 3:
-        return f"began step {int(parts[1]) + 1} (local batch {parts[2]})"
+        size = f" (local batch {parts[2]})" if int(parts[2]) >= 0 else ""
+        return f"began step {int(parts[1]) + 1}{size}"
+    if parts[0] == "pass" and len(parts) == 4:
+        return f"began physical pass {int(parts[2]) + 1} (size {parts[3]}) of step {int(parts[1]) + 1}"
     if parts[0] == "end" and len(parts) == 2:
         return f"finished step {int(parts[1]) + 1}"
     return {"run": "began its run", "done": "ended its run"}.get(parts[0], repr(line))
+
+
+__all__ = ["step_begun", "step_finished", "run_begun", "run_ended"]

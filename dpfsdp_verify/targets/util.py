@@ -6,7 +6,7 @@ specimen in ``fixtures/``) reports exactly the same shapes and names as the buil
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,18 @@ def world() -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """A virtual ``(rank, world_size)`` when both are given (``Target.sample_batches``), this
+    process's own (``world()``) when both are ``None``; ``ValueError`` otherwise."""
+    if rank is None and world_size is None:
+        return world()
+    if rank is None or world_size is None:
+        raise ValueError("give both rank and world_size (a virtual rank) or neither (this process's own)")
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"virtual rank {rank!r} of world size {world_size!r}: need 0 <= rank < world_size")
+    return rank, world_size
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -132,3 +144,6 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     rows = torch.as_tensor(spec.rank_indices(step, rank, world_size), dtype=torch.long)
     return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
+
+__all__ = ["world", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
+           "dataset_index", "step_indices", "local_batch"]
