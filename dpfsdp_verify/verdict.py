@@ -6,6 +6,10 @@ Its fields are one entry of ``results`` in the JSON report (schema:
 ``mode``, ``grad_sample_mode`` (a value may be ``None`` where it does not apply); every key a
 property may put in ``config`` is listed in ``CONFIG_KEYS`` (expectation files are checked against it).
 
+``deadlock`` (and ``step_divergence`` for a hang) is said only of a *proven* deadlock (the harness's
+``proof.py``); a deadline that passed with nothing proven is ``hang`` / ``timeout`` -- a slow
+target and a stuck one look the same until the slow one comes back.
+
 ``internal_error`` is the one diagnosis that is about the suite, not the target: property code in
 the gate process raised (a bug in a check). The CLI exits 3 when any verdict carries it.
 """
@@ -20,7 +24,7 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 FAILING = ("fail", "hang", "error")
 DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
              "step_divergence", "correlated_sampling", "wrong_sample_rate", "refused", "frozen_updated",
-             "non_gaussian_noise", "dependent_noise", "internal_error")
+             "non_gaussian_noise", "dependent_noise", "internal_error", "timeout")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the

@@ -91,25 +91,31 @@ def call_site(dump: RankDump) -> str:
     return "(no user frame on the main thread)"
 
 
-def describe_divergence(div: Divergence) -> str:
-    """One sentence: where the ranks' collective sequences part."""
+def describe_divergence(div: Divergence, proven: bool = True) -> str:
+    """One sentence: where the ranks' collective sequences part. ``proven=False`` (a deadline
+    passed without a proof): a collective some rank has not issued *yet* -- it may still come."""
     if div.missing:
         ops = sorted(set(div.issued.values()))
         who = ", ".join(str(r) for r in sorted(div.issued))
         missing = ", ".join(f"rank {r} (last issued #{div.last_seq[r]})" if div.last_seq.get(r, -1) >= 0
                             else f"rank {r} (issued none in this group)" for r in div.missing)
+        if not proven:
+            return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but not yet by "
+                    f"{missing} when the deadline passed")
         return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but never by "
                 f"{missing}: the ranks' collective sequences diverge there")
     parts = "; ".join(f"rank {r}: {op}" for r, op in sorted(div.issued.items()))
     return f"mismatched collectives at #{div.seq_id}: {parts}"
 
 
-def hang_report(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int]) -> str:
-    """The multi-line diagnosis attached to a ``hang`` verdict (and to a crash's survivors)."""
+def hang_report(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int],
+                proven: bool = True) -> str:
+    """The multi-line diagnosis attached to a ``hang`` verdict (and to a crash's survivors);
+    ``proven=False`` for a deadline that passed without a proof (``describe_divergence``)."""
     lines = []
     div = find_divergence(dumps)
     if div is not None:
-        lines.append(describe_divergence(div) + ".")
+        lines.append(describe_divergence(div, proven) + ".")
     elif any(d.flight_recorder is not None for d in dumps.values()):
         lines.append("every rank issued the same collectives; the stuck rank(s) are outside any collective.")
     else:
@@ -123,6 +129,95 @@ def hang_report(dumps: Dict[int, RankDump], running: List[int], unresponsive: Li
     for r in unresponsive:
         lines.append(f"rank {r}: did not answer the dump request (stuck holding the GIL, or dead)")
     return "\n".join(lines)
+
+
+#: the process group whose sequence ids tell waiting ranks from busy ones: the default (world)
+#: group, as in ``proof.py`` (its members are every rank)
+DEFAULT_PG = "0"
+
+
+@dataclass
+class Busy:
+    """Who held a job up when its deadline passed without a proof (``busy_ranks``)."""
+
+    #: ranks still in the job that had not issued the newest collective some rank issued (or,
+    #: when every rank issued the same ones, every rank still in the job): computing, sleeping or
+    #: looping outside the default group's collectives
+    busy: List[int]
+    #: rank -> the collective it waits in (a sequence id some busy rank has not issued yet)
+    waiting: Dict[int, int] = field(default_factory=dict)
+    #: rank -> its newest sequence id in the default group (absent: no trace)
+    last: Dict[int, int] = field(default_factory=dict)
+
+
+def _default_group(d: RankDump) -> Dict[int, dict]:
+    return _entries_by_group(d.flight_recorder).get(DEFAULT_PG, {})
+
+
+def busy_ranks(dumps: Dict[int, RankDump], running: List[int]) -> Busy:
+    """Tell the ranks that hold the job up from those that wait for them, from the collectives
+    each rank issued (a gloo collective completes only once every rank issued it): a rank that
+    issued collective ``#s`` waits there while a rank still in the job has issued only up to
+    ``#s' < s``. Facts about the moment of the dumps, not a proof that anyone is stuck."""
+    last = {r: max(e) for r, d in dumps.items() for e in (_default_group(d),) if e}
+    traced = [r for r in running if r in last]
+    if not last or len(traced) < len(running):
+        return Busy(busy=list(running), last=last)  # no trace for some rank: nothing to compare
+    top = max(last.values())
+    behind = [r for r in running if last[r] < top]
+    if not behind:
+        return Busy(busy=list(running), last=last)
+    first_missing = min(last[r] for r in behind) + 1
+    waiting = {r: first_missing for r in running if r not in behind}
+    return Busy(busy=behind, waiting=waiting, last=last)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int], timeout: float,
+                    idle_for: Optional[Dict[int, tuple]] = None, suspected: Optional[str] = None) -> str:
+    """The message of a deadline that passed with no deadlock proven (diagnosis ``timeout``): which
+    rank(s) were busy outside collectives, where (their innermost user frame), for how long
+    since their last progress (``idle_for``: ``proof.DeadlockWatch.idle_for``), and which
+    collective the others waited in. It claims no divergence: a busy rank may be slow."""
+    idle_for = idle_for or {}
+    b = busy_ranks(dumps, running)
+    parts = []
+    for r in b.busy:
+        bits = [f"at {call_site(dumps[r])}" if r in dumps else "did not answer the dump request"]
+        if r in idle_for:
+            secs, seen = idle_for[r]
+            bits.append(f"last progress {secs:.1f} s before the deadline" if seen
+                        else f"no progress for at least {secs:.1f} s")
+        if r in b.last:
+            entry = _default_group(dumps[r])[b.last[r]]
+            bits.append(f"last collective #{b.last[r]} {_describe(entry)}")
+        elif r in dumps and dumps[r].flight_recorder is not None:
+            bits.append("no collective issued yet")
+        parts.append(f"rank {r} ({'; '.join(bits)})")
+    where = "outside any collective" if b.waiting or all(r in b.last for r in running) else "somewhere"
+    msg = (f"no deadlock proven: the job did not finish within {timeout:g} s; busy {where}, still in the job: "
+           + ", ".join(parts))
+    if b.waiting:
+        by_seq: Dict[int, List[int]] = {}
+        for r, seq in sorted(b.waiting.items()):
+            by_seq.setdefault(seq, []).append(r)
+        waits = []
+        for seq, ranks in sorted(by_seq.items()):
+            entry = _default_group(dumps[ranks[0]]).get(seq)
+            op = f" ({_describe(entry)})" if entry else ""
+            waits.append(f"{_ranks(ranks)} waited in collective #{seq}{op}")
+        msg += f"; {'; '.join(waits)}, which {_ranks(b.busy)} had not issued yet"
+    finished = [r for r in sorted(dumps) if r not in running]
+    if finished:
+        msg += f"; {_ranks(finished)} had finished the job"
+    if unresponsive:
+        msg += f"; {_ranks(unresponsive)} did not answer the dump request"
+    if suspected:
+        msg += f". A deadlock was suspected but not confirmed before the deadline ({suspected})"
+    return msg + (". Nothing proves the busy rank(s) stuck for good: a slow target needs a longer timeout")
 
 
 def _last_entry(d: RankDump) -> Optional[str]:

@@ -14,8 +14,11 @@ sentinels, so:
   peer never issued, or ranks issued different collectives under one sequence id, and nothing
   changed for ``proof.QUIET_S``) -> the same as a passed deadline, at once: ``hang`` /
   ``deadlock``, "deadlock proven after X s";
-* the deadline passes     -> dump every rank (stacks + flight recorder), say where collective
-  sequences diverge, end the group: ``hang`` / ``deadlock``. After a *proven* deadlock the group
+* the deadline passes with nothing proven -> dump every rank (stacks + flight recorder), end the
+  group: ``hang`` / ``timeout``, naming the rank(s) busy outside collectives, their call site, the
+  time since their last progress and the collective the others waited in
+  (``diagnose.timeout_message``). No proof means no claim of a deadlock: a slow rank looks the
+  same until it comes back. After a *proven* deadlock the group
   is kept instead when it can be freed: every rank aborts its process group (the blocked
   collectives raise), creates a fresh one and is ready again within ``RECOVER_TIMEOUT_S``
   (``GroupResult.recovered``); otherwise it is ended as after a deadline.
@@ -83,7 +86,7 @@ class GroupResult:
     """The outcome of one job on one group.
 
     ``status``: ``ok`` | ``error`` | ``hang``; ``diagnosis``: ``None`` | ``rank_crash`` |
-    ``deadlock``; ``message``: one paragraph naming the rank(s) and what happened; ``details``:
+    ``deadlock`` (proven, ``proof.py``) | ``timeout`` (the deadline passed unproven); ``message``: one paragraph naming the rank(s) and what happened; ``details``:
     the multi-line report (stacks, collective trace comparison) for a full log.
     """
 
@@ -99,6 +102,11 @@ class GroupResult:
     #: a proven deadlock whose ranks were freed (process group aborted and renewed): the group
     #: stays warm instead of being restarted
     recovered: bool = False
+    #: a hang's wall-clock time (``time.time()``) when the watchdog gave up: what the progress
+    #: trails' times are told against
+    fired_at: Optional[float] = None
+    #: a ``timeout``'s ranks busy outside collectives (``diagnose.busy_ranks``)
+    busy_ranks: List[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -305,7 +313,7 @@ class WorkerGroup:
                     except (EOFError, OSError):
                         continue  # the rank is dying: its sentinel says how
                     if isinstance(msg, Probe):
-                        watch.update(msg)
+                        watch.update(msg, time.monotonic())
                         self._note_modules(msg.modules)
                     continue
                 r = self.job_conns.index(obj)
@@ -332,7 +340,10 @@ class WorkerGroup:
         elif running and first_error is not None:
             self._finish_error_with_stuck(out, running)
         elif running:
-            self._finish_hang(out, running, timeout, proven=proven, after=time.monotonic() - t0)
+            now = time.monotonic()
+            unproven = {} if proven or watch is None else dict(idle_for=watch.idle_for(now),
+                                                                suspected=watch.candidate(set(results)))
+            self._finish_hang(out, running, timeout, proven=proven, after=now - t0, **unproven)
         elif any(not res.ok for res in results.values()):
             self._finish_raised(out)
         if any(res.dirty for res in results.values()):
@@ -428,21 +439,26 @@ class WorkerGroup:
         self.close(polite=False)
 
     def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
-                     after: float = 0.0) -> None:
+                     after: float = 0.0, idle_for: Optional[Dict[int, float]] = None,
+                     suspected: Optional[str] = None) -> None:
+        out.fired_at = time.time()
         dumps, unresponsive = self.dump(list(range(self.world_size)))
-        report = diagnose.hang_report(dumps, running, unresponsive)
-        div = diagnose.find_divergence(dumps)
-        out.status, out.diagnosis = "hang", "deadlock"
+        report = diagnose.hang_report(dumps, running, unresponsive, proven=bool(proven))
+        out.status = "hang"
         if proven:
+            out.diagnosis = "deadlock"
+            div = diagnose.find_divergence(dumps)
             head = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: rank(s) {running} "
                     f"can never finish ({proven})")
             report = f"deadlock proven after {after:.1f} s: {proven}.\n" + report
+            out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
+            sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
+            if sites:
+                out.message += f" ({sites})"
         else:
-            head = f"job did not finish within {timeout:g} s: rank(s) {running} still running"
-        out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
-        sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
-        if sites:
-            out.message += f" ({sites})"
+            out.diagnosis = "timeout"
+            out.busy_ranks = diagnose.busy_ranks(dumps, running).busy
+            out.message = diagnose.timeout_message(dumps, running, unresponsive, timeout, idle_for, suspected)
         analysis = diagnose.torch_analysis(dumps, self.world_size)
         if analysis:
             report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis

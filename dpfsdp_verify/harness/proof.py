@@ -27,6 +27,7 @@ never a proof, and such a job runs to its deadline if it really never comes back
 
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional, Set, Tuple
 
 from .protocol import Probe
@@ -66,11 +67,37 @@ class DeadlockWatch:
         self.latest: Dict[int, Probe] = {}
         self._state = None
         self._since = 0.0
+        #: per rank, when its probe last showed something new (a collective issued, the job
+        #: finished): what a timeout's message reports as "since its last progress"
+        self.changed_at: Dict[int, float] = {}
+        self.first_seen: Dict[int, float] = {}
 
-    def update(self, probe: Probe) -> None:
+    def update(self, probe: Probe, now: Optional[float] = None) -> None:
         """Record a rank's answer (answers to another job's request are ignored)."""
-        if probe.job_id == self.job_id:
-            self.latest[probe.rank] = probe
+        if probe.job_id != self.job_id:
+            return
+        before = self.latest.get(probe.rank)
+        now = time.monotonic() if now is None else now
+        if before is None:
+            self.first_seen[probe.rank] = now
+        if before is None or _progress_of(before) != _progress_of(probe):
+            self.changed_at[probe.rank] = now
+        self.latest[probe.rank] = probe
+
+    def idle_for(self, now: float) -> Dict[int, Tuple[float, bool]]:
+        """Per rank, ``(seconds, seen)``: seconds since its probe last changed, ``seen`` False when
+        it never changed while watched (then it made no progress for *at least* that long).
+        Ranks never probed are absent."""
+        return {r: (now - t, t > self.first_seen[r]) for r, t in self.changed_at.items()}
+
+    def candidate(self, finished: Set[int]) -> Optional[str]:
+        """The proof sentence the latest probes would give if they stayed unchanged for
+        ``quiet_s`` (``None`` if they give none): at a deadline, a deadlock suspected but not
+        confirmed -- never a verdict by itself."""
+        if len(self.latest) < self.world_size or any(p.error for p in self.latest.values()):
+            return None
+        done = set(finished) | {r for r, p in self.latest.items() if p.done >= self.job_id}
+        return stuck_reason(self.latest, done)
 
     def check(self, finished: Set[int], now: float) -> Optional[str]:
         """The proof (one sentence) if the ranks' pending collectives can never complete and the
@@ -87,6 +114,10 @@ class DeadlockWatch:
         if now - self._since < self.quiet_s:
             return None
         return stuck_reason(self.latest, done)
+
+
+def _progress_of(probe: Probe):
+    return (probe.done, tuple(sorted((g, tuple(sorted(e))) for g, e in probe.recent.items())))
 
 
 def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:

@@ -126,8 +126,9 @@ class Case:
     #: process (a generator created once per process); the remaining specs run after the k-th, in
     #: its processes. Implies ``isolate``
     fresh: int = 0
-    #: a shorter watchdog deadline (seconds) for this case's job than the options' timeout: a
-    #: case that may hang by design (Poisson step divergence) need not cost a full timeout
+    #: a built-in watchdog deadline (seconds) for this case's job, stated for the default timeout;
+    #: what the job gets under the options' timeout is ``case_deadline`` (never more than the
+    #: timeout, raised in proportion when the timeout is raised)
     deadline: Optional[float] = None
     #: wall time of the job(s) this case ran in, shared out among the cases of a job
     seconds: float = 0.0
@@ -179,6 +180,19 @@ class Case:
         return Verdict(property=self.property, status=status, config=self.config(), diagnosis=diagnosis,
                        message=message, evidence={**self.facts, **dict(evidence or {})}, repro=self.repro(),
                        seconds=round(seconds or self.seconds, 3), details=details)
+
+
+def case_deadline(deadline: Optional[float], timeout: float) -> float:
+    """The watchdog deadline of a job whose case states ``deadline`` (``None``: none), under the
+    user's ``timeout``: ``min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))``.
+
+    A built-in deadline is a share of the default timeout (``DEFAULT_TIMEOUT_S``): at the
+    default it is what the case states; a longer timeout raises it in proportion (a target slow
+    enough to need twice the timeout gets twice the deadline in every case); a shorter one caps
+    it -- no job ever runs longer than the timeout the user gave."""
+    if deadline is None:
+        return timeout
+    return min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))
 
 
 @dataclass(frozen=True)

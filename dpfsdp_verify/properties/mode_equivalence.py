@@ -9,7 +9,7 @@ specs (noise 0, clipping active, several steps so state carried between steps is
 the mlp, 2 on the transformer; the fuzzer draws 2). The
 message says which output differs first (norms, then gradient, then parameters), by how much, and
 which mode's norms match the float64 reference. A mode whose run hangs or crashes gets that as the
-verdict (``hang``/``deadlock`` or ``error``/``rank_crash``), naming the mode.
+verdict (``hang``/``deadlock``, ``hang``/``timeout`` or ``error``/``rank_crash``), naming the mode.
 
 Without ``--mode-env`` (or with one) the pair is built in (``default_pair``): the same logical
 steps computed unsplit and in physical batches of ``PHYSICAL_BATCH`` samples (the param

@@ -3,8 +3,11 @@ property (and the fuzzer) goes through.
 
 Data flows one way: ``Options`` -> ``Property.plan`` -> ``Case``s -> ranks (``run_cases``) ->
 ``outputs[mode][spec][rank]`` -> ``Property.judge`` -> ``Verdict``. A case whose run hung or
-crashed gets that as its verdict here (``hang``/``deadlock`` or ``error``/``rank_crash``), never
-an exception; a backend that cannot give the ranks is a ``skip`` with the reason.
+crashed gets that as its verdict here (``hang``/``deadlock``, ``hang``/``timeout`` or
+``error``/``rank_crash``), never an exception; a backend that cannot give the ranks is a ``skip``
+with the reason. Only a deadlock the harness *proved* is ``deadlock`` (``step_divergence`` when the
+ranks' progress trails show different step counts); a deadline that passed unproven is
+``timeout``, naming the busy rank(s). A case's deadline is ``contract.case_deadline``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
 from .compare import data_problem, frozen_problem, non_finite, physical_problem, poisson_problem
-from .contract import Case, Options, Outputs, Property
+from .contract import Case, Options, Outputs, Property, case_deadline
 
 
 def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None) -> List[Verdict]:
@@ -161,7 +164,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
     trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
     try:
         res = pool.run(run_many_on_rank, r0.target_ref, flat, world_size=r0.world_size, backend=r0.backend,
-                       env=r0.mode.env_dict or None, timeout=min([timeout] + [r.deadline for r in runs if r.deadline]),
+                       env=r0.mode.env_dict or None, timeout=min(case_deadline(r.deadline, timeout) for r in runs),
                        progress_dir=trail_dir)
         trails = progress.read(trail_dir, r0.world_size) if not res.ok else None
     except BackendUnavailable as e:
@@ -225,15 +228,27 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
-    """A hung or crashed run as the case's verdict (``hang``/``deadlock`` or ``error``/``rank_crash``)."""
+    """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout`` or
+    ``error``/``rank_crash``)."""
     res = failed.result
     status = "hang" if res.status == "hang" else "error"
-    diagnosis = res.diagnosis or ("deadlock" if status == "hang" else "rank_crash")
+    # a hang is a deadlock only when proven; without a diagnosis nothing was
+    diagnosis = res.diagnosis or ("timeout" if status == "hang" else "rank_crash")
     together = f" (ran as one job with {failed.together} other configuration(s))" if failed.together else ""
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
-    if status == "hang" and progress.diverged(trails) and not progress.passes_diverged(trails):
+    if status == "hang" and diagnosis == "timeout":
+        # unproven: step counts that differ now may be a rank mid-step, never a divergence claim
+        msg = (f"{lead}the target did not finish under the watchdog, and no deadlock was proven ({res.message}).")
+        if trails and all(t is not None for t in trails):
+            msg += f" Progress: {progress.describe(trails, proven=False)}."
+            last = progress.last_progress(trails, res.busy_ranks, res.fired_at)
+            if last:
+                msg += f" {last[0].upper()}{last[1:]}."
+        evidence["busy_ranks"] = list(res.busy_ranks)
+    elif status == "hang" and diagnosis == "deadlock" and progress.diverged(trails) \
+            and not progress.passes_diverged(trails):
         diagnosis = "step_divergence"
         msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
                f"The rank with more steps waits forever in FSDP's next collective ({res.message}). Poisson "
@@ -241,7 +256,8 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "local batches (or ranks whose streams differ) gives the ranks different step counts.")
         evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
                          "local_batch_sizes": [t.sizes for t in trails]})
-    elif progress.diverged(trails) and any(t.accumulating for t in trails):
+    elif (status == "error" or diagnosis == "deadlock") and progress.diverged(trails) \
+            and any(t.accumulating for t in trails):
         # gradient accumulation: passes, not only steps, must agree; a crash here is the same divergence
         # (a pass's collectives met another kind of collective on a peer, e.g. a gradient gather)
         diagnosis = "step_divergence"
@@ -256,7 +272,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                          "local_batch_sizes": [t.sizes for t in trails],
                          "physical_passes_per_step": [t.pass_counts for t in trails]})
     elif status == "hang":
-        msg = (f"{lead}the target did not finish under the watchdog ({res.message}). A collective issued by "
+        msg = (f"{lead}the run deadlocked ({res.message}). A collective issued by "
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
         if trails and all(t is not None for t in trails):
             msg += f" Progress: {progress.describe(trails)}."

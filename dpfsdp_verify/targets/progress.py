@@ -76,6 +76,10 @@ class Trail:
     passes: List[List[int]] = field(default_factory=list)
     ended: bool = False
     runs: int = 0
+    #: wall-clock time (``time.time()``) of the trail's last line (``None``: unknown)
+    updated: Optional[float] = None
+    #: the trail's last line ("begin 3 1", "pass 3 0 1", "end 3", "run ...", "done")
+    last_line: str = ""
 
     @property
     def sizes(self) -> List[int]:
@@ -94,7 +98,9 @@ class Trail:
     def _passes(self) -> str:
         return f"; physical passes per step {self.pass_counts}" if self.accumulating else ""
 
-    def describe(self, rank: int) -> str:
+    def describe(self, rank: int, proven: bool = True) -> str:
+        """``proven=False`` (a deadline passed, nothing proven): a step begun and not finished is
+        told as not finished *yet* -- it may still finish."""
         if self.ended:
             return (f"rank {rank} ended its run after {self.finished} step(s) (local batches {self.sizes}"
                     f"{self._passes()})")
@@ -102,8 +108,9 @@ class Trail:
             during = (f", during physical pass {self.pass_counts[-1]} of size {self.passes[-1][-1]}"
                       if self.passes and self.passes[-1] else "")
             size = self.sizes[-1] if self.given[-1] >= 0 else f">= {self.sizes[-1]}"  # passes so far
+            never = "and never finished it" if proven else "and had not finished it when the deadline passed"
             return (f"rank {rank} began step {self.begun} (local batch {size}) after {self.finished} "
-                    f"finished step(s) and never finished it{during} (local batches {self.sizes}{self._passes()})")
+                    f"finished step(s) {never}{during} (local batches {self.sizes}{self._passes()})")
         return (f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes}"
                 f"{self._passes()})")
 
@@ -117,11 +124,13 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
             out.append(None)
             continue
         t = Trail()
+        updated = os.path.getmtime(path)
         with open(path) as f:
             for line in f:
                 parts = line.split()
                 if not parts:
                     continue
+                t.last_line = line.strip()
                 if parts[0] == "run":
                     t = Trail(runs=t.runs + 1)
                 elif parts[0] == "begin" and len(parts) == 3:
@@ -134,16 +143,19 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
                     t.finished += 1
                 elif parts[0] == "done":
                     t.ended = True
+        t.updated = updated
         out.append(t)
     return out
 
 
 def diverged(trails: List[Optional[Trail]]) -> bool:
-    """True when the ranks began different numbers of steps in their last run, or different numbers
-    of physical passes in some step both began (all trails known)."""
+    """True when the trails prove the ranks' step or pass counts differ (all trails known): some
+    rank *ended* its run after ``n`` steps -- a final count -- while another began more than ``n``,
+    or ``passes_diverged``. Step counts that merely differ at some moment prove nothing: a rank
+    may be one step behind."""
     if any(t is None for t in trails) or len(trails) < 2:
         return False
-    return len({t.begun for t in trails}) > 1 or passes_diverged(trails)
+    return any(t.ended and any(u.begun > t.begun for u in trails) for t in trails) or passes_diverged(trails)
 
 
 def passes_diverged(trails: List[Optional[Trail]]) -> bool:
@@ -160,9 +172,36 @@ def passes_diverged(trails: List[Optional[Trail]]) -> bool:
     return False
 
 
-def describe(trails: List[Optional[Trail]]) -> str:
-    return "; ".join(t.describe(r) if t is not None else f"rank {r} left no progress"
+def describe(trails: List[Optional[Trail]], proven: bool = True) -> str:
+    return "; ".join(t.describe(r, proven) if t is not None else f"rank {r} left no progress"
                      for r, t in enumerate(trails))
+
+
+def last_progress(trails: List[Optional[Trail]], ranks: List[int], at: Optional[float]) -> str:
+    """For ``ranks``: each one's last progress line in words and how long before ``at`` (wall
+    clock) it was written -- e.g. "rank 1's last progress: began step 4 (local batch 1), 2.4 s
+    before the deadline"."""
+    out = []
+    for r in ranks:
+        t = trails[r] if r < len(trails) else None
+        if t is None or not t.last_line:
+            continue
+        ago = f", {max(0.0, at - t.updated):.1f} s before the deadline" if at and t.updated else ""
+        out.append(f"rank {r}'s last progress: {_said(t.last_line)}{ago}")
+    return "; ".join(out)
+
+
+def _said(line: str) -> str:
+    """A trail line in words (steps and passes counted from 1, as ``Trail.describe`` does)."""
+    parts = line.split()
+    if parts[0] == "begin" and len(parts) == 3:
+        size = f" (local batch {parts[2]})" if int(parts[2]) >= 0 else ""
+        return f"began step {int(parts[1]) + 1}{size}"
+    if parts[0] == "pass" and len(parts) == 4:
+        return f"began physical pass {int(parts[2]) + 1} (size {parts[3]}) of step {int(parts[1]) + 1}"
+    if parts[0] == "end" and len(parts) == 2:
+        return f"finished step {int(parts[1]) + 1}"
+    return {"run": "began its run", "done": "ended its run"}.get(parts[0], repr(line))
 
 
 __all__ = ["step_begun", "step_finished", "run_begun", "run_ended"]
