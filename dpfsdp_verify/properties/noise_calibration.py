@@ -372,9 +372,15 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     where = f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype}"
     na = {n: (a[n] - clean[n]).to(torch.float64) for n in names}
     nb = {n: (b[n] - clean[n]).to(torch.float64) for n in names}
-    if all(bool((na[n] == 0).all()) and bool((nb[n] == 0).all()) for n in names):
-        return case.verdict("fail", "mismatch", f"PRIVACY VIOLATION: no noise at all in a fresh training job {where}: "
-                            "the released gradients equal the noise-0 run's.")
+    # coordinates released without noise in both jobs are a missing-noise bug, not a replayed stream
+    silent = {n: int(((na[n] == 0) & (nb[n] == 0)).sum()) for n in names}
+    silent = {n: k for n, k in silent.items() if k}
+    if silent:
+        return case.verdict("fail", "mismatch", (
+            f"PRIVACY VIOLATION: no noise at all in a fresh training job {where} on "
+            + ", ".join(f"{k} of {na[n].numel()} coordinates of {n!r}" for n, k in list(silent.items())[:3])
+            + ": they are released exactly (the released gradient equals the noise-0 run's there)."),
+            {"silent_coordinates": silent})
     same = [n for n in names if torch.equal(torch.round(na[n] / quantum), torch.round(nb[n] / quantum))]
     pooled = torch.cat([na[n].reshape(-1) for n in names])
     evidence = {"identical_tensors": same, "noise_seeds": [sp.noise_seed for sp in case.specs[:2]],
