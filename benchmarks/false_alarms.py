@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpfsdp_verify.harness import Pool  # noqa: E402
 from dpfsdp_verify.properties import REGISTRY  # noqa: E402
+import dpfsdp_verify.properties as props  # noqa: E402
 
 TARGET = "fixtures.specimens:Correct"
 MODES = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for prop in registry:
                 failed = False
-                for v in prop(TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
+                for v in props.run(prop, TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
                                 **axes):
                     counts[(prop.id, v.status)] += 1
                     if v.status not in ("pass", "skip"):

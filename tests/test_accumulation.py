@@ -13,6 +13,7 @@ from dpfsdp_verify import cli
 from dpfsdp_verify.properties import PROPERTIES, Options
 from dpfsdp_verify.properties.compare import physical_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 
 A = "fixtures.accum_specimens:"
@@ -23,7 +24,7 @@ ACCUM = ("uneven_accum", "poisson_per_rank_accum")
 def run(pool, prop, target, **kw):
     kw.setdefault("timeout", 60)
     kw.setdefault("dtypes", ("float64",))
-    return PROPERTIES[prop](target, pool=pool, **kw)
+    return props.run(prop, target, pool=pool, **kw)
 
 
 # -- the spec, the CLI, the pair -----------------------------------------------------------------

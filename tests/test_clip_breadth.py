@@ -15,6 +15,7 @@ from dpfsdp_verify import models, reference
 from dpfsdp_verify.properties import PROPERTIES, Options
 from dpfsdp_verify.properties.compare import fit_clip_coefficients, reference_norms
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 
 C = "fixtures.clip_specimens:"
@@ -30,7 +31,7 @@ def run(pool, prop, target, **kw):
     kw.setdefault("dtypes", ("float64",))
     kw.setdefault("models", ("mlp",))
     kw.setdefault("seed", SEED)
-    out = PROPERTIES[prop](target, pool=pool, **kw)
+    out = props.run(prop, target, pool=pool, **kw)
     for v in out:
         assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
     return out

@@ -13,6 +13,7 @@ import pytest
 
 from dpfsdp_verify import modes
 from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Options, fuzzable, modes_problem
+import dpfsdp_verify.properties as props  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "dpfsdp_verify")
@@ -34,7 +35,7 @@ def example_property():
 
 
 def test_contributing_example_property_passes_a_correct_target(pool, example_property):
-    verdicts = example_property("fixtures.specimens:Correct", pool=pool, world_sizes=(1, 2))
+    verdicts = props.run(example_property, "fixtures.specimens:Correct", pool=pool, world_sizes=(1, 2))
     assert [(v.config["world_size"], v.config["reduction"], v.status) for v in verdicts] == [
         (1, "mean", "pass"), (1, "sum", "pass"), (2, "mean", "pass"), (2, "sum", "pass")]
     assert verdicts[0].repro.startswith("dpfsdp-verify run --target fixtures.specimens:Correct --properties "
@@ -42,7 +43,7 @@ def test_contributing_example_property_passes_a_correct_target(pool, example_pro
 
 
 def test_contributing_example_property_fails_the_bug_it_targets(pool, example_property):
-    verdicts = example_property("fixtures.specimens:LossAllReduced", pool=pool, world_sizes=(1, 2),
+    verdicts = props.run(example_property, "fixtures.specimens:LossAllReduced", pool=pool, world_sizes=(1, 2),
                                 reductions=("sum",))
     one, two = verdicts
     assert one.status == "pass"  # one rank: a sum over ranks is the rank's own loss
@@ -52,7 +53,7 @@ def test_contributing_example_property_fails_the_bug_it_targets(pool, example_pr
 
 def test_unknown_option_is_refused_naming_the_property_options():
     with pytest.raises(TypeError, match=r"deadlock_free: unknown option\(s\) repeats; its own options: local_batches"):
-        PROPERTIES["deadlock_free"]("opacus", repeats=3)
+        props.run("deadlock_free", "opacus", repeats=3)
 
 
 def test_options_from_the_python_api():

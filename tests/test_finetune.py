@@ -25,6 +25,7 @@ from dpfsdp_verify.properties.contract import Case
 from dpfsdp_verify.properties.runner import judge_case
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from dpfsdp_verify.verdict import DIAGNOSES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass
 
 CORRECT = "fixtures.specimens:Correct"
@@ -144,54 +145,54 @@ def test_runner_reports_frozen_updates_and_refusals_as_verdicts():
 # -- the specimens and upstream on ranks --------------------------------------------------------
 def test_correct_passes_on_lora_and_tied(pool):
     for prop in ("norm_fidelity", "clipped_step", "sensitivity_bound"):
-        assert_all_pass(PROPERTIES[prop](CORRECT, pool=pool, world_sizes=(1, 2), models=("lora", "tied"),
+        assert_all_pass(props.run(prop, CORRECT, pool=pool, world_sizes=(1, 2), models=("lora", "tied"),
                                          reductions=("mean",), **FIXED))
 
 
 def test_correct_noise_is_calibrated_on_adapters_and_absent_on_frozen(pool):
-    assert_all_pass(PROPERTIES["noise_calibration"](CORRECT, pool=pool, world_sizes=(2,), models=("lora",),
+    assert_all_pass(props.run("noise_calibration", CORRECT, pool=pool, world_sizes=(2,), models=("lora",),
                                                     reductions=("mean",), seed=11))
 
 
 def test_clips_over_frozen_fails_norm_fidelity_naming_the_frozen_weight(pool):
-    vs = PROPERTIES["norm_fidelity"](F + "ClipsOverFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
+    vs = props.run("norm_fidelity", F + "ClipsOverFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
                                      reductions=("mean",), **FIXED)
     assert vs and all((v.status, v.diagnosis) == ("fail", "mismatch") for v in vs), [v.message for v in vs]
     assert all("frozen parameters of layers that also hold a trainable one (fc2.weight)" in v.message for v in vs)
-    vs = PROPERTIES["clipped_step"](F + "ClipsOverFrozen", pool=pool, world_sizes=(2,), models=("lora",),
+    vs = props.run("clipped_step", F + "ClipsOverFrozen", pool=pool, world_sizes=(2,), models=("lora",),
                                     reductions=("mean",), **FIXED)
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
 
 
 def test_noises_frozen_fails_noise_calibration_as_frozen_updated(pool):
-    vs = PROPERTIES["noise_calibration"](F + "NoisesFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
+    vs = props.run("noise_calibration", F + "NoisesFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
                                          reductions=("mean",), draws=32, seed=3)
     assert vs and all((v.status, v.diagnosis) == ("fail", "frozen_updated") for v in vs), [v.message for v in vs]
     assert all("frozen parameter 'fc1.weight'" in v.message for v in vs)
 
 
 def test_skips_adapter_noise_fails_noise_calibration(pool):
-    vs = PROPERTIES["noise_calibration"](F + "SkipsAdapterNoise", pool=pool, world_sizes=(1, 2), models=("lora",),
+    vs = props.run("noise_calibration", F + "SkipsAdapterNoise", pool=pool, world_sizes=(1, 2), models=("lora",),
                                          reductions=("mean",), draws=32, seed=3)
     assert vs and all((v.status, v.diagnosis) == ("fail", "mismatch") for v in vs), [v.message for v in vs]
     assert all("PRIVACY VIOLATION: no noise at all" in v.message and "'fc1_a.weight'" in v.message for v in vs)
 
 
 def test_tied_last_use_only_undercounts(pool):
-    vs = PROPERTIES["norm_fidelity"](F + "TiedLastUseOnly", pool=pool, world_sizes=(1, 2), models=("tied",),
+    vs = props.run("norm_fidelity", F + "TiedLastUseOnly", pool=pool, world_sizes=(1, 2), models=("tied",),
                                      reductions=("mean",), **FIXED)
     assert vs and all((v.status, v.diagnosis) == ("fail", "undercount") for v in vs), [v.message for v in vs]
     assert all("from its use as 'tok.weight' only" in v.message for v in vs)
-    vs = PROPERTIES["sensitivity_bound"](F + "TiedLastUseOnly", pool=pool, world_sizes=(1, 2), models=("tied",),
+    vs = props.run("sensitivity_bound", F + "TiedLastUseOnly", pool=pool, world_sizes=(1, 2), models=("tied",),
                                          **FIXED)
     assert vs and all((v.status, v.diagnosis) == ("fail", "undercount") for v in vs), [v.message for v in vs]
     assert all("PRIVACY VIOLATION" in v.message and "exceed C" in v.message for v in vs)
 
 
 def test_upstream_passes_lora_and_refuses_tied_as_expected(pool):
-    assert_all_pass(PROPERTIES["norm_fidelity"]("opacus", pool=pool, world_sizes=(1, 2), models=("lora",),
+    assert_all_pass(props.run("norm_fidelity", "opacus", pool=pool, world_sizes=(1, 2), models=("lora",),
                                                 reductions=("mean",), **FIXED))
-    vs = PROPERTIES["norm_fidelity"]("opacus", pool=pool, world_sizes=(1, 2), models=("tied",),
+    vs = props.run("norm_fidelity", "opacus", pool=pool, world_sizes=(1, 2), models=("tied",),
                                      reductions=("mean",), **FIXED)
     assert vs and all((v.status, v.diagnosis) == ("fail", "refused") for v in vs), [v.message for v in vs]
     assert all("opacus 1.6.0 refuses tied parameters" in v.message and "shared" in v.message for v in vs)

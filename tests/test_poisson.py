@@ -20,6 +20,7 @@ from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.compare import poisson_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 from dpfsdp_verify.verdict import DIAGNOSES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 
 P = "fixtures.poisson_specimens:"
@@ -132,7 +133,7 @@ def test_poisson_strategies_shrink_to_the_smallest_run():
 # -- sampling_accounting on the specimens -------------------------------------------------------
 def sa(pool, target, **kw):
     kw.setdefault("timeout", 60)
-    return PROPERTIES["sampling_accounting"](P + target, pool=pool, **kw)
+    return props.run("sampling_accounting", P + target, pool=pool, **kw)
 
 
 def test_correct_poisson_sampler_passes_every_policy_at_1_2_3_ranks(pool):
@@ -181,7 +182,7 @@ def test_skipping_empty_local_batches_is_a_step_divergence(pool):
 
 
 def test_target_without_a_data_pipeline_is_a_failure_not_a_skip(pool):
-    vs = PROPERTIES["sampling_accounting"]("fixtures.gate_specimens:WithoutDataPipeline", pool=pool,
+    vs = props.run("sampling_accounting", "fixtures.gate_specimens:WithoutDataPipeline", pool=pool,
                                            world_sizes=(2,), seedings=("same",))
     assert [v.status for v in vs] == ["fail", "fail"]
     assert "not checkable on this target" in vs[0].message and "implement Target.sample_batches" in vs[0].message
@@ -208,7 +209,7 @@ ALL_POISSON = ("poisson_same", "poisson_per_rank", "poisson_unseeded")
 
 
 def test_lock_step_poisson_target_never_hangs(pool):
-    vs = PROPERTIES["deadlock_free"](P + "PoissonCorrect", pool=pool, world_sizes=(2, 3), local_batches=ALL_POISSON,
+    vs = props.run("deadlock_free", P + "PoissonCorrect", pool=pool, world_sizes=(2, 3), local_batches=ALL_POISSON,
                                      timeout=HANG_TIMEOUT)
     assert [(v.config["world_size"], v.config["local_batches"]) for v in vs] == [
         (ws, s) for ws in (2, 3) for s in ALL_POISSON]
@@ -219,14 +220,14 @@ def test_lock_step_poisson_target_never_hangs(pool):
 
 
 def test_skipping_empty_local_batches_hangs_and_says_so_in_dp_terms(pool):
-    v, = PROPERTIES["deadlock_free"](P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(2,),
+    v, = props.run("deadlock_free", P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(2,),
                                      local_batches=("poisson_same",), timeout=HANG_TIMEOUT)
     assert (v.status, v.diagnosis) == ("hang", "step_divergence"), v.message
     assert "rank 0 ended its run after 7 step(s)" in v.message
     assert "rank 1 began step 8" in v.message and "never finished it" in v.message
     assert "gloo:all_gather" in v.message and v.evidence["step_counts"] == [7, 8]
     assert v.seconds < HANG_TIMEOUT  # proven long before the deadline
-    v, = PROPERTIES["deadlock_free"](P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(3,),
+    v, = props.run("deadlock_free", P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(3,),
                                      local_batches=("poisson_per_rank",), timeout=HANG_TIMEOUT)
     assert (v.status, v.diagnosis) == ("hang", "step_divergence"), v.message
     assert v.evidence["step_counts"] == [6, 6, 5]
@@ -235,7 +236,7 @@ def test_skipping_empty_local_batches_hangs_and_says_so_in_dp_terms(pool):
 # -- clipped_step and trajectory under Poisson sampling -----------------------------------------
 def test_clipped_step_and_trajectory_under_poisson_on_the_correct_specimen(pool):
     for prop in ("clipped_step", "trajectory"):
-        vs = PROPERTIES[prop](P + "PoissonCorrect", pool=pool, world_sizes=(1, 2), models=("mlp",),
+        vs = props.run(prop, P + "PoissonCorrect", pool=pool, world_sizes=(1, 2), models=("mlp",),
                               reductions=("mean", "sum"), samplings=("poisson",), timeout=60)
         assert vs and all(v.config["sampling"] == "poisson" for v in vs)
         assert_all_pass(vs)

@@ -9,6 +9,7 @@ with the numbers in the reason).
 import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass
 
 pytest.importorskip("opacus")
@@ -26,7 +27,7 @@ SUM_BUG = ("upstream opacus 1.6.0 ghost_fsdp bug: with loss_reduction='sum' at w
 def run(pool, prop, **kw):
     kw.setdefault("timeout", 90)
     kw.setdefault("dtypes", ("float64",))
-    out = PROPERTIES[prop]("opacus", pool=pool, **kw)
+    out = props.run(prop, "opacus", pool=pool, **kw)
     return out
 
 

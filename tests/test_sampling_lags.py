@@ -11,6 +11,7 @@ import torch
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.sampling_accounting import across_steps
 from dpfsdp_verify.properties.stats import lag_autocovariance_z, skewed_normal_two_sided_p
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 
 L = "fixtures.sampling_lag_specimens:"
@@ -22,7 +23,7 @@ BATCH_SIZE = {"batch_size_dispersion", "batch_size_lags", "ranks_0_1_correlation
 
 def sa(pool, target, **kw):
     kw.setdefault("timeout", 60)
-    return PROPERTIES["sampling_accounting"](target, pool=pool, world_sizes=(1, 2), **kw)
+    return props.run("sampling_accounting", target, pool=pool, world_sizes=(1, 2), **kw)
 
 
 def failed_tests(v):

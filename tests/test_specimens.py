@@ -9,6 +9,7 @@ import pytest
 from dpfsdp_verify.harness import wait_gone
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 
 S = "fixtures.specimens:"
@@ -25,7 +26,7 @@ def run(pool, prop, target, **kw):
     kw.setdefault("timeout", 60)
     kw.setdefault("dtypes", ("float64",))
     kw.setdefault("samplings", ("fixed",))
-    out = PROPERTIES[prop](S + target, pool=pool, **kw)
+    out = props.run(prop, S + target, pool=pool, **kw)
     for v in out:
         assert v.status in STATUSES and (v.diagnosis is None or v.diagnosis in DIAGNOSES)
         json.dumps(v.to_json())

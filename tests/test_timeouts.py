@@ -15,6 +15,7 @@ from dpfsdp_verify.properties.contract import case_deadline
 from dpfsdp_verify.properties.deadlock_free import POISSON_DEADLINE_S
 from dpfsdp_verify.targets import progress
 from dpfsdp_verify.verdict import DIAGNOSES
+import dpfsdp_verify.properties as props  # noqa: E402
 
 SLOW = "fixtures.slow_specimens:SlowCorrect"
 P = "fixtures.poisson_specimens:"
@@ -70,7 +71,7 @@ def test_slow_correct_target_under_a_short_timeout_is_a_timeout_naming_the_busy_
     before = set(pool.group(2).pids())
     t0 = time.monotonic()
     # the Poisson scenarios (12 steps of ~1 s; built-in deadline 30 s): the user's 4 s is honoured
-    vs = PROPERTIES["deadlock_free"](SLOW, pool=pool, world_sizes=(2,),
+    vs = props.run("deadlock_free", SLOW, pool=pool, world_sizes=(2,),
                                      local_batches=("poisson_same", "poisson_per_rank"), timeout=SHORT)
     elapsed = time.monotonic() - t0
     assert [v.config["local_batches"] for v in vs] == ["poisson_same", "poisson_per_rank"]
@@ -89,17 +90,17 @@ def test_slow_correct_target_under_a_short_timeout_is_a_timeout_naming_the_busy_
 
 def test_slow_correct_target_passes_the_poisson_scenarios_under_the_default_timeout(pool):
     """12 steps of ~1 s each: longer than the Poisson scenarios' former fixed 10 s deadline."""
-    v, = PROPERTIES["deadlock_free"](SLOW, pool=pool, world_sizes=(2,), local_batches=("poisson_same",))
+    v, = props.run("deadlock_free", SLOW, pool=pool, world_sizes=(2,), local_batches=("poisson_same",))
     assert v.status == "pass", v.message
     assert v.evidence["step_counts"] == [12, 12] and v.seconds > 10.0
 
 
 def test_proven_deadlocks_stay_proven_and_fast(pool):
-    v, = PROPERTIES["deadlock_free"](P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(2,),
+    v, = props.run("deadlock_free", P + "SkipEmptyLocalBatch", pool=pool, world_sizes=(2,),
                                      local_batches=("poisson_same",))
     assert (v.status, v.diagnosis) == ("hang", "step_divergence"), v.message
     assert "deadlock proven after " in v.message and v.seconds < 15
-    v, = PROPERTIES["deadlock_free"]("fixtures.specimens:HookCollective", pool=pool, world_sizes=(2,),
+    v, = props.run("deadlock_free", "fixtures.specimens:HookCollective", pool=pool, world_sizes=(2,),
                                      local_batches=("even",))
     assert (v.status, v.diagnosis) == ("hang", "deadlock"), v.message
     assert "deadlock proven after " in v.message and v.seconds < 15

@@ -1,8 +1,8 @@
 """Properties: one module per property id, each building a ``Property`` (``contract.py``) that
 says what it means, which cases it runs and how it judges them; ``runner.py`` runs any of them.
 
-    from dpfsdp_verify.properties import PROPERTIES
-    verdicts = PROPERTIES["norm_fidelity"]("opacus", world_sizes=(1, 2), models=("mlp",))
+    from dpfsdp_verify import properties
+    verdicts = properties.run("norm_fidelity", "opacus", world_sizes=(1, 2), models=("mlp",))
 
 Keywords are those of ``contract.Options`` (``world_sizes``, ``modes`` as ``{label: {VAR: value}}``,
 ``grad_sample_mode``, ``models``, ``data_layouts``, ``reductions``, ``dtype``, ``backend``,
@@ -16,11 +16,13 @@ Adding a property: one module that defines ``PROPERTY = Property(...)``, plus on
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Union
 
+from ..verdict import Verdict
 from . import (clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
                sampling_accounting, sensitivity_bound, trajectory)
 from .contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
+from .runner import run_property
 
 #: every property, in the order the gate runs and reports them
 REGISTRY = (
@@ -37,10 +39,22 @@ REGISTRY = (
 PROPERTIES: Dict[str, Property] = by_id(REGISTRY)
 
 
+def run(prop: Union[str, Property], target_ref: str, *, pool=None, **options) -> List[Verdict]:
+    """Run property ``prop`` (an id or a ``Property``) against ``target_ref``: one ``Verdict`` per
+    configuration. ``options`` are ``Options``' keywords plus the property's own ``params``
+    (``TypeError`` for one it does not know); ``pool`` a ``harness.Pool`` (default: a private one).
+    ``ValueError`` for an unknown id."""
+    if isinstance(prop, str):
+        if prop not in PROPERTIES:
+            raise ValueError(f"unknown property {prop!r}; choose one of {', '.join(PROPERTIES)}")
+        prop = PROPERTIES[prop]
+    return run_property(prop, prop.options(target_ref, **options), pool)
+
+
 def fuzzable() -> List[str]:
     """Ids of the properties that have a fuzz recipe."""
     return [p.id for p in REGISTRY if p.fuzz is not None]
 
 
-__all__ = ["PROPERTIES", "REGISTRY", "Property", "Options", "Case", "Point", "Outputs", "FuzzRecipe", "fuzzable",
+__all__ = ["run", "PROPERTIES", "REGISTRY", "Property", "Options", "Case", "Point", "Outputs", "FuzzRecipe", "fuzzable",
            "modes_problem"]

@@ -14,7 +14,8 @@ A property is one module that builds a ``Property``:
   from, and the property's ``prepare`` of a drawn spec).
 
 Everything that runs a property -- the gate, the fuzzer, tests -- goes through ``Options`` (one
-frozen value instead of a dozen keywords) and ``runner.run_property``. A property whose
+frozen value instead of a dozen keywords) and ``runner.run_property`` (``properties.run`` is the
+Python API's entry point). A property whose
 ``compares_modes`` is set (``mode_equivalence``) gets points with two modes (the first label vs
 each other one) and needs at least two modes (``modes_problem``), unless it brings its own pair
 for a run given one mode (``Property.default_pair``: e.g. the same step unsplit vs in physical
@@ -276,8 +277,8 @@ class FuzzRecipe:
 
 @dataclass(frozen=True)
 class Property:
-    """A property (module docstring). Calling it runs it: ``prop(target_ref, pool=None, **options)``
-    -> ``[Verdict]`` (keywords of ``Options``, plus the property's own ``params``)."""
+    """A property (module docstring). ``properties.run(prop, target_ref, pool=None, **options)``
+    runs it -> ``[Verdict]`` (keywords of ``Options``, plus the property's own ``params``)."""
 
     id: str
     meaning: str
@@ -308,11 +309,6 @@ class Property:
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
     #: a correct target never fails)
     false_alarm_rate: Optional[float] = None
-
-    def __call__(self, target_ref: str, *, pool=None, **kw) -> List[Verdict]:
-        from .runner import run_property
-
-        return run_property(self, self.options(target_ref, **kw), pool)
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
