@@ -22,9 +22,14 @@ from typing import Any, Dict, Optional
 STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
-DIAGNOSES = ("sqrt_n_inflation", "sample_mixing", "undercount", "mismatch", "non_finite", "deadlock", "rank_crash",
-             "step_divergence", "correlated_sampling", "wrong_sample_rate", "refused", "frozen_updated",
-             "non_gaussian_noise", "dependent_noise", "internal_error", "timeout")
+#: what the runner and the harness say of a case of any property (a hang, a crash, a refusal, data
+#: that is not what was asked, non-finite or frozen values released, a bug in a check)
+RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
+                 "frozen_updated", "internal_error")
+#: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
+#: (``Property.diagnoses``); the report schema's enum is this list (tests/test_contract.py ties them)
+DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
+                             "wrong_sample_rate", "non_gaussian_noise", "dependent_noise")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the

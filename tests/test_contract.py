@@ -5,6 +5,7 @@ options are checked, the rule for comparing properties lives in one place, and n
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import types
@@ -104,3 +105,26 @@ def test_no_module_outside_properties_names_a_property():
                 if pattern.search(line):
                     offenders.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_diagnoses_have_one_home_per_property_and_the_schema_lists_exactly_them():
+    """Each diagnosis is given by the runner (``RUN_DIAGNOSES``) or declared by a property
+    (``Property.diagnoses``); ``verdict.DIAGNOSES`` is their union and the report schema's enum is
+    that list; every diagnosis a property module names literally in a verdict is one it declares."""
+    import json
+    import re
+    from importlib import resources
+
+    from dpfsdp_verify import properties as properties_pkg
+    from dpfsdp_verify.verdict import DIAGNOSES, RUN_DIAGNOSES
+
+    declared = set(RUN_DIAGNOSES).union(*(p.diagnoses for p in REGISTRY))
+    assert declared == set(DIAGNOSES) and len(DIAGNOSES) == len(set(DIAGNOSES))
+    schema = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
+    assert set(schema["$defs"]["diagnosis"]["enum"]) == set(DIAGNOSES) | {None}
+    for prop in REGISTRY:
+        module = importlib.import_module(f"{properties_pkg.__name__}.{prop.id}")
+        source = open(module.__file__).read()
+        named = set(re.findall(r'verdict\("(?:fail|hang|error)", "([a-z_]+)"', source))
+        assert named <= set(prop.diagnoses) | set(RUN_DIAGNOSES), (prop.id, named - set(prop.diagnoses))
+        assert set(prop.diagnoses) <= set(DIAGNOSES), prop.id

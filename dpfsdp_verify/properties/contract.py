@@ -291,6 +291,9 @@ class Property:
     #: own precision: the tightest check) and, where the cost is worth it, float32 (what DP
     #: training runs in; tolerances per dtype are in ``compare.TOLERANCES``)
     dtypes: Tuple[str, ...] = ("float64",)
+    #: the diagnoses its own ``judge`` gives (beyond ``verdict.RUN_DIAGNOSES``, which the runner
+    #: gives for any property)
+    diagnoses: Tuple[str, ...] = ("mismatch",)
     #: property-specific options and their defaults (``Options.params``)
     params: Tuple[Tuple[str, Any], ...] = ()
     #: samplings the property runs under (module docstring); the options' ``samplings`` select

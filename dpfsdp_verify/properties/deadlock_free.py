@@ -162,7 +162,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
 
 
 PROPERTY = Property(
-    id="deadlock_free",
+    id="deadlock_free", diagnoses=(),
     meaning=("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),

@@ -459,7 +459,7 @@ def _independence(noise, names, ws):
 
 
 PROPERTY = Property(
-    id="noise_calibration",
+    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise"),
     meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),

@@ -229,7 +229,7 @@ def diagnose(case: Case, got, want, steps, ratios):
 
 
 PROPERTY = Property(
-    id="norm_fidelity",
+    id="norm_fidelity", diagnoses=("mismatch", "sqrt_n_inflation", "sample_mixing", "undercount"),
     meaning=("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),

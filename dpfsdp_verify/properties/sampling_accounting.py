@@ -273,7 +273,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
 
 
 PROPERTY = Property(
-    id="sampling_accounting",
+    id="sampling_accounting", diagnoses=("correlated_sampling", "wrong_sample_rate", "step_divergence"),
     meaning=("the sampler is the Poisson sampling the accountant assumes: each sample in each step with rate q, "
              "independently across samples, ranks and steps, and every rank takes the same steps"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),

@@ -106,7 +106,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
 
 
 PROPERTY = Property(
-    id="sensitivity_bound",
+    id="sensitivity_bound", diagnoses=("mismatch", "undercount"),
     meaning=("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
              "calibrated to; a violation voids the privacy guarantee"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",))
