@@ -1,4 +1,4 @@
-"""Poisson sampling end to end (issue 12): the sampling dimension of ``RunSpec``, the runner's
+"""Poisson sampling end to end: the sampling dimension of ``RunSpec``, the runner's
 Poisson data check, progress trails, ``sampling_accounting`` and ``deadlock_free``'s Poisson
 scenarios on the Poisson specimens (``fixtures/poisson_specimens.py``: one correct, one bug each),
 ``clipped_step`` / ``trajectory`` under Poisson sampling, and the fuzzer finding a step

@@ -125,7 +125,7 @@ def test_mode_equivalence_without_labels_compares_unsplit_and_physical_batches(p
     assert [(v.status, v.config["mode"]) for v in vs] == [("pass", "unsplit vs physical_batches_2")]
 
 
-# -- Poisson sampling (issue 12) -----------------------------------------------------------------
+# -- Poisson sampling -----------------------------------------------------------------------------
 def test_clipped_step_and_trajectory_under_poisson_sampling(pool):
     # every rank stops after K steps, so the ranks stay in lock-step whatever the sampler does: the
     # DP step on the realised batch, normalised by opacus' expected batch int(q N), is exact
