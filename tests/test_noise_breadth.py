@@ -16,6 +16,7 @@ from dpfsdp_verify.properties import noise_calibration as nc
 from dpfsdp_verify.properties.contract import Options
 from dpfsdp_verify.properties.stats import detectable_std_ratios, kurtosis_z, normal_two_sided_p, pairwise_dependence
 from dpfsdp_verify.verdict import CONFIG_KEYS, DIAGNOSES
+import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass
 
 N = "fixtures.noise_specimens:"
@@ -26,7 +27,7 @@ def run(pool, target, **kw):
     kw.setdefault("timeout", 90)
     kw.setdefault("reductions", ("mean",))
     kw.setdefault("samplings", ("fixed",))
-    return PROP(target, pool=pool, seed=kw.pop("seed", 17), **kw)
+    return props.run(PROP, target, pool=pool, seed=kw.pop("seed", 17), **kw)
 
 
 def split(vs):
