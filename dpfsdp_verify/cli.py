@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from .harness import DEFAULT_TIMEOUT_S
 from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
+from .errors import HintedError
 from .gate_io import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, VersionAction
 from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size, require_hypothesis
 from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
@@ -238,8 +239,6 @@ def cmd_scale(args) -> int:
         report = scale.scale_report(target, cfg, args.target)
     except TargetLoadError as e:
         raise UsageError(f"--target {args.target}: {e}", "give 'opacus' or an importable MODULE:ATTR") from None
-    except scale.ScaleUsageError as e:
-        raise UsageError(str(e), e.hint) from None
     text = scale.format_report(report)
     print(text, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
@@ -268,7 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return cmd_scale(args)
         parser.print_help()
         return EXIT_USAGE
-    except UsageError as e:
+    except HintedError as e:  # UsageError and every other mistake in what the user gave
         print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
         return EXIT_USAGE
     except Exception:  # a crash of dpfsdp-verify itself is exit 3, never mistaken for a verdict

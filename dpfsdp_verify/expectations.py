@@ -42,6 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from .errors import HintedError
 from .verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict, config_label
 
 if sys.version_info >= (3, 11):
@@ -57,12 +58,8 @@ _ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link")
 _SCALARS = (str, int, float, bool)
 
 
-class ExpectationsError(ValueError):
+class ExpectationsError(HintedError):
     """The expectations file cannot be used; the message is one line, ``hint`` says what to do."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
 
 
 def bundled() -> Dict[str, str]:

@@ -15,15 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from .errors import HintedError
+
 Env = Dict[str, str]
 
 
-class ModeSyntaxError(ValueError):
+class ModeSyntaxError(HintedError):
     """A malformed ``--mode-env``; ``hint`` shows the right form."""
 
     def __init__(self, message: str, hint: str = "e.g. --mode-env deferred:OPACUS_USE_DEFERRED_NORM=1"):
-        super().__init__(message)
-        self.hint = hint
+        super().__init__(message, hint)
 
 
 @dataclass(frozen=True)

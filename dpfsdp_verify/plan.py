@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from . import modes as modes_mod
-from .modes import Mode, ModeSyntaxError
+from .errors import HintedError
+from .modes import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
@@ -23,12 +24,8 @@ MAX_GLOO_WORLD_SIZE = 16
 REDUCTIONS = ("mean", "sum")
 
 
-class UsageError(Exception):
-    """A configuration mistake: reported as one line + hint, exit 2, nothing run."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
+class UsageError(HintedError):
+    """A mistake on the command line: reported as one line + hint, exit 2, nothing run."""
 
 
 def csv(text: str) -> List[str]:
@@ -146,7 +143,7 @@ def check_optional_pieces(args) -> Optional["Expectations"]:
     """The optional pieces the run needs are present -- the opacus it would test (``--target
     opacus``), hypothesis for ``--fuzz`` -- and the ``--expect`` file is valid: ``UsageError``
     naming the ``pip install`` (or the file's mistake) otherwise. Returns the parsed expectations."""
-    from .expectations import ExpectationsError, load
+    from .expectations import load
 
     if args.target == "opacus":
         try:
@@ -157,12 +154,7 @@ def check_optional_pieces(args) -> Optional["Expectations"]:
                              "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
-    if args.expect:
-        try:
-            return load(args.expect)
-        except ExpectationsError as e:
-            raise UsageError(str(e), e.hint) from None
-    return None
+    return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
 
 
 def require_hypothesis(what: str) -> None:
@@ -196,11 +188,8 @@ def parse_sampling(args, max_world_size: int) -> Dict:
 
 
 def parse_modes(items: List[str]) -> Tuple[Mode, ...]:
-    """``--mode-env`` values as modes; ``UsageError`` if malformed."""
-    try:
-        return modes_mod.parse_all(items or ())
-    except ModeSyntaxError as e:
-        raise UsageError(str(e), e.hint) from None
+    """``--mode-env`` values as modes; ``modes.ModeSyntaxError`` (a ``HintedError``) if malformed."""
+    return modes_mod.parse_all(items or ())
 
 
 def load_target_info(ref: str) -> Dict[str, str]:

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .errors import HintedError
 from .targets.base import RunSpec, Target
 
 #: trials use sampling seeds this far apart, so ``seed + rank`` (per_rank seeding) never repeats
@@ -39,12 +40,8 @@ Z95 = 1.959963984540054
 VERIFY_PAIRS = 24
 
 
-class ScaleUsageError(ValueError):
+class ScaleUsageError(HintedError):
     """Bad input to ``scale``: the message says what, ``hint`` how to fix it."""
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
 
 
 @dataclass(frozen=True)
