@@ -423,7 +423,7 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
     grads = rows(reference_grads(spec, step), indices)
     names = sorted(grads)
     basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
-    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    d = spec.divisor
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
     # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
     # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)

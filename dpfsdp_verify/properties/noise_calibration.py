@@ -238,7 +238,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.fresh:
         return _judge_fresh(case, outputs)
     spec, ws, runs = case.spec, case.world_size, outputs[0]
-    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
@@ -365,7 +365,7 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     noise-0 run follows the second): their noise must differ."""
     spec, ws = case.spec, case.world_size
     a, b, clean = (run[0].steps[0].gradient for run in outputs[0])
-    d = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
     quantum = _quantum(spec, s)
     names = sorted(set(clean) & set(trainable_names(spec)))

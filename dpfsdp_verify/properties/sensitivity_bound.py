@@ -62,7 +62,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                             f"layout {spec.data_layout!r} is not measured")
     rtol, atol = tolerance(spec.dtype)
     c = spec.max_grad_norm
-    d = float(spec.global_batch_size) if spec.reduction == "mean" else 1.0
+    d = spec.divisor  # fixed sampling only: the global batch size under "mean"
     full = _flat(runs[0][0].steps[0].gradient)
     contributions = []
     for j in range(spec.global_batch_size):

@@ -190,6 +190,12 @@ class RunSpec:
         return self.global_batch_size
 
     @property
+    def divisor(self) -> float:
+        """D of a DP step: the released gradient is ``(clipped sum + noise) / D``, with D the
+        ``expected_batch_size`` under ``"mean"`` and 1 under ``"sum"``."""
+        return float(self.expected_batch_size) if self.reduction == "mean" else 1.0
+
+    @property
     def steps_per_epoch(self) -> int:
         """``int(1/q)`` for ``poisson`` (opacus' ``num_batches``), ``steps`` for ``fixed``."""
         return int(1 / self.sample_rate) if self.sampling == "poisson" else self.steps
