@@ -80,10 +80,10 @@ def gate_wall_time() -> dict:
     import dataclasses
     import time
 
-    from dpfsdp_verify import cli
-    from dpfsdp_verify.gate import run_plan
+    from dpfsdp_verify.gate import cli
+    from dpfsdp_verify.gate.run import run_plan
     from dpfsdp_verify.harness import Pool
-    from dpfsdp_verify.plan import RunPlan
+    from dpfsdp_verify.gate.plan import RunPlan
 
     plan = RunPlan.from_args(cli.build_parser().parse_args(["run"]))
     out, verdicts = {}, []

@@ -97,7 +97,7 @@ def bench_hang_gate(repeats: int = 3) -> dict:
                     lat.append(t_verdict - float(f.read()))
             out[f"proven_{kind}_divergence_to_verdict_s_median"] = statistics.median(lat)
             out[f"proven_{kind}_divergence_to_verdict_s_max"] = max(lat)
-    cmd = [sys.executable, "-m", "dpfsdp_verify.cli", "run", "--target", "fixtures.specimens:HookCollective",
+    cmd = [sys.executable, "-m", "dpfsdp_verify", "run", "--target", "fixtures.specimens:HookCollective",
            "--timeout", "60", "-q"]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True)

@@ -7,7 +7,7 @@ change): ``reference`` (single-process float64 ground truth), ``models`` (tiny s
 and ``targets.progress`` (helpers for adapters), ``properties`` (``PROPERTIES``, ``Property``,
 ``Options``) and ``properties.compare`` (helpers for a property's judge), ``strategies`` and
 ``fuzz`` (hypothesis; the ``fuzz`` extra), ``hypothesis_profiles``. The pytest plugin
-(``plugin``) and the CLI (``cli``, ``python -m dpfsdp_verify``) are used through pytest and the
+(``plugin``) and the gate (``gate``: ``dpfsdp-verify``, ``python -m dpfsdp_verify``) are used through pytest and the
 command line. Importing this package imports nothing heavy (no torch).
 """
 

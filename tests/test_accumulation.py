@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpfsdp_verify import cli
+from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES, Options
 from dpfsdp_verify.properties.compare import physical_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from dpfsdp_verify import cli
+from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, args, says):
 def test_sampling_axis_selects_and_the_seed_replays(tmp_path):
     """--sampling picks the DP-step properties' sampling; Poisson knobs reach the spec; a property
     that runs under Poisson only is a skip that says why under --sampling fixed; --seed replays."""
-    from dpfsdp_verify.plan import RunPlan
+    from dpfsdp_verify.gate.plan import RunPlan
 
     plan = RunPlan.from_args(cli.build_parser().parse_args(
         ["run", "--sampling", "poisson", "--seeding", "same,per_rank", "--sample-rate", "0.5", "--dataset-size", "6",
@@ -215,7 +215,7 @@ def test_replay_usage_errors_exit_2_with_one_line(capsys, args, says):
 
 
 def test_skips_are_printed_with_their_reason(monkeypatch, capsys):
-    from dpfsdp_verify import gate
+    from dpfsdp_verify.gate import run as gate
     from dpfsdp_verify.verdict import Verdict
 
     skip = Verdict("sensitivity_bound", "skip", {"world_size": 2, "data_layout": "replicated", "model": "mlp",

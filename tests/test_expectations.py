@@ -14,8 +14,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from dpfsdp_verify import cli, expectations
-from dpfsdp_verify.expectations import Entry, Expectations, ExpectationsError, apply, parse
+from dpfsdp_verify.gate import cli, expectations
+from dpfsdp_verify.gate.expectations import Entry, Expectations, ExpectationsError, apply, parse
 from dpfsdp_verify.verdict import Verdict
 from test_cli import run_cli
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpfsdp_verify import expectations, models
+from dpfsdp_verify import models
+from dpfsdp_verify.gate import expectations
 from dpfsdp_verify import reference as R
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.compare import frozen_problem

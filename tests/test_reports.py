@@ -15,7 +15,7 @@ from importlib import resources
 import jsonschema
 import pytest
 
-from dpfsdp_verify import cli, report
+from dpfsdp_verify.gate import cli, report
 from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Case
 from dpfsdp_verify.verdict import CONFIG_KEYS
 from test_cli import REPO, run_cli

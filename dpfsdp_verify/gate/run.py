@@ -10,11 +10,11 @@ import time
 import traceback
 from typing import Callable, List, Optional
 
-from .harness import Pool
+from ..harness import Pool
 from .plan import RunPlan
-from .properties import PROPERTIES, modes_problem
-from .properties.runner import run_property
-from .verdict import Verdict
+from ..properties import PROPERTIES, modes_problem
+from ..properties.runner import run_property
+from ..verdict import Verdict
 
 #: upper bound on warm worker groups kept by one gate run
 MAX_WARM_GROUPS = 6
@@ -66,6 +66,6 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
 
 
 def _fuzz(pid: str, plan: RunPlan, pool: Pool) -> List[Verdict]:
-    from .fuzz import fuzz_options
+    from ..fuzz import fuzz_options
 
     return fuzz_options(pid, PROPERTIES[pid].with_defaults(plan.options), plan.fuzz, pool=pool)

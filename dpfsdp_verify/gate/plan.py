@@ -2,7 +2,7 @@
 
 ``RunPlan.from_args`` turns the CLI's arguments into a frozen, typed plan or raises
 ``UsageError`` (one line + a hint; the CLI exits 2 and nothing runs). Every rule about what may
-be combined is written here, once; the gate (``gate.py``) and the reports only read the plan.
+be combined is written here, once; the runner (``run.py``) and the reports only read the plan.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from . import modes as modes_mod
-from .errors import HintedError
-from .modes import Mode
+from .. import modes as modes_mod
+from ..errors import HintedError
+from ..modes import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
-    from .properties import Options
+    from ..properties import Options
 
 #: gloo ranks are processes on this host: more than this is a mistake on a CI runner
 MAX_GLOO_WORLD_SIZE = 16
@@ -63,7 +63,7 @@ class RunPlan:
     @classmethod
     def from_args(cls, args) -> "RunPlan":
         """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong."""
-        from .properties import PROPERTIES, Options, modes_problem
+        from ..properties import PROPERTIES, Options, modes_problem
 
         world_sizes = parse_world_sizes(args.world_sizes, args.backend)
         props = csv(args.properties) if args.properties else list(PROPERTIES)
@@ -100,7 +100,7 @@ class RunPlan:
 
 def parse_world_sizes(text: str, backend: str) -> List[int]:
     """``--world-sizes`` as sorted distinct ints the backend can run; ``UsageError`` otherwise."""
-    from .harness import BackendUnavailable, check_backend
+    from ..harness import BackendUnavailable, check_backend
 
     try:
         world_sizes = sorted({int(w) for w in csv(text)})
@@ -120,8 +120,8 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
 
 def parse_axes(args) -> Dict:
     """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own)."""
-    from .models import MODEL_NAMES
-    from .properties.compare import TOLERANCES
+    from ..models import MODEL_NAMES
+    from ..properties.compare import TOLERANCES
 
     out: Dict = {"models": None, "reductions": None, "dtypes": None}
     for key, flag, text, allowed, example in (
@@ -172,7 +172,7 @@ def parse_sampling(args, max_world_size: int) -> Dict:
     ``properties.contract.sampling_problem``'s). No ``--seed``: a fresh random seed."""
     import random
 
-    from .properties.contract import sampling_problem
+    from ..properties.contract import sampling_problem
 
     samplings = tuple(csv(args.sampling)) if args.sampling is not None else None
     seedings = tuple(csv(args.seeding)) if args.seeding is not None else None
@@ -194,7 +194,7 @@ def parse_modes(items: List[str]) -> Tuple[Mode, ...]:
 
 def load_target_info(ref: str) -> Dict[str, str]:
     """``{"name", "version"}`` of the target; ``UsageError`` if it cannot be loaded."""
-    from .targets import TargetLoadError, target_info
+    from ..targets import TargetLoadError, target_info
 
     try:
         return target_info(ref)

@@ -1,4 +1,7 @@
-"""Reports of a gate run: JSON (``schema/report.schema.json``), JUnit XML, markdown, and the terminal table.
+"""Reports of a gate run: JSON (``schema/report.schema.json``), JUnit XML, markdown, the terminal
+table, and the exit code (``exit_code``, the one place it is computed; the codes are ``EXIT_*``
+below, stated once, in docs/gate.md, "Exit codes"). ``finish(plan, verdicts, target)`` judges the
+verdicts against the plan's expectations, writes every report the plan asks for and returns it.
 
 All four are pure functions of the verdict list plus run metadata (and, with ``--expect``, the
 ``expectations.Outcome`` saying which failures were expected), so they cannot disagree. Every
@@ -10,15 +13,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import sys
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from . import __version__
-from .verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
+from .. import __version__
+from ..verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Outcome
+    from .plan import RunPlan
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 #: version of the JSON report's layout (``schema/report.schema.json``); bumped on any change that
 #: can break a reader (a removed/renamed field or a changed meaning), not for added fields
@@ -261,3 +269,66 @@ def terminal_table(verdicts: List[Verdict], outcome: Optional["Outcome"] = None)
         counts += f" ({s['expected']} of them expected; {len(outcome.unmet)} expectation(s) no longer hold)"
     out.append(counts)
     return "\n".join(out)
+
+
+def exit_code(verdicts, outcome=None) -> int:
+    if any(is_internal_error(v) for v in verdicts):
+        return EXIT_INTERNAL
+    if outcome is not None:
+        return EXIT_OK if outcome.holds else EXIT_FAIL
+    return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
+
+
+def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
+    """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
+    the only thing on stdout (the table and messages go to stderr)."""
+    from .expectations import apply
+
+    expectations, reports = plan.expectations, plan.reports
+    backend, seed = plan.options.backend, plan.options.seed
+    outcome = apply(expectations, verdicts) if expectations is not None else None
+    code = exit_code(verdicts, outcome)
+    json_to_stdout = reports.json == "-"
+    out = sys.stderr if json_to_stdout else sys.stdout
+    print(terminal_table(verdicts, outcome), file=out)
+    for v in verdicts:
+        if v.status in FAILING and not (outcome is not None and outcome.is_expected(v)):
+            print(f"\n{verdict_label(v)} {v.status} ({v.diagnosis}): {v.message}"
+                  + (f"\n  repro: {v.repro}" if v.repro else ""), file=out)
+            if is_internal_error(v):
+                print("  this is a bug in dpfsdp-verify, not a verdict on the target; please report it with:\n"
+                      + "\n".join("    " + line for line in (v.details or "").rstrip().splitlines()), file=out)
+    skipped = [v for v in verdicts if v.status == "skip"]
+    if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
+        print("\nskipped:", file=out)
+        for v in skipped:
+            print(f"  {verdict_label(v)}: {v.message}", file=out)
+    if outcome is not None:
+        for e in outcome.entries:
+            n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
+            if n:
+                print(f"\nexpected ({n} verdict(s), xfail above): expectation {e.label()}: {e.describe_reason()}",
+                      file=out)
+        for u in outcome.unmet:
+            print(f"\n{u.message}", file=out)
+        if outcome.not_exercised:
+            print(f"\n{len(outcome.not_exercised)} expectation(s) not exercised by this selection: "
+                  + "; ".join(e.label() for e in outcome.not_exercised), file=out)
+    if seed is not None:
+        print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
+              file=out)
+    if reports.json:
+        if json_to_stdout:
+            sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
+            sys.stdout.flush()
+        else:
+            write_json(reports.json, verdicts, target, backend, outcome, code, seed)
+    if reports.junit:
+        write_junit(reports.junit, verdicts, target["name"], outcome)
+    if reports.markdown:
+        # a PNG for the CI artifacts, beside the page; the page does not link it (a step summary
+        # cannot show a file from the runner's disk)
+        plot_norm_ratios(verdicts, os.path.splitext(reports.markdown)[0] + "-norm-ratio.png")
+        with open(reports.markdown, "w") as f:
+            f.write(to_markdown(verdicts, target, outcome))
+    return code

@@ -15,7 +15,7 @@
     dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
 Exit codes 0 / 1 / 2 / 3: stated once, in docs/gate.md ("Exit codes"); computed in
-``gate_io.exit_code``.
+``report.exit_code``.
 Progress goes to stderr while it runs; the summary table to stdout at the end (to stderr when
 --json - puts the JSON report on stdout).
 """
@@ -28,13 +28,14 @@ import sys
 import time
 from typing import List, Optional
 
-from .harness import DEFAULT_TIMEOUT_S
-from .harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from .errors import HintedError
-from .gate_io import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, VersionAction
+from ..harness import DEFAULT_TIMEOUT_S
+from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
+from ..errors import HintedError
+from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
+from .target_info import VersionAction
 from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size, require_hypothesis
-from .targets.base import DEFAULT_GRAD_SAMPLE_MODE
-from .verdict import FAILING
+from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE
+from ..verdict import FAILING
 
 DEFAULT_WORLD_SIZES = "1,2"
 
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_list() -> int:
-    from .properties import PROPERTIES
+    from ..properties import PROPERTIES
 
     print("properties (* can be fuzzed: --fuzz N, replay) and what each runs by default:")
     for pid, prop in PROPERTIES.items():
@@ -158,27 +159,27 @@ class Progress:
 
 
 def cmd_run(args) -> int:
-    from . import gate_io
-    from .gate import run_plan
+    from . import report, target_info
+    from .run import run_plan
 
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     plan = RunPlan.from_args(args)
     progress = Progress(plan.quiet)
-    target = gate_io.describe_target(plan.options.target, plan.info)
+    target = target_info.describe_target(plan.options.target, plan.info)
     if not plan.quiet:
-        print(gate_io.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties),
+        print(target_info.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties),
               file=sys.stderr, flush=True)
         print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr, flush=True)
-    return gate_io.finish(plan, run_plan(plan, progress=progress), target)
+    return report.finish(plan, run_plan(plan, progress=progress), target)
 
 
 def cmd_replay(args) -> int:
     """Re-run one fuzzed spec; prints its verdict; exit 1 if it fails."""
     require_hypothesis("replay")  # hypothesis is the optional [fuzz] extra: exit 2, not 3
-    from .fuzz import check_example, format_failure, fuzzable_property, spec_from_json
-    from .harness import Pool
+    from ..fuzz import check_example, format_failure, fuzzable_property, spec_from_json
+    from ..harness import Pool
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -193,7 +194,7 @@ def cmd_replay(args) -> int:
         raise UsageError(f"--spec: not a RunSpec in JSON ({e})", "copy it from the fuzz verdict's repro line") from None
     modes = parse_modes(args.mode_env)
     load_target_info(args.target)
-    from .properties import Options
+    from ..properties import Options
 
     opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
                    backend=args.backend, timeout=args.timeout)
@@ -221,8 +222,8 @@ def _scale_parser(sub) -> None:
 def cmd_scale(args) -> int:
     import json
 
-    from . import scale
-    from .targets import TargetLoadError, load_target
+    from .. import scale
+    from ..targets import TargetLoadError, load_target
 
     if args.plot:
         try:

@@ -42,8 +42,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .errors import HintedError
-from .verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict, config_label
+from ..errors import HintedError
+from ..verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict, config_label
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,7 +51,7 @@ else:  # pragma: no cover - exercised only on Python 3.10 (tomli is a dependency
     import tomli as tomllib
 
 FORMAT_VERSION = 1
-BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "properties", "known_failures")
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "properties", "known_failures")
 EXPECTABLE_STATUSES = ("fail", "hang", "error")
 _TOP_KEYS = ("version", "description", "expect")
 _ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link")
@@ -160,7 +160,7 @@ def _check_value(where: str, key: str, v: Any, depth: int = 0) -> None:
 def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence[str]] = None) -> Expectations:
     """Check and parse an expectations file's text. Raises ``ExpectationsError`` (one line)."""
     if properties is None:
-        from .properties import PROPERTIES
+        from ..properties import PROPERTIES
 
         properties = list(PROPERTIES)
     name = os.path.basename(file)
@@ -279,7 +279,7 @@ class Outcome:
 
 def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
     """Judge ``verdicts`` against ``exp`` (see the module docstring)."""
-    from .verdict import FAILING
+    from ..verdict import FAILING
 
     out = Outcome(exp.file, list(exp.entries))
     for v in verdicts:
