@@ -32,6 +32,7 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
+from ..targets.base import PRECISIONS
 from ..verdict import Verdict
 from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
@@ -202,5 +203,6 @@ PROPERTY = Property(
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=MODELS, layouts=("split",), reductions=REDUCTIONS,
     dtypes=DTYPES, samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
+    precisions=PRECISIONS,
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

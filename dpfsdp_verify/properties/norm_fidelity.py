@@ -35,6 +35,7 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
+from ..targets.base import PRECISIONS
 from ..verdict import Verdict
 from .compare import (COEF_TOL, finetune_norms, fmt, pick_clip_bound, processed_indices, recover_clip_coefficients,
                       reference_norms, tolerance)
@@ -234,5 +235,6 @@ PROPERTY = Property(
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
+    precisions=PRECISIONS,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))

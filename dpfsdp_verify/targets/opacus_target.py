@@ -44,6 +44,12 @@ others as skipped). The same wrapper splits fixed batches (``ceil(local / p)`` p
 logical step ends where the optimizer did not skip (``optimizer._is_last_step_skipped`` after the
 step: opacus' own record of it); its ``StepOutput`` gathers the passes' indices and norms.
 
+Mixed precision (``spec.precision``) as a user configures it with opacus: ``bf16-fsdp`` passes
+``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` to
+``FSDP2Wrapper`` (which hands it to every ``fully_shard`` call); ``bf16-autocast`` runs the
+forward and the loss under ``torch.autocast(..., dtype=torch.bfloat16)``; both over float32
+parameters. The backward runs outside autocast, as autocast's own recipe says.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -59,8 +65,10 @@ import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
-from .util import dataset_index, gather_named, global_dataset, rank_and_world, step_indices, world
+from .base import (FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec,
+                   StepOutput, Target)
+from .util import (dataset_index, gather_named, global_dataset, precision_autocast, precision_policy, rank_and_world,
+                   step_indices, world)
 
 
 @contextlib.contextmanager
@@ -127,7 +135,7 @@ TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a paramete
 
 class OpacusTarget(Target):
     name = "opacus"
-    features = (FEATURE_PHYSICAL_BATCHES,)
+    features = (FEATURE_PHYSICAL_BATCHES, FEATURE_BF16_FSDP, FEATURE_BF16_AUTOCAST)
 
     def version(self) -> str:
         import opacus
@@ -226,7 +234,8 @@ class OpacusTarget(Target):
 
         rank, world_size = world()
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
-        fsdp = FSDP2Wrapper(model)
+        policy = precision_policy(spec)
+        fsdp = FSDP2Wrapper(model) if policy is None else FSDP2Wrapper(model, mp_policy=policy)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr)
         if spec.poisson:
             data, dataset = self._poisson_dataset(spec)
@@ -267,12 +276,13 @@ class OpacusTarget(Target):
             if accumulating:
                 progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
-            logits = module(x)
-            if data.loss == "token_cross_entropy":
-                # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
-                loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
-            else:
-                loss = criterion(logits, y)
+            with precision_autocast(spec):
+                logits = module(x)
+                if data.loss == "token_cross_entropy":
+                    # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
+                    loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
+                else:
+                    loss = criterion(logits, y)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
             norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())
