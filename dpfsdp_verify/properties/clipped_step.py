@@ -35,6 +35,7 @@ from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
 from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
+                      precision_bound, precision_coefficient_bounds, precision_gradient_bounds, precision_spec,
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
                       reference_norms, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
@@ -59,7 +60,7 @@ WIDE_CLIP = 0.01
 
 
 def cases(point: Point):
-    spec = point.spec(global_batch_size=4 * point.world_size)
+    spec = precision_spec(point.spec(global_batch_size=4 * point.world_size))
     if point.param("physical_batch_size"):
         spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
     ready = prepare(spec)
@@ -124,6 +125,10 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
                      tag + "clipped": int((step.coefficients < 1).sum())})
     if spec.poisson:
         evidence.update({"realised_batch": len(indices), "expected_batch": spec.expected_batch_size})
+    bound = precision_bound(spec)
+    if bound is not None:  # bf16 compute: elementwise bounds derived from its unit roundoff
+        evidence["precision_bound"] = bound.describe()
+        return judge_precision(case, spec, outputs, evidence, tag, bound, step, params, indices)
     for r, o in enumerate(outputs):
         s = o.steps[0]
         g_err, g_name = max_rel_diff(s.gradient, step.gradient)
@@ -138,11 +143,50 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
     return None
 
 
+def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str, bound, step, params, indices):
+    """``judge_spec`` under mixed precision: every released coordinate within its own derived bound
+    (``compare.precision_gradient_bounds``: ``(norm_rtol + K u) sum_i c_i |g_i| / D``), the
+    parameters within ``lr`` times it plus their float32 rounding."""
+    if not indices:  # an empty (Poisson) batch releases exactly zero at noise 0, in any precision
+        for r, o in enumerate(outputs):
+            largest = max((float(torch.as_tensor(g).abs().max()) for g in o.steps[0].gradient.values() if g.numel()),
+                          default=0.0)
+            evidence[f"{tag}rank{r}_grad_max_abs_error"] = largest
+            if largest != 0.0:
+                return f"rank {r}: the realised batch is empty, so the gradient must be zero (noise 0); it is not"
+        return None
+    limits = precision_gradient_bounds(spec, bound, indices, step.coefficients)
+    for r, o in enumerate(outputs):
+        s = o.steps[0]
+        worst, name = 0.0, ""
+        for n, want in step.gradient.items():
+            got = s.gradient.get(n)
+            if got is None or got.shape != want.shape:
+                return f"rank {r}: parameter {n!r} is missing or has the wrong shape in the released gradient"
+            excess = float(((got.to(torch.float64) - want).abs() / limits[n].clamp_min(1e-300)).max())
+            if not excess <= worst:
+                worst, name = excess, n
+        evidence[f"{tag}rank{r}_grad_error_over_bound"] = worst
+        if not worst <= 1.0:
+            g_err, g_name = max_rel_diff(s.gradient, step.gradient)
+            evidence[f"{tag}rank{r}_grad_rel_err"] = g_err
+            return (explain(case, spec, s, step, indices, r, g_err, g_name, bound)
+                    + f" The worst coordinate ({name!r}) is {worst:.4g} x its {spec.precision} bound: {bound.describe()}.")
+        for n, want in params.items():
+            got = s.parameters.get(n)
+            lim = spec.lr * limits[n] + bound.u_accumulate * want.abs() if n in limits else 0.0 * want
+            if got is None or not bool(((got.to(torch.float64) - want).abs() <= lim).all()):
+                return (f"rank {r}: the gradient is within its {spec.precision} bound but the parameter {n!r} after "
+                        f"the step differs from p - lr * grad (lr={spec.lr}) by more than lr times it: the optimizer "
+                        "does not apply the DP gradient it computed")
+    return None
+
+
 def _flat(d: Dict[str, torch.Tensor], names) -> torch.Tensor:
     return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
 
 
-def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, name: str) -> str:
+def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, name: str, bound=None) -> str:
     """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
     1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
     coefficient error fitted to the coefficients recovered from the gradient
@@ -178,10 +222,14 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
                    "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
                    "scaled alike: not the DP-SGD step the accounting describes)")
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
-    tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    tol = res_tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    if bound is not None:
+        tol, res_tol = precision_coefficient_bounds(spec, bound, indices)
     rec = recover_clip_coefficients(spec, indices, s.gradient)
     seen = rec.identifiable
-    if rec.residual <= tol and bool(seen.any()):
+    # under bf16 compute the coefficients are known only to a coarse bound: fitting the exact
+    # coefficient-error shapes to them would name a cause the numbers cannot tell apart
+    if bound is None and rec.residual <= res_tol and bool(seen.any()):
         fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "
@@ -190,7 +238,7 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     if s.norms is not None and len(s.norms) == len(s.indices):
         ref_own = step.norms[[indices.index(i) for i in s.indices]]
         nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own).max())
-        if nerr > 1e-6:
+        if nerr > (bound.norm_rtol if bound is not None else 1e-6):
             return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
                     "relative (see norm_fidelity), so its clip coefficients are wrong.")
     return (f"{head}: no simple explanation (constant factor; clip coefficient with a wrong bound, floor, cap, "
