@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of float64,float32,bfloat16 for every property (default: each property's "
                           "own: float64 everywhere, float32 too where the property runs it by default)")
     run.add_argument("--precisions", default=None, metavar="fp32,bf16-fsdp,bf16-autocast",
-                     help="comma list of mixed-precision forms for the properties that judge them (norm_fidelity, "
-                          "clipped_step): bf16-fsdp = FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
+                     help="comma list of mixed-precision forms for the properties that judge them ('dpfsdp-verify "
+                          "list' names them): bf16-fsdp = FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
                           "reduce_dtype=fp32), bf16-autocast = torch.autocast(bf16), both over float32 parameters "
                           "(default: fp32 only; docs/precision.md)")
     run.add_argument("--sampling", default=None, metavar="fixed,poisson",
