@@ -13,10 +13,13 @@ Two kinds of verdicts, counted apart:
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
     python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied] [--properties noise_calibration]
+        [--precisions bf16-fsdp,bf16-autocast]
     (run i uses run seed S + i)
 
 ``--models`` runs every property on those models instead of each property's own (e.g. the
-fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties.
+fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties;
+``--precisions`` the mixed-precision forms (``docs/precision.md``; a property that does not judge
+them gives a skip).
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="first run seed (default: random, printed)")
     ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
     ap.add_argument("--properties", default="", help="comma list of property ids (default: all)")
+    ap.add_argument("--precisions", default=None, help="comma list of precisions (default: fp32 only)")
     args = ap.parse_args(argv)
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
+    if args.precisions:
+        axes["precisions"] = tuple(args.precisions.split(","))
     registry = [p for p in REGISTRY if not args.properties or p.id in args.properties.split(",")]
     if args.seed is None:
         import random
