@@ -73,17 +73,17 @@ def main(argv=None) -> int:
                 counts[(prop.id, "runs with an alarm")] += failed
             print(f"run {run + 1}/{args.runs} done, {len(alarms)} false alarm(s) so far "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    for kind, props in (("deterministic", [p for p in registry if p.false_alarm_rate is None]),
+    for kind, group in (("deterministic", [p for p in registry if p.false_alarm_rate is None]),
                         ("statistical", [p for p in registry if p.false_alarm_rate is not None])):
         verdicts = sum(n for (pid, s), n in counts.items() if s != "runs with an alarm" and
-                       any(p.id == pid for p in props))
-        n_alarms = sum(1 for p, _ in alarms if p in props)
-        expected = sum(args.runs * p.false_alarm_rate for p in props if p.false_alarm_rate)
+                       any(p.id == pid for p in group))
+        n_alarms = sum(1 for p, _ in alarms if p in group)
+        expected = sum(args.runs * p.false_alarm_rate for p in group if p.false_alarm_rate)
         print(f"{kind}: {verdicts} verdicts, {n_alarms} false alarm(s) "
               + (f"(expected <= {expected:.3g}: {args.runs} runs x the per-run rate of "
-                 + ", ".join(f"{p.id} {p.false_alarm_rate:g}" for p in props) + ")" if props and kind == "statistical"
+                 + ", ".join(f"{p.id} {p.false_alarm_rate:g}" for p in group) + ")" if group and kind == "statistical"
                  else "(expected 0)"))
-        for p in props:
+        for p in group:
             row = {s: n for (pid, s), n in counts.items() if pid == p.id}
             print(f"  {p.id:<18} {row}")
     print(f"{time.perf_counter() - t0:.0f} s")
