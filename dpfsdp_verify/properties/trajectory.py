@@ -53,10 +53,11 @@ from .stats import chi2_two_sided_p
 STEPS = {"mlp": 6}
 DEFAULT_STEPS = 3
 #: Poisson under accumulation (module docstring): q = 1/2 over 2 samples per rank, so a rank's
-#: logical batch is empty with probability 1/4 per round; 6 epochs of 2 rounds are 12 rounds, and
-#: a single rank sees no empty batch in 12 rounds with probability 0.75^12 = 3 % (the pass message
-#: says how many rounds were empty on every rank, so a run that exercised none is visible)
-EMPTY_Q, EMPTY_PER_RANK, EMPTY_EPOCHS = 0.5, 2, 6
+#: logical batch is empty with probability 1/4 per round, every rank's at once with 1/4^ws under
+#: independent streams; 16 epochs of 2 rounds are 32 rounds, which miss a batch empty on every
+#: rank with probability 1e-4 at 1 rank and 13 % at 2 (a pass message says how many rounds were
+#: empty on every rank, so a run that exercised none is visible). A round of the tiny mlp is cheap.
+EMPTY_Q, EMPTY_PER_RANK, EMPTY_EPOCHS = 0.5, 2, 16
 #: false-alarm rate of the noise test on the steps whose batch is empty on every rank
 EMPTY_ALPHA = 1e-6
 
