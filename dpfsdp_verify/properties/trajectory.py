@@ -20,7 +20,8 @@ default, runs none of this): every step is computed in physical passes of at mos
 must still follow the unsplit reference. Fixed batches: local batches of p + 1 samples, so each
 step takes two passes and the last is shorter than p (p >= 2; local 3 at p = 2: passes [2, 1]).
 Poisson sampling: a small dataset (2 samples per rank unless the options give one) at q = 1/2
-(options' q if given) over ``EMPTY_EPOCHS`` whole epochs, every round asked for (``steps=0``), so
+(options' q if given) over ``EMPTY_EPOCHS`` whole epochs (once per world size: the first model,
+reduction and dtype), every round asked for (``steps=0``), so
 that some logical batches are empty on one rank or on all of them. DP-SGD (and opacus' own
 ``BatchSplittingSampler``, which signals a real step for an empty logical batch) takes a step for
 every Poisson round: an empty batch releases noise alone. Two runs: at noise 0 the trajectory
@@ -84,6 +85,8 @@ def accum_cases(point: Point, steps: int, p: int):
         yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=(
             f"{steps} DP steps, local batches of {p + 1} in physical passes of at most {p}"))
         return
+    if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        return  # whether an empty round is a step does not depend on the model, reduction or dtype: once per world size
     o = point.options
     spec = point.spec(steps=0, lr=0.5, physical_batch_size=p).with_(
         epochs=EMPTY_EPOCHS, sample_rate=o.sample_rate or EMPTY_Q, dataset_size=o.dataset_size or EMPTY_PER_RANK * ws)
