@@ -100,7 +100,12 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                                                                        ("world_size", 2))),
                    ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
                                                                                      "poisson_per_rank_accum")),
-                                                                  ("world_size", 2)))} | {
+                                                                  ("world_size", 2))),
+                   ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
+                                                                                     "poisson_per_rank_accum")),
+                                                                  ("world_size", 3))),
+                   ("trajectory", "fail", "mismatch", (("physical_batch_size", tuple(range(1, 9))),
+                                                       ("sampling", "poisson")))} | {
                    (p, "fail", "refused", tied) for p in ("norm_fidelity", "clipped_step", "sensitivity_bound",
                                                           "noise_calibration", "trajectory", "deadlock_free")}
     assert all(e.reason for e in exp.entries)

@@ -16,8 +16,10 @@ the reference recomputes it on the realised batch (the union of what the ranks d
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
 realised one. With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
-of 4 and p = 3: two passes of 2, each smaller than p) and must still equal the unsplit reference
-step (noise 0). A failure tests simple explanations against the numbers and says which one fits: a
+of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
+at p = 3 is [2, 2] -- whether the target splits evenly or in chunks of p) and must still equal the
+unsplit reference step (noise 0). An empty logical batch is ``trajectory``'s to check (one step
+cannot be made to draw one). A failure tests simple explanations against the numbers and says which one fits: a
 constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
@@ -58,9 +60,11 @@ WIDE_CLIP = 0.01
 
 
 def cases(point: Point):
-    spec = point.spec(global_batch_size=4 * point.world_size)
-    if point.param("physical_batch_size"):
-        spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
+    p = point.param("physical_batch_size")
+    # under accumulation, local batches of p + 1: two passes, the last shorter than p (p >= 2)
+    spec = point.spec(global_batch_size=(p + 1 if p else 4) * point.world_size)
+    if p:
+        spec = spec.with_(physical_batch_size=p)
     ready = prepare(spec)
     if isinstance(ready, str):
         yield point.case(spec, doing="one DP step with noise 0").verdict("skip", None, ready)

@@ -261,7 +261,8 @@ class OpacusTarget(Target):
         logical step ends where the optimizer really stepped (always, without accumulation)."""
         accumulating = bool(spec.physical_batch_size)
         k, index_parts, norm_parts, losses = 0, [], [], []
-        for x, y, index in self._batches(spec, loader):
+        # under accumulation the loader yields physical batches: the step budget counts logical steps (below)
+        for x, y, index in self._batches(spec.with_(steps=0) if accumulating else spec, loader):
             if not losses:
                 progress.step_begun(k, None if accumulating else len(index))
             if accumulating:
@@ -292,6 +293,8 @@ class OpacusTarget(Target):
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),
                 physical_batches=[n for _, n in losses] if accumulating else None))
             k, index_parts, norm_parts, losses = k + 1, [], [], []
+            if accumulating and spec.poisson and spec.steps and k >= spec.steps:
+                return
 
     @staticmethod
     def _step_loss(spec: RunSpec, losses) -> float:
