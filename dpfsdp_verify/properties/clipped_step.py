@@ -35,7 +35,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
-                      reference_norms, tensors_close, tolerance)
+                      reference_norms, smallest_norm, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -70,7 +70,7 @@ def cases(point: Point):
     # smallest norm (fixed sampling, the first model/reduction/dtype: the coefficient's shape does
     # not depend on them) shows what the coefficient does far above C
     if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
-        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * float(reference_norms(ready).min())))
+        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
     yield point.case(ready, specs, doing="one DP step with noise 0"
                      + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
 
@@ -188,7 +188,7 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
                     f"{fmt(fit.max_error)}).")
     if s.norms is not None and len(s.norms) == len(s.indices):
         ref_own = step.norms[[indices.index(i) for i in s.indices]]
-        nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own).max())
+        nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own.clamp_min(1e-300)).max())
         if nerr > 1e-6:
             return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
                     "relative (see norm_fidelity), so its clip coefficients are wrong.")
