@@ -283,15 +283,14 @@ class MaskedEncoder(nn.Module):
 
 
 def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
-    """``[batch_size]`` real lengths of a ``masked`` batch: sample 0 full (``seq_len``), sample 1
-    all padding (0), the others drawn uniformly from ``1..seq_len-1`` (``1`` if ``seq_len`` is 1).
-    Every batch of two or more samples thus holds different lengths and an all-padding sequence."""
-    drawn = torch.randint(1, max(2, seq_len), (batch_size,), generator=g)
-    lengths = drawn.clamp(max=seq_len)
-    if batch_size > 0:
-        lengths[0] = seq_len
-    if batch_size > 1:
-        lengths[1] = 0
+    """``[batch_size]`` real lengths of a ``masked`` batch: sample ``i`` is full (``seq_len``) when
+    ``i % 4 == 0``, all padding (0) when ``i % 4 == 1``, else drawn uniformly from ``1..seq_len-1``
+    (``1`` if ``seq_len`` is 1). Every batch of two or more samples thus holds different lengths and
+    an all-padding sequence, and an even split of 4 or more per rank gives every rank one."""
+    lengths = torch.randint(1, max(2, seq_len), (batch_size,), generator=g).clamp(max=seq_len)
+    position = torch.arange(batch_size) % 4
+    lengths[position == 0] = seq_len
+    lengths[position == 1] = 0
     return lengths
 
 

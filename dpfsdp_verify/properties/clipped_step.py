@@ -35,7 +35,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
-                      reference_norms, smallest_norm, tensors_close, tolerance)
+                      reference_norms, sequence_weights, smallest_norm, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -145,7 +145,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
     1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
     coefficient error fitted to the coefficients recovered from the gradient
-    (``compare.fit_clip_coefficients``), or wrong norms."""
+    (``compare.fit_clip_coefficients``), a per-sequence loss normalised over padding
+    (``compare.sequence_weights``), or wrong norms."""
     ws = case.world_size
     head = (f"rank {rank}: the DP gradient (noise 0) differs from the reference by up to {fmt(err)} relative "
             f"(worst {name!r}) at world_size={ws}, reduction={spec.reduction}")
@@ -181,6 +182,13 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     rec = recover_clip_coefficients(spec, indices, s.gradient)
     seen = rec.identifiable
     if rec.residual <= tol and bool(seen.any()):
+        # a per-sequence loss normalised wrongly (padding counted): the target clips w_i g_i, so the
+        # coefficient read against g_i is w_i min(1, C/(w_i ||g_i||))
+        for _, weights, what in sequence_weights(spec):
+            w = weights[indices]
+            pred = w * reference.clip_coefficients(w * step.norms, spec.max_grad_norm)
+            if float((rec.coefficients[seen] - pred[seen]).abs().max()) <= tol:
+                return f"{head}: its per-sample losses {what}."
         fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "

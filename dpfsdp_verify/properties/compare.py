@@ -300,6 +300,37 @@ def non_finite(outputs: Sequence[RankOutput]) -> Optional[str]:
     return None
 
 
+def all_padding_note(spec: RunSpec, outputs: Sequence[RankOutput]) -> str:
+    """For a non-finite release on a token batch: which processed sequences are all padding (no
+    target other than ``ignore_index``) and whether the non-finite per-sample norms are exactly
+    theirs, as a sentence to append (``""`` if no processed sequence is all padding)."""
+    empty_at: List[str] = []
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            if not len(s.indices):
+                continue
+            batch = reference_batch(spec, k)
+            if batch.loss != "token_cross_entropy":
+                return ""
+            rows = batch.targets[torch.as_tensor(list(s.indices), dtype=torch.long)]
+            empty = (rows != models.IGNORE_INDEX).sum(dim=1) == 0
+            if not bool(empty.any()):
+                continue
+            where = [i for i, e in zip(s.indices, empty.tolist()) if e]
+            if s.norms is not None and len(s.norms) == len(s.indices):
+                bad = ~torch.isfinite(torch.as_tensor(s.norms, dtype=torch.float64))
+                if bool(bad.any()) and bool((bad == empty).all()):
+                    return (f" The non-finite per-sample norms (rank {o.rank}, step {k}) are exactly those of the "
+                            f"sequence(s) {where} that are all padding (no real token): a per-sequence mean over "
+                            "zero tokens is 0/0 = NaN. Such a sequence must contribute nothing (loss 0, gradient 0), "
+                            "and one NaN poisons every sample's released gradient.")
+            empty_at.append(f"rank {o.rank} step {k}: {where}")
+    if not empty_at:
+        return ""
+    return (f" The processed batches hold all-padding sequences ({'; '.join(empty_at)}): a per-sequence mean over "
+            "zero real tokens (0/0) gives NaN; such a sequence must contribute nothing.")
+
+
 def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) -> Optional[str]:
     """How what the ranks say they processed differs from what ``spec`` gave them (steps taken;
     per step, the global indices observed in the data: missing, duplicated or foreign samples);
@@ -544,5 +575,6 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
 #: ``reference_model`` and ``reference_batch``); the data checks are the runner's
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
            "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
-           "pick_clip_bound", "smallest_norm", "sequence_weights", "norm_ratios", "fmt", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
-           "recover_clip_coefficients", "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]
+           "all_padding_note", "pick_clip_bound", "smallest_norm", "norm_ratios", "sequence_weights", "fmt",
+           "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
+           "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]

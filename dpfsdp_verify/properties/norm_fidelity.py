@@ -184,7 +184,7 @@ def hypotheses(case: Case, want, steps, subject: str):
         yield "sqrt_n_inflation", [w * sq for w in want], (
             f"{subject} are inflated by sqrt({ws}) = {sq:.4g} {where}: norms (their squares) all-reduced "
             "across ranks although each rank's norm is already complete (FSDP un-shards parameters for "
-            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped.", None)
+            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped."), None
     if ws > 1 and layout == "split" and len({len(w) for w in want}) == 1 and len(want[0]):
         mixed = torch.sqrt(sum(w.pow(2) for w in want))  # position-wise root-sum-square over ranks
         yield "sample_mixing", [mixed] * ws, (
@@ -192,7 +192,7 @@ def hypotheses(case: Case, want, steps, subject: str):
             f"{float(mixed[0]):.4g}, the root-sum-square of the true norms of samples "
             f"{[s.indices[0] for s in steps]} (position 0 on each rank), not its own {float(want[0][0]):.4g}. "
             "Norm^2 is all-reduced across ranks that hold different samples; each sample is clipped by other "
-            "samples' norms.", None)
+            "samples' norms."), None
     # fine-tuned models: frozen parameters in the norm, a tied parameter's uses not summed
     for diagnosis, norms, what in finetune_norms(case.spec):
         shown = [norms[list(s.indices)] for s in steps]
