@@ -284,11 +284,12 @@ class MaskedEncoder(nn.Module):
 
 def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
     """``[batch_size]`` real lengths of a ``masked`` batch: sample ``i`` is full (``seq_len``) when
-    ``i % 4 == 0``, all padding (0) when ``i % 4 == 1``, else drawn uniformly from ``1..seq_len-1``
+    ``i % 3 == 0``, all padding (0) when ``i % 3 == 1``, else drawn uniformly from ``1..seq_len-1``
     (``1`` if ``seq_len`` is 1). Every batch of two or more samples thus holds different lengths and
-    an all-padding sequence, and an even split of 4 or more per rank gives every rank one."""
+    an all-padding sequence; split over 2 ranks (contiguously, or strided as a DistributedSampler
+    does) a batch of 6 or more gives each rank one."""
     lengths = torch.randint(1, max(2, seq_len), (batch_size,), generator=g).clamp(max=seq_len)
-    position = torch.arange(batch_size) % 4
+    position = torch.arange(batch_size) % 3
     lengths[position == 0] = seq_len
     lengths[position == 1] = 0
     return lengths
