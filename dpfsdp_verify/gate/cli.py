@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES, help=f"comma list (default {DEFAULT_WORLD_SIZES})")
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
     run.add_argument("--models", default=None,
-                     help="comma list of mlp,conv,transformer for every property (default: each property's own; "
-                          "see 'dpfsdp-verify list')")
+                     help="comma list of mlp,conv,transformer (base), lora,tied (fine-tuning: docs/finetune.md), "
+                          "masked (padded variable-length sequences: docs/sequences.md) for every property "
+                          "(default: each property's own; see 'dpfsdp-verify list')")
     run.add_argument("--loss-reductions", default=None,
                      help="comma list of mean,sum for every property (default: each property's own)")
     run.add_argument("--dtypes", default=None,

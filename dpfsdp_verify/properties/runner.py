@@ -23,7 +23,8 @@ from ..harness.group import BackendUnavailable, GroupResult
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, frozen_problem, non_finite, physical_problem, poisson_problem
+from .compare import (all_padding_note, data_problem, frozen_problem, non_finite, physical_problem,
+                      poisson_problem)
 from .contract import Case, Options, Outputs, Property, case_deadline
 
 
@@ -91,7 +92,8 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             if problem:
                 return case.verdict("fail", "non_finite", f"non-finite values released: {problem}{where}. A DP "
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
-                                    "update meaningless and its privacy analysis void.")
+                                    "update meaningless and its privacy analysis void."
+                                    + all_padding_note(spec, ranks))
     return prop.judge(case, outputs)
 
 
