@@ -80,9 +80,9 @@ def check_params(params: Dict[str, Any]) -> None:
                          f"of steps={steps}, and at least one step must follow it)")
 
 
-def _halves(spec, name: str):
-    """The ``save`` and ``load`` halves of ``spec`` resumed at ``spec.resume_at``."""
-    return (spec.with_(phase="save", checkpoint_dir=name), spec.with_(phase="load", checkpoint_dir=name))
+def _halves(spec, k: int, name: str):
+    """The ``save`` and ``load`` halves of ``spec`` resumed at step ``k``."""
+    return tuple(spec.with_(resume_at=k, phase=phase, checkpoint_dir=name) for phase in ("save", "load"))
 
 
 def cases(point: Point):
@@ -100,8 +100,8 @@ def cases(point: Point):
                          dataset_size=o.dataset_size or POISSON_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
                          sampling_seed=point.seed(17))
     poisson = poisson.with_(epochs=-(-steps // poisson.steps_per_epoch))
-    resumed = [s.with_(resume_at=k) for s in (traj, noise, poisson)]
-    (ts, tl), (ns, nl), (ps, pl) = (_halves(s, n) for s, n in zip(resumed, ("trajectory", "noise", "poisson")))
+    (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
+                                                                     ("trajectory", "noise", "poisson")))
     specs = (ts, ns, ps, tl, nl, pl, traj, noise.with_(noise_multiplier=0.0))
     yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(3, 5),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
@@ -207,7 +207,7 @@ def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[
             "so those steps' gradients are released without privacy."), evidence), evidence
     if not compared:
         return ("mismatch", f"no noise to compare at noise multiplier {noise_spec.noise_multiplier}: every shard's "
-                "noise is 0 before or after the resume (noise_calibration judges missing noise)"), evidence), evidence
+                "noise is 0 before or after the resume (noise_calibration judges missing noise)", evidence), evidence
     return None, evidence
 
 
