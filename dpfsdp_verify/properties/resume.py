@@ -123,7 +123,7 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
                 err, name = max_rel_diff(full[r].steps[t].parameters, ref.steps[t])
                 return ("mismatch", f"the uninterrupted run already differs from the reference after step {t} "
                         f"(rank {r}: up to {fmt(err)} relative, {name!r}): the trajectory property judges that; the "
-                        "resume cannot be judged against it"), {}
+                        "resume cannot be judged against it", {}), {}
         for t in range(steps):
             for other, what in ((full[r].steps[t].parameters, "the uninterrupted run"), (ref.steps[t], "the reference")):
                 if tensors_close(resumed[t], other, rtol, atol):
@@ -137,7 +137,7 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
                             "state was not restored from the checkpoint")
                 elif t >= k:
                     msg += ": state the step after the checkpoint depends on did not survive it"
-                return ("mismatch", msg + ". The released model is not the one the DP analysis describes."), {}
+                return ("mismatch", msg + ". The released model is not the one the DP analysis describes.", {}), {}
     return None, {"max_grad_norm": spec.max_grad_norm, "momentum": spec.momentum}
 
 
