@@ -1,6 +1,6 @@
 """Checkpoint/resume as a loop dimension: ``RunSpec.resume_at`` / ``phase`` / ``checkpoint_dir``, the
 ``"resume"`` feature, the runner's fresh groups with a temporary checkpoint directory, and the
-``resume`` property -- on ``Correct``, the one-bug specimens of ``fixtures/resume_specimens.py``, and
+``checkpoint_resume`` property -- on ``Correct``, the one-bug specimens of ``fixtures/resume_specimens.py``, and
 upstream opacus (whose noise and mask replay after a resume is pinned).
 """
 
@@ -28,7 +28,7 @@ CORRECT = "fixtures.specimens:Correct"
 
 def run(pool, target, **kw):
     kw.setdefault("timeout", 120)
-    return props.run("resume", target, pool=pool, **kw)
+    return props.run("checkpoint_resume", target, pool=pool, **kw)
 
 
 # -- the spec, the API, the CLI (no ranks) -------------------------------------------------------
@@ -73,7 +73,7 @@ def test_undeclared_feature_is_told():
                                        ({"steps": 1, "resume_at": 1}, "steps=1 must be >= 2")])
 def test_api_refuses_bad_resume_params(kw, match):
     with pytest.raises(ValueError, match=match):
-        PROPERTIES["resume"].options("opacus", **kw)
+        PROPERTIES["checkpoint_resume"].options("opacus", **kw)
 
 
 @pytest.mark.parametrize("value", ["0", "4", "-1"])
@@ -84,7 +84,7 @@ def test_cli_refuses_a_bad_resume_at(capsys, value):
 
 
 def test_plan_fresh_halves():
-    prop = PROPERTIES["resume"]
+    prop = PROPERTIES["checkpoint_resume"]
     [case] = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2])))
     assert case.fresh == 2 and case.fresh_jobs == (3, 5) and case.config()["resume_at"] == 2
     assert [s.phase for s in case.specs] == ["save"] * 3 + ["load"] * 3 + ["", ""]

@@ -1,4 +1,4 @@
-"""resume: a DP run checkpointed after k of K steps and resumed in a fresh run is the run that was
+"""checkpoint_resume: a DP run checkpointed after k of K steps and resumed in a fresh run is the run that was
 never interrupted -- the same model, the same privacy accounting, and no randomness replayed.
 
 DP meaning: users of DP under FSDP stop and resume from checkpoints. What the step after the
@@ -72,11 +72,11 @@ def check_params(params: Dict[str, Any]) -> None:
     steps, k = params.get("steps", STEPS), params.get("resume_at", RESUME_AT)
     for name, v in (("steps", steps), ("resume_at", k)):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"resume: {name} must be an int, got {v!r}")
+            raise ValueError(f"checkpoint_resume: {name} must be an int, got {v!r}")
     if steps < 2:
-        raise ValueError(f"resume: steps={steps} must be >= 2 (a step before the checkpoint and one after)")
+        raise ValueError(f"checkpoint_resume: steps={steps} must be >= 2 (a step before the checkpoint and one after)")
     if not 1 <= k < steps:
-        raise ValueError(f"resume: resume_at={k} must be in 1..{steps - 1} (the checkpoint is taken after step k "
+        raise ValueError(f"checkpoint_resume: resume_at={k} must be in 1..{steps - 1} (the checkpoint is taken after step k "
                          f"of steps={steps}, and at least one step must follow it)")
 
 
@@ -162,7 +162,7 @@ def _step_count(case: Case, halves, k: int) -> Optional[tuple]:
             if any(g is None for g in got):
                 return (None, f"not checkable on this target: it reports no privacy step count "
                         f"(StepOutput.privacy_steps) in the {label} run: a target declaring 'resume' reports the DP "
-                        "steps its accounting has counted"), {"privacy_steps": got}
+                        "steps its accounting has counted", {"privacy_steps": got})
             want = list(range(1, len(got) + 1))
             if got != want:
                 after = got[k:]
@@ -171,7 +171,7 @@ def _step_count(case: Case, halves, k: int) -> Optional[tuple]:
                        "not the run's") if after and after[0] != k + 1 and got[:k] == want[:k] \
                     else "it does not count one per DP step"
                 return ("step_count_reset", f"rank {r}, {label} run resumed at step {k}: the privacy step count "
-                        f"after each step is {got}, expected {want}; {why}."), {"privacy_steps": got}
+                        f"after each step is {got}, expected {want}; {why}.", {"privacy_steps": got})
     return None
 
 
@@ -274,7 +274,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
 
 
 PROPERTY = Property(
-    id="resume",
+    id="checkpoint_resume",
     meaning=("a run checkpointed after k steps and resumed in fresh processes trains the uninterrupted run's "
              "model, keeps counting privacy steps, and replays neither noise nor Poisson masks"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
