@@ -336,13 +336,16 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     per step, the global indices observed in the data: missing, duplicated or foreign samples);
     ``None`` if it is exactly that (order within a local batch does not matter)."""
     counts = [len(o.steps) for o in outputs]
-    if any(c != spec.steps for c in counts):
-        short = [r for r, c in enumerate(counts) if c != spec.steps]
-        return (f"the ranks took {counts} step(s) where {spec.steps} were asked for (rank(s) {short}): a rank "
+    # a resumed run's half takes steps first_step..end_step-1 (``RunSpec.resume_at``), numbered so
+    asked = spec.end_step - spec.first_step
+    if any(c != asked for c in counts):
+        short = [r for r, c in enumerate(counts) if c != asked]
+        half = f" ({spec.phase} half of a run resumed at step {spec.resume_at})" if spec.phase else ""
+        return (f"the ranks took {counts} step(s) where {asked} were asked for{half} (rank(s) {short}): a rank "
                 "that returns early, or takes extra steps, trains on other data than its peers")
-    for k in range(spec.steps):
+    for k in range(spec.first_step, spec.end_step):
         for r, o in enumerate(outputs):
-            got, want = sorted(o.steps[k].indices), sorted(spec.rank_indices(k, r, world_size))
+            got, want = sorted(o.steps[k - spec.first_step].indices), sorted(spec.rank_indices(k, r, world_size))
             if got != want:
                 missing = sorted(set(want) - set(got))
                 foreign = sorted(set(got) - set(want))
@@ -376,8 +379,8 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     if spec.task == "train" and counts and counts[0] == 0 and spec.nominal_steps > 0:
         return ("mismatch", f"no rank took a step of the {spec.nominal_steps} nominal Poisson steps: does the target "
                 "implement RunSpec.sampling? (a target that ignores it runs the fixed path with steps=0)", evidence)
-    if counts and counts[0] > spec.nominal_steps:
-        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.nominal_steps} are possible "
+    if counts and counts[0] > spec.end_step - spec.first_step:
+        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.end_step - spec.first_step} are possible "
                 f"({spec.epochs} epoch(s) of {spec.steps_per_epoch})", evidence)
     for k in range(counts[0] if counts else 0):
         seen: Dict[int, int] = {}
