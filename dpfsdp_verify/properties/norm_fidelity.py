@@ -37,8 +37,9 @@ from .. import reference
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, pick_clip_bound, precision_bound, precision_coefficient_bounds,
-                      precision_spec, processed_indices, recover_clip_coefficients, reference_norms, tolerance)
+from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, pick_clip_bound, precision_bound,
+                      precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
+                      reference_norms, sequence_weights, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -78,7 +79,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                 return case.verdict("fail", "mismatch", f"rank {r} reported {s.norms.numel()} norms for "
                                     f"{len(s.indices)} samples", {"rank": r})
         got = [s.norms.to(torch.float64).reshape(-1) for s in steps]
-        ratios = torch.cat([g / w for g, w in zip(got, want)])
+        ratios = torch.cat([norm_ratios(g, w) for g, w in zip(got, want)])
         evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
                          "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
                          "mean_ratio": float(ratios.mean())})
@@ -156,43 +157,78 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
                       f"gradient's overall scale (clipped_step judges it)"), fit
-    # the gradient's overall scale is not this property's business (and is not 1 where a target
-    # normalises replicated data its own way): each bug shape is matched up to one free factor
+    matched = _matched_hypothesis(case, want, steps, indices, coef, tol)
+    if matched is not None:
+        diagnosis, message, k = matched
+        if abs(k - 1) > tol:
+            fit["gradient_scale"] = k
+            message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
+        return diagnosis, message, fit
+    changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
+    return _direction_message(changed, low, high, direction, where) + (fit,)
+
+
+def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, tol: float):
+    """``(diagnosis, message, factor)`` of the first known bug shape (``hypotheses``) whose clip
+    coefficients are the recovered ones ``coef`` (of samples ``indices``) times one factor; ``None``.
+    The gradient's overall scale is not this property's business (and is not 1 where a target
+    normalises replicated data its own way): each bug shape is matched up to one free factor."""
+    c = case.spec.max_grad_norm
     pos = {i: j for j, i in enumerate(indices)}
-    for diagnosis, norms, message in hypotheses(case, want, steps, subject="the norms it clips with"):
+    for diagnosis, norms, message, weights in hypotheses(case, want, steps, subject="the norms it clips with"):
         flat = torch.zeros(len(indices), dtype=torch.float64)
-        for s, n in zip(steps, norms):
-            for i, value in zip(s.indices, n.tolist()):
+        scale = torch.ones(len(indices), dtype=torch.float64)
+        for r, (s, n) in enumerate(zip(steps, norms)):
+            for j, (i, value) in enumerate(zip(s.indices, n.tolist())):
                 if i in pos:
                     flat[pos[i]] = value
-        shape = reference.clip_coefficients(flat, c)
+                    if weights is not None:
+                        scale[pos[i]] = float(weights[r][j])
+        # a target whose per-sample loss is w_i l_i clips w_i g_i: read against g_i, its coefficient is
+        # w_i min(1, C/(w_i ||g_i||))
+        shape = reference.clip_coefficients(flat, c) * scale
         k = float(coef @ shape / (shape @ shape))
         if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
-            if abs(k - 1) > tol:
-                fit["gradient_scale"] = k
-                message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
-            return diagnosis, message, fit
-    # otherwise read the direction against the scale of the least-clipped sample: the one with the
-    # smallest true norm is below C (C is between the middle norms), so unclipped unless inflated
+            return diagnosis, message, k
+    return None
+
+
+def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
+    """``(samples clipped differently, min and max effective/true norm of the clipped ones or None,
+    "less" | "more" | "both")``: how the recovered coefficients ``coef`` differ from ``expected``,
+    read against the scale of the least-clipped sample: the one with the smallest true norm is
+    below C (C is between the middle norms), so unclipped unless inflated."""
     coef = coef / (float(coef.max()) / float(expected.max()))
     changed = (coef - expected).abs() > tol
     effective = c / coef.clamp_min(1e-300) - reference.CLIP_EPSILON
     shown = changed & (coef < 1 - tol)
-    ratio = (f" (effective/true norm {float((effective / ref[indices])[shown].min()):.4g}.."
-             f"{float((effective / ref[indices])[shown].max()):.4g})" if bool(shown.any()) else "")
+    low = float((effective / true_norms)[shown].min()) if bool(shown.any()) else None
+    high = float((effective / true_norms)[shown].max()) if bool(shown.any()) else None
     if bool((coef[changed] > expected[changed]).all()):
-        return "undercount", (f"the norms it clips with undercount the true norms {where}: {int(changed.sum())} "
-                              f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
-                              "more than C: a privacy violation."), fit
+        return int(changed.sum()), low, high, "less"
     if bool((coef[changed] < expected[changed]).all()):
-        return "mismatch", (f"the norms it clips with are inflated {where}: {int(changed.sum())} sample(s) clipped "
-                            f"more than min(1, C/||g_i||){ratio}: over-clipped (utility loss)."), fit
-    return "mismatch", (f"the norms it clips with differ from the true norms {where}: {int(changed.sum())} "
-                        f"sample(s) clipped differently from min(1, C/||g_i||), some more, some less{ratio}."), fit
+        return int(changed.sum()), low, high, "more"
+    return int(changed.sum()), low, high, "both"
+
+
+def _direction_message(changed: int, low, high, direction: str, where: str):
+    """``(diagnosis, message)`` for ``_direction``'s finding."""
+    ratio = f" (effective/true norm {low:.4g}..{high:.4g})" if low is not None else ""
+    if direction == "less":
+        return "undercount", (f"the norms it clips with undercount the true norms {where}: {changed} "
+                              f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
+                              "more than C: a privacy violation.")
+    if direction == "more":
+        return "mismatch", (f"the norms it clips with are inflated {where}: {changed} sample(s) clipped "
+                            f"more than min(1, C/||g_i||){ratio}: over-clipped (utility loss).")
+    return "mismatch", (f"the norms it clips with differ from the true norms {where}: {changed} "
+                        f"sample(s) clipped differently from min(1, C/||g_i||), some more, some less{ratio}.")
 
 
 def hypotheses(case: Case, want, steps, subject: str):
-    """``(diagnosis, per-rank norms, message)`` for each known bug shape that applies here."""
+    """``(diagnosis, per-rank norms, message, per-rank loss weights or None)`` for each known bug
+    shape that applies here. The weights are for bugs in the per-sample *loss* (a sequence's loss
+    normalised wrongly): the target's per-sample gradient is ``w_i g_i``, so it also clips that."""
     ws, layout = case.world_size, case.spec.data_layout
     where = f"at world_size={ws} ({layout} data)"
     sq = math.sqrt(ws)
@@ -200,7 +236,7 @@ def hypotheses(case: Case, want, steps, subject: str):
         yield "sqrt_n_inflation", [w * sq for w in want], (
             f"{subject} are inflated by sqrt({ws}) = {sq:.4g} {where}: norms (their squares) all-reduced "
             "across ranks although each rank's norm is already complete (FSDP un-shards parameters for "
-            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped.")
+            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped."), None
     if ws > 1 and layout == "split" and len({len(w) for w in want}) == 1 and len(want[0]):
         mixed = torch.sqrt(sum(w.pow(2) for w in want))  # position-wise root-sum-square over ranks
         yield "sample_mixing", [mixed] * ws, (
@@ -208,14 +244,18 @@ def hypotheses(case: Case, want, steps, subject: str):
             f"{float(mixed[0]):.4g}, the root-sum-square of the true norms of samples "
             f"{[s.indices[0] for s in steps]} (position 0 on each rank), not its own {float(want[0][0]):.4g}. "
             "Norm^2 is all-reduced across ranks that hold different samples; each sample is clipped by other "
-            "samples' norms.")
+            "samples' norms."), None
     # fine-tuned models: frozen parameters in the norm, a tied parameter's uses not summed
     for diagnosis, norms, what in finetune_norms(case.spec):
         shown = [norms[list(s.indices)] for s in steps]
         consequence = ("some samples' norms come out below their true norm: such a sample can contribute more "
                        "than C, a privacy violation" if diagnosis == "undercount" else
                        "the norms are too large: samples are over-clipped (utility loss)")
-        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}."
+        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}.", None
+    # padded sequences: the per-sequence loss normalised over the wrong token count
+    for diagnosis, weights, what in sequence_weights(case.spec):
+        w = [weights[list(s.indices)] for s in steps]
+        yield diagnosis, [a * b for a, b in zip(want, w)], f"{subject} {where} {what}.", w
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -226,7 +266,7 @@ def diagnose(case: Case, got, want, steps, ratios):
     """``(diagnosis, message)`` for reported norms that do not match."""
     ws, layout = case.world_size, case.spec.data_layout
     where = f"at world_size={ws} ({layout} data)"
-    for diagnosis, norms, message in hypotheses(case, want, steps, subject="per-sample norms"):
+    for diagnosis, norms, message, _ in hypotheses(case, want, steps, subject="per-sample norms"):
         if all(_close(g, n) for g, n in zip(got, norms)):
             return diagnosis, message
     if bool((ratios < 1).all()):
@@ -245,7 +285,7 @@ def diagnose(case: Case, got, want, steps, ratios):
         if _close(ratios, torch.full_like(ratios, k)):
             kind = f"inflated by a constant factor {k:.4g}"
         return "mismatch", (f"per-sample norms {kind} {where}: every sample is over-clipped (utility loss).")
-    worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r]).max()))
+    worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r].clamp_min(1e-300)).max()))
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
                         "some above and some below the truth.")
