@@ -13,10 +13,13 @@ Two kinds of verdicts, counted apart:
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
     python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied] [--properties noise_calibration]
+        [--precisions bf16-fsdp,bf16-autocast]
     (run i uses run seed S + i)
 
 ``--models`` runs every property on those models instead of each property's own (e.g. the
-fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties.
+fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties;
+``--precisions`` the mixed-precision forms (``docs/precision.md``; a property that does not judge
+them gives a skip).
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="first run seed (default: random, printed)")
     ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
     ap.add_argument("--properties", default="", help="comma list of property ids (default: all)")
+    ap.add_argument("--precisions", default=None, help="comma list of precisions (default: fp32 only)")
     args = ap.parse_args(argv)
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
+    if args.precisions:
+        axes["precisions"] = tuple(args.precisions.split(","))
     registry = [p for p in REGISTRY if not args.properties or p.id in args.properties.split(",")]
     if args.seed is None:
         import random
@@ -67,17 +73,17 @@ def main(argv=None) -> int:
                 counts[(prop.id, "runs with an alarm")] += failed
             print(f"run {run + 1}/{args.runs} done, {len(alarms)} false alarm(s) so far "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    for kind, props in (("deterministic", [p for p in registry if p.false_alarm_rate is None]),
+    for kind, group in (("deterministic", [p for p in registry if p.false_alarm_rate is None]),
                         ("statistical", [p for p in registry if p.false_alarm_rate is not None])):
         verdicts = sum(n for (pid, s), n in counts.items() if s != "runs with an alarm" and
-                       any(p.id == pid for p in props))
-        n_alarms = sum(1 for p, _ in alarms if p in props)
-        expected = sum(args.runs * p.false_alarm_rate for p in props if p.false_alarm_rate)
+                       any(p.id == pid for p in group))
+        n_alarms = sum(1 for p, _ in alarms if p in group)
+        expected = sum(args.runs * p.false_alarm_rate for p in group if p.false_alarm_rate)
         print(f"{kind}: {verdicts} verdicts, {n_alarms} false alarm(s) "
               + (f"(expected <= {expected:.3g}: {args.runs} runs x the per-run rate of "
-                 + ", ".join(f"{p.id} {p.false_alarm_rate:g}" for p in props) + ")" if props and kind == "statistical"
+                 + ", ".join(f"{p.id} {p.false_alarm_rate:g}" for p in group) + ")" if group and kind == "statistical"
                  else "(expected 0)"))
-        for p in props:
+        for p in group:
             row = {s: n for (pid, s), n in counts.items() if pid == p.id}
             print(f"  {p.id:<18} {row}")
     print(f"{time.perf_counter() - t0:.0f} s")

@@ -37,7 +37,7 @@ INTERNAL_ERROR = "internal_error"
 #: expectations file rejects other keys, and a test checks every property's plan against this list)
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
-               "seeding", "dataset", "physical_batch_size", "processes", "resume_at")
+               "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision")
 
 
 @dataclass

@@ -3,6 +3,7 @@
     dpfsdp-verify run [--target opacus|MODULE:ATTR] [--grad-sample-mode ghost_fsdp]
         [--mode-env LABEL:VAR=VAL[,VAR=VAL]]... [--world-sizes 1,2] [--backend gloo|nccl]
         [--properties p1,p2] [--models mlp,transformer] [--loss-reductions mean,sum] [--dtypes float64,float32]
+        [--precisions fp32,bf16-fsdp,bf16-autocast]
         [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
         [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtypes", default=None,
                      help="comma list of float64,float32,bfloat16 for every property (default: each property's "
                           "own: float64 everywhere, float32 too where the property runs it by default)")
+    run.add_argument("--precisions", default=None, metavar="fp32,bf16-fsdp,bf16-autocast",
+                     help="comma list of mixed-precision forms for the properties that judge them ('dpfsdp-verify "
+                          "list' names them): bf16-fsdp = FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
+                          "reduce_dtype=fp32), bf16-autocast = torch.autocast(bf16), both over float32 parameters "
+                          "(default: fp32 only; docs/precision.md)")
     run.add_argument("--sampling", default=None, metavar="fixed,poisson",
                      help="comma list: how each step's batch is formed for every property on the sampling axis "
                           "(fixed given batches; poisson: DP-SGD's own sampling, make_private's default). "
@@ -126,7 +132,8 @@ def cmd_list() -> int:
     for pid, prop in PROPERTIES.items():
         print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
-              f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}")
+              f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
+              + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else ""))
     print("targets:")
     print("  opacus             the installed opacus through its public API (FSDP2Wrapper + make_private)")
     try:

@@ -129,15 +129,21 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
 
 
 def parse_axes(args) -> Dict:
-    """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own)."""
+    """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own),
+    ``--precisions`` (``None``: fp32 only)."""
     from ..models import MODEL_NAMES
     from ..properties.compare import TOLERANCES
 
-    out: Dict = {"models": None, "reductions": None, "dtypes": None}
+    from ..properties.contract import precision_problem
+    from ..targets.base import PRECISIONS
+
+    out: Dict = {"models": None, "reductions": None, "dtypes": None, "precisions": None}
     for key, flag, text, allowed, example in (
             ("models", "--models", args.models, MODEL_NAMES, "--models mlp"),
             ("reductions", "--loss-reductions", args.loss_reductions, REDUCTIONS, "--loss-reductions mean"),
-            ("dtypes", "--dtypes", args.dtypes, tuple(TOLERANCES), "--dtypes float64,float32")):
+            ("dtypes", "--dtypes", args.dtypes, tuple(TOLERANCES), "--dtypes float64,float32"),
+            ("precisions", "--precisions", getattr(args, "precisions", None), PRECISIONS,
+             "--precisions fp32,bf16-fsdp,bf16-autocast")):
         if text is None:
             continue
         values = tuple(csv(text))
@@ -146,6 +152,9 @@ def parse_axes(args) -> Dict:
             what = f"unknown model {', '.join(bad) or '(none)'}" if key == "models" else f"{flag} {text!r}"
             raise UsageError(f"{what}: choose from {','.join(allowed)}", f"e.g. {example}")
         out[key] = values
+    problem = precision_problem(out["precisions"], out["dtypes"])
+    if problem:
+        raise UsageError(f"--precisions: {problem}", "e.g. --precisions bf16-fsdp --dtypes float32")
     return out
 
 

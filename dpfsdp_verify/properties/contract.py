@@ -44,7 +44,7 @@ from .. import modes as modes_mod
 from ..harness import DEFAULT_TIMEOUT_S
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec
-from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, SAMPLINGS, SEEDINGS
+from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, PRECISIONS, SAMPLINGS, SEEDINGS
 from ..verdict import Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
@@ -77,8 +77,14 @@ class Options:
     dataset_size: Optional[int] = None
     #: the run's statistical seed (module docstring)
     seed: int = 0
+    #: mixed-precision forms (``targets.base.PRECISIONS``; ``None``: ``fp32`` only); a property runs
+    #: those it declares in ``Property.precisions``
+    precisions: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self):
+        problem = precision_problem(self.precisions, self.dtypes)
+        if problem:
+            raise ValueError(problem)
         problem = sampling_problem(self.samplings, self.seedings, self.sample_rate, self.dataset_size,
                                    max(self.world_sizes or (1,)))
         if problem:
@@ -90,7 +96,8 @@ class Options:
         fields go to ``params`` (``Property.options`` refuses those the property does not take)."""
         known = {f.name for f in fields(cls)}
         params = {k: kw.pop(k) for k in list(kw) if k not in known}
-        for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes", "samplings", "seedings"):
+        for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes", "samplings", "seedings",
+                    "precisions"):
             if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
@@ -157,6 +164,8 @@ class Case:
                             dataset_size=self.spec.dataset_size, epochs=self.spec.epochs, seeding=self.spec.seeding)
         if self.spec.physical_batch_size:  # accumulation adds a key; configs of other runs are unchanged
             sampling["physical_batch_size"] = self.spec.physical_batch_size
+        if self.spec.precision != "fp32":  # so does mixed precision
+            sampling["precision"] = self.spec.precision
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
@@ -169,6 +178,8 @@ class Case:
                  "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
+        if self.spec.precision != "fp32":
+            parts += ["--precisions", self.spec.precision]
         spec = self.spec
         parts += ["--sampling", spec.sampling]
         if spec.poisson:
@@ -222,6 +233,8 @@ class Point:
     sampling: str = "fixed"
     #: the Poisson seeding policy of a ``poisson`` point (``None`` for ``fixed``)
     seeding: Optional[str] = None
+    #: the mixed-precision form (``targets.base.PRECISIONS``)
+    precision: str = "fp32"
 
     def spec(self, **fields_) -> RunSpec:
         """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``.
@@ -237,7 +250,8 @@ class Point:
                        "dataset_size": self.options.dataset_size or per_rank * self.world_size,
                        "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.seed(0)}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
-                       dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, **fields_)
+                       dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, precision=self.precision,
+                       **fields_)
 
     def case(self, spec: RunSpec, specs: Sequence[RunSpec] = (), **kw) -> Case:
         """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
@@ -310,6 +324,9 @@ class Property:
     samplings: Optional[Tuple[str, ...]] = ("fixed",)
     #: Poisson seeding policies its Poisson points run under unless the options name others
     seedings: Tuple[str, ...] = ("same",)
+    #: the mixed-precision forms it judges (``fp32`` always; the options' ``precisions`` select
+    #: among them): a property whose tolerances are derived for bf16 compute lists the bf16 forms
+    precisions: Tuple[str, ...] = ("fp32",)
     #: points carry two modes (the first label vs each other one); needs two or more modes
     compares_modes: bool = False
     #: for a comparing property given one mode (no ``--mode-env``, or one): the two modes it compares
@@ -367,21 +384,32 @@ class Property:
             return [(modes[0], other) for other in modes[1:]]
         return [(m,) for m in modes]
 
+    def precision_points(self, opts: Options) -> List[str]:
+        """The precisions this property runs for ``opts``: those selected (``fp32`` when none is)
+        that it judges."""
+        return [p for p in (opts.precisions or ("fp32",)) if p in self.precisions]
+
     def points(self, opts: Options) -> List[Point]:
-        """The matrix in report order: world size, mode(s), sampling, model, layout, reduction, dtype."""
+        """The matrix in report order: world size, mode(s), sampling, model, layout, reduction,
+        precision, dtype. A bf16 precision computes over float32 parameters: its dtype is float32."""
         groups = self.mode_groups(opts.modes, opts.params)
-        axes = [(ws, modes, sampling, model, layout, red, dtype) for ws in opts.world_sizes for modes in groups
-                for sampling in self.sampling_points(opts)
+        axes = [(ws, modes, sampling, model, layout, red, prec, dtype) for ws in opts.world_sizes
+                for modes in groups for sampling in self.sampling_points(opts)
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
-                for red in opts.reductions or self.reductions for dtype in opts.dtypes or self.dtypes]
-        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding)
-                for ws, modes, (sampling, seeding), model, layout, red, dtype in axes]
+                for red in opts.reductions or self.reductions for prec in self.precision_points(opts)
+                for dtype in ((opts.dtypes or self.dtypes) if prec == "fp32" else ("float32",))]
+        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding, prec)
+                for ws, modes, (sampling, seeding), model, layout, red, prec, dtype in axes]
 
     def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """Every case (or ready verdict) for ``opts``, in report order."""
         problem = modes_problem(self, opts.modes)
         if problem:
             return [self.skip(opts, f"{problem} ({modes_mod.TWO_MODES_EXAMPLE})")]
+        if not self.precision_points(opts):
+            return [self.skip(opts, f"{self.id} is judged under precision {','.join(self.precisions)} only (its "
+                                    f"tolerances are derived for those); the selected precision is "
+                                    f"{','.join(opts.precisions or ())}", precision=",".join(opts.precisions or ()))]
         if not self.sampling_points(opts):
             return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
@@ -421,6 +449,19 @@ def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size:
     elif sample_rate is not None and int(sample_rate * POISSON_DEFAULTS[1]) < 1:
         return (f"sample rate {sample_rate}: the default dataset ({POISSON_DEFAULTS[1]} samples per rank) gives an "
                 "expected batch of 0; give --dataset-size too")
+    return None
+
+
+def precision_problem(precisions, dtypes) -> Optional[str]:
+    """Why these precision options cannot run (``None`` if they can): the one place the rules are
+    written (the CLI turns the answer into exit 2, the API into ``ValueError``)."""
+    if precisions is None:
+        return None
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        return f"precision {','.join(precisions) or '(none)'}: choose from {','.join(PRECISIONS)}"
+    if any(p != "fp32" for p in precisions) and dtypes is not None and "float32" not in dtypes:
+        return (f"precision {','.join(p for p in precisions if p != 'fp32')} is bf16 compute over float32 "
+                f"parameters, but the dtypes are {','.join(dtypes)}: add float32 to the dtypes (or leave them out)")
     return None
 
 

@@ -35,9 +35,11 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
+from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, pick_clip_bound, processed_indices,
-                      recover_clip_coefficients, reference_norms, sequence_weights, tolerance)
+from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, pick_clip_bound, precision_bound,
+                      precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
+                      reference_norms, sequence_weights, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -46,7 +48,9 @@ HYPOTHESIS_RTOL = 1e-6
 
 def prepare(spec: RunSpec) -> RunSpec:
     """C between the middle norms: some samples clipped, some not, so the clip coefficients
-    recovered from the released gradient tell an overall gradient scale from norms that are off."""
+    recovered from the released gradient tell an overall gradient scale from norms that are off.
+    A mixed-precision spec runs at ``compare.PRECISION_DIMS`` (where bf16 accumulation shows)."""
+    spec = precision_spec(spec)
     return spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
 
 
@@ -59,10 +63,15 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     and the norms it clips with (recovered from the released gradient)."""
     spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     rtol, atol = tolerance(spec.dtype)
+    bound = precision_bound(spec)
     ref = reference_norms(spec)
     steps = [o.steps[0] for o in outputs]
     want = [ref[list(s.indices)] for s in steps]
+    if bound is not None:  # bf16 compute: the bound derived from its unit roundoff, not the dtype's
+        rtol, atol = bound.norm_rtol, 0.0
     evidence = {"rtol": rtol, "atol": atol}
+    if bound is not None:
+        evidence["precision_bound"] = bound.describe()
     reported = None  # None: the target reports no norms; else (diagnosis or None, message)
     if all(s.norms is not None for s in steps):
         for r, s in enumerate(steps):
@@ -76,9 +85,14 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                          "mean_ratio": float(ratios.mean())})
         if all(bool(((g - w).abs() <= atol + rtol * w.abs()).all()) for g, w in zip(got, want)):
             reported = (None, f"per-sample norms equal the float64 reference on all {ws} rank(s) (max abs error "
-                              f"{fmt(evidence['max_abs_error'])})")
+                              f"{fmt(evidence['max_abs_error'])}"
+                              + (f"; within the {spec.precision} bound {fmt(rtol)} relative: ratio "
+                                 f"{evidence['ratio_min']:.4g}..{evidence['ratio_max']:.4g})" if bound else ")"))
         else:
             reported = diagnose(case, got, want, steps, ratios)
+            if bound is not None:
+                reported = (reported[0], f"{reported[1]} That is beyond the error bf16 compute explains: "
+                            f"{bound.describe()}.")
     clips, clips_msg, fit = clipped_with(case, outputs, ref, want, steps)
     evidence.update(fit)
     if reported is None:
@@ -88,6 +102,10 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     said, said_msg = reported
     if said is None and clips is None:
         return case.verdict("pass", None, f"{said_msg}, and it clips with them: {clips_msg}", evidence)
+    if clips is None and bound is not None:
+        return case.verdict("fail", said, f"{said_msg} The clip coefficients recovered from its released gradient "
+                            f"are within their own {spec.precision} bound ({clips_msg}), which is too wide to tell "
+                            "which norms it clips with.", evidence)
     if clips is None:
         return case.verdict("fail", said, f"{said_msg} It clips with the true norms, though ({clips_msg}): only "
                             "what it reports is wrong.", evidence)
@@ -108,12 +126,18 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     c = spec.max_grad_norm
     got = recover_clip_coefficients(spec, processed_indices(outputs, 0, spec), outputs[0].steps[0].gradient)
     indices, coef, residual, seen = got.indices, got.coefficients, got.residual, got.identifiable
-    tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    tol = res_tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    bound = precision_bound(spec)
+    if bound is not None:  # bf16 compute: coefficient and residual bounds derived from its unit roundoff
+        tol, res_tol = precision_coefficient_bounds(spec, bound, indices)
     fit = {"clip_fit_residual": residual, "identifiable_samples": int(seen.sum()), "max_grad_norm": c}
+    if bound is not None:
+        fit.update({"coefficient_bound": tol, "residual_bound": res_tol})
     where = f"at world_size={ws} ({spec.data_layout} data)"
-    if not residual <= tol:
+    if not residual <= res_tol:
         return "mismatch", (f"the released gradient is not a combination of the processed samples' gradients "
-                            f"{where} (relative least-squares residual {fmt(residual)}): it holds other samples, "
+                            f"{where} (relative least-squares residual {fmt(residual)} > {fmt(res_tol)}): it holds "
+                            "other samples, "
                             "or is not sum_i c_i g_i at all."), fit
     if not bool(seen.any()):
         return None, (f"no sample's clip coefficient can be recovered {where} (their gradients are zero or "
@@ -126,7 +150,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     fit.update({"clip_coefficient_max_error": err, "clipped_samples": clipped})
     if err <= tol:
         return None, (f"the clip coefficients recovered from the released gradient equal min(1, C/||g_i||) "
-                      f"(max error {fmt(err)}; {clipped} of {len(indices)} samples clipped at C={c:.4g})"), fit
+                      f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g})"), fit
     scale = float(coef @ expected / (expected @ expected))
     if float((coef - scale * expected).abs().max()) <= tol:
         fit["gradient_scale"] = scale
@@ -273,5 +297,6 @@ PROPERTY = Property(
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
+    precisions=PRECISIONS,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import List, Optional, Sequence
 
-from .base import (DATA_LAYOUTS, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, RankOutput, Refused,
-                   RunSpec, StepOutput, Target)
+from .base import (DATA_LAYOUTS, FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES,
+                   FEATURE_RESUME, PRECISION_FEATURES, PRECISIONS, RankOutput, Refused, RunSpec, StepOutput, Target)
 
 ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
 BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
@@ -138,6 +138,11 @@ def unsupported_feature(target: Target, spec: RunSpec) -> Optional[str]:
     if spec.momentum and FEATURE_MOMENTUM not in features:
         return (f"target {name!r} does not declare SGD momentum (RunSpec.momentum={spec.momentum}; add "
                 f"{FEATURE_MOMENTUM!r} to Target.features once run() trains with torch.optim.SGD(momentum=...))")
+    feature = PRECISION_FEATURES.get(spec.precision)
+    if feature and feature not in tuple(getattr(target, "features", ())):
+        return (f"target {getattr(target, 'name', '?')!r} does not declare mixed precision {spec.precision!r} "
+                f"(RunSpec.precision; add {feature!r} to Target.features once run() computes in bf16 that way); "
+                "it is not run in float32 instead")
     return None
 
 
@@ -150,6 +155,8 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
     return RankOutput(rank, world_size, steps=steps)
 
 
-__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM", "unsupported_feature", "RankOutput", "Refused", "RunSpec",
+__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM", "FEATURE_BF16_FSDP",
+           "FEATURE_BF16_AUTOCAST", "PRECISIONS", "PRECISION_FEATURES", "unsupported_feature", "RankOutput", "Refused",
+           "RunSpec",
            "StepOutput", "Target", "TargetLoadError", "load_target",
            "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]

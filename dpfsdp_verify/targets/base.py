@@ -46,6 +46,17 @@ maximum and pads with empty passes). A target reports each step's pass sizes in
 accumulate leaves ``"physical_batches"`` out of ``Target.features`` and is told so in a verdict
 (``RankOutput.unsupported``), never silently run unsplit.
 
+Mixed precision (``spec.precision``): ``"fp32"`` (the default) computes in the parameters' own
+dtype. The two bf16 forms run over float32 parameters (``spec.dtype == "float32"``), configured the
+way users configure them: ``"bf16-fsdp"`` shards with FSDP2's ``MixedPrecisionPolicy(param_dtype=
+torch.bfloat16, reduce_dtype=torch.float32)`` on every ``fully_shard`` call (forward and backward
+in bf16, gradients reduced and kept in float32); ``"bf16-autocast"`` runs the forward and the
+loss under ``torch.autocast("cpu"/"cuda", dtype=torch.bfloat16)`` over float32 parameters
+(``util.precision_policy`` / ``util.precision_autocast`` build both). A target declares each form
+it implements in ``Target.features`` (``FEATURE_BF16_FSDP``, ``FEATURE_BF16_AUTOCAST``); a spec
+asking for an undeclared one is answered ``RankOutput.unsupported`` (a failing verdict), never run
+in float32.
+
 Checkpoint/resume (``spec.resume_at`` k > 0; 0 = none): the run of ``spec.steps`` K steps is
 done as a user with a checkpoint does it, in two calls of ``run`` in two *separate* runs of the
 ranks (the suite ends the ranks' run between them: fresh rank processes, a fresh process group,
@@ -124,6 +135,12 @@ FEATURE_MOMENTUM = "momentum"
 #: the halves of a resumed run: ``""`` (not resumed), ``save`` (steps 0..k-1, then checkpoint),
 #: ``load`` (load the checkpoint, then steps k..K-1)
 RESUME_PHASES = ("", "save", "load")
+#: the mixed-precision forms (module docstring): ``fp32`` is no form, just the parameters' dtype
+PRECISIONS = ("fp32", "bf16-fsdp", "bf16-autocast")
+FEATURE_BF16_FSDP = "bf16-fsdp"
+FEATURE_BF16_AUTOCAST = "bf16-autocast"
+#: the feature a target declares for each mixed-precision form
+PRECISION_FEATURES = {"bf16-fsdp": FEATURE_BF16_FSDP, "bf16-autocast": FEATURE_BF16_AUTOCAST}
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
@@ -176,8 +193,16 @@ class RunSpec:
     #: where the ``save`` half writes its checkpoint and the ``load`` half reads it (the suite's
     #: runner places a relative name under a temporary directory it creates and removes)
     checkpoint_dir: str = ""
+    #: ``fp32`` (compute in the parameters' dtype), ``bf16-fsdp`` or ``bf16-autocast`` (bf16 compute
+    #: over float32 parameters; module docstring)
+    precision: str = "fp32"
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ValueError(f"precision {self.precision!r} is bf16 compute over float32 parameters: it needs "
+                             f"dtype='float32', got {self.dtype!r}")
         self._check_resume()
         p = self.physical_batch_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
@@ -301,6 +326,12 @@ class RunSpec:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward and backward compute in: bfloat16 under a bf16 precision, else
+        the parameters' own."""
+        return torch.bfloat16 if self.precision != "fp32" else self.torch_dtype
+
     def global_batch(self, step: int = 0) -> models.Batch:
         return models.make_batch(self.model, self.global_batch_size, self.batch_seed + step, dtype=self.torch_dtype,
                                  **dict(self.model_kwargs))
@@ -381,4 +412,4 @@ class Target:
 
 __all__ = ["Target", "RunSpec", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
            "DEFAULT_GRAD_SAMPLE_MODE", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM",
-           "RESUME_PHASES"]
+           "RESUME_PHASES", "PRECISIONS", "FEATURE_BF16_FSDP", "FEATURE_BF16_AUTOCAST", "PRECISION_FEATURES"]

@@ -44,6 +44,12 @@ others as skipped). The same wrapper splits fixed batches (``ceil(local / p)`` p
 logical step ends where the optimizer did not skip (``optimizer._is_last_step_skipped`` after the
 step: opacus' own record of it); its ``StepOutput`` gathers the passes' indices and norms.
 
+Mixed precision (``spec.precision``) as a user configures it with opacus: ``bf16-fsdp`` passes
+``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` to
+``FSDP2Wrapper`` (which hands it to every ``fully_shard`` call); ``bf16-autocast`` runs the
+forward and the loss under ``torch.autocast(..., dtype=torch.bfloat16)``; both over float32
+parameters. The backward runs outside autocast, as autocast's own recipe says.
+
 Checkpoint/resume (``spec.resume_at`` k, ``spec.phase``; ``docs/resume.md``) is what a user does
 under FSDP2, where every rank holds different shards: the model's and the optimizer's state with
 ``torch.distributed.checkpoint`` (``get_state_dict`` of the FSDP module and of the optimizer
@@ -72,10 +78,10 @@ import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import (FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, RankOutput, Refused, RunSpec,
-                   StepOutput, Target)
-from .util import (dataset_index, gather_named, global_dataset, load_sharded, rank_and_world, save_sharded,
-                   step_indices, world)
+from .base import (FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME,
+                   RankOutput, Refused, RunSpec, StepOutput, Target)
+from .util import (dataset_index, gather_named, global_dataset, load_sharded, precision_autocast, precision_policy,
+                   rank_and_world, save_sharded, step_indices, world)
 
 #: opacus' own state in a resumed run's checkpoint directory (written by rank 0)
 OPACUS_STATE = "opacus_state.pt"
@@ -145,7 +151,7 @@ TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a paramete
 
 class OpacusTarget(Target):
     name = "opacus"
-    features = (FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, FEATURE_MOMENTUM)
+    features = (FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, FEATURE_MOMENTUM, FEATURE_BF16_FSDP, FEATURE_BF16_AUTOCAST)
 
     def version(self) -> str:
         import opacus
@@ -244,7 +250,8 @@ class OpacusTarget(Target):
 
         rank, world_size = world()
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
-        fsdp = FSDP2Wrapper(model)
+        policy = precision_policy(spec)
+        fsdp = FSDP2Wrapper(model) if policy is None else FSDP2Wrapper(model, mp_policy=policy)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr, momentum=spec.momentum)
         if spec.poisson:
             data, dataset = self._poisson_dataset(spec)
@@ -302,12 +309,13 @@ class OpacusTarget(Target):
             if accumulating:
                 progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
-            logits = module(x)
-            if data.loss == "token_cross_entropy":
-                # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
-                loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
-            else:
-                loss = criterion(logits, y)
+            with precision_autocast(spec):
+                logits = module(x)
+                if data.loss == "token_cross_entropy":
+                    # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
+                    loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
+                else:
+                    loss = criterion(logits, y)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
             norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())

@@ -169,3 +169,23 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def precision_policy(spec: RunSpec):
+    """The ``mp_policy`` a user passes to every ``fully_shard`` call for ``spec.precision``:
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` under
+    ``bf16-fsdp`` (forward/backward in bf16, gradients reduce-scattered and kept in float32);
+    ``None`` otherwise (FSDP2's default policy: no casts)."""
+    if spec.precision != "bf16-fsdp":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def precision_autocast(spec: RunSpec):
+    """The context a user runs the forward and the loss in for ``spec.precision``:
+    ``torch.autocast(<device>, dtype=torch.bfloat16)`` under ``bf16-autocast`` (float32
+    parameters, matmuls in bf16), a disabled autocast otherwise."""
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=spec.precision == "bf16-autocast")
