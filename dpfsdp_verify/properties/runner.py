@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..harness import Pool, default_pool
-from ..harness.group import BackendUnavailable, GroupResult
+from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
@@ -169,7 +169,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         trails = progress.read(trail_dir, r0.world_size) if not res.ok else None
     except BackendUnavailable as e:
         for r in runs:
-            done[r] = f"backend unavailable: {e}"
+            done[r] = _unavailable(e)
         return
     finally:
         shutil.rmtree(trail_dir, ignore_errors=True)
@@ -203,7 +203,7 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
             for _ in range(r.fresh):
                 groups.append(pool.fresh_group(r.world_size, r.backend, r.mode.env_dict or None))
         except BackendUnavailable as e:
-            done[r] = f"backend unavailable: {e}"
+            done[r] = _unavailable(e)
             return
         outs = []
         jobs = [[spec] for spec in r.specs[:r.fresh - 1]] + [list(r.specs[r.fresh - 1:])]
@@ -225,6 +225,11 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
         for g in groups:
             g.close()
         seconds[r] = seconds.get(r, 0.0) + time.monotonic() - t0
+
+
+def _unavailable(e: BackendUnavailable) -> str:
+    """The skip reason of a run the pool could not give ranks to."""
+    return str(e) if isinstance(e, NotRunHere) else f"backend unavailable: {e}"
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
