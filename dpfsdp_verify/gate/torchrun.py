@@ -52,6 +52,7 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
 from ..errors import HintedError
+from ..harness import diagnose
 from ..harness.group import GroupResult, NotRunHere
 from ..harness.protocol import JobError, JobResult
 from ..torchrun_mode import REPORT_GRACE_S, TorchrunSession, _is_pg_timeout, torchrun_env
@@ -64,6 +65,8 @@ PREFIX = "dpfsdp/gate/"
 POLL_S = 2.0
 #: how long rank 0 waits, at the end, for the other ranks to take the exit code
 BYE_S = 10.0
+#: after the last bye, how long rank 0 waits before it exits (the ranks' own exits)
+BYE_EXIT_S = 1.0
 #: a rank's output when it is not rank 0: kept only with this variable set (debugging a target)
 RANK_OUTPUT_ENV = "DPFSDP_VERIFY_RANK_OUTPUT"
 
@@ -81,6 +84,11 @@ def cmd_run_torchrun(args) -> int:
                          "are not set)", "launch it as 'torchrun --nproc-per-node N -m dpfsdp_verify run --launcher "
                          "torchrun ...', or drop --launcher torchrun to let the gate start its own ranks")
     rank, world_size = env
+    # the flight recorder must be on before the process group exists (as in spawned ranks): a
+    # rank's trace at the deadline shows which collective it waits in
+    from ..harness.group import FR_BUFFER_SIZE
+
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
     if rank != 0 and not os.environ.get(RANK_OUTPUT_ENV):
         _silence()
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
@@ -89,7 +97,13 @@ def cmd_run_torchrun(args) -> int:
     session = TorchrunSession(rank, world_size, timeout=float(args.timeout), backend=args.backend)
     try:
         if rank != 0:
-            return serve(session)
+            code = serve(session)
+            session.close()
+            # taken only now: rank 0 exits once every rank has, so the launcher sees one exit code
+            session.store.set(f"{PREFIX}bye/{rank}", "1")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         pool = TorchrunPool(session)
         code = EXIT_INTERNAL
         try:
@@ -158,7 +172,7 @@ class TorchrunPool:
         self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps(msg))
         if self.renew_next:  # after the message: creating the group waits for every rank to join
             self.renew_next = False
-            self.session._renew_group()
+            _renew(self.session)
         mine = _execute(self.session, self.job, msg)
         # a rank's collective that began just before the deadline times out one deadline later
         outcomes = self._collect(self.job, t0 + 2 * timeout + REPORT_GRACE_S, mine)
@@ -211,6 +225,7 @@ class TorchrunPool:
             deadline = time.monotonic() + BYE_S
             for r in range(1, self.world_size):
                 store.wait([f"{PREFIX}bye/{r}"], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            time.sleep(BYE_EXIT_S)  # a rank exits just after its bye
         except Exception:  # a rank that never takes it is stuck: it exits with the job
             pass
 
@@ -234,10 +249,9 @@ def serve(session: TorchrunSession) -> int:
                 continue
         msg = pickle.loads(store.get(key))
         if msg["kind"] == "stop":
-            store.set(f"{PREFIX}bye/{session.rank}", "1")
             return int(msg["code"])
         if msg.get("renew"):
-            session._renew_group()
+            _renew(session)
         out = _execute(session, job, msg)
         store.set(f"{PREFIX}res/{job}/{session.rank}", pickle.dumps(out))
 
@@ -251,6 +265,7 @@ class _Running:
         self.job: Optional[int] = None
         self.site: Optional[str] = None  # where the main thread was when the deadline passed
         self.in_collective = False
+        self.dump = None  # the rank's RankDump at the deadline
 
 
 def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
@@ -311,8 +326,28 @@ def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
         shutil.rmtree(trail_dir, ignore_errors=True)
     _restore_state(saved)
     return {"result": result, "trail": trail, "overran": running.site is not None, "site": running.site,
-            "in_collective": running.in_collective,
+            "in_collective": running.in_collective, "dump": running.dump,
             "pg_timeout": result.error is not None and _is_pg_timeout(Exception(result.error.message))}
+
+
+def _renew(session: TorchrunSession) -> None:
+    """A fresh process group (``TorchrunSession._renew_group``); flight-recorder entries of the
+    old one are left out of later dumps (the new group restarts its sequence ids)."""
+    import torch
+    from ..harness import rank as rank_mod
+
+    session._renew_group()
+    try:
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
+        rank_mod._fr_floor = max((e.get("record_id", 0) for e in entries), default=rank_mod._fr_floor)
+    except Exception:
+        pass
+
+
+def dump_state(rank: int):
+    from ..harness.rank import dump_state as dump
+
+    return dump(rank)
 
 
 def _watch(session: TorchrunSession, running: _Running, job: int, deadline: float) -> None:
@@ -333,6 +368,10 @@ def _watch(session: TorchrunSession, running: _Running, job: int, deadline: floa
         innermost = stack[-1] if stack else None
         running.in_collective = bool(innermost and "torch/distributed" in innermost.filename.replace(os.sep, "/"))
         running.site = _call_site(stack)
+        try:
+            running.dump = dump_state(session.rank)  # stacks + the flight recorder's collectives
+        except Exception:
+            running.dump = None
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(JobDeadline))
     # a collective the main thread waits in raises within one more deadline (the process-group
     # timeout); past that, only the end of the run frees this rank
@@ -419,6 +458,16 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
         return out
     out.status = "hang"
     out.fired_at = time.time()
+    dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
+    div = diagnose.find_divergence(dumps) if len(dumps) == len(waited) >= 2 and not busy and not silent else None
+    if div is not None:  # as a spawned group's proof: ranks waiting in collectives that never match
+        out.diagnosis = "deadlock"
+        out.message = (f"deadlock proven at the {deadline:g} s deadline: rank(s) {waited} can never finish; "
+                       f"{diagnose.describe_divergence(div)}")
+        sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in waited)
+        out.message += f" ({sites})"
+        out.details = diagnose.format_stacks(dumps) + "\n" + out.details
+        return out
     if waited and finished and not busy and not silent:
         # a rank that finished the job never issues the collective the others wait in
         out.diagnosis = "deadlock"
