@@ -65,6 +65,8 @@ PREFIX = "dpfsdp/gate/"
 POLL_S = 2.0
 #: how long rank 0 waits, at the end, for the other ranks to take the exit code
 BYE_S = 10.0
+#: how long rank 0 waits for every rank to load the target before the first job
+PREPARE_S = 600.0
 #: after the last bye, how long rank 0 waits before it exits (the ranks' own exits)
 BYE_EXIT_S = 1.0
 #: a rank's output when it is not rank 0: kept only with this variable set (debugging a target)
@@ -126,6 +128,7 @@ def _run_gate(args, pool: "TorchrunPool") -> int:
     from .run import run_plan
 
     plan = RunPlan.from_args(args, job_world_size=pool.world_size)
+    pool.prepare(plan.options.target)
     progress = Progress(plan.quiet)
     target = target_info.describe_target(plan.options.target, plan.info)
     if not plan.quiet:
@@ -210,6 +213,27 @@ class TorchrunPool:
                         break
         return out
 
+    def prepare(self, target_ref: str, timeout: float = PREPARE_S) -> None:
+        """Every rank loads the target (imports opacus, the adapter...) before the first job, outside
+        any deadline: a spawned group's ranks import torch before they are ready, and a case's
+        deadline is for the case, not for a rank's first import on a loaded node."""
+        from ..targets import load_target
+
+        self.job += 1
+        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "target": target_ref}))
+        try:
+            load_target(target_ref)
+        except Exception:  # the first job reports why the target does not load, on every rank
+            pass
+        until = time.monotonic() + timeout
+        for r in range(1, self.world_size):
+            key = f"{PREFIX}res/{self.job}/{r}"
+            try:
+                self.session.store.wait([key], timedelta(seconds=max(0.1, until - time.monotonic())))
+                self.session.store.delete_key(key)
+            except Exception:  # a rank that is not ready: its first job names it
+                pass
+
     def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None):
         raise NotRunHere("not run in a torchrun job: needs fresh rank processes (each run the first thing its "
                          "processes do), which only the spawning launcher starts; run this property without "
@@ -250,6 +274,15 @@ def serve(session: TorchrunSession) -> int:
         msg = pickle.loads(store.get(key))
         if msg["kind"] == "stop":
             return int(msg["code"])
+        if msg["kind"] == "prepare":
+            try:
+                from ..targets import load_target
+
+                load_target(msg["target"])
+            except Exception:
+                pass
+            store.set(f"{PREFIX}res/{job}/{session.rank}", b"ready")
+            continue
         if msg.get("renew"):
             _renew(session)
         out = _execute(session, job, msg)
