@@ -157,3 +157,71 @@ def test_deadlocking_specimen_ends_in_verdicts_not_a_stuck_job(tmp_path):
     # the run went on after the hang, on a renewed process group
     after = [v for v in got if v[0] == "sampling_accounting"]
     assert after and all(v[2] == "pass" for v in after), after
+
+
+def _outcome(rank, ok=True, error=None, pg_timeout=False, overran=False, in_collective=False, site=None):
+    from dpfsdp_verify.harness.protocol import JobError, JobResult
+
+    res = JobResult(rank=rank, value="v") if ok else JobResult(rank=rank, error=JobError(error, "m", "tb"))
+    return {"result": res, "trail": None, "overran": overran, "site": site, "in_collective": in_collective,
+            "dump": None, "pg_timeout": pg_timeout}
+
+
+def _dump(rank, ops):
+    from dpfsdp_verify.harness.protocol import RankDump
+
+    entries = [{"collective_seq_id": i + 1, "process_group": ["0", "default_pg"], "profiling_name": op,
+                "input_sizes": [[3]], "is_p2p": False, "record_id": i} for i, op in enumerate(ops)]
+    return RankDump(rank=rank, pid=0, flight_recorder={"entries": entries})
+
+
+def test_outcomes_become_the_spawned_groups_verdicts():
+    from dpfsdp_verify.gate.torchrun import _group_result
+
+    ok = _group_result({0: _outcome(0), 1: _outcome(1)}, 2, "gloo", 9)
+    assert ok.ok and ok.values() == ["v", "v"]
+    # a rank raised on its own; its peer waited for it in a collective until the timeout
+    crash = _group_result({0: _outcome(0, False, "DistBackendError", pg_timeout=True),
+                           1: _outcome(1, False, "ValueError")}, 2, "gloo", 9)
+    assert (crash.status, crash.diagnosis) == ("error", "rank_crash")
+    assert crash.message.startswith("rank 1 raised ValueError: m")
+    assert "rank(s) [0] were left waiting in a collective until the 9 s process-group timeout" in crash.message
+    # a rank finished after collective #4 while its peer waits in #5: proven
+    done, stuck = _outcome(0), _outcome(1, False, "JobDeadline", overran=True, in_collective=True, site="t.py:3 in step")
+    done["newest"], stuck["dump"] = {"0": 4}, _dump(1, ["gloo:all_reduce"] * 5)
+    dead = _group_result({0: done, 1: stuck}, 2, "gloo", 9)
+    assert (dead.status, dead.diagnosis) == ("hang", "deadlock") and "rank 1 at t.py:3 in step" in dead.message
+    assert "rank 1 waits in collective #5 (gloo:all_reduce [[3]]) of process group 0, which rank 0 never issues" \
+        in dead.message
+    # ... but a peer that has not issued #5 *yet* (still in the job, e.g. computing) proves nothing
+    slow = _outcome(0, False, "JobDeadline", overran=True, site="t.py:9 in compute")
+    slow["dump"] = _dump(0, ["gloo:all_reduce"] * 4)
+    assert _group_result({0: slow, 1: stuck}, 2, "gloo", 9).diagnosis == "timeout"
+    # two ranks issued different collectives under one sequence id: proven
+    other = _outcome(0, False, "JobDeadline", overran=True, in_collective=True)
+    other["dump"] = _dump(0, ["gloo:all_reduce"] * 4 + ["gloo:barrier"])
+    mism = _group_result({0: other, 1: stuck}, 2, "gloo", 9)
+    assert mism.diagnosis == "deadlock" and "mismatched collectives at #5" in mism.message
+    # a rank busy outside collectives at the deadline: unproven, named with its call site
+    busy = _group_result({0: _outcome(0, False, "DistBackendError", pg_timeout=True),
+                          1: _outcome(1, False, "JobDeadline", overran=True, site="t.py:7 in load")}, 2, "gloo", 9)
+    assert (busy.status, busy.diagnosis, busy.busy_ranks) == ("hang", "timeout", [1])
+    assert "rank 1 was busy outside any collective at the 9 s deadline, at t.py:7 in load" in busy.message
+    # a rank that never reported
+    silent = _group_result({0: _outcome(0, False, "DistBackendError", pg_timeout=True), 1: None}, 2, "gloo", 9)
+    assert (silent.status, silent.diagnosis, silent.busy_ranks) == ("hang", "timeout", [1])
+    assert "rank(s) [1] never reported" in silent.message
+
+
+def test_a_rank_busy_outside_collectives_is_named_and_the_job_ends(tmp_path):
+    # SlowCorrect sleeps 1 s before each step on every rank: with a 2 s deadline the watchdog ends
+    # the job on each rank (no deadlock is claimed) and the run goes on to the next property
+    report = tmp_path / "slow.json"
+    codes, outs, ranks, seconds = two_agents(
+        tmp_path, ["--target", "fixtures.slow_specimens:SlowCorrect", "--properties", "sensitivity_bound,trajectory",
+                   "--models", "mlp", "--seed", "11", "--timeout", "2", "--json", str(report)])
+    assert codes == [1, 1], "\n".join(outs)[-3000:]
+    got = _verdicts(report)
+    assert {v[0] for v in got} == {"sensitivity_bound", "trajectory"}
+    assert all(v[2] == "hang" and v[3] == "timeout" for v in got), got
+    assert "busy outside any collective at the 2 s deadline, at " in got[0][4] and "local_batches" in got[0][4]

@@ -358,7 +358,8 @@ def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
             pass
         shutil.rmtree(trail_dir, ignore_errors=True)
     _restore_state(saved)
-    return {"result": result, "trail": trail, "overran": running.site is not None, "site": running.site,
+    newest = _newest_collectives() if result.ok else {}
+    return {"result": result, "newest": newest, "trail": trail, "overran": running.site is not None, "site": running.site,
             "in_collective": running.in_collective, "dump": running.dump,
             "pg_timeout": result.error is not None and _is_pg_timeout(Exception(result.error.message))}
 
@@ -428,6 +429,41 @@ def _watch(session: TorchrunSession, running: _Running, job: int, deadline: floa
             pass
 
 
+def _proof(outcomes: Dict[int, Optional[dict]], finished: List[int]) -> Optional[str]:
+    """Why the job can never finish, from the flight-recorder traces the ranks took at the
+    deadline -- the spawning gate's two proofs (``harness.proof``) -- or ``None``. A rank that
+    is merely slow (computing, sleeping) proves nothing: its peers wait in a collective it has not
+    issued *yet*."""
+    dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
+    div = diagnose.find_divergence(dumps) if len(dumps) >= 2 else None
+    if div is not None and len({d.split(" ")[0] for d in div.issued.values()}) > 1:
+        # two ranks issued different collectives under one sequence id: neither can complete
+        return diagnose.describe_divergence(div)
+    for r, d in sorted(dumps.items()):
+        mine = diagnose._entries_by_group(d.flight_recorder)
+        for p in finished:
+            theirs = outcomes[p].get("newest") or {}
+            for group, seqs in mine.items():
+                if seqs and group in theirs and max(seqs) > theirs[group]:
+                    entry = diagnose._describe(seqs[max(seqs)])
+                    return (f"rank {r} waits in collective #{max(seqs)} ({entry}) of process group {group}, which "
+                            f"rank {p} never issues: it finished the job after #{theirs[group]}")
+    return None
+
+
+def _newest_collectives() -> Dict[str, int]:
+    """This rank's newest collective sequence id per process group (the flight recorder's),
+    recorded when it finishes a job: what a peer stuck at the deadline is compared with."""
+    try:
+        import torch
+        from ..harness import rank as rank_mod
+
+        fr = rank_mod._current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
+        return {g: max(seqs) for g, seqs in diagnose._entries_by_group(fr).items() if seqs}
+    except Exception:
+        return {}
+
+
 def _call_site(stack) -> str:
     """The innermost frame outside torch and this package: where the job was, in the target's
     terms (the innermost frame when there is none)."""
@@ -491,24 +527,16 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
         return out
     out.status = "hang"
     out.fired_at = time.time()
-    dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
-    div = diagnose.find_divergence(dumps) if len(dumps) == len(waited) >= 2 and not busy and not silent else None
-    if div is not None:  # as a spawned group's proof: ranks waiting in collectives that never match
+    proof = _proof(outcomes, finished)
+    if proof is not None:
+        stuck = sorted(r for r, o in outcomes.items() if o is not None and not o["result"].ok)
         out.diagnosis = "deadlock"
-        out.message = (f"deadlock proven at the {deadline:g} s deadline: rank(s) {waited} can never finish; "
-                       f"{diagnose.describe_divergence(div)}")
-        sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in waited)
-        out.message += f" ({sites})"
-        out.details = diagnose.format_stacks(dumps) + "\n" + out.details
-        return out
-    if waited and finished and not busy and not silent:
-        # a rank that finished the job never issues the collective the others wait in
-        out.diagnosis = "deadlock"
-        out.message = (f"deadlock proven at the {deadline:g} s deadline: rank(s) {finished} finished the job while "
-                       f"rank(s) {waited} waited in a collective they never issued")
-        sites = "; ".join(f"rank {r} at {outcomes[r]['site']}" for r in waited if outcomes[r]["site"])
+        out.message = f"deadlock proven at the {deadline:g} s deadline: rank(s) {stuck} can never finish ({proof})"
+        sites = "; ".join(f"rank {r} at {outcomes[r]['site']}" for r in stuck if outcomes[r]["site"])
         if sites:
             out.message += f" ({sites})"
+        dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
+        out.details = diagnose.format_stacks(dumps) + "\n" + out.details
         return out
     out.diagnosis = "timeout"
     out.busy_ranks = busy + silent
