@@ -117,7 +117,8 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
         raise UsageError(f"--world-sizes {text!r}: world sizes must be >= 1", "e.g. --world-sizes 1,2")
     if backend == "gloo" and world_sizes[-1] > MAX_GLOO_WORLD_SIZE:
         raise UsageError(f"--world-sizes: {world_sizes[-1]} gloo ranks is more than this gate runs on one host "
-                         f"(max {MAX_GLOO_WORLD_SIZE})", "run the gate inside a torchrun job for larger worlds (--launcher torchrun, docs/torchrun.md)")
+                         f"(max {MAX_GLOO_WORLD_SIZE})",
+                         "run the gate inside a torchrun job for larger worlds (--launcher torchrun, docs/torchrun.md)")
     try:
         check_backend(backend, world_sizes[-1])
     except (BackendUnavailable, ValueError) as e:
