@@ -110,6 +110,8 @@ def cmd_run_torchrun(args) -> int:
         code = EXIT_INTERNAL
         try:
             code = _run_gate(args, pool)
+            # torchrun itself exits 1 for any non-zero code of a rank: the gate's own is said here
+            print(f"dpfsdp-verify: exit code {code} on every rank of this torchrun job", file=sys.stderr, flush=True)
         except HintedError:
             code = EXIT_USAGE
             raise
@@ -190,7 +192,8 @@ class TorchrunPool:
         silent = sorted(r for r, o in outcomes.items() if o is None)
         if silent:
             self.broken = (f"rank(s) {silent} of this torchrun job never reported the outcome of an earlier job "
-                           f"(stuck outside any collective); its process group cannot be renewed without them")
+                           "(died, or stuck outside any collective); its process group cannot be renewed without "
+                           "them")
         elif not res.ok or any(o["result"].dirty for o in outcomes.values()):
             self.renew_next = True  # every rank renews its group on the next job's message
         return res
@@ -518,12 +521,15 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
                             for r in sorted(results) if not results[r].ok)
     wait_text = (f"rank(s) {waited} were left waiting in a collective until the {deadline:g} s process-group timeout"
                  if waited else "")
+    silent_text = (f"rank(s) {silent} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process died -- "
+                   "e.g. gloo aborted it -- or is stuck where the deadline cannot reach, e.g. a long sleep)"
+                   if silent else "")
     if raised:  # a rank raised on its own: the others waited for it
         first = results[raised[0]].error
         out.status, out.diagnosis = "error", "rank_crash"
         out.message = "; ".join(p for p in (
             f"rank {raised[0]} raised {first.type}: {first.message}"
-            + (f" (ranks {raised} all raised)" if len(raised) > 1 else ""), wait_text) if p)
+            + (f" (ranks {raised} all raised)" if len(raised) > 1 else ""), silent_text, wait_text) if p)
         return out
     out.status = "hang"
     out.fired_at = time.time()
@@ -543,8 +549,7 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     parts = [f"rank {r} was busy outside any collective at the {deadline:g} s deadline, at {outcomes[r]['site']}"
              for r in busy]
     if silent:
-        parts.append(f"rank(s) {silent} never reported within {2 * deadline + REPORT_GRACE_S:g} s (stuck where "
-                     "the deadline cannot reach, e.g. a long sleep or a blocking call)")
+        parts.append(silent_text)
     if wait_text:
         parts.append(wait_text)
     if finished:
