@@ -224,4 +224,4 @@ def test_a_rank_busy_outside_collectives_is_named_and_the_job_ends(tmp_path):
     got = _verdicts(report)
     assert {v[0] for v in got} == {"sensitivity_bound", "trajectory"}
     assert all(v[2] == "hang" and v[3] == "timeout" for v in got), got
-    assert "busy outside any collective at the 2 s deadline, at " in got[0][4] and "local_batches" in got[0][4]
+    assert all("busy outside any collective at the 2 s deadline, at " in v[4] for v in got), got

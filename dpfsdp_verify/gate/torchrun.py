@@ -220,14 +220,9 @@ class TorchrunPool:
         """Every rank loads the target (imports opacus, the adapter...) before the first job, outside
         any deadline: a spawned group's ranks import torch before they are ready, and a case's
         deadline is for the case, not for a rank's first import on a loaded node."""
-        from ..targets import load_target
-
         self.job += 1
         self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "target": target_ref}))
-        try:
-            load_target(target_ref)
-        except Exception:  # the first job reports why the target does not load, on every rank
-            pass
+        _load(target_ref)
         until = time.monotonic() + timeout
         for r in range(1, self.world_size):
             key = f"{PREFIX}res/{self.job}/{r}"
@@ -278,18 +273,36 @@ def serve(session: TorchrunSession) -> int:
         if msg["kind"] == "stop":
             return int(msg["code"])
         if msg["kind"] == "prepare":
-            try:
-                from ..targets import load_target
-
-                load_target(msg["target"])
-            except Exception:
-                pass
+            _load(msg["target"])
             store.set(f"{PREFIX}res/{job}/{session.rank}", b"ready")
             continue
         if msg.get("renew"):
             _renew(session)
         out = _execute(session, job, msg)
         store.set(f"{PREFIX}res/{job}/{session.rank}", pickle.dumps(out))
+
+
+#: what a target's first FSDP step imports lazily (seconds on a loaded node): imported before the
+#: first deadline
+WARM_MODULES = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp")
+
+
+def _load(target_ref: str) -> None:
+    """Import what the jobs will (the target, FSDP's lazy imports); a failure is left to the first
+    job, which reports it on every rank."""
+    import importlib
+
+    from ..targets import load_target
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    try:
+        load_target(target_ref)
+    except Exception:
+        pass
 
 
 class _Running:
@@ -397,11 +410,19 @@ def _watch(session: TorchrunSession, running: _Running, job: int, deadline: floa
         if running.job != job:
             return
     main = threading.main_thread().ident
+    while True:
+        with running.lock:
+            if running.job != job:
+                return
+            frame = sys._current_frames().get(main)
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            # never interrupt an import: a module left half-initialised breaks every later job
+            if not any("importlib._bootstrap" in fs.filename for fs in stack):
+                break
+        time.sleep(0.05)
     with running.lock:
         if running.job != job:
             return
-        frame = sys._current_frames().get(main)
-        stack = traceback.extract_stack(frame) if frame is not None else []
         innermost = stack[-1] if stack else None
         running.in_collective = bool(innermost and "torch/distributed" in innermost.filename.replace(os.sep, "/"))
         running.site = _call_site(stack)
