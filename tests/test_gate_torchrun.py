@@ -133,7 +133,7 @@ def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     assert at4 and all(v[2] == "pass" for v in at4)
     # the cases at another world size are reported as not run at this size, one line each
     at2 = [v for v in got if v[1].startswith("ws=2 ")]
-    assert [v[1].replace("ws=2 ", "ws=4 ", 1) for v in at2] == [v[1] for v in at4]
+    assert [v[0] for v in at2] == [v[0] for v in at4]  # the same cases at size 2 (Poisson datasets scale with it)
     assert all(v[2] == "skip" and v[4] == "not run at this size: needs world_size=2; this torchrun job has 4 ranks"
                for v in at2)
     assert both.count("not run at this size: needs world_size=2") == len(at2)
