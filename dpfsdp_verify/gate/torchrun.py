@@ -108,14 +108,21 @@ def cmd_run_torchrun(args) -> int:
             os._exit(code)
         pool = TorchrunPool(session)
         code = EXIT_INTERNAL
+        # everything rank 0 says is said before the exit code is posted: once a rank exits non-zero,
+        # torchrun's agent may end the other ranks of its node, rank 0 included
         try:
             code = _run_gate(args, pool)
+        except HintedError as e:  # as cli.main says it, one line
+            print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
+            code = EXIT_USAGE
+        except Exception:
+            traceback.print_exc()
+            print("dpfsdp-verify: internal error (a bug in dpfsdp-verify, not a verdict on the target)",
+                  file=sys.stderr)
+            code = EXIT_INTERNAL
+        finally:
             # torchrun itself exits 1 for any non-zero code of a rank: the gate's own is said here
             print(f"dpfsdp-verify: exit code {code} on every rank of this torchrun job", file=sys.stderr, flush=True)
-        except HintedError:
-            code = EXIT_USAGE
-            raise
-        finally:
             pool.stop(code)
         return code
     finally:
