@@ -147,7 +147,8 @@ def test_deadlocking_specimen_ends_in_verdicts_not_a_stuck_job(tmp_path):
     report = tmp_path / "hang.json"
     codes, outs, ranks, seconds = two_agents(
         tmp_path, ["--target", "fixtures.specimens:HookCollective", "--properties", "clipped_step,sampling_accounting",
-                   "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64", "--seed", "11", "--timeout", "15", "--json", str(report)])
+                   "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64", "--seed", "11",
+                   "--timeout", "15", "--json", str(report)])
     both = "\n".join(outs)
     assert codes == [1, 1], both[-3000:]  # a failing verdict, the same code on every rank
     got = _verdicts(report)
@@ -187,7 +188,8 @@ def test_outcomes_become_the_spawned_groups_verdicts():
     assert crash.message.startswith("rank 1 raised ValueError: m")
     assert "rank(s) [0] were left waiting in a collective until the 9 s process-group timeout" in crash.message
     # a rank finished after collective #4 while its peer waits in #5: proven
-    done, stuck = _outcome(0), _outcome(1, False, "JobDeadline", overran=True, in_collective=True, site="t.py:3 in step")
+    done = _outcome(0)
+    stuck = _outcome(1, False, "JobDeadline", overran=True, in_collective=True, site="t.py:3 in step")
     done["newest"], stuck["dump"] = {"0": 4}, _dump(1, ["gloo:all_reduce"] * 5)
     dead = _group_result({0: done, 1: stuck}, 2, "gloo", 9)
     assert (dead.status, dead.diagnosis) == ("hang", "deadlock") and "rank 1 at t.py:3 in step" in dead.message

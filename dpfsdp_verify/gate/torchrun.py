@@ -143,7 +143,8 @@ def _run_gate(args, pool: "TorchrunPool") -> int:
     if not plan.quiet:
         print(target_info.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties)
               + f" -- in a torchrun job of {pool.world_size} ranks", file=sys.stderr, flush=True)
-        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr, flush=True)
+        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr,
+              flush=True)
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
 
 
@@ -382,7 +383,8 @@ def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
         shutil.rmtree(trail_dir, ignore_errors=True)
     _restore_state(saved)
     newest = _newest_collectives() if result.ok else {}
-    return {"result": result, "newest": newest, "trail": trail, "overran": running.site is not None, "site": running.site,
+    return {"result": result, "newest": newest, "trail": trail, "overran": running.site is not None,
+            "site": running.site,
             "in_collective": running.in_collective, "dump": running.dump,
             "pg_timeout": result.error is not None and _is_pg_timeout(Exception(result.error.message))}
 
