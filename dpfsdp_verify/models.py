@@ -28,7 +28,10 @@ BASE_MODELS = ("mlp", "conv", "transformer")
 #: the fine-tuning models (``docs/finetune.md``): a frozen base with LoRA adapters, and a tiny LM
 #: whose output head is its token embedding (tied weights); properties run them under ``--models``
 FINETUNE_MODELS = ("lora", "tied")
-MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS
+#: variable-length sequences (``docs/sequences.md``): padded to a common length, an attention mask
+#: that hides padding, ``IGNORE_INDEX`` targets on it, and an all-padding sequence in every batch
+SEQUENCE_MODELS = ("masked",)
+MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS
 
 #: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds.
 MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 8, 3
@@ -37,6 +40,8 @@ VOCAB, SEQ_LEN, D_MODEL, N_HEADS = 11, 5, 8, 2
 LORA_RANK = 2
 TIES = ("head", "none")
 IGNORE_INDEX = -100
+#: the padding token of the ``masked`` model (real tokens are ``1..vocab-1``)
+PAD_ID = 0
 
 
 class MLP(nn.Module):
@@ -208,6 +213,88 @@ class TiedLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class MaskedSelfAttention(nn.Module):
+    """Bidirectional multi-head attention with a key padding mask derived from the token ids.
+
+    A real position attends to the real positions of its own sequence only (``-inf`` on padding
+    keys: exactly zero weight, so padding neither changes a real token's output nor receives
+    gradient through it). Each position may also attend to itself, so a padding query -- and
+    every query of an all-padding sequence -- has one finite score: a row of ``-inf`` would give a
+    NaN softmax, and ``0 * NaN`` is NaN in the backward even where the loss ignores the position.
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x, real):
+        b, t, d = x.shape
+        h = self.n_heads
+
+        def heads(z):
+            return z.view(b, t, h, d // h).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
+        eye = torch.eye(t, dtype=torch.bool, device=x.device)
+        allowed = real.unsqueeze(1) | eye  # [b, t(query), t(key)]
+        att = att.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.o(y)
+
+
+class MaskedEncoder(nn.Module):
+    """A tiny token-tagging encoder over right-padded, variable-length sequences: token (``PAD_ID``
+    is padding) + position embeddings, one pre-norm block (bidirectional attention under the
+    padding mask, MLP), final LayerNorm, a per-token head. The mask is derived from the ids
+    (``idx != PAD_ID``), as a tokenizer's ``attention_mask`` would mark them, so the batch stays
+    ``(ids, targets)``. Bidirectional on purpose: with causal attention and right padding the mask
+    would never hide anything from a real token. ``d_model`` must be a multiple of ``n_heads``.
+    """
+
+    def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, n_heads=N_HEADS):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
+        if vocab < 2:
+            raise ValueError(f"vocab={vocab} must be >= 2 (token {PAD_ID} is padding)")
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = MaskedSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp_in = nn.Linear(d_model, 2 * d_model)
+        self.mlp_out = nn.Linear(2 * d_model, d_model)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        real = idx != PAD_ID
+        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand_as(idx).contiguous()  # see TinyGPT
+        x = self.tok(idx) + self.pos(pos)
+        x = x + self.attn(self.ln1(x), real)
+        x = x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x))))
+        return self.head(self.ln_f(x))
+
+
+def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """``[batch_size]`` real lengths of a ``masked`` batch: sample ``i`` is full (``seq_len``) when
+    ``i % 3 == 0``, all padding (0) when ``i % 3 == 1``, else drawn uniformly from ``1..seq_len-1``
+    (``1`` if ``seq_len`` is 1). Every batch of two or more samples thus holds different lengths and
+    an all-padding sequence; split over 2 ranks (contiguously, or strided as a DistributedSampler
+    does) a batch of 6 or more gives each rank one."""
+    lengths = torch.randint(1, max(2, seq_len), (batch_size,), generator=g).clamp(max=seq_len)
+    position = torch.arange(batch_size) % 3
+    lengths[position == 0] = seq_len
+    lengths[position == 1] = 0
+    return lengths
+
+
 @dataclass
 class Batch:
     """A batch: ``inputs`` and ``targets`` share dim 0; ``loss`` is ``"cross_entropy"``
@@ -235,12 +322,13 @@ MODEL_DIMS = {
     "transformer": ("vocab", "seq_len", "d_model", "n_heads", "norm", "d_ff"),
     "lora": ("d_in", "hidden", "classes", "rank"),
     "tied": ("vocab", "seq_len", "d_model", "tie"),
+    "masked": ("vocab", "seq_len", "d_model", "n_heads"),
 }
 #: keywords only the batch uses (``build_model`` accepts and ignores them)
 BATCH_DIMS = ("pad_fraction",)
 _BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
                "transformer": ("vocab", "seq_len", "pad_fraction"), "lora": ("d_in", "classes"),
-               "tied": ("vocab", "seq_len", "pad_fraction")}
+               "tied": ("vocab", "seq_len", "pad_fraction"), "masked": ("vocab", "seq_len")}
 
 
 def _check_dims(name: str, dims: dict) -> None:
@@ -260,7 +348,8 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     ``ValueError`` for an unknown name, an unknown dimension, or inconsistent sizes.
     """
     _check_dims(name, dims)
-    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM}[name]
+    ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
+            "masked": MaskedEncoder}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -276,7 +365,9 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     (``hidden``, ``norm``...) are ignored. For the transformer, about ``pad_fraction`` of the target
     positions are ``IGNORE_INDEX`` (never a whole sequence: position 0 always has a real target),
     which exercises opacus' per-sequence ``ignore_index`` handling. With the default dims the batch
-    is the same as before dims existed.
+    is the same as before dims existed. For ``masked``, sequence ``i`` has ``sequence_lengths``
+    real tokens (ids ``1..vocab-1``) followed by ``PAD_ID`` inputs with ``IGNORE_INDEX`` targets
+    (``pad_fraction`` is not used: padding is where the sequence ends).
     """
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
@@ -294,6 +385,14 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
         y = torch.randint(0, d.get("classes", CONV_CLASSES), (batch_size,), generator=g)
         return Batch(x, y, "cross_entropy")
     vocab, seq_len = d.get("vocab", VOCAB), d.get("seq_len", SEQ_LEN)
+    if name == "masked":
+        lengths = sequence_lengths(batch_size, seq_len, g)
+        x = torch.randint(1, max(2, vocab), (batch_size, seq_len), generator=g)
+        y = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+        pad = torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1)
+        x[pad] = PAD_ID
+        y[pad] = IGNORE_INDEX
+        return Batch(x, y, "token_cross_entropy")
     x = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     y = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     pad = torch.rand(batch_size, seq_len, generator=g) < d.get("pad_fraction", pad_fraction)
@@ -302,5 +401,5 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     return Batch(x, y, "token_cross_entropy")
 
 
-__all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "MLP",
-           "ConvNet", "TinyGPT"]
+__all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
+           "ConvNet", "TinyGPT", "MaskedEncoder", "sequence_lengths"]

@@ -34,7 +34,7 @@ sum of the uses is tested against the tied gradient).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -277,19 +277,30 @@ def dp_sgd_gradient(model: nn.Module, batch: Batch, *, max_grad_norm: float, noi
 class Trajectory:
     losses: List[float]                 # reduced batch loss before each step
     parameters: Dict[str, torch.Tensor]  # float64, after the last step
+    #: float64 parameters after each step, in order (``steps[-1]`` is ``parameters``)
+    steps: List[Dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
                       reduction: str = "mean", expected_batch_size: Optional[int] = None,
                       noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None,
-                      empty_steps: bool = False) -> Trajectory:
-    """Plain-SGD DP training on one process, one step per batch, in float64.
+                      empty_steps: bool = False, momentum: float = 0.0) -> Trajectory:
+    """DP-SGD training on one process, one step per batch, in float64: plain SGD, or with
+    ``momentum`` mu torch's SGD momentum (``buf = g`` at the first step, then ``buf = mu buf + g``;
+    ``p -= lr buf``; dampening 0, no Nesterov).
 
     An empty batch is refused (``BatchError``) unless ``empty_steps`` (Poisson sampling can draw
     one): then it is a step of noise alone, with loss NaN. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
-    losses = []
+    losses, history, bufs = [], [], {}
+
+    def update(p: torch.Tensor, name: str, g: torch.Tensor) -> None:
+        if momentum:
+            bufs[name] = g.clone() if name not in bufs else bufs[name].mul_(momentum).add_(g)
+            g = bufs[name]
+        p -= lr * g
+
     for batch in batches:
         if empty_steps and len(batch) == 0 and len(batch.targets) == 0:
             # an empty Poisson batch: DP-SGD still takes the step and releases the noise alone; the
@@ -301,7 +312,8 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
             with torch.no_grad():
                 for n, p in m.named_parameters():
                     if n in noise:  # trainable ones only: a frozen parameter gets no noise either
-                        p -= lr * noise[n] / divisor
+                        update(p, n, noise[n] / divisor)
+            history.append({n: p.detach().clone() for n, p in m.named_parameters()})
             continue
         step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                                reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)
@@ -309,8 +321,9 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
         with torch.no_grad():
             for n, p in m.named_parameters():
                 if n in step.gradient:
-                    p -= lr * step.gradient[n]
-    return Trajectory(losses, {n: p.detach().clone() for n, p in m.named_parameters()})
+                    update(p, n, step.gradient[n])
+        history.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    return Trajectory(losses, {n: p.detach().clone() for n, p in m.named_parameters()}, history)
 
 
 __all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped_sum", "noise_like",

@@ -147,8 +147,21 @@ def tied_dims(draw, world_size: int) -> Dict[str, object]:
             "tie": draw(st.sampled_from(TIES)), "pad_fraction": draw(pad_fractions())}
 
 
+@st.composite
+def masked_dims(draw, world_size: int) -> Dict[str, object]:
+    """Dims of ``models.MaskedEncoder``: ``vocab`` (>= 2: token 0 is padding) from ``shard_dims``,
+    ``n_heads`` 1..2 and ``d_model`` the multiple of ``n_heads`` nearest above a ``shard_dims``
+    draw, ``seq_len`` from ``seq_lens()``. Shrinks towards ``vocab=2, seq_len=1, n_heads=1,
+    d_model=1`` (every batch still holds an all-padding sequence: ``models.sequence_lengths``)."""
+    n_heads = draw(st.integers(1, 2))
+    d_model = draw(shard_dims(world_size))
+    d_model += (-d_model) % n_heads
+    return {"vocab": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1))),
+            "seq_len": draw(seq_lens()), "n_heads": n_heads, "d_model": d_model}
+
+
 MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
-                        "tied": tied_dims}
+                        "tied": tied_dims, "masked": masked_dims}
 
 
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:

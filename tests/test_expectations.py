@@ -81,12 +81,12 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
     got = {(e.property, e.status, e.diagnosis,
             tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in e.config.items())))
            for e in exp.entries}
-    measured_on = ("model", ("mlp", "conv", "transformer", "lora"))  # the tied model is refused instead
+    measured_on = ("model", ("mlp", "conv", "transformer", "lora", "masked"))  # the tied model is refused instead
     tied = (("model", "tied"),)
     assert got == {("clipped_step", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", 2))),
                    ("trajectory", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", 2))),
                    ("deadlock_free", "error", "rank_crash", (("local_batches", "empty"),
-                                                             ("model", ("mlp", "conv", "transformer")))),
+                                                             ("model", ("mlp", "conv", "transformer", "masked")))),
                    ("deadlock_free", "fail", "non_finite", (("local_batches", "empty"), ("model", "lora"))),
                    ("deadlock_free", "hang", "step_divergence", (("local_batches", "poisson_per_rank"),
                                                                  ("world_size", 2))),
@@ -100,7 +100,13 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                                                                        ("world_size", 2))),
                    ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
                                                                                      "poisson_per_rank_accum")),
-                                                                  ("world_size", 2)))} | {
+                                                                  ("world_size", 2))),
+                   ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
+                                                                                     "poisson_per_rank_accum")),
+                                                                  ("world_size", 3))),
+                   ("trajectory", "fail", "mismatch", (("physical_batch_size", tuple(range(1, 9))),
+                                                       ("sampling", "poisson"))),
+                   ("checkpoint_resume", "fail", "noise_replayed", ())} | {
                    (p, "fail", "refused", tied) for p in ("norm_fidelity", "clipped_step", "sensitivity_bound",
                                                           "noise_calibration", "trajectory", "deadlock_free")}
     assert all(e.reason for e in exp.entries)

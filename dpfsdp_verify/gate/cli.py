@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "ranks of 'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
     run.add_argument("--models", default=None,
-                     help="comma list of mlp,conv,transformer for every property (default: each property's own; "
-                          "see 'dpfsdp-verify list')")
+                     help="comma list of mlp,conv,transformer (base), lora,tied (fine-tuning: docs/finetune.md), "
+                          "masked (padded variable-length sequences: docs/sequences.md) for every property "
+                          "(default: each property's own; see 'dpfsdp-verify list')")
     run.add_argument("--loss-reductions", default=None,
                      help="comma list of mean,sum for every property (default: each property's own)")
     run.add_argument("--dtypes", default=None,
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gradient accumulation: the properties with the option physical_batch_size compute their "
                           "steps in physical batches of at most P samples (the mode comparison's built-in pair: "
                           "unsplit vs P, default 2)")
+    run.add_argument("--resume-at", type=int, default=None, metavar="K",  # checkpoint/resume
+                     help="checkpoint/resume: the property with the option resume_at checkpoints its runs after K of their 4 steps and "
+                          "resumes them in fresh rank processes (1..3; default 2)")
     run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
     run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")

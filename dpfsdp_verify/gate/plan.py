@@ -86,6 +86,15 @@ class RunPlan:
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
+        resume_at = getattr(args, "resume_at", None)  # checkpoint/resume: the option of the property that takes it
+        if resume_at is not None:
+            for prop in PROPERTIES.values():
+                if prop.check_params is not None and "resume_at" in dict(prop.params):
+                    try:
+                        prop.check_params({"resume_at": resume_at})
+                    except ValueError as e:
+                        raise UsageError(f"--resume-at {resume_at}: {str(e).split(': ', 1)[-1]}",
+                                         "e.g. --resume-at 2") from None
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
@@ -100,7 +109,8 @@ class RunPlan:
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
                           **parse_axes(args), **parse_sampling(args, world_sizes[-1]),
-                          params=(("physical_batch_size", physical),) if physical else ())
+                          params=((("physical_batch_size", physical),) if physical else ())
+                          + ((("resume_at", resume_at),) if resume_at is not None else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    expectations=expectations, reports=reports, quiet=args.quiet)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Dict, List, Union
 
 from ..verdict import Verdict
-from . import (clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
+from . import (checkpoint_resume, clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
                sampling_accounting, sensitivity_bound, trajectory)
 from .contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
 from .runner import run_property
@@ -34,6 +34,7 @@ REGISTRY = (
     trajectory.PROPERTY,
     deadlock_free.PROPERTY,
     sampling_accounting.PROPERTY,
+    checkpoint_resume.PROPERTY,
 )
 
 PROPERTIES: Dict[str, Property] = by_id(REGISTRY)

@@ -16,8 +16,10 @@ the reference recomputes it on the realised batch (the union of what the ranks d
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
 realised one. With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
-of 4 and p = 3: two passes of 2, each smaller than p) and must still equal the unsplit reference
-step (noise 0). A failure tests simple explanations against the numbers and says which one fits: a
+of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
+at p = 3 is [2, 2] -- whether the target splits evenly or in chunks of p) and must still equal the
+unsplit reference step (noise 0). An empty logical batch is ``trajectory``'s to check (one step
+cannot be made to draw one). A failure tests simple explanations against the numbers and says which one fits: a
 constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
@@ -35,7 +37,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fmt, max_rel_diff, pick_clip_bound,
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
-                      reference_norms, tensors_close, tolerance)
+                      reference_norms, sequence_weights, smallest_norm, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 FIT_RTOL = 1e-6
@@ -58,9 +60,11 @@ WIDE_CLIP = 0.01
 
 
 def cases(point: Point):
-    spec = point.spec(global_batch_size=4 * point.world_size)
-    if point.param("physical_batch_size"):
-        spec = spec.with_(physical_batch_size=point.param("physical_batch_size"))
+    p = point.param("physical_batch_size")
+    # under accumulation, local batches of p + 1: two passes, the last shorter than p (p >= 2)
+    spec = point.spec(global_batch_size=(p + 1 if p else 4) * point.world_size)
+    if p:
+        spec = spec.with_(physical_batch_size=p)
     ready = prepare(spec)
     if isinstance(ready, str):
         yield point.case(spec, doing="one DP step with noise 0").verdict("skip", None, ready)
@@ -70,7 +74,7 @@ def cases(point: Point):
     # smallest norm (fixed sampling, the first model/reduction/dtype: the coefficient's shape does
     # not depend on them) shows what the coefficient does far above C
     if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
-        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * float(reference_norms(ready).min())))
+        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
     yield point.case(ready, specs, doing="one DP step with noise 0"
                      + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
 
@@ -145,7 +149,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
     1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
     coefficient error fitted to the coefficients recovered from the gradient
-    (``compare.fit_clip_coefficients``), or wrong norms."""
+    (``compare.fit_clip_coefficients``), a per-sequence loss normalised over padding
+    (``compare.sequence_weights``), or wrong norms."""
     ws = case.world_size
     head = (f"rank {rank}: the DP gradient (noise 0) differs from the reference by up to {fmt(err)} relative "
             f"(worst {name!r}) at world_size={ws}, reduction={spec.reduction}")
@@ -181,6 +186,13 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     rec = recover_clip_coefficients(spec, indices, s.gradient)
     seen = rec.identifiable
     if rec.residual <= tol and bool(seen.any()):
+        # a per-sequence loss normalised wrongly (padding counted): the target clips w_i g_i, so the
+        # coefficient read against g_i is w_i min(1, C/(w_i ||g_i||))
+        for _, weights, what in sequence_weights(spec):
+            w = weights[indices]
+            pred = w * reference.clip_coefficients(w * step.norms, spec.max_grad_norm)
+            if float((rec.coefficients[seen] - pred[seen]).abs().max()) <= tol:
+                return f"{head}: its per-sample losses {what}."
         fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "
@@ -188,7 +200,7 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
                     f"{fmt(fit.max_error)}).")
     if s.norms is not None and len(s.norms) == len(s.indices):
         ref_own = step.norms[[indices.index(i) for i in s.indices]]
-        nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own).max())
+        nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own.clamp_min(1e-300)).max())
         if nerr > 1e-6:
             return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
                     "relative (see norm_fidelity), so its clip coefficients are wrong.")

@@ -166,6 +166,32 @@ def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     return found
 
 
+def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The ways a target gets the per-sequence loss of padded token batches wrong, as ``(diagnosis,
+    weights, what it does)`` with ``weights[i]`` the factor its per-sample loss (so its gradient
+    and norm) carries over the reference's for sample ``i`` of ``reference_batch(spec)``. Under
+    ``"mean"`` the reference averages a sequence's loss over its real tokens (opacus 1.6.0's
+    ``DPLossFastGradientClipping`` with an ``ignore_index`` criterion); averaging over the padded
+    length T counts padding tokens: ``weights = real / T``. ``mismatch``: each sequence's clipped
+    contribution still stays within C (a target clips what it computes), so privacy holds, but
+    short sequences are down-weighted and the objective is not the one configured. Empty for
+    batches without ignored targets, and under ``"sum"`` (no normalisation)."""
+    batch = reference_batch(spec)
+    if batch.loss != "token_cross_entropy" or spec.reduction != "mean" or not len(batch):
+        return []
+    t = batch.targets.shape[1]
+    real = (batch.targets != models.IGNORE_INDEX).sum(dim=1)
+    if bool((real == t).all()):
+        return []
+    shortest = int(real[real > 0].min()) if bool((real > 0).any()) else 0
+    return [("mismatch", real.to(torch.float64) / t,
+             f"count padding tokens in the per-sequence mean: each sequence's loss is divided by the padded "
+             f"length T={t}, not by its {shortest}..{int(real.max())} real tokens, so its gradient and norm are "
+             f"(real tokens / T) times the true ones. Each sequence's clipped contribution stays within C (not a "
+             f"privacy violation), but short sequences are down-weighted: the objective is not the per-token mean "
+             f"the loss asks for (ignore_index positions are excluded from the denominator, as opacus 1.6.0 does)")]
+
+
 def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
     """The per-sample gradients of the samples ``indices``, in that order."""
     index = torch.as_tensor(list(indices), dtype=torch.long)
@@ -175,6 +201,21 @@ def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
 def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
     """``[global_batch_size]`` per-sample gradient norms at the initial parameters."""
     return reference.per_sample_norms(reference_grads(spec, step))
+
+
+def smallest_norm(norms: torch.Tensor) -> float:
+    """The smallest *non-zero* norm of ``norms``: a sample whose gradient is exactly zero (a
+    sequence that is all padding has no real token, so no loss and no gradient) is below every
+    clip bound whatever C, so a bound picked as a fraction of the smallest norm ignores it."""
+    positive = norms[norms > 0]
+    return float(positive.min()) if len(positive) else 0.0
+
+
+def norm_ratios(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``got / want`` over the samples whose true norm is non-zero (a zero-norm sample, e.g. an
+    all-padding sequence, has no ratio; it is compared by absolute tolerance alone)."""
+    keep = want > 0
+    return got[keep] / want[keep]
 
 
 def processed_indices(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> List[int]:
@@ -259,18 +300,52 @@ def non_finite(outputs: Sequence[RankOutput]) -> Optional[str]:
     return None
 
 
+def all_padding_note(spec: RunSpec, outputs: Sequence[RankOutput]) -> str:
+    """For a non-finite release on a token batch: which processed sequences are all padding (no
+    target other than ``ignore_index``) and whether the non-finite per-sample norms are exactly
+    theirs, as a sentence to append (``""`` if no processed sequence is all padding)."""
+    empty_at: List[str] = []
+    for o in outputs:
+        for k, s in enumerate(o.steps):
+            if not len(s.indices):
+                continue
+            batch = reference_batch(spec, k)
+            if batch.loss != "token_cross_entropy":
+                return ""
+            rows = batch.targets[torch.as_tensor(list(s.indices), dtype=torch.long)]
+            empty = (rows != models.IGNORE_INDEX).sum(dim=1) == 0
+            if not bool(empty.any()):
+                continue
+            where = [i for i, e in zip(s.indices, empty.tolist()) if e]
+            if s.norms is not None and len(s.norms) == len(s.indices):
+                bad = ~torch.isfinite(torch.as_tensor(s.norms, dtype=torch.float64))
+                if bool(bad.any()) and bool((bad == empty).all()):
+                    return (f" The non-finite per-sample norms (rank {o.rank}, step {k}) are exactly those of the "
+                            f"sequence(s) {where} that are all padding (no real token): a per-sequence mean over "
+                            "zero tokens is 0/0 = NaN. Such a sequence must contribute nothing (loss 0, gradient 0), "
+                            "and one NaN poisons every sample's released gradient.")
+            empty_at.append(f"rank {o.rank} step {k}: {where}")
+    if not empty_at:
+        return ""
+    return (f" The processed batches hold all-padding sequences ({'; '.join(empty_at)}): a per-sequence mean over "
+            "zero real tokens (0/0) gives NaN; such a sequence must contribute nothing.")
+
+
 def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) -> Optional[str]:
     """How what the ranks say they processed differs from what ``spec`` gave them (steps taken;
     per step, the global indices observed in the data: missing, duplicated or foreign samples);
     ``None`` if it is exactly that (order within a local batch does not matter)."""
     counts = [len(o.steps) for o in outputs]
-    if any(c != spec.steps for c in counts):
-        short = [r for r, c in enumerate(counts) if c != spec.steps]
-        return (f"the ranks took {counts} step(s) where {spec.steps} were asked for (rank(s) {short}): a rank "
+    # a resumed run's half takes steps first_step..end_step-1 (``RunSpec.resume_at``), numbered so
+    asked = spec.end_step - spec.first_step
+    if any(c != asked for c in counts):
+        short = [r for r, c in enumerate(counts) if c != asked]
+        half = f" ({spec.phase} half of a run resumed at step {spec.resume_at})" if spec.phase else ""
+        return (f"the ranks took {counts} step(s) where {asked} were asked for{half} (rank(s) {short}): a rank "
                 "that returns early, or takes extra steps, trains on other data than its peers")
-    for k in range(spec.steps):
+    for k in range(spec.first_step, spec.end_step):
         for r, o in enumerate(outputs):
-            got, want = sorted(o.steps[k].indices), sorted(spec.rank_indices(k, r, world_size))
+            got, want = sorted(o.steps[k - spec.first_step].indices), sorted(spec.rank_indices(k, r, world_size))
             if got != want:
                 missing = sorted(set(want) - set(got))
                 foreign = sorted(set(got) - set(want))
@@ -304,8 +379,8 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     if spec.task == "train" and counts and counts[0] == 0 and spec.nominal_steps > 0:
         return ("mismatch", f"no rank took a step of the {spec.nominal_steps} nominal Poisson steps: does the target "
                 "implement RunSpec.sampling? (a target that ignores it runs the fixed path with steps=0)", evidence)
-    if counts and counts[0] > spec.nominal_steps:
-        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.nominal_steps} are possible "
+    if counts and counts[0] > spec.end_step - spec.first_step:
+        return ("mismatch", f"the ranks took {counts[0]} steps; at most {spec.end_step - spec.first_step} are possible "
                 f"({spec.epochs} epoch(s) of {spec.steps_per_epoch})", evidence)
     for k in range(counts[0] if counts else 0):
         seen: Dict[int, int] = {}
@@ -503,5 +578,6 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
 #: ``reference_model`` and ``reference_batch``); the data checks are the runner's
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
            "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
-           "pick_clip_bound", "fmt", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
-           "recover_clip_coefficients", "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]
+           "all_padding_note", "pick_clip_bound", "smallest_norm", "norm_ratios", "sequence_weights", "fmt",
+           "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
+           "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]

@@ -127,6 +127,10 @@ class Case:
     #: process (a generator created once per process); the remaining specs run after the k-th, in
     #: its processes. Implies ``isolate``
     fresh: int = 0
+    #: with ``fresh``: how many specs each of the fresh groups runs, in order (``()``: one each for
+    #: the first ``fresh - 1``, the rest in the last) -- e.g. the ``save`` halves of resumed runs in
+    #: one set of processes and the ``load`` halves in the next (``RunSpec.resume_at``)
+    fresh_jobs: Tuple[int, ...] = ()
     #: a built-in watchdog deadline (seconds) for this case's job, stated for the default timeout;
     #: what the job gets under the options' timeout is ``case_deadline`` (never more than the
     #: timeout, raised in proportion when the timeout is raised)
@@ -138,6 +142,9 @@ class Case:
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
+        if self.fresh_jobs and (len(self.fresh_jobs) != self.fresh or sum(self.fresh_jobs) != len(self.specs)):
+            raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh} fresh groups its "
+                             f"number of specs, {len(self.specs)} in all")
 
     @property
     def mode(self) -> Mode:
@@ -174,6 +181,8 @@ class Case:
                                                    if k == "physical_batch_size"), None)
         if p and self.labels.get("local_batches") is None:  # deadlock_free's scenarios fix their own p
             parts += ["--physical-batch-size", str(p)]
+        if self.labels.get("resume_at"):
+            parts += ["--resume-at", str(self.labels["resume_at"])]
         return " ".join(shlex.quote(p) for p in parts)
 
     def verdict(self, status: str, diagnosis: Optional[str] = None, message: str = "", evidence=None,
@@ -312,6 +321,9 @@ class Property:
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
     #: a correct target never fails)
     false_alarm_rate: Optional[float] = None
+    #: raises ``ValueError`` for values of its own ``params`` it cannot run (given them with their
+    #: defaults filled in); ``options`` calls it, and the gate turns it into exit 2
+    check_params: Optional[Callable[[Dict[str, Any]], None]] = None
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
@@ -323,6 +335,8 @@ class Property:
                             f"{', '.join(dict(self.params)) or 'none'}")
         opts = self.with_defaults(opts)
         self.modes_for(opts.modes, opts.params)  # a param the built-in pair cannot use: ValueError now
+        if self.check_params is not None:
+            self.check_params(dict(opts.params))
         return opts
 
     def with_defaults(self, opts: Options) -> Options:

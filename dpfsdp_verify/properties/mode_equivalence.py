@@ -36,7 +36,7 @@ import torch
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import fmt, max_rel_diff, pick_clip_bound, reference_norms, tensors_close, tolerance
+from .compare import fmt, max_rel_diff, norm_ratios, pick_clip_bound, reference_norms, tensors_close, tolerance
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 STEPS = 2
@@ -149,7 +149,7 @@ def _who_matches(case: Case, sa, sb, step: int) -> str:
           if bool(((s.norms - ref).abs() <= 1e-9 * ref.abs() + 1e-12).all())]
     if len(ok) == 1:
         bad, s = (case.modes[1], sb) if ok[0] == case.modes[0].label else (case.modes[0], sa)
-        ratio = s.norms / ref
+        ratio = norm_ratios(s.norms.to(torch.float64), ref)
         return (f"; mode {ok[0]!r} matches the float64 reference, mode {bad.label!r} does not (ratio to the "
                 f"reference {float(ratio.min()):.4g}..{float(ratio.max()):.4g})")
     if not ok:

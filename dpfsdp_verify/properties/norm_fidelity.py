@@ -36,8 +36,8 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, pick_clip_bound, processed_indices, recover_clip_coefficients,
-                      reference_norms, tolerance)
+from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, pick_clip_bound, processed_indices,
+                      recover_clip_coefficients, reference_norms, sequence_weights, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -70,7 +70,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                 return case.verdict("fail", "mismatch", f"rank {r} reported {s.norms.numel()} norms for "
                                     f"{len(s.indices)} samples", {"rank": r})
         got = [s.norms.to(torch.float64).reshape(-1) for s in steps]
-        ratios = torch.cat([g / w for g, w in zip(got, want)])
+        ratios = torch.cat([norm_ratios(g, w) for g, w in zip(got, want)])
         evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
                          "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
                          "mean_ratio": float(ratios.mean())})
@@ -136,13 +136,18 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     # the gradient's overall scale is not this property's business (and is not 1 where a target
     # normalises replicated data its own way): each bug shape is matched up to one free factor
     pos = {i: j for j, i in enumerate(indices)}
-    for diagnosis, norms, message in hypotheses(case, want, steps, subject="the norms it clips with"):
+    for diagnosis, norms, message, weights in hypotheses(case, want, steps, subject="the norms it clips with"):
         flat = torch.zeros(len(indices), dtype=torch.float64)
-        for s, n in zip(steps, norms):
-            for i, value in zip(s.indices, n.tolist()):
+        scale = torch.ones(len(indices), dtype=torch.float64)
+        for r, (s, n) in enumerate(zip(steps, norms)):
+            for j, (i, value) in enumerate(zip(s.indices, n.tolist())):
                 if i in pos:
                     flat[pos[i]] = value
-        shape = reference.clip_coefficients(flat, c)
+                    if weights is not None:
+                        scale[pos[i]] = float(weights[r][j])
+        # a target whose per-sample loss is w_i l_i clips w_i g_i: read against g_i, its coefficient is
+        # w_i min(1, C/(w_i ||g_i||))
+        shape = reference.clip_coefficients(flat, c) * scale
         k = float(coef @ shape / (shape @ shape))
         if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
             if abs(k - 1) > tol:
@@ -169,7 +174,9 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
 
 
 def hypotheses(case: Case, want, steps, subject: str):
-    """``(diagnosis, per-rank norms, message)`` for each known bug shape that applies here."""
+    """``(diagnosis, per-rank norms, message, per-rank loss weights or None)`` for each known bug
+    shape that applies here. The weights are for bugs in the per-sample *loss* (a sequence's loss
+    normalised wrongly): the target's per-sample gradient is ``w_i g_i``, so it also clips that."""
     ws, layout = case.world_size, case.spec.data_layout
     where = f"at world_size={ws} ({layout} data)"
     sq = math.sqrt(ws)
@@ -177,7 +184,7 @@ def hypotheses(case: Case, want, steps, subject: str):
         yield "sqrt_n_inflation", [w * sq for w in want], (
             f"{subject} are inflated by sqrt({ws}) = {sq:.4g} {where}: norms (their squares) all-reduced "
             "across ranks although each rank's norm is already complete (FSDP un-shards parameters for "
-            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped.")
+            "backward). Clipping then uses norms sqrt(N) too large: every sample is over-clipped."), None
     if ws > 1 and layout == "split" and len({len(w) for w in want}) == 1 and len(want[0]):
         mixed = torch.sqrt(sum(w.pow(2) for w in want))  # position-wise root-sum-square over ranks
         yield "sample_mixing", [mixed] * ws, (
@@ -185,14 +192,18 @@ def hypotheses(case: Case, want, steps, subject: str):
             f"{float(mixed[0]):.4g}, the root-sum-square of the true norms of samples "
             f"{[s.indices[0] for s in steps]} (position 0 on each rank), not its own {float(want[0][0]):.4g}. "
             "Norm^2 is all-reduced across ranks that hold different samples; each sample is clipped by other "
-            "samples' norms.")
+            "samples' norms."), None
     # fine-tuned models: frozen parameters in the norm, a tied parameter's uses not summed
     for diagnosis, norms, what in finetune_norms(case.spec):
         shown = [norms[list(s.indices)] for s in steps]
         consequence = ("some samples' norms come out below their true norm: such a sample can contribute more "
                        "than C, a privacy violation" if diagnosis == "undercount" else
                        "the norms are too large: samples are over-clipped (utility loss)")
-        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}."
+        yield diagnosis, shown, f"{subject} {where} {what}; {consequence}.", None
+    # padded sequences: the per-sequence loss normalised over the wrong token count
+    for diagnosis, weights, what in sequence_weights(case.spec):
+        w = [weights[list(s.indices)] for s in steps]
+        yield diagnosis, [a * b for a, b in zip(want, w)], f"{subject} {where} {what}.", w
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -203,7 +214,7 @@ def diagnose(case: Case, got, want, steps, ratios):
     """``(diagnosis, message)`` for reported norms that do not match."""
     ws, layout = case.world_size, case.spec.data_layout
     where = f"at world_size={ws} ({layout} data)"
-    for diagnosis, norms, message in hypotheses(case, want, steps, subject="per-sample norms"):
+    for diagnosis, norms, message, _ in hypotheses(case, want, steps, subject="per-sample norms"):
         if all(_close(g, n) for g, n in zip(got, norms)):
             return diagnosis, message
     if bool((ratios < 1).all()):
@@ -222,7 +233,7 @@ def diagnose(case: Case, got, want, steps, ratios):
         if _close(ratios, torch.full_like(ratios, k)):
             kind = f"inflated by a constant factor {k:.4g}"
         return "mismatch", (f"per-sample norms {kind} {where}: every sample is over-clipped (utility loss).")
-    worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r]).max()))
+    worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r].clamp_min(1e-300)).max()))
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
                         "some above and some below the truth.")

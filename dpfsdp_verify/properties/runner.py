@@ -12,6 +12,7 @@ ranks' progress trails show different step counts); a deadline that passed unpro
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -23,7 +24,8 @@ from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import data_problem, frozen_problem, non_finite, physical_problem, poisson_problem
+from .compare import (all_padding_note, data_problem, frozen_problem, non_finite, physical_problem,
+                      poisson_problem)
 from .contract import Case, Options, Outputs, Property, case_deadline
 
 
@@ -91,7 +93,8 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             if problem:
                 return case.verdict("fail", "non_finite", f"non-finite values released: {problem}{where}. A DP "
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
-                                    "update meaningless and its privacy analysis void.")
+                                    "update meaningless and its privacy analysis void."
+                                    + all_padding_note(spec, ranks))
     return prop.judge(case, outputs)
 
 
@@ -108,6 +111,7 @@ class _Run:
     isolate_key: Optional[int] = None
     deadline: Optional[float] = None
     fresh: int = 0
+    fresh_jobs: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -131,7 +135,7 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     """
     pool = pool or default_pool()
     runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
-                     i if c.isolate or c.fresh else None, c.deadline, c.fresh) for m in c.modes]
+                     i if c.isolate or c.fresh else None, c.deadline, c.fresh, c.fresh_jobs) for m in c.modes]
                for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
@@ -159,7 +163,8 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
 
 def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: dict, allow_split: bool) -> None:
     r0 = runs[0]
-    flat = [s for r in runs for s in r.specs]
+    checkpoints = tempfile.mkdtemp(prefix="dpfsdp-checkpoints-")
+    flat = [with_checkpoint_dir(s, checkpoints) for r in runs for s in r.specs]
     t0 = time.monotonic()
     trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
     try:
@@ -173,6 +178,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         return
     finally:
         shutil.rmtree(trail_dir, ignore_errors=True)
+        shutil.rmtree(checkpoints, ignore_errors=True)
     share = (time.monotonic() - t0) / len(runs)
     for r in runs:
         seconds[r] = seconds.get(r, 0.0) + share
@@ -198,6 +204,7 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
     overlap), then each runs its job and is closed."""
     t0 = time.monotonic()
     groups = []
+    checkpoints = tempfile.mkdtemp(prefix="dpfsdp-checkpoints-")
     try:
         try:
             for _ in range(r.fresh):
@@ -206,7 +213,9 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
             done[r] = _unavailable(e)
             return
         outs = []
-        jobs = [[spec] for spec in r.specs[:r.fresh - 1]] + [list(r.specs[r.fresh - 1:])]
+        specs = [with_checkpoint_dir(s, checkpoints) for s in r.specs]
+        counts = r.fresh_jobs or (1,) * (r.fresh - 1) + (len(specs) - r.fresh + 1,)
+        jobs = [specs[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
         for g, specs in zip(groups, jobs):
             trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
             try:
@@ -224,12 +233,24 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
     finally:
         for g in groups:
             g.close()
+        shutil.rmtree(checkpoints, ignore_errors=True)
         seconds[r] = seconds.get(r, 0.0) + time.monotonic() - t0
 
 
 def _unavailable(e: BackendUnavailable) -> str:
     """The skip reason of a run the pool could not give ranks to."""
     return str(e) if isinstance(e, NotRunHere) else f"backend unavailable: {e}"
+
+
+def with_checkpoint_dir(spec: RunSpec, root: str) -> RunSpec:
+    """``spec`` with a resumed run's relative ``checkpoint_dir`` placed under ``root`` (a temporary
+    directory of the job, removed after it): the ``save`` and ``load`` halves naming the same
+    directory meet there, and each case's checkpoints are its own."""
+    if not spec.phase or os.path.isabs(spec.checkpoint_dir):
+        return spec
+    path = os.path.join(root, spec.checkpoint_dir)
+    os.makedirs(path, exist_ok=True)
+    return spec.with_(checkpoint_dir=path)
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:

@@ -8,9 +8,10 @@ Measured by leave-one-out on the target itself (noise 0): the step on the global
 step on the batch without sample j, times the divisor D, is sample j's contribution. The expected
 batch size (the divisor under ``mean``) stays the global batch size in both runs (an explicit
 ``rank_batches`` split with sample j removed), so the difference is the contribution alone. C is
-1/100 of the smallest reference norm, so *every* sample is clipped, every norm is >= 100 C, and
-each contribution should have norm C (up to opacus' 1e-6 clip epsilon): an under-count of the norms
-shows at once, and so does a clip coefficient that is floored (``max(coef, f)`` for any f >= 0.01
+1/100 of the smallest non-zero reference norm, so *every* sample with a gradient is clipped, every
+such norm is >= 100 C, and each contribution should have norm C (up to opacus' 1e-6 clip
+epsilon; a sample with none, e.g. an all-padding sequence, contributes nothing): an under-count of
+the norms shows at once, and so does a clip coefficient that is floored (``max(coef, f)`` for any f >= 0.01
 lets a sample of norm 100 C contribute 100 f C) or clips at a bound above C. A failure names the
 coefficient error the measured coefficients (contribution / true norm) fit
 (``compare.fit_clip_coefficients``).
@@ -24,7 +25,7 @@ import torch
 
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import describe_clip_fit, fit_clip_coefficients, reference_norms, tolerance
+from .compare import describe_clip_fit, fit_clip_coefficients, reference_norms, smallest_norm, tolerance
 from .contract import Case, Outputs, Point, Property
 
 
@@ -46,7 +47,7 @@ NAME_TOL = 1e-6
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=3 * point.world_size)
-    spec = spec.with_(max_grad_norm=CLIP_FRACTION * float(reference_norms(spec).min()))
+    spec = spec.with_(max_grad_norm=CLIP_FRACTION * smallest_norm(reference_norms(spec)))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
 
@@ -73,7 +74,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     ratios = [x / c for x in contributions]
     norms = reference_norms(spec)
     evidence = {"max_grad_norm": c, "contribution_norms": contributions, "max_ratio_to_C": max(ratios),
-                "min_norm_over_C": float(norms.min()) / c, "max_norm_over_C": float(norms.max()) / c}
+                "min_norm_over_C": smallest_norm(norms) / c, "max_norm_over_C": float(norms.max()) / c}
     worst = max(range(len(contributions)), key=lambda j: contributions[j])
     if contributions[worst] <= c + slack:
         return case.verdict("pass", None, (
@@ -93,8 +94,10 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                      f"(ratio {said / true:.4g}): the norms undercount, so the clip coefficient is too large.")
     if diagnosis == "mismatch":
         # each contribution is c_j g_j: its norm over the true norm is the coefficient sample j got
-        measured = torch.tensor(contributions, dtype=torch.float64) / norms
-        fit = fit_clip_coefficients(measured, norms, c, NAME_TOL)
+        # (a sample with a zero gradient, e.g. an all-padding sequence, got none to measure)
+        live = norms > 0
+        measured = torch.tensor(contributions, dtype=torch.float64)[live] / norms[live]
+        fit = fit_clip_coefficients(measured, norms[live], c, NAME_TOL)
         if fit is not None:
             evidence["clip_fit"] = {"kind": fit.kind, "value": fit.value}
             cause = f" The coefficients the samples got (contribution / true norm) are {describe_clip_fit(fit, c)}."

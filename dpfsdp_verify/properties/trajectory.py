@@ -14,15 +14,38 @@ of what the ranks drew, normalised by opacus' expected batch size int(q*N); a re
 differs from it shows a realised-batch normaliser (named in the message; the pass message says in
 how many steps the two differed). Diagnosis ``mismatch``; the message names the first step whose
 loss drifts.
+
+Gradient accumulation (option ``physical_batch_size`` p, CLI ``--physical-batch-size``; 0, the
+default, runs none of this): every step is computed in physical passes of at most p samples and
+must still follow the unsplit reference. Fixed batches: local batches of p + 1 samples, so each
+step takes two passes and the last is shorter than p (p >= 2; local 3 at p = 2: passes [2, 1]).
+Poisson sampling: a small dataset (2 samples per rank unless the options give one) at q = 1/2
+(options' q if given) over ``EMPTY_EPOCHS`` whole epochs (once per world size: the first model,
+reduction and dtype), every round asked for (``steps=0``), so
+that some logical batches are empty on one rank or on all of them. DP-SGD (and opacus' own
+``BatchSplittingSampler``, which signals a real step for an empty logical batch) takes a step for
+every Poisson round: an empty batch releases noise alone. Two runs: at noise 0 the trajectory
+must equal the reference, which takes every round (an empty one leaves the parameters as they
+are), and the ranks must report every round; at noise multiplier 1 each step whose batch is empty
+on every rank must release noise of std sigma*C/D per coordinate (a chi-square test over the
+coordinates of all such steps, false alarm ``EMPTY_ALPHA``). A round the target skips releases
+nothing: whether a step happened then depends on who was sampled (an output the accounting does
+not cover), and the accountant, which counts steps taken, composes fewer rounds than the sampling
+ran. Both are ``mismatch`` with a message saying which.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from .. import reference
 from ..verdict import Verdict
 from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices,
                       reference_batch, reference_model, tensors_close, tolerance)
 from .contract import Case, Outputs, Point, Property
+from .stats import chi2_two_sided_p
 
 #: steps per model unless the option ``steps`` is given: a bug that switches on at step k is seen
 #: only if step k is taken and then compared (its effect shows in the loss of step k + 1, or in
@@ -30,10 +53,22 @@ from .contract import Case, Outputs, Point, Property
 #: through the losses and by 5 through the parameters; the transformer keeps 3.
 STEPS = {"mlp": 6}
 DEFAULT_STEPS = 3
+#: Poisson under accumulation (module docstring): q = 1/2 over 2 samples per rank, so a rank's
+#: logical batch is empty with probability 1/4 per round, every rank's at once with 1/4^ws under
+#: independent streams; 16 epochs of 2 rounds are 32 rounds, which miss a batch empty on every
+#: rank with probability 1e-4 at 1 rank and 13 % at 2 (a pass message says how many rounds were
+#: empty on every rank, so a run that exercised none is visible). A round of the tiny mlp is cheap.
+EMPTY_Q, EMPTY_PER_RANK, EMPTY_EPOCHS = 0.5, 2, 16
+#: false-alarm rate of the noise test on the steps whose batch is empty on every rank
+EMPTY_ALPHA = 1e-6
 
 
 def cases(point: Point):
     steps = point.param("steps") or STEPS.get(point.model, DEFAULT_STEPS)
+    p = point.param("physical_batch_size")
+    if p:
+        yield from accum_cases(point, steps, p)
+        return
     spec = point.spec(steps=steps, global_batch_size=4 * point.world_size, lr=0.5)
     if spec.poisson:
         # as many epochs as the steps need (int(1/q) steps each): all ``steps`` are taken
@@ -41,13 +76,99 @@ def cases(point: Point):
     yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=f"{steps} DP steps")
 
 
+def accum_cases(point: Point, steps: int, p: int):
+    """The accumulation cases (module docstring): fixed local batches of p + 1 in two passes, the
+    last short; Poisson rounds with empty logical batches, at noise 0 and at noise 1."""
+    ws = point.world_size
+    if not point.sampling == "poisson":
+        spec = point.spec(steps=steps, global_batch_size=(p + 1) * ws, lr=0.5, physical_batch_size=p)
+        yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=(
+            f"{steps} DP steps, local batches of {p + 1} in physical passes of at most {p}"))
+        return
+    if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        return  # whether an empty round is a step does not depend on the model, reduction or dtype: once per world size
+    o = point.options
+    spec = point.spec(steps=0, lr=0.5, physical_batch_size=p).with_(
+        epochs=EMPTY_EPOCHS, sample_rate=o.sample_rate or EMPTY_Q, dataset_size=o.dataset_size or EMPTY_PER_RANK * ws)
+    spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+    yield point.case(spec, [spec, spec.with_(noise_multiplier=1.0)], doing=(
+        f"every Poisson round of {EMPTY_EPOCHS} epochs (q={spec.sample_rate:g}, dataset of {spec.dataset_size}) "
+        f"in physical passes of at most {p}, empty logical batches included, at noise 0 and at noise 1"))
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
-    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
+    if len(case.specs) > 1:
+        return judge_empty(case, runs)
+    return judge_run(case, case.spec, runs[0][0])
+
+
+def short_of_rounds(spec, outputs):
+    """The failure message if a rank reported other than ``spec.nominal_steps`` steps, else ``None``."""
+    counts = [len(o.steps) for o in outputs]
+    if all(n == spec.nominal_steps for n in counts):
+        return None
+    msg = f"the ranks reported {counts} steps; {spec.nominal_steps} were asked for"
+    if spec.poisson and not spec.steps and max(counts) < spec.nominal_steps:
+        msg += (f" ({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch} Poisson rounds, each a DP step even when "
+                "its batch is empty). Rounds were skipped: a skipped round releases nothing, so whether a step "
+                "happened depends on who was sampled (an output the privacy accounting does not cover), and the "
+                "accountant, which counts steps taken, composes fewer rounds than the sampling ran. An empty "
+                "logical batch must release a step of noise alone")
+    return msg
+
+
+def judge_empty(case: Case, runs: Outputs) -> Verdict:
+    """Poisson under accumulation: the noise-0 run against the reference (every round a step), then
+    the noise-1 run's steps whose batch was empty on every rank: noise alone, std sigma*C/D."""
+    clean, noisy = case.specs
+    verdict = judge_run(case, clean, runs[0][0])
+    if verdict.status != "pass":
+        return verdict
+    outputs = runs[0][1]
+    short = short_of_rounds(noisy, outputs)
+    if short:
+        return case.verdict("fail", "mismatch", f"at noise multiplier {noisy.noise_multiplier:g}: {short}",
+                            dict(verdict.evidence, step_counts=[len(o.steps) for o in outputs],
+                                 nominal_steps=noisy.nominal_steps))
+    trainable = [n for n, prm in reference_model(noisy).named_parameters() if prm.requires_grad]
+    empty = [k for k in range(noisy.nominal_steps) if not any(o.steps[k].indices for o in outputs)]
+    local_empty = sum(any(not o.steps[k].indices for o in outputs) for k in range(noisy.nominal_steps))
+    std = noisy.noise_multiplier * noisy.max_grad_norm / noisy.divisor
+    evidence = dict(verdict.evidence, empty_rounds=empty, rounds_with_an_empty_local_batch=local_empty,
+                    noise_std_expected=std)
+    if not empty:
+        return case.verdict("pass", None, verdict.message + (
+            f"; no round's batch was empty on every rank at noise 1 (so the empty-step noise went unchecked); "
+            f"{local_empty} round(s) had an empty local batch"), evidence)
+    grads = [torch.cat([outputs[0].steps[k].gradient[n].reshape(-1).to(torch.float64) for n in trainable])
+             for k in empty]
+    zero = [k for k, g in zip(empty, grads) if not bool(g.any())]
+    g = torch.cat(grads)
+    t, n = float((g / std).pow(2).sum()), g.numel()
+    pval = chi2_two_sided_p(t, n)
+    ratio = math.sqrt(t / n)
+    evidence.update(empty_noise_std_ratio=ratio, empty_noise_p=pval)
+    if zero or pval < EMPTY_ALPHA:
+        what = (f"released exactly zero at step(s) {zero}: the step is taken but its noise is not added"
+                if zero else f"released noise of std {ratio:.3g} x sigma*C/D (chi-square p = {pval:.2g} over {n} "
+                f"coordinates)")
+        return case.verdict("fail", "mismatch", (
+            f"at noise multiplier {noisy.noise_multiplier:g} the step(s) {empty} drew an empty logical batch on every "
+            f"rank and must release noise alone, N(0, (sigma*C/D)^2) = std {std:.4g} per coordinate; the target "
+            f"{what}. Whether a step releases noise then depends on who was sampled: an empty batch is told apart "
+            "from a non-empty one, which the privacy accounting does not allow for"), evidence)
+    return case.verdict("pass", None, verdict.message + (
+        f"; at noise 1 the {len(empty)} step(s) {empty} with an empty batch on every rank released noise alone of "
+        f"std {ratio:.3g} x sigma*C/D (p = {pval:.2g}); {local_empty} round(s) had an empty local batch"), evidence)
+
+
+def judge_run(case: Case, spec, outputs) -> Verdict:
+    ws = case.world_size
     rtol, atol = tolerance(spec.dtype)
-    n_steps = min(len(o.steps) for o in outputs)
-    if n_steps != spec.nominal_steps:
-        return case.verdict("fail", "mismatch", f"the ranks reported {[len(o.steps) for o in outputs]} steps; "
-                            f"{spec.nominal_steps} were asked for")
+    short = short_of_rounds(spec, outputs)
+    if short:
+        return case.verdict("fail", "mismatch", short, {"step_counts": [len(o.steps) for o in outputs],
+                                                        "nominal_steps": spec.nominal_steps})
     n_steps = spec.nominal_steps
     batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
     ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
@@ -106,4 +227,4 @@ PROPERTY = Property(
     meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
              "on one process: the model the DP analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    params=(("steps", None),), samplings=("fixed", "poisson"))
+    params=(("steps", None), ("physical_batch_size", 0)), samplings=("fixed", "poisson"))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import List, Optional, Sequence
 
-from .base import DATA_LAYOUTS, FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
+from .base import (DATA_LAYOUTS, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, RankOutput, Refused,
+                   RunSpec, StepOutput, Target)
 
 ENTRY_POINT_GROUP = "dpfsdp_verify.targets"
 BUILTIN = {"opacus": "dpfsdp_verify.targets.opacus_target:OpacusTarget"}
@@ -124,10 +125,19 @@ def unsupported_feature(target: Target, spec: RunSpec) -> Optional[str]:
     """Why ``target`` cannot run ``spec`` (a feature it does not declare in ``Target.features``),
     or ``None``. An adapter that predates a feature would ignore the field and run without it: it
     is told so instead."""
-    if spec.physical_batch_size and FEATURE_PHYSICAL_BATCHES not in tuple(getattr(target, "features", ())):
-        return (f"target {getattr(target, 'name', '?')!r} does not declare gradient accumulation "
+    features = tuple(getattr(target, "features", ()))
+    name = getattr(target, "name", "?")
+    if spec.physical_batch_size and FEATURE_PHYSICAL_BATCHES not in features:
+        return (f"target {name!r} does not declare gradient accumulation "
                 f"(RunSpec.physical_batch_size={spec.physical_batch_size}; add {FEATURE_PHYSICAL_BATCHES!r} to "
                 "Target.features once run() computes each logical step in physical passes)")
+    if spec.resume_at and FEATURE_RESUME not in features:
+        return (f"target {name!r} does not declare checkpoint/resume (RunSpec.resume_at={spec.resume_at}; add "
+                f"{FEATURE_RESUME!r} to Target.features once run() saves a checkpoint after step k (phase 'save') "
+                "and resumes from it in a fresh run (phase 'load'), reporting StepOutput.privacy_steps)")
+    if spec.momentum and FEATURE_MOMENTUM not in features:
+        return (f"target {name!r} does not declare SGD momentum (RunSpec.momentum={spec.momentum}; add "
+                f"{FEATURE_MOMENTUM!r} to Target.features once run() trains with torch.optim.SGD(momentum=...))")
     return None
 
 
@@ -140,6 +150,6 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
     return RankOutput(rank, world_size, steps=steps)
 
 
-__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "unsupported_feature", "RankOutput", "Refused", "RunSpec",
+__all__ = ["DATA_LAYOUTS", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM", "unsupported_feature", "RankOutput", "Refused", "RunSpec",
            "StepOutput", "Target", "TargetLoadError", "load_target",
            "target_info", "run_many_on_rank", "ENTRY_POINT_GROUP"]

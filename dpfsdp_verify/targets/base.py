@@ -46,6 +46,26 @@ maximum and pads with empty passes). A target reports each step's pass sizes in
 accumulate leaves ``"physical_batches"`` out of ``Target.features`` and is told so in a verdict
 (``RankOutput.unsupported``), never silently run unsplit.
 
+Checkpoint/resume (``spec.resume_at`` k > 0; 0 = none): the run of ``spec.steps`` K steps is
+done as a user with a checkpoint does it, in two calls of ``run`` in two *separate* runs of the
+ranks (the suite ends the ranks' run between them: fresh rank processes, a fresh process group,
+new target objects). ``spec.phase == "save"``: build everything as above, take steps ``0..k-1``
+(reporting them), then save a checkpoint with the implementation's own checkpointing into
+``spec.checkpoint_dir`` (an existing, empty directory every rank can reach) and return.
+``spec.phase == "load"``: build everything anew, load the checkpoint from ``spec.checkpoint_dir``,
+and take steps ``k..K-1``, reporting them (step ``k`` of the load half is step ``k`` of the
+uninterrupted run: same global batch, ``StepOutput``s in that numbering). Under Poisson sampling
+the K steps are the first K of ``spec.epochs`` epochs (``nominal_steps``); the load half
+continues at epoch ``k // int(1/q)``. What must survive is everything the uninterrupted run
+carries from step k-1 to step k: parameters and optimizer state (``spec.momentum``), the privacy
+accounting's step count (``StepOutput.privacy_steps`` continues at k+1), and the random state of
+the noise and of the sampler (noise and batches after the resume must not repeat those before
+it). A target declares it with ``"resume"`` in ``Target.features`` and reports
+``StepOutput.privacy_steps``; one that does not is answered ``RankOutput.unsupported``.
+
+Momentum (``spec.momentum`` mu > 0; 0 = plain SGD): SGD with torch's momentum (dampening 0, no
+Nesterov), the state a checkpoint must carry; declared with ``"momentum"`` in ``Target.features``.
+
 Progress (for hang reports): a target calls ``progress.step_begun(k, local_batch_size)`` and
 ``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step, and
 ``progress.pass_begun(k, j, size)`` before each physical pass; the calls append one line to a
@@ -97,6 +117,13 @@ SEEDINGS = ("same", "per_rank", "unseeded")
 #: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
 #: is answered ``RankOutput.unsupported``, a failing verdict that says so)
 FEATURE_PHYSICAL_BATCHES = "physical_batches"
+#: checkpoint/resume (``RunSpec.resume_at``, ``phase``, ``checkpoint_dir``; module docstring)
+FEATURE_RESUME = "resume"
+#: SGD with momentum (``RunSpec.momentum``): optimizer state a resume must carry
+FEATURE_MOMENTUM = "momentum"
+#: the halves of a resumed run: ``""`` (not resumed), ``save`` (steps 0..k-1, then checkpoint),
+#: ``load`` (load the checkpoint, then steps k..K-1)
+RESUME_PHASES = ("", "save", "load")
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
@@ -140,8 +167,18 @@ class RunSpec:
     #: p: gradient accumulation in physical passes of at most p samples per logical step (module
     #: docstring); 0 = no accumulation (one pass per step)
     physical_batch_size: int = 0
+    #: mu: SGD momentum (``torch.optim.SGD(momentum=mu)``); 0 = plain SGD (module docstring)
+    momentum: float = 0.0
+    #: k: checkpoint after k steps and resume in a fresh run (module docstring); 0 = no resume
+    resume_at: int = 0
+    #: which half of a resumed run this call is (``RESUME_PHASES``); ``""`` iff ``resume_at == 0``
+    phase: str = ""
+    #: where the ``save`` half writes its checkpoint and the ``load`` half reads it (the suite's
+    #: runner places a relative name under a temporary directory it creates and removes)
+    checkpoint_dir: str = ""
 
     def __post_init__(self):
+        self._check_resume()
         p = self.physical_batch_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"physical_batch_size must be an int >= 0 (0: no gradient accumulation; p > 0: "
@@ -168,6 +205,43 @@ class RunSpec:
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if not (isinstance(self.steps, int) and self.steps >= 0):
             raise ValueError(f"steps must be an int >= 0 (0: every step of every epoch), got {self.steps!r}")
+        if self.resume_at and self.resume_at >= self.nominal_steps:
+            raise ValueError(f"resume_at={self.resume_at} must be smaller than the run's {self.nominal_steps} steps: "
+                             "at least one step must follow the checkpoint")
+
+    @property
+    def first_step(self) -> int:
+        """The first step this call takes: k in the ``load`` half of a resumed run, else 0."""
+        return self.resume_at if self.phase == "load" else 0
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step this call takes: k in the ``save`` half, else ``nominal_steps``."""
+        return self.resume_at if self.phase == "save" else self.nominal_steps
+
+    def _check_resume(self) -> None:
+        mu = self.momentum
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= mu < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {mu!r}")
+        k = self.resume_at
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"resume_at must be an int >= 0 (0: no resume; k > 0: checkpoint after k steps and "
+                             f"resume), got {k!r}")
+        if self.phase not in RESUME_PHASES:
+            raise ValueError(f"unknown resume phase {self.phase!r}; choose 'save' or 'load' (or '' for no resume)")
+        if not k:
+            if self.phase:
+                raise ValueError(f"phase={self.phase!r} needs resume_at > 0 (the step the checkpoint is taken at)")
+            return
+        if not self.phase or not self.checkpoint_dir:
+            raise ValueError("resume_at > 0 is run in two halves: give phase='save' or 'load' and a checkpoint_dir")
+        if self.task != "train":
+            raise ValueError("resume_at applies to training (task='train') only")
+        if self.physical_batch_size:
+            raise ValueError("resume_at with physical_batch_size is not supported: resume without accumulation")
+        if self.sampling == "fixed" and k >= self.steps:
+            raise ValueError(f"resume_at={k} must be smaller than steps={self.steps}: the run resumes after step "
+                             f"{k} of {self.steps}, so at least one step must follow the checkpoint")
 
     def check_world_size(self, world_size: int) -> None:
         """``ValueError`` if this spec cannot run at ``world_size`` (a Poisson dataset smaller than
@@ -254,6 +328,9 @@ class StepOutput:
     #: sizes of the physical passes this logical step was computed in (``physical_batch_size`` > 0),
     #: in order, empty passes included; ``None``: one pass (no accumulation) or not reported
     physical_batches: Optional[List[int]] = None
+    #: the DP steps the target's own privacy accounting has counted after this step (opacus: the
+    #: accountant's history); ``None``: not reported (a target declaring ``"resume"`` reports it)
+    privacy_steps: Optional[int] = None
 
 
 @dataclass
@@ -303,4 +380,5 @@ class Target:
 
 
 __all__ = ["Target", "RunSpec", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
-           "DEFAULT_GRAD_SAMPLE_MODE"]
+           "DEFAULT_GRAD_SAMPLE_MODE", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM",
+           "RESUME_PHASES"]

@@ -44,6 +44,19 @@ others as skipped). The same wrapper splits fixed batches (``ceil(local / p)`` p
 logical step ends where the optimizer did not skip (``optimizer._is_last_step_skipped`` after the
 step: opacus' own record of it); its ``StepOutput`` gathers the passes' indices and norms.
 
+Checkpoint/resume (``spec.resume_at`` k, ``spec.phase``; ``docs/resume.md``) is what a user does
+under FSDP2, where every rank holds different shards: the model's and the optimizer's state with
+``torch.distributed.checkpoint`` (``get_state_dict`` of the FSDP module and of the optimizer
+opacus wraps, ``dcp.save``; ``dcp.load`` + ``set_state_dict`` into the fresh ones), and opacus'
+own state -- the accountant's ``state_dict``, what ``PrivacyEngine.save_checkpoint`` stores under
+``privacy_accountant_state_dict`` -- written by rank 0 and loaded by every rank into its new
+``PrivacyEngine``. ``PrivacyEngine.save_checkpoint`` itself ``torch.save``s one un-sharded
+``module.state_dict()``, which FSDP2's DTensor shards do not fit. The resumed job is the same script
+run again: the random sources seeded as at the start of the first job (``spec.seeding``, the
+noise generator from ``spec.noise_seed``), since neither opacus' checkpoint nor DCP carries them;
+it continues at epoch ``k // int(1/q)``, skipping ``k mod int(1/q)`` batches of it by drawing them.
+``StepOutput.privacy_steps`` is the accountant's step count (the sum over its history).
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -59,8 +72,13 @@ import torch.nn as nn
 
 from .. import models
 from . import progress
-from .base import FEATURE_PHYSICAL_BATCHES, RankOutput, Refused, RunSpec, StepOutput, Target
-from .util import dataset_index, gather_named, global_dataset, rank_and_world, step_indices, world
+from .base import (FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, RankOutput, Refused, RunSpec,
+                   StepOutput, Target)
+from .util import (dataset_index, gather_named, global_dataset, load_sharded, rank_and_world, save_sharded,
+                   step_indices, world)
+
+#: opacus' own state in a resumed run's checkpoint directory (written by rank 0)
+OPACUS_STATE = "opacus_state.pt"
 
 
 @contextlib.contextmanager
@@ -127,7 +145,7 @@ TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a paramete
 
 class OpacusTarget(Target):
     name = "opacus"
-    features = (FEATURE_PHYSICAL_BATCHES,)
+    features = (FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME, FEATURE_MOMENTUM)
 
     def version(self) -> str:
         import opacus
@@ -227,7 +245,7 @@ class OpacusTarget(Target):
         rank, world_size = world()
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
         fsdp = FSDP2Wrapper(model)
-        optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr)
+        optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr, momentum=spec.momentum)
         if spec.poisson:
             data, dataset = self._poisson_dataset(spec)
             loader = self._poisson_loader(spec, dataset, rank, world_size)
@@ -239,12 +257,20 @@ class OpacusTarget(Target):
                                        world_size)
         criterion = nn.CrossEntropyLoss(reduction=spec.reduction)
         generator = torch.Generator().manual_seed(spec.noise_seed)
-        module, optimizer, criterion, loader = PrivacyEngine().make_private(
+        engine = PrivacyEngine()
+        module, optimizer, criterion, loader = engine.make_private(
             module=fsdp, optimizer=optimizer, criterion=criterion, data_loader=loader,
             noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
             poisson_sampling=spec.poisson, grad_sample_mode=spec.grad_sample_mode, loss_reduction=spec.reduction,
             noise_generator=generator)
         module.train()
+        if spec.phase == "load":
+            import os
+
+            load_sharded(fsdp, optimizer.original_optimizer, spec.checkpoint_dir)
+            state = torch.load(os.path.join(spec.checkpoint_dir, OPACUS_STATE), weights_only=False)
+            engine.accountant.load_state_dict(state["privacy_accountant_state_dict"])
+        self._accountant = engine.accountant
         out = RankOutput(rank=rank, world_size=world_size)
         if spec.physical_batch_size:
             from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -254,14 +280,23 @@ class OpacusTarget(Target):
                 self._train(spec, data, module, optimizer, criterion, physical, out)
         else:
             self._train(spec, data, module, optimizer, criterion, loader, out)
+        if spec.phase == "save":
+            import os
+
+            save_sharded(fsdp, optimizer.original_optimizer, spec.checkpoint_dir)
+            if rank == 0:
+                torch.save({"privacy_accountant_state_dict": engine.accountant.state_dict()},
+                           os.path.join(spec.checkpoint_dir, OPACUS_STATE))
         return out
 
     def _train(self, spec: RunSpec, data, module, optimizer, criterion, loader, out: RankOutput) -> None:
         """Every batch the loader yields through forward, backward and ``optimizer.step()``; a
         logical step ends where the optimizer really stepped (always, without accumulation)."""
         accumulating = bool(spec.physical_batch_size)
-        k, index_parts, norm_parts, losses = 0, [], [], []
-        for x, y, index in self._batches(spec, loader):
+        k, index_parts, norm_parts, losses = spec.first_step, [], [], []
+        # under accumulation the loader yields physical batches: the step budget counts logical
+        # steps (below); resume is not combined with accumulation (RunSpec refuses it), so k starts at 0
+        for x, y, index in self._batches(spec.with_(steps=0) if accumulating else spec, loader):
             if not losses:
                 progress.step_begun(k, None if accumulating else len(index))
             if accumulating:
@@ -290,8 +325,11 @@ class OpacusTarget(Target):
             out.steps.append(StepOutput(
                 indices=indices, norms=norms, loss=self._step_loss(spec, losses),
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),
-                physical_batches=[n for _, n in losses] if accumulating else None))
+                physical_batches=[n for _, n in losses] if accumulating else None,
+                privacy_steps=int(sum(h[-1] for h in self._accountant.history))))
             k, index_parts, norm_parts, losses = k + 1, [], [], []
+            if accumulating and spec.poisson and spec.steps and k >= spec.steps:
+                return
 
     @staticmethod
     def _step_loss(spec: RunSpec, losses) -> float:
@@ -305,13 +343,26 @@ class OpacusTarget(Target):
     @staticmethod
     def _batches(spec: RunSpec, loader):
         """Every batch the loader yields: one pass (fixed), or ``spec.epochs`` passes capped at
-        ``spec.steps`` steps when ``steps > 0`` (poisson: a user training for a step budget)."""
+        ``spec.steps`` steps when ``steps > 0`` (poisson: a user training for a step budget). A
+        resumed run's halves: steps ``0..k-1`` (save), or from step k on (load: fixed batches skip
+        the first k; Poisson starts at epoch ``k // int(1/q)`` and skips ``k mod int(1/q)``
+        batches of it, drawing them, as a user's resume loop does)."""
         if not spec.poisson:
-            yield from loader
+            for k, batch in enumerate(loader):
+                if k >= spec.end_step:
+                    return
+                if k >= spec.first_step:
+                    yield batch
             return
-        k = 0
-        for _ in range(spec.epochs):
+        first_epoch, skip = divmod(spec.first_step, spec.steps_per_epoch)
+        k = first_epoch * spec.steps_per_epoch
+        for _ in range(first_epoch, spec.epochs):
             for batch in loader:
+                if spec.resume_at and k >= spec.end_step:
+                    return
+                if skip:
+                    skip, k = skip - 1, k + 1
+                    continue
                 if spec.steps and k >= spec.steps:
                     return
                 yield batch

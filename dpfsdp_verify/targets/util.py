@@ -147,3 +147,25 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
 
 __all__ = ["world", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
            "dataset_index", "step_indices", "local_batch"]
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Save an FSDP2 model's and its optimizer's state the way a user does under FSDP2:
+    ``torch.distributed.checkpoint`` (each rank writes its own shards; a collective, so every rank
+    calls it) of ``get_state_dict(model, optimizer)``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Load what ``save_sharded`` wrote into a freshly built model and optimizer (same sharding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,283 @@
+"""checkpoint_resume: a DP run checkpointed after k of K steps and resumed in a fresh run is the run that was
+never interrupted -- the same model, the same privacy accounting, and no randomness replayed.
+
+DP meaning: users of DP under FSDP stop and resume from checkpoints. What the step after the
+checkpoint depends on must survive it: the parameters and the optimizer state (else the released
+model is not the one trained), the privacy accountant's step count (else the epsilon reported is
+that of the steps since the resume only), the noise generator's state (a resumed generator that
+starts its stream again adds to step k+j the very noise it added to step j: the difference of the
+two releases cancels the noise, no privacy at all for what it was meant to hide), and the Poisson
+sampler's state (replayed masks make the batches of steps k+j and j the same draw: the
+subsampling amplification the accountant assumes for independent draws does not hold).
+
+Each half runs in rank processes started for it (``Case.fresh``: the ``save`` halves in one set,
+the ``load`` halves in the next, then the uninterrupted runs), so nothing survives the resume but
+the checkpoint (``RunSpec.resume_at``; the runner gives each run a temporary checkpoint directory).
+One case per world size (mlp, split data, ``"mean"``), K = 4 steps resumed at k = 2 (options
+``steps`` and ``resume_at``), four checks, every failing one named in the verdict (the first gives
+the diagnosis):
+
+* trajectory (fixed batches, noise 0, SGD momentum 0.9, C between the middle reference norms): the
+  parameters after every step of the resumed run equal the uninterrupted run's and the float64
+  reference's (``reference.dp_sgd_trajectory(momentum=...)``), to ``compare.tolerance`` --
+  ``mismatch`` (the message says when the resumed steps follow momentum buffers restarted at k);
+* step count: ``StepOutput.privacy_steps`` after step t is t + 1 in both halves --
+  ``step_count_reset``; not reported: fail, not checkable;
+* noise (fixed batches, noise multiplier 1, lr 0 so every step sees the same parameters; noise =
+  released gradient minus that of a noise-0 run): no FSDP shard (dim-0 chunk per rank) of a
+  tensor after the resume carries the noise of any step before it -- ``noise_replayed``. Equal
+  means every coordinate within 1e-6 s (float32: 1e-3 s) of s = sigma C / D, on shards of >= 4
+  coordinates: two independent draws are that close with probability < 1e-12 (float32), so the
+  check is exact in effect (a replay is equal to rounding, ~1e-16 s);
+* masks (Poisson sampling, q = 0.5 over 16 samples per rank unless the options say otherwise,
+  epochs of int(1/q) steps, the options' first seeding or ``same``, so k = 2 is an epoch
+  boundary): a rank's batches after the resume must not repeat its batches before it in order --
+  ``mask_replayed`` when at one lag L at least ``min(2, pairs)`` post-resume steps t draw exactly
+  the non-empty batch of step t - L. Two independent non-empty masks over a shard of n samples
+  are equal with probability p = (q^2 + (1-q)^2)^n - (1-q)^(2n); the verdict states the bound
+  ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import reference
+from ..verdict import Verdict
+from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch, reference_model,
+                      tensors_close, tolerance, trainable_names)
+from .contract import Case, Outputs, Point, Property
+
+#: K steps, resumed after k (options ``steps`` / ``resume_at``)
+STEPS, RESUME_AT = 4, 2
+#: SGD momentum of the trajectory check: its buffers are the optimizer state a checkpoint carries
+MOMENTUM = 0.9
+SIGMA, CLIP = 1.0, 1.0
+#: the mask check's Poisson sampling unless the options name q / the dataset size
+POISSON_RATE, POISSON_PER_RANK = 0.5, 16
+#: equal noise: every coordinate within this fraction of the noise std (per dtype)
+NOISE_EQUAL = {"float64": 1e-6, "float32": 1e-3}
+#: shards smaller than this are not compared (their chance agreement is not negligible)
+NOISE_MIN_NUMEL = 4
+#: replayed masks: equal non-empty batches at one lag, at least this many (fewer where fewer pairs exist)
+MASK_REPLAYS = 2
+
+
+def check_params(params: Dict[str, Any]) -> None:
+    """``ValueError`` for options the property cannot run (the CLI turns it into exit 2)."""
+    steps, k = params.get("steps", STEPS), params.get("resume_at", RESUME_AT)
+    for name, v in (("steps", steps), ("resume_at", k)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"checkpoint_resume: {name} must be an int, got {v!r}")
+    if steps < 2:
+        raise ValueError(f"checkpoint_resume: steps={steps} must be >= 2 (a step before the checkpoint and one after)")
+    if not 1 <= k < steps:
+        raise ValueError(f"checkpoint_resume: resume_at={k} must be in 1..{steps - 1} (the checkpoint is taken after step k "
+                         f"of steps={steps}, and at least one step must follow it)")
+
+
+def _halves(spec, k: int, name: str):
+    """The ``save`` and ``load`` halves of ``spec`` resumed at step ``k``."""
+    return tuple(spec.with_(resume_at=k, phase=phase, checkpoint_dir=name) for phase in ("save", "load"))
+
+
+def cases(point: Point):
+    params = dict(point.options.params)
+    check_params(params)
+    steps, k = point.param("steps"), point.param("resume_at")
+    ws = point.world_size
+    base = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.5, momentum=MOMENTUM)
+    traj = base.with_(max_grad_norm=pick_clip_bound(base) or 1.0)
+    noise = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.0, max_grad_norm=CLIP, noise_multiplier=SIGMA,
+                       noise_seed=point.seed(4242 + ws))
+    o = point.options
+    q = o.sample_rate or POISSON_RATE
+    poisson = point.spec(steps=steps, lr=0.5, sampling="poisson", sample_rate=q,
+                         dataset_size=o.dataset_size or POISSON_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
+                         sampling_seed=point.seed(17))
+    poisson = poisson.with_(epochs=-(-steps // poisson.steps_per_epoch))
+    (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
+                                                                     ("trajectory", "noise", "poisson")))
+    specs = (ts, ns, ps, tl, nl, pl, traj, noise.with_(noise_multiplier=0.0))
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(3, 5),
+                     doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
+
+
+# -- the checks: each returns (diagnosis, message, evidence) or None ---------------------------------
+def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], dict]:
+    spec, ws = case.spec, case.world_size
+    rtol, atol = tolerance(spec.dtype)
+    steps = spec.steps
+    batches = [reference_batch(spec, t).select(processed_indices(full, t, spec)) for t in range(steps)]
+    ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
+                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
+                                      momentum=spec.momentum)
+    for r in range(ws):
+        resumed = [s.parameters for s in save[r].steps + load[r].steps]
+        for t in range(steps):
+            if not tensors_close(full[r].steps[t].parameters, ref.steps[t], rtol, atol):
+                err, name = max_rel_diff(full[r].steps[t].parameters, ref.steps[t])
+                return ("mismatch", f"the uninterrupted run already differs from the reference after step {t} "
+                        f"(rank {r}: up to {fmt(err)} relative, {name!r}): the trajectory property judges that; the "
+                        "resume cannot be judged against it", {}), {}
+        for t in range(steps):
+            for other, what in ((full[r].steps[t].parameters, "the uninterrupted run"), (ref.steps[t], "the reference")):
+                if tensors_close(resumed[t], other, rtol, atol):
+                    continue
+                err, name = max_rel_diff(resumed[t], other)
+                when = (f"step {t}, after the resume at step {k}" if t >= k else f"step {t}, before the checkpoint")
+                msg = (f"rank {r}: the resumed run's parameters after {when} differ from {what}'s by up to "
+                       f"{fmt(err)} relative (worst {name!r}) at world_size={ws}")
+                if t >= k and _restarted_momentum(spec, ref.steps[k - 1], batches[k:], resumed[k:], rtol, atol):
+                    msg += (f"; they equal the trajectory whose momentum buffers restart at step {k}: the optimizer "
+                            "state was not restored from the checkpoint")
+                elif t >= k:
+                    msg += ": state the step after the checkpoint depends on did not survive it"
+                return ("mismatch", msg + ". The released model is not the one the DP analysis describes.", {}), {}
+    return None, {"max_grad_norm": spec.max_grad_norm, "momentum": spec.momentum}
+
+
+def _restarted_momentum(spec, start: Dict[str, torch.Tensor], batches, resumed, rtol, atol) -> bool:
+    """Whether the resumed steps are the reference restarted from ``start`` with fresh momentum buffers."""
+    if not spec.momentum:
+        return False
+    model = copy.deepcopy(reference_model(spec))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    alt = reference.dp_sgd_trajectory(model, batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
+                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
+                                      momentum=spec.momentum)
+    return all(tensors_close(got, want, rtol, atol) for got, want in zip(resumed, alt.steps))
+
+
+def _step_count(case: Case, halves, k: int) -> Optional[tuple]:
+    for label, (save, load) in halves:
+        for r, (s_out, l_out) in enumerate(zip(save, load)):
+            got = [s.privacy_steps for s in s_out.steps + l_out.steps]
+            if any(g is None for g in got):
+                return (None, f"not checkable on this target: it reports no privacy step count "
+                        f"(StepOutput.privacy_steps) in the {label} run: a target declaring 'resume' reports the DP "
+                        "steps its accounting has counted", {"privacy_steps": got})
+            want = list(range(1, len(got) + 1))
+            if got != want:
+                after = got[k:]
+                why = (f"after the resume it counts from {after[0]} again: the accountant lost the {k} step(s) "
+                       f"taken before the checkpoint, so the epsilon it reports is that of {len(got) - k} step(s), "
+                       "not the run's") if after and after[0] != k + 1 and got[:k] == want[:k] \
+                    else "it does not count one per DP step"
+                return ("step_count_reset", f"rank {r}, {label} run resumed at step {k}: the privacy step count "
+                        f"after each step is {got}, expected {want}; {why}.", {"privacy_steps": got})
+    return None
+
+
+def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
+    ws = case.world_size
+    s = noise_spec.noise_multiplier * noise_spec.max_grad_norm / noise_spec.divisor
+    eps = NOISE_EQUAL.get(noise_spec.dtype, 1e-3) * s
+    names = [n for n in trainable_names(noise_spec) if n in clean[0].steps[0].gradient]
+    released = [st.gradient for st in save[0].steps + load[0].steps]
+    noise = [{n: (g[n] - c.gradient[n]).to(torch.float64) for n in names} for g, c in zip(released, clean[0].steps)]
+    shards = [(n, j) for n in names for j, c in enumerate(torch.chunk(noise[0][n], ws, dim=0))
+              if c.numel() >= NOISE_MIN_NUMEL]
+    compared, replays = 0, []
+    for t in range(k, len(noise)):
+        for u in range(k):
+            for n, j in shards:
+                a = torch.chunk(noise[t][n], ws, dim=0)[j]
+                b = torch.chunk(noise[u][n], ws, dim=0)[j]
+                if a.abs().max() <= eps or b.abs().max() <= eps:
+                    continue  # no noise there: noise_calibration's finding, not a replay
+                compared += 1
+                if (a - b).abs().max() <= eps:
+                    replays.append((t, u, n, j))
+    evidence = {"noise_shard_pairs_compared": compared, "noise_replays": [list(x) for x in replays[:20]]}
+    if replays:
+        steps = sorted({(t, u) for t, u, _, _ in replays})
+        return ("noise_replayed", (
+            f"PRIVACY VIOLATION: after the resume at step {k} the noise released repeats noise released before it: "
+            + "; ".join(f"step {t} repeats step {u} on {sum(1 for x in replays if x[:2] == (t, u))} of {len(shards)} "
+                        f"tensor shards" for t, u in steps[:4])
+            + f" (world_size={ws}). The resumed noise generator started its stream again (its state is not in the "
+            "checkpoint, and it was seeded as at the start): the difference of the two releases cancels the noise, "
+            "so those steps' gradients are released without privacy."), evidence), evidence
+    if not compared:
+        return ("mismatch", f"no noise to compare at noise multiplier {noise_spec.noise_multiplier}: every shard's "
+                "noise is 0 before or after the resume (noise_calibration judges missing noise)", evidence), evidence
+    return None, evidence
+
+
+def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int) -> Tuple[int, float]:
+    """``(m, bound)``: matches needed at one lag, and the probability that a correct sampler (fresh
+    independent masks) shows that many equal non-empty masks at some lag on some rank."""
+    p = (q * q + (1 - q) ** 2) ** shard - (1 - q) ** (2 * shard)
+    m = min(MASK_REPLAYS, max(pairs_per_lag or [0]))
+    if m < 1:
+        return 0, 0.0
+    return m, min(1.0, ranks * sum(math.comb(n, m) * p ** m for n in pairs_per_lag if n >= m))
+
+
+def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]:
+    ws = case.world_size
+    lags = range(1, len(save[0].steps) + len(load[0].steps))
+    worst = None
+    for r in range(ws):
+        batches = [sorted(s.indices) for s in save[r].steps + load[r].steps]
+        total = len(batches)
+        for lag in lags:
+            hits = [t for t in range(k, total) if 0 <= t - lag < k and batches[t] and batches[t] == batches[t - lag]]
+            if worst is None or len(hits) > len(worst[2]):
+                worst = (r, lag, hits, batches)
+    pairs = [sum(1 for t in range(k, spec.nominal_steps) if 0 <= t - lag < k) for lag in lags]
+    m, bound = mask_false_alarm(spec.sample_rate, spec.dataset_size // ws, pairs, ws)
+    evidence = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
+    if worst and m and len(worst[2]) >= m:
+        r, lag, hits, batches = worst
+        evidence.update({"rank": r, "lag": lag, "replayed_steps": hits, "batches": batches})
+        return ("mask_replayed", (
+            f"PRIVACY VIOLATION: rank {r}'s Poisson sampler replays its masks after the resume at step {k}: steps "
+            f"{hits} draw exactly the batches of steps {[t - lag for t in hits]} ({[batches[t] for t in hits]}) "
+            f"at world_size={ws}. The sampler's random state is not in the checkpoint and the resumed run seeds it "
+            "as at the start: those steps' batches are the same draw, not the independent Poisson subsamples the "
+            f"accountant's amplification assumes (a correct sampler shows this with probability <= {bound:.2g})."),
+            evidence), evidence
+    return None, evidence
+
+
+def judge(case: Case, runs: Outputs) -> Verdict:
+    ts, ns, ps, tl, nl, pl, full, clean = runs[0]
+    k = case.specs[0].resume_at
+    found, evidence = [], {"resume_at": k}
+    traj, ev = _trajectory(case, ts, tl, full, k)
+    evidence.update(ev)
+    counted = _step_count(case, (("trajectory", (ts, tl)), ("noise", (ns, nl)), ("poisson", (ps, pl))), k)
+    noise, ev = _noise(case, ns, nl, clean, k, case.specs[1])
+    evidence.update(ev)
+    masks, ev = _masks(case, ps, pl, k, case.specs[2])
+    evidence.update(ev)
+    found = [f for f in (traj, counted, noise, masks) if f]
+    for f in found:
+        evidence.update(f[2])
+    if found:
+        return case.verdict("fail", found[0][0], " Also: ".join(f[1] for f in found), evidence)
+    steps = case.spec.steps
+    return case.verdict("pass", None, (
+        f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes at world_size={case.world_size}: "
+        f"parameters after every step equal the uninterrupted run's and the reference's (momentum {case.spec.momentum}), "
+        f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
+        f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
+        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g})"), evidence)
+
+
+PROPERTY = Property(
+    id="checkpoint_resume",
+    meaning=("a run checkpointed after k steps and resumed in fresh processes trains the uninterrupted run's "
+             "model, keeps counting privacy steps, and replays neither noise nor Poisson masks"),
+    cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
+    diagnoses=("mismatch", "step_count_reset", "noise_replayed", "mask_replayed"),
+    params=(("steps", STEPS), ("resume_at", RESUME_AT)), samplings=None, check_params=check_params,
+    false_alarm_rate=1e-9)
