@@ -49,7 +49,9 @@ def _free_port() -> int:
 def two_agents(tmp_path, gate_args, timeout=240):
     """Run ``-m dpfsdp_verify run --launcher torchrun <gate_args>`` under two torchrun agents
     (2 nodes x 2 ranks, c10d rendezvous on 127.0.0.1); returns (exit codes, outputs, rank pids seen,
-    seconds). Every process is bound to loopback; all of them are gone when it returns."""
+    seconds). The agents' addresses, the rendezvous endpoint and gloo's pairs are on loopback (the
+    rendezvous TCPStore torch creates listens on its port on every interface: torch has no bind
+    address for it). All of the job's processes are gone when it returns."""
     tag, port, run_id = uuid.uuid4().hex, _free_port(), f"gate-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, DPFSDP_TEST_TAG=tag, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=ROOT)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -59,7 +59,7 @@ from ..torchrun_mode import REPORT_GRACE_S, TorchrunSession, _is_pg_timeout, tor
 from .plan import UsageError
 from .report import EXIT_INTERNAL, EXIT_USAGE
 
-#: store keys of the gate's protocol (below the job's own keys and the plugin's)
+#: the store keys of the gate's protocol start so (the plugin's torchrun mode uses dpfsdp/outcome/, dpfsdp/pg<n>)
 PREFIX = "dpfsdp/gate/"
 #: how often a waiting rank wakes up (a short store wait, so a watchdog thread may use the store)
 POLL_S = 2.0
