@@ -150,7 +150,7 @@ def test_deadlocking_specimen_ends_in_verdicts_not_a_stuck_job(tmp_path):
     codes, outs, ranks, seconds = two_agents(
         tmp_path, ["--target", "fixtures.specimens:HookCollective", "--properties", "clipped_step,sampling_accounting",
                    "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64", "--seed", "11",
-                   "--timeout", "15", "--json", str(report)])
+                   "--timeout", "10", "--json", str(report)])
     both = "\n".join(outs)
     assert codes == [1, 1], both[-3000:]  # a failing verdict, the same code on every rank
     got = _verdicts(report)
