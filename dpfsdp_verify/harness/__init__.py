@@ -24,5 +24,5 @@ def run(fn, *args, world_size: int = 2, backend: str = "gloo", env=None, timeout
 
 
 __all__ = ["run", "Pool", "default_pool", "WorkerGroup", "GroupResult", "JobResult", "JobError", "JobFailed",
-           "BackendUnavailable", "NotRunHere", "GroupStartError", "JobPicklingError", "check_backend", "DEFAULT_TIMEOUT_S",
-           "pid_gone", "wait_gone"]
+           "BackendUnavailable", "NotRunHere", "GroupStartError", "JobPicklingError", "check_backend",
+           "DEFAULT_TIMEOUT_S", "pid_gone", "wait_gone"]
