@@ -125,12 +125,13 @@ def test_mask_false_alarm_bound():
 
 
 # -- the property on ranks -------------------------------------------------------------------------
-def test_correct_passes(pool):
+def test_correct_passes(pool, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own: xdist's other worker makes its own
     vs = run(pool, CORRECT, world_sizes=(1, 2))
     assert_all_pass(vs)
     assert len(vs) == 2 and all("continues at 3" in v.message and "replays no masks" in v.message for v in vs)
     assert all(v.evidence["noise_shard_pairs_compared"] > 0 for v in vs)
-    assert not glob.glob(f"{tempfile.gettempdir()}/dpfsdp-checkpoints-*")  # the runner removed its checkpoints
+    assert not glob.glob(f"{tmp_path}/dpfsdp-checkpoints-*")  # the runner removed its checkpoints
 
 
 @pytest.mark.parametrize("name, diagnosis, words", [

@@ -178,47 +178,49 @@ def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence
     raw = data.get("expect", [])
     if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
         raise ExpectationsError(f"{name}: 'expect' must be an array of tables", "write each entry as [[expect]]")
-    entries = []
-    for i, e in enumerate(raw, start=1):
-        where = f"{name}: [[expect]] #{i}"
-        bad = [k for k in e if k not in _ENTRY_KEYS]
-        if bad:
-            raise ExpectationsError(f"{where}: unknown key {', '.join(map(repr, bad))}",
-                                    f"allowed: {', '.join(_ENTRY_KEYS)}")
-        for k in ("property", "diagnosis", "reason"):
-            if not isinstance(e.get(k), str) or not e[k].strip():
-                raise ExpectationsError(f"{where}: '{k}' is missing or not a non-empty string",
-                                        "every entry needs property, diagnosis and reason")
-        if e["property"] not in properties:
-            raise ExpectationsError(f"{where}: unknown property {e['property']!r}",
-                                    f"choose from {', '.join(properties)}")
-        status = e.get("status", "fail")
-        if status not in EXPECTABLE_STATUSES:
-            raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
-                                    f"choose from {', '.join(EXPECTABLE_STATUSES)}")
-        if e["diagnosis"] == INTERNAL_ERROR:
-            raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
-                                    "expected", "report it instead")
-        if e["diagnosis"] not in DIAGNOSES:
-            raise ExpectationsError(f"{where}: unknown diagnosis {e['diagnosis']!r}",
-                                    f"choose from {', '.join(d for d in DIAGNOSES if d != INTERNAL_ERROR)}")
-        config = e.get("config", {})
-        if not isinstance(config, dict):
-            raise ExpectationsError(f"{where}: 'config' must be a table", "e.g. config = { world_size = 2 }")
-        unknown_keys = [k for k in config if k not in CONFIG_KEYS]
-        if unknown_keys:
-            raise ExpectationsError(f"{where}: unknown config key {', '.join(map(repr, unknown_keys))}",
-                                    f"choose from {', '.join(CONFIG_KEYS)}")
-        for k, v in config.items():
-            _check_value(where, k, v)
-        link = e.get("link", "")
-        if not isinstance(link, str):
-            raise ExpectationsError(f"{where}: 'link' must be a string", "e.g. link = \"https://...\"")
-        entries.append(Entry(i, e["property"], dict(config), e["diagnosis"], e["reason"].strip(), status, link))
+    entries = [_parse_entry(f"{name}: [[expect]] #{i}", i, e, properties) for i, e in enumerate(raw, start=1)]
     description = data.get("description", "")
     if not isinstance(description, str):
         raise ExpectationsError(f"{name}: 'description' must be a string", "or leave it out")
     return Expectations(file, entries, description)
+
+
+def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entry:
+    """Check and parse one ``[[expect]]`` table (the ``i``-th). Raises ``ExpectationsError``."""
+    bad = [k for k in e if k not in _ENTRY_KEYS]
+    if bad:
+        raise ExpectationsError(f"{where}: unknown key {', '.join(map(repr, bad))}",
+                                f"allowed: {', '.join(_ENTRY_KEYS)}")
+    for k in ("property", "diagnosis", "reason"):
+        if not isinstance(e.get(k), str) or not e[k].strip():
+            raise ExpectationsError(f"{where}: '{k}' is missing or not a non-empty string",
+                                    "every entry needs property, diagnosis and reason")
+    if e["property"] not in properties:
+        raise ExpectationsError(f"{where}: unknown property {e['property']!r}",
+                                f"choose from {', '.join(properties)}")
+    status = e.get("status", "fail")
+    if status not in EXPECTABLE_STATUSES:
+        raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
+                                f"choose from {', '.join(EXPECTABLE_STATUSES)}")
+    if e["diagnosis"] == INTERNAL_ERROR:
+        raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
+                                "expected", "report it instead")
+    if e["diagnosis"] not in DIAGNOSES:
+        raise ExpectationsError(f"{where}: unknown diagnosis {e['diagnosis']!r}",
+                                f"choose from {', '.join(d for d in DIAGNOSES if d != INTERNAL_ERROR)}")
+    config = e.get("config", {})
+    if not isinstance(config, dict):
+        raise ExpectationsError(f"{where}: 'config' must be a table", "e.g. config = { world_size = 2 }")
+    unknown_keys = [k for k in config if k not in CONFIG_KEYS]
+    if unknown_keys:
+        raise ExpectationsError(f"{where}: unknown config key {', '.join(map(repr, unknown_keys))}",
+                                f"choose from {', '.join(CONFIG_KEYS)}")
+    for k, v in config.items():
+        _check_value(where, k, v)
+    link = e.get("link", "")
+    if not isinstance(link, str):
+        raise ExpectationsError(f"{where}: 'link' must be a string", "e.g. link = \"https://...\"")
+    return Entry(i, e["property"], dict(config), e["diagnosis"], e["reason"].strip(), status, link)
 
 
 def load(ref: str, properties: Optional[Sequence[str]] = None) -> Expectations:

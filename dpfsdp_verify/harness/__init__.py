@@ -3,7 +3,7 @@ crashes into verdicts with a diagnosis, and a warm pool.
 
 Parent side: ``group.py`` (launch, watchdog, teardown), ``proof.py`` (deadlocks proven from the
 ranks' probes before the deadline), ``pool.py`` (warm groups), ``diagnose.py`` (stacks +
-flight-recorder comparison). Rank side: ``rank.py``. The messages between them:
+flight-recorder comparison), ``wording.py`` (what a verdict says). Rank side: ``rank.py``. The messages between them:
 ``protocol.py``. Both sides: ``backends.py`` (the backend table).
 
     from dpfsdp_verify.harness import run

@@ -27,6 +27,9 @@ sentinels, so:
 
 Ending a group is SIGTERM to each rank's process group, ``KILL_GRACE_S`` later SIGKILL, then
 ``waitpid``; the temp dir (store file, logs) is removed. ``close()`` is idempotent.
+
+This module decides what happened; the sentences that say it (a verdict's ``message`` and
+``details``) are pure functions in ``wording.py`` and ``diagnose.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import diagnose
+from . import diagnose, wording
 from .backends import get_backend
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
 from .protocol import (RANK_MODULE, Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
@@ -134,11 +137,26 @@ class JobFailed(RuntimeError):
         self.result = result
 
 
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
+@dataclass
+class _JobWait:
+    """Where the wait for one job stands (``WorkerGroup._run``'s steps share it)."""
+
+    job_id: int
+    t0: float
+    deadline: float
+    #: when the next probe round is due
+    next_probe: float
+    sentinels: Dict[int, int]                 # pidfd -> rank
+    diag_rank: Dict[Connection, int]          # diagnosis channel -> rank
+    watch: Optional[DeadlockWatch]            # None at one rank: nothing to prove
+    results: Dict[int, JobResult] = field(default_factory=dict)
+    crashed: Dict[int, int] = field(default_factory=dict)  # rank -> exit code or -signal
+    #: when the first rank's job raised (the others then get ``ERROR_GRACE_S``)
+    first_error: Optional[float] = None
+    #: the proof's sentence once a deadlock is proven
+    proven: Optional[str] = None
+    #: ranks whose answer to the current probe round is outstanding
+    probing: set = field(default_factory=set)
 
 
 def check_backend(backend: str, world_size: int) -> None:
@@ -246,7 +264,7 @@ class WorkerGroup:
                 if obj in sentinels:
                     r = sentinels[obj]
                     raise GroupStartError(f"rank {r} exited during start-up "
-                                          f"({self._exit_text(self.procs[r].poll())})\n" + self._logs_tail())
+                                          f"({wording.exit_text(self.procs[r].poll())})\n" + self._logs_tail())
                 r = self.job_conns.index(obj)
                 msg = recv(obj)
                 if not isinstance(msg, Ready):
@@ -280,81 +298,95 @@ class WorkerGroup:
             raise
 
     def _run(self, payload: bytes, timeout: float) -> GroupResult:
-        job_id = self._job_id
+        """Ship the job, wait round by round until every rank answered, one crashed, a deadlock
+        is proven or the deadline (or an error's grace) passes; then conclude."""
+        w = self._send_job(payload, timeout)
+        while len(w.results) < self.world_size and not w.crashed:
+            if not self._wait_round(w):
+                break
+        self._drain_probes(w.probing)
+        return self._conclude(w, timeout)
+
+    def _send_job(self, payload: bytes, timeout: float) -> "_JobWait":
         t0 = time.monotonic()
         for c in self.job_conns:
-            send(c, Job(job_id, payload))
-        results: Dict[int, JobResult] = {}
-        crashed: Dict[int, int] = {}
-        deadline = t0 + timeout
-        first_error: Optional[float] = None
-        proven: Optional[str] = None
-        sentinels = {fd: r for r, fd in enumerate(self.pidfds)}
-        diag_rank = {c: r for r, c in enumerate(self.diag_conns)}
-        watch = DeadlockWatch(self.world_size, job_id) if self.world_size > 1 else None
-        next_probe = t0 + PROBE_AFTER_S
-        probing: set = set()  # ranks whose answer to the current probe round is outstanding
-        while len(results) < self.world_size and not crashed:
-            now = time.monotonic()
-            until = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE_S)
-            if until - now <= 0:
-                break
-            if watch is not None and first_error is None and not probing and now >= next_probe:
-                probing = self._send_probes(job_id)
-                next_probe = now + PROBE_EVERY_S
-            wake = until if probing or watch is None else min(until, next_probe)
-            pending = [self.job_conns[r] for r in range(self.world_size) if r not in results]
-            probes = [self.diag_conns[r] for r in probing]
-            for obj in wait(pending + list(sentinels) + probes, timeout=max(0.0, wake - now)):
-                if obj in sentinels:
-                    r = sentinels[obj]
-                    if r not in results:
-                        crashed[r] = self.procs[r].wait()
-                    continue
-                if obj in diag_rank:
-                    r = diag_rank[obj]
-                    probing.discard(r)
-                    try:
-                        msg = recv(obj)
-                    except (EOFError, OSError):
-                        continue  # the rank is dying: its sentinel says how
-                    if isinstance(msg, Probe):
-                        watch.update(msg, time.monotonic())
-                        self._note_modules(msg.modules)
-                    continue
-                r = self.job_conns.index(obj)
-                try:
-                    msg = recv(obj)
-                except (EOFError, OSError):
-                    crashed[r] = self.procs[r].wait()
-                    continue
-                if not isinstance(msg, Result) or msg.job_id != job_id:
-                    continue  # never another job's result
-                results[r] = msg.result
-                self._note_modules(msg.result.modules)
-                if not msg.result.ok and first_error is None:
-                    first_error = time.monotonic()
-            if watch is not None and not probing and first_error is None and not crashed:
-                proven = watch.check(set(results), time.monotonic())
-                if proven:
-                    break
-        self._drain_probes(probing)
-        running = [r for r in range(self.world_size) if r not in results and r not in crashed]
-        out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=results)
-        if crashed:
-            self._finish_crash(out, crashed, running)
-        elif running and first_error is not None:
+            send(c, Job(self._job_id, payload))
+        return _JobWait(job_id=self._job_id, t0=t0, deadline=t0 + timeout, next_probe=t0 + PROBE_AFTER_S,
+                        sentinels={fd: r for r, fd in enumerate(self.pidfds)},
+                        diag_rank={c: r for r, c in enumerate(self.diag_conns)},
+                        watch=DeadlockWatch(self.world_size, self._job_id) if self.world_size > 1 else None)
+
+    def _wait_round(self, w: "_JobWait") -> bool:
+        """One wait on the ranks' channels and sentinels (probing when due); False when the wait
+        is over: the deadline (or an error's grace) passed, or a deadlock is proven."""
+        now = time.monotonic()
+        until = w.deadline if w.first_error is None else min(w.deadline, w.first_error + ERROR_GRACE_S)
+        if until - now <= 0:
+            return False
+        if w.watch is not None and w.first_error is None and not w.probing and now >= w.next_probe:
+            w.probing = self._send_probes(w.job_id)
+            w.next_probe = now + PROBE_EVERY_S
+        wake = until if w.probing or w.watch is None else min(until, w.next_probe)
+        pending = [self.job_conns[r] for r in range(self.world_size) if r not in w.results]
+        probes = [self.diag_conns[r] for r in w.probing]
+        for obj in wait(pending + list(w.sentinels) + probes, timeout=max(0.0, wake - now)):
+            self._take(w, obj)
+        if w.watch is not None and not w.probing and w.first_error is None and not w.crashed:
+            w.proven = w.watch.check(set(w.results), time.monotonic())
+            if w.proven:
+                return False
+        return True
+
+    def _take(self, w: "_JobWait", obj) -> None:
+        """Read what one ready channel or sentinel says into ``w``."""
+        if obj in w.sentinels:
+            r = w.sentinels[obj]
+            if r not in w.results:
+                w.crashed[r] = self.procs[r].wait()
+            return
+        if obj in w.diag_rank:
+            r = w.diag_rank[obj]
+            w.probing.discard(r)
+            try:
+                msg = recv(obj)
+            except (EOFError, OSError):
+                return  # the rank is dying: its sentinel says how
+            if isinstance(msg, Probe):
+                w.watch.update(msg, time.monotonic())
+                self._note_modules(msg.modules)
+            return
+        r = self.job_conns.index(obj)
+        try:
+            msg = recv(obj)
+        except (EOFError, OSError):
+            w.crashed[r] = self.procs[r].wait()
+            return
+        if not isinstance(msg, Result) or msg.job_id != w.job_id:
+            return  # never another job's result
+        w.results[r] = msg.result
+        self._note_modules(msg.result.modules)
+        if not msg.result.ok and w.first_error is None:
+            w.first_error = time.monotonic()
+
+    def _conclude(self, w: "_JobWait", timeout: float) -> GroupResult:
+        """The verdict of a finished wait: a crash, an error with ranks left waiting, a hang, an
+        error, or ok."""
+        running = [r for r in range(self.world_size) if r not in w.results and r not in w.crashed]
+        out = GroupResult(status="ok", world_size=self.world_size, backend=self.backend, results=w.results)
+        if w.crashed:
+            self._finish_crash(out, w.crashed, running)
+        elif running and w.first_error is not None:
             self._finish_error_with_stuck(out, running)
         elif running:
             now = time.monotonic()
-            unproven = {} if proven or watch is None else dict(idle_for=watch.idle_for(now),
-                                                                suspected=watch.candidate(set(results)))
-            self._finish_hang(out, running, timeout, proven=proven, after=now - t0, **unproven)
-        elif any(not res.ok for res in results.values()):
+            unproven = {} if w.proven or w.watch is None else dict(idle_for=w.watch.idle_for(now),
+                                                                    suspected=w.watch.candidate(set(w.results)))
+            self._finish_hang(out, running, timeout, proven=w.proven, after=now - w.t0, **unproven)
+        elif any(not res.ok for res in w.results.values()):
             self._finish_raised(out)
-        if any(res.dirty for res in results.values()):
+        if any(res.dirty for res in w.results.values()):
             self.close()
-        out.seconds = time.monotonic() - t0
+        out.seconds = time.monotonic() - w.t0
         return out
 
     def _recover(self, running: List[int]) -> bool:
@@ -420,28 +452,22 @@ class WorkerGroup:
 
     # -- verdicts ----------------------------------------------------------------------
     def _finish_raised(self, out: GroupResult) -> None:
-        bad = out.failed_ranks()
-        first = out.results[bad[0]].error
         out.status, out.diagnosis = "error", "rank_crash"
-        out.message = (f"rank {bad[0]} raised {first.type}: {first.message}"
-                       + (f" (ranks {bad} all raised)" if len(bad) > 1 else ""))
-        out.details = "\n".join(f"--- rank {r} traceback ---\n{out.results[r].error.traceback}" for r in bad)
+        out.message, out.details = wording.raised({r: out.results[r].error for r in out.failed_ranks()})
 
     def _finish_error_with_stuck(self, out: GroupResult, running: List[int]) -> None:
         self._finish_raised(out)
         dumps, unresponsive = self.dump(running)
-        out.message += (f"; rank(s) {running} were left waiting (ended after {ERROR_GRACE_S:.1f} s grace)")
-        out.details += "\n--- where the other ranks were ---\n" + diagnose.hang_report(dumps, running, unresponsive)
+        out.message += wording.left_waiting(running, ERROR_GRACE_S)
+        out.details += wording.where_others_were(dumps, running, unresponsive)
         self.close(polite=False)
 
     def _finish_crash(self, out: GroupResult, crashed: Dict[int, int], running: List[int]) -> None:
         dumps, unresponsive = self.dump(running) if running else ({}, [])
         logs = self._logs_tail(sorted(crashed))
         out.status, out.diagnosis = "error", "rank_crash"
-        what = "; ".join(f"rank {r} died ({self._exit_text(code)})" for r, code in sorted(crashed.items()))
-        out.message = what + (f"; rank(s) {running} were still running and were ended" if running else "")
-        out.details = logs + ("\n--- where the other ranks were ---\n" + diagnose.hang_report(dumps, running, unresponsive)
-                              if dumps else "")
+        out.message = wording.crashed(crashed, running)
+        out.details = logs + (wording.where_others_were(dumps, running, unresponsive) if dumps else "")
         self.close(polite=False)
 
     def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
@@ -453,22 +479,13 @@ class WorkerGroup:
         out.status = "hang"
         if proven:
             out.diagnosis = "deadlock"
-            div = diagnose.find_divergence(dumps)
-            head = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: rank(s) {running} "
-                    f"can never finish ({proven})")
-            report = f"deadlock proven after {after:.1f} s: {proven}.\n" + report
-            out.message = head + (f"; {diagnose.describe_divergence(div)}" if div else "")
-            sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
-            if sites:
-                out.message += f" ({sites})"
+            out.message, head = wording.deadlock(dumps, running, proven, after, timeout)
+            report = head + report
         else:
             out.diagnosis = "timeout"
             out.busy_ranks = diagnose.busy_ranks(dumps, running).busy
             out.message = diagnose.timeout_message(dumps, running, unresponsive, timeout, idle_for, suspected)
-        analysis = diagnose.torch_analysis(dumps, self.world_size)
-        if analysis:
-            report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis
-        out.details = report + "\n" + diagnose.format_stacks(dumps)
+        out.details = wording.hang_details(report, diagnose.torch_analysis(dumps, self.world_size), dumps)
         keep = os.environ.get("DPFSDP_VERIFY_FR_DIR")
         if keep:
             out.fr_dump_paths = diagnose.write_fr_dumps(dumps, os.path.join(keep, f"job{self._job_id}-{os.getpid()}"),
@@ -478,8 +495,7 @@ class WorkerGroup:
         # rank stuck anywhere: end the group.
         if proven and self._recover(running):
             out.recovered = True
-            out.details += ("\n(the ranks' process group was aborted and renewed; the warm ranks were kept for the "
-                            "next job)")
+            out.details += wording.RECOVERED
         else:
             self.close(polite=False)
 
@@ -505,13 +521,6 @@ class WorkerGroup:
                 if isinstance(msg, Dump):  # a late Probe answer is skipped; keep waiting
                     dumps[asked.pop(c)] = msg.dump
         return dumps, sorted(set(ranks) - set(dumps))
-
-    def _exit_text(self, code: Optional[int]) -> str:
-        if code is None:
-            return "still running"
-        if code < 0:
-            return f"killed by {_signal_name(code)}"
-        return f"exit code {code}"
 
     def _logs_tail(self, ranks: Optional[List[int]] = None, limit: int = 2000) -> str:
         out = []

@@ -292,6 +292,20 @@ def main(argv=None) -> None:
     threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank, cfg.backend), name="dpfsdp-diagnosis",
                      daemon=True).start()
 
+    import torch.distributed as dist
+
+    store, env_snapshot = _join_group(cfg)
+    send(job_conn, Ready(cfg.rank, os.getpid()))
+    _serve_jobs(cfg, job_conn, store, env_snapshot)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def _join_group(cfg: RankConfig):
+    """Create the process group, warm up and preload; returns ``(store, environment snapshot)``."""
     import torch
     import torch.distributed as dist
 
@@ -309,7 +323,12 @@ def main(argv=None) -> None:
     env_snapshot = dict(os.environ)
     gc.collect()
     gc.freeze()
-    send(job_conn, Ready(cfg.rank, os.getpid()))
+    return store, env_snapshot
+
+
+def _serve_jobs(cfg: RankConfig, job_conn: Connection, store, env_snapshot: dict) -> None:
+    """Run jobs (and renew the process group when asked) until ``Stop``; exit at once when the
+    parent's channel closes."""
     global _current_job, _last_done
     while True:
         try:
@@ -344,11 +363,6 @@ def main(argv=None) -> None:
         # 100-200 ms per job; frozen, the next collect scans only the next job's objects.
         gc.collect()
         gc.freeze()
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -242,15 +242,13 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     s = spec.noise_multiplier * spec.max_grad_norm / d
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
-    if spec.poisson:
-        clean = [[st.indices for st in rank.steps] for rank in runs[0]]
-        for i, run in enumerate(runs[1:]):
-            if [[st.indices for st in rank.steps] for rank in run] != clean:
-                return case.verdict("fail", None, (
-                    f"not checkable on this target: with the same sampling seed, the noisy run {i} sampled other "
-                    f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
-                    "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
-                    "the sampler's random stream changes its batches with the noise setting."))
+    resampled = _resampled_run(runs) if spec.poisson else None
+    if resampled is not None:
+        return case.verdict("fail", None, (
+            f"not checkable on this target: with the same sampling seed, the noisy run {resampled} sampled other "
+            f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
+            "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
+            "the sampler's random stream changes its batches with the noise setting."))
     noise = _noise(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
@@ -258,21 +256,85 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     where = (f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
-    for n in names:
-        for r, shard in enumerate(_shards(stacked[n], ws)):
-            silent = (shard == 0).reshape(shard.shape[0], -1).all(dim=0)
-            if bool(silent.any()):
-                return case.verdict("fail", "mismatch", (
-                    f"PRIVACY VIOLATION: no noise at all on {int(silent.sum())} of {silent.numel()} coordinates of "
-                    f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
-                    "Every released coordinate needs its Gaussian noise."), evidence)
+    silent = _silent_shard(stacked, names, ws)
+    if silent:
+        n, r, k, numel = silent
+        return case.verdict("fail", "mismatch", (
+            f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
+            f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
+            "Every released coordinate needs its Gaussian noise."), evidence)
     repeated = _repeats(noise, names, ws, _quantum(spec, s))
     if repeated:
         what, cause = repeated
         return case.verdict("fail", "dependent_noise", (
             f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
             "release; repeated noise cancels in the difference of two releases."), evidence)
-    alpha = case.facts["alpha_per_test"]
+    return _judge_tests(case, noise, names, stacked, where, evidence)
+
+
+def _resampled_run(runs) -> Optional[int]:
+    """The first noisy run whose batches differ from the noise-0 run's (Poisson), or ``None``."""
+    clean = [[st.indices for st in rank.steps] for rank in runs[0]]
+    for i, run in enumerate(runs[1:]):
+        if [[st.indices for st in rank.steps] for rank in run] != clean:
+            return i
+    return None
+
+
+def _silent_shard(stacked, names, ws: int) -> Optional[Tuple[str, int, int, int]]:
+    """The first shard with coordinates whose noise is exactly 0 in every draw, as ``(tensor,
+    rank, silent coordinates, coordinates)``; ``None`` if every coordinate got noise."""
+    for n in names:
+        for r, shard in enumerate(_shards(stacked[n], ws)):
+            silent = (shard == 0).reshape(shard.shape[0], -1).all(dim=0)
+            if bool(silent.any()):
+                return n, r, int(silent.sum()), silent.numel()
+    return None
+
+
+def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) -> Verdict:
+    """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
+    spec, ws = case.spec, case.world_size
+    s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
+    tensors, failures, shard_power = _scale_stats(stacked, names, ws, s, alpha, n_draws)
+    evidence["tensors"] = tensors
+    pooled = torch.cat([stacked[n].reshape(-1) for n in names])
+    evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
+    # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
+    # 2.5x more), so non-Gaussian noise must be named as such, never as too little or too much noise.
+    excess, z_kurt, p_kurt, kurt_power, values = _shape_stats(stacked, names, ws, alpha)
+    evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
+    if not p_kurt >= alpha:
+        return case.verdict("fail", "non_gaussian_noise", _shape_message(excess, z_kurt, p_kurt, values, where, alpha),
+                            evidence)
+    if failures:
+        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
+    for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
+        evidence[f"{test}_correlation"] = r_corr
+        if not p_corr >= alpha:
+            return case.verdict("fail", "dependent_noise", _independence_message(test, r_corr, p_corr, pairs, where,
+                                                                                 alpha), evidence)
+    draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
+    t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
+    evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
+    if not p_pairs >= alpha:
+        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
+        return case.verdict("fail", "dependent_noise", _pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
+                                                                      where, alpha), evidence)
+    big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
+    evidence["detects_std_error_big_shards"] = max(big)[0] if big else None
+    tests = _tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)
+    return case.verdict("pass", None, _pass_message(tensors, shard_power, excess, kurt_power, tests, len(names), ws,
+                                                    where, alpha), evidence)
+
+
+# -- statistics (no wording) ------------------------------------------------------------------
+
+
+def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
+    """``(tensors, failures, shard_power)``: each tensor's scale and mean statistics (the
+    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, and
+    each shard's power as tested ``(detectable std error, tensor, rank, coordinates)``."""
     tensors, failures, shard_power = {}, [], []
     for n in names:
         x = stacked[n]
@@ -295,51 +357,53 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         p_mean = normal_two_sided_p(z_mean)
         if not p_mean >= alpha:
             failures.append(("mean", n, None, z_mean, p_mean))
-    evidence["tensors"] = tensors
-    pooled = torch.cat([stacked[n].reshape(-1) for n in names])
-    evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
-    # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
-    # 2.5x more), so non-Gaussian noise must be named as such, never as too little or too much noise.
-    # shape: each shard scaled by its own RMS, so only the distribution's shape is left to judge
+    return tensors, failures, shard_power
+
+
+def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
+    """``(excess kurtosis, z, p, detectable excess kurtosis, values)`` of every coordinate's noise,
+    each shard scaled by its own RMS, so only the distribution's shape is left to judge."""
     standard = torch.cat([(sh / sh.pow(2).mean().sqrt()).reshape(-1) for n in names for sh in _shards(stacked[n], ws)])
     excess, z_kurt = kurtosis_z(standard)
-    p_kurt = normal_two_sided_p(z_kurt)
-    kurt_power = detectable_excess_kurtosis(standard.numel(), alpha, POWER)
-    evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
-    if not p_kurt >= alpha:
-        tails = ("heavy tails (excess kurtosis {:+.2f}; Laplace noise has +3): noise calibrated for another "
-                 "mechanism, which the Gaussian accountant does not cover" if excess > 0 else
-                 "light tails (excess kurtosis {:+.2f}; uniform noise has -1.2): bounded noise gives no DP "
-                 "guarantee at all").format(excess)
-        return case.verdict("fail", "non_gaussian_noise", (
-            f"PRIVACY VIOLATION: the noise is not Gaussian {where}: {tails} (kurtosis test over "
-            f"{standard.numel()} standardised values, z={z_kurt:.3g}, p={p_kurt:.2g} < {alpha:.2g}). Whatever its std, "
+    return (excess, z_kurt, normal_two_sided_p(z_kurt), detectable_excess_kurtosis(standard.numel(), alpha, POWER),
+            standard.numel())
+
+
+# -- wording ------------------------------------------------------------------------------------
+
+
+def _shape_message(excess: float, z_kurt: float, p_kurt: float, values: int, where: str, alpha: float) -> str:
+    tails = ("heavy tails (excess kurtosis {:+.2f}; Laplace noise has +3): noise calibrated for another "
+             "mechanism, which the Gaussian accountant does not cover" if excess > 0 else
+             "light tails (excess kurtosis {:+.2f}; uniform noise has -1.2): bounded noise gives no DP "
+             "guarantee at all").format(excess)
+    return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: {tails} (kurtosis test over "
+            f"{values} standardised values, z={z_kurt:.3g}, p={p_kurt:.2g} < {alpha:.2g}). Whatever its std, "
             "the privacy accounting (Renyi DP of the Gaussian mechanism) holds only for Gaussian "
-            "noise."), evidence)
-    if failures:
-        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
-    for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
-        evidence[f"{test}_correlation"] = r_corr
-        if not p_corr >= alpha:
-            what = {"shard": "across shards (ranks seeded alike add the same noise to every shard)",
-                    "step": "between consecutive steps", "run": "between runs with different noise seeds"}[test]
-            return case.verdict("fail", "dependent_noise", (
-                f"PRIVACY VIOLATION: the noise is not independent {what} {where}: correlation {r_corr:.3f} over "
-                f"{pairs} coordinate pairs (Fisher z test p={p_corr:.2g} < {alpha:.2g}). The mechanism assumes "
-                "independent noise on every coordinate of every release."), evidence)
-    draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
-    t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
-    evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
-    if not p_pairs >= alpha:
-        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
-        (ra, ka), (rb, kb) = at[i], at[j]
-        pair = (f"steps {ka} and {kb} of run {ra} (lag {kb - ka})" if ra == rb else
-                f"step {ka} of run {ra} and step {kb} of run {rb}")
-        return case.verdict("fail", "dependent_noise", (
-            f"PRIVACY VIOLATION: the noise of different releases is dependent {where}: over all {n_pairs} pairs of "
+            "noise.")
+
+
+def _independence_message(test: str, r_corr: float, p_corr: float, pairs: int, where: str, alpha: float) -> str:
+    what = {"shard": "across shards (ranks seeded alike add the same noise to every shard)",
+            "step": "between consecutive steps", "run": "between runs with different noise seeds"}[test]
+    return (f"PRIVACY VIOLATION: the noise is not independent {what} {where}: correlation {r_corr:.3f} over "
+            f"{pairs} coordinate pairs (Fisher z test p={p_corr:.2g} < {alpha:.2g}). The mechanism assumes "
+            "independent noise on every coordinate of every release.")
+
+
+def _pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: float, where: str, alpha: float) -> str:
+    """``a``, ``b``: the most correlated pair of draws, each as ``(run, step)``."""
+    (ra, ka), (rb, kb) = a, b
+    pair = (f"steps {ka} and {kb} of run {ra} (lag {kb - ka})" if ra == rb else
+            f"step {ka} of run {ra} and step {kb} of run {rb}")
+    return (f"PRIVACY VIOLATION: the noise of different releases is dependent {where}: over all {n_pairs} pairs of "
             f"draws (any lag, any run) sum of m*r^2 = {t_pairs:.4g}; most correlated: {pair}, r={r_ij:.3f} "
             f"(p={p_pairs:.2g} < {alpha:.2g}). Each release needs noise independent of every other release's; "
-            "correlated noise partly cancels in the difference of two releases."), evidence)
+            "correlated noise partly cancels in the difference of two releases.")
+
+
+def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
+                  where: str, alpha: float) -> str:
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
     worst = max(shard_power)
     power = ""
@@ -350,14 +414,11 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     power += (f" (smallest shard tested, {worst[1]!r}" + (f" rank {worst[2]}" if ws > 1 else "") +
               f", {worst[3]} coordinates: {worst[0]:.1%}); not Gaussian: detects an excess kurtosis of "
               f"{kurt_power:.2g} or more (Laplace +3, uniform -1.2) with ~{POWER:.0%} probability")
-    evidence["detects_std_error_big_shards"] = max(big)[0] if big else None
     ratios = [t["std_ratio"] for t in tensors.values()]
-    return case.verdict("pass", None, (
-        f"Gaussian noise of std sigma*C/D on all {len(names)} tensors {where}: std ratio per tensor "
-        f"{min(ratios):.3f}..{max(ratios):.3f}, excess kurtosis {excess:+.3f}, fresh at every step and run, no value "
-        f"repeated on another tensor{', independent across shards' if ws > 1 else ''}; "
-        f"{_tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)} tests at {alpha:.2g} each{power}"),
-        evidence)
+    return (f"Gaussian noise of std sigma*C/D on all {n_tensors} tensors {where}: std ratio per tensor "
+            f"{min(ratios):.3f}..{max(ratios):.3f}, excess kurtosis {excess:+.3f}, fresh at every step and run, "
+            f"no value repeated on another tensor{', independent across shards' if ws > 1 else ''}; "
+            f"{tests} tests at {alpha:.2g} each{power}")
 
 
 def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:

@@ -133,8 +133,23 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
                       f"gradient's overall scale (clipped_step judges it)"), fit
-    # the gradient's overall scale is not this property's business (and is not 1 where a target
-    # normalises replicated data its own way): each bug shape is matched up to one free factor
+    matched = _matched_hypothesis(case, want, steps, indices, coef, tol)
+    if matched is not None:
+        diagnosis, message, k = matched
+        if abs(k - 1) > tol:
+            fit["gradient_scale"] = k
+            message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
+        return diagnosis, message, fit
+    changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
+    return _direction_message(changed, low, high, direction, where) + (fit,)
+
+
+def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, tol: float):
+    """``(diagnosis, message, factor)`` of the first known bug shape (``hypotheses``) whose clip
+    coefficients are the recovered ones ``coef`` (of samples ``indices``) times one factor; ``None``.
+    The gradient's overall scale is not this property's business (and is not 1 where a target
+    normalises replicated data its own way): each bug shape is matched up to one free factor."""
+    c = case.spec.max_grad_norm
     pos = {i: j for j, i in enumerate(indices)}
     for diagnosis, norms, message, weights in hypotheses(case, want, steps, subject="the norms it clips with"):
         flat = torch.zeros(len(indices), dtype=torch.float64)
@@ -150,27 +165,40 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         shape = reference.clip_coefficients(flat, c) * scale
         k = float(coef @ shape / (shape @ shape))
         if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
-            if abs(k - 1) > tol:
-                fit["gradient_scale"] = k
-                message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
-            return diagnosis, message, fit
-    # otherwise read the direction against the scale of the least-clipped sample: the one with the
-    # smallest true norm is below C (C is between the middle norms), so unclipped unless inflated
+            return diagnosis, message, k
+    return None
+
+
+def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
+    """``(samples clipped differently, min and max effective/true norm of the clipped ones or None,
+    "less" | "more" | "both")``: how the recovered coefficients ``coef`` differ from ``expected``,
+    read against the scale of the least-clipped sample: the one with the smallest true norm is
+    below C (C is between the middle norms), so unclipped unless inflated."""
     coef = coef / (float(coef.max()) / float(expected.max()))
     changed = (coef - expected).abs() > tol
     effective = c / coef.clamp_min(1e-300) - reference.CLIP_EPSILON
     shown = changed & (coef < 1 - tol)
-    ratio = (f" (effective/true norm {float((effective / ref[indices])[shown].min()):.4g}.."
-             f"{float((effective / ref[indices])[shown].max()):.4g})" if bool(shown.any()) else "")
+    low = float((effective / true_norms)[shown].min()) if bool(shown.any()) else None
+    high = float((effective / true_norms)[shown].max()) if bool(shown.any()) else None
     if bool((coef[changed] > expected[changed]).all()):
-        return "undercount", (f"the norms it clips with undercount the true norms {where}: {int(changed.sum())} "
-                              f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
-                              "more than C: a privacy violation."), fit
+        return int(changed.sum()), low, high, "less"
     if bool((coef[changed] < expected[changed]).all()):
-        return "mismatch", (f"the norms it clips with are inflated {where}: {int(changed.sum())} sample(s) clipped "
-                            f"more than min(1, C/||g_i||){ratio}: over-clipped (utility loss)."), fit
-    return "mismatch", (f"the norms it clips with differ from the true norms {where}: {int(changed.sum())} "
-                        f"sample(s) clipped differently from min(1, C/||g_i||), some more, some less{ratio}."), fit
+        return int(changed.sum()), low, high, "more"
+    return int(changed.sum()), low, high, "both"
+
+
+def _direction_message(changed: int, low, high, direction: str, where: str):
+    """``(diagnosis, message)`` for ``_direction``'s finding."""
+    ratio = f" (effective/true norm {low:.4g}..{high:.4g})" if low is not None else ""
+    if direction == "less":
+        return "undercount", (f"the norms it clips with undercount the true norms {where}: {changed} "
+                              f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
+                              "more than C: a privacy violation.")
+    if direction == "more":
+        return "mismatch", (f"the norms it clips with are inflated {where}: {changed} sample(s) clipped "
+                            f"more than min(1, C/||g_i||){ratio}: over-clipped (utility loss).")
+    return "mismatch", (f"the norms it clips with differ from the true norms {where}: {changed} "
+                        f"sample(s) clipped differently from min(1, C/||g_i||), some more, some less{ratio}.")
 
 
 def hypotheses(case: Case, want, steps, subject: str):

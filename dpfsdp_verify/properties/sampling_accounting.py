@@ -67,8 +67,9 @@ correct sampler is below 1e-3. q = 1 (every sample, every step) is deterministic
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from itertools import combinations
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -176,100 +177,143 @@ def _across_steps_text(name: str, s: dict, q: float, q_obs: float) -> str:
             f"{', '.join(map(str, s['portmanteau_top']))}): membership depends on recent steps")
 
 
+@dataclass
+class Sampled:
+    """The statistics of ``T`` steps' inclusions (``statistics``); what the tests judge."""
+
+    t: int
+    n: int
+    q: float
+    batch: torch.Tensor
+    #: q >= 1: every sample in every step, nothing random to test
+    deterministic: bool
+    #: ``(rank a, rank b, r, p)``: the correlation of two ranks' local batch sizes over steps
+    pairs: List[tuple] = field(default_factory=list)
+    #: the global batch size's dispersion around the observed rate ``q_obs``
+    q_obs: float = float("nan")
+    var0: float = float("nan")
+    disp: float = float("nan")
+    ratio: float = float("nan")
+    #: ``across_steps``' statistics (None when not random or below 4 steps)
+    lags: Optional[dict] = None
+    total: float = 0.0
+    q_hat: float = 0.0
+    p_rate: float = 1.0
+    counts: Optional[torch.Tensor] = None
+    hom: float = 0.0
+    p_hom: float = 1.0
+
+
+def statistics(spec: RunSpec, ws: int, outputs, x: torch.Tensor) -> Sampled:
+    """Every statistic of the ``[T, N]`` inclusions ``x`` (and the ranks' local batch sizes)."""
+    t, n, q = x.shape[0], spec.dataset_size, spec.sample_rate
+    st = Sampled(t=t, n=n, q=q, batch=x.sum(1), deterministic=q >= 1.0)
+    batch = st.batch
+    if not st.deterministic:
+        local = [torch.tensor([float(len(s.indices)) for s in o.steps], dtype=torch.float64) for o in outputs]
+        st.pairs = [(a, b, *correlation_p(local[a], local[b])) for a, b in combinations(range(ws), 2)]
+        # around the *observed* rate, so that a wrong rate (check 3) does not read as correlation
+        st.q_obs = float(batch.mean()) / n
+        st.var0 = n * st.q_obs * (1 - st.q_obs)
+        st.disp = float(((batch - batch.mean()) ** 2).sum() / st.var0) if st.var0 > 0 else float("nan")
+        st.ratio = st.disp / (t - 1) if t > 1 else float("nan")
+        st.lags = across_steps(x, batch)
+    st.total = float(x.sum())
+    st.q_hat = st.total / (t * n)
+    st.counts = x.sum(0)
+    if st.deterministic:
+        st.p_rate = 1.0 if st.total == t * n else 0.0
+        st.p_hom = 1.0 if bool((st.counts == t).all()) else 0.0
+    else:
+        st.p_rate = normal_two_sided_p((st.total - t * n * q) / math.sqrt(t * n * q * (1 - q)))
+        st.hom = float(((st.counts - t * q) ** 2).sum() / (t * q * (1 - q)))
+        st.p_hom = chi2_two_sided_p(st.hom, n)
+    return st
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
     spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     alpha = case.facts.get("alpha", ALPHA)  # the fuzzer's cases carry no facts: the default
     # check 1 (equal step counts) is the runner's (compare.poisson_problem): step_divergence
     x = _inclusions(spec, outputs)
-    t, n, q = x.shape[0], spec.dataset_size, spec.sample_rate
-    if t == 0:
+    if x.shape[0] == 0:
         return case.verdict("fail", "wrong_sample_rate", f"the sampler drew no step at all in {spec.epochs} "
                             f"epoch(s) (nominal {spec.nominal_steps})")
-    pairs = list(combinations(range(ws), 2))
-    m = 6 + len(pairs)  # the deterministic steps-taken check costs no alpha
+    m = 6 + len(list(combinations(range(ws), 2)))  # the deterministic steps-taken check costs no alpha
     level = alpha / m
-    batch = x.sum(1)
-    tests: List[tuple] = []  # (diagnosis, name, p, description)
-    deterministic = q >= 1.0
-    lags = None
-    if not deterministic:
-        local = [torch.tensor([float(len(s.indices)) for s in o.steps], dtype=torch.float64) for o in outputs]
-        for a, b in pairs:
-            r, p = correlation_p(local[a], local[b])
+    st = statistics(spec, ws, outputs, x)
+    tests = _tests(st, spec, ws)
+    evidence = {"steps": st.t, "dataset_size": st.n, "q": st.q, "q_hat": st.q_hat, "alpha": alpha,
+                "tests": len(tests), "per_test_level": level, "p_values": {name: p for _, name, p, _ in tests},
+                "empty_global_batches": int((st.batch == 0).sum())}
+    if st.lags is not None:
+        evidence["across_steps"] = {k: v for k, v in st.lags.items() if k not in ACROSS_STEPS}
+    failed = [(d, name, p, msg) for d, name, p, msg in tests if not p >= level]  # NaN p rejects
+    if failed:
+        return case.verdict("fail", failed[0][0], _failure_message(failed, level, ws, st, spec.seeding), evidence)
+    return case.verdict("pass", None, (
+        f"{st.t} steps on {ws} rank(s): inclusion rate {st.q_hat:.5g} (q = {st.q:.5g}), independent across samples, "
+        f"ranks and steps ({len(tests)} tests, family-wise alpha {alpha:g})"), evidence)
+
+
+def _tests(st: Sampled, spec: RunSpec, ws: int) -> List[tuple]:
+    """``(diagnosis, name, p, sentence)`` for every test, in the order the first failure is named."""
+    t, n, q = st.t, st.n, st.q
+    tests: List[tuple] = []
+    if not st.deterministic:
+        for a, b, r, p in st.pairs:
             tests.append(("correlated_sampling", f"ranks_{a}_{b}_correlation", p,
                           f"ranks {a} and {b}: their local batch sizes are correlated (r = {r:.3f} over {t} steps; "
                           "0 expected): the ranks' Poisson draws are not independent -- e.g. every rank's sampler "
                           "seeded identically draws the same mask over its own shard of the data"))
-        # around the *observed* rate, so that a wrong rate (check 3) does not read as correlation
-        q_obs = float(batch.mean()) / n
-        var0 = n * q_obs * (1 - q_obs)
-        disp = float(((batch - batch.mean()) ** 2).sum() / var0) if var0 > 0 else float("nan")
-        ratio = disp / (t - 1) if t > 1 else float("nan")
-        tests.append(("correlated_sampling", "batch_size_dispersion", chi2_two_sided_p(disp, t - 1),
-                      f"the global batch size varies {ratio:.3g}x as much as independent draws would (variance "
-                      f"{float(batch.var()):.4g} vs N q (1-q) = {var0:.4g} at the observed rate): the samples' "
+        tests.append(("correlated_sampling", "batch_size_dispersion", chi2_two_sided_p(st.disp, t - 1),
+                      f"the global batch size varies {st.ratio:.3g}x as much as independent draws would (variance "
+                      f"{float(st.batch.var()):.4g} vs N q (1-q) = {st.var0:.4g} at the observed rate): the samples' "
                       "inclusions are not independent within a step" + (
-                          " (fixed-size batches are not Poisson sampling)" if ratio < 1 else "")))
+                          " (fixed-size batches are not Poisson sampling)" if st.ratio < 1 else "")))
         if t < spec.nominal_steps:  # deterministic: listed before the statistics it distorts
-            tests.insert(len(pairs), ("wrong_sample_rate", "steps_taken", 0.0,
+            tests.insert(len(st.pairs), ("wrong_sample_rate", "steps_taken", 0.0,
                          f"only {t} of the {spec.nominal_steps} nominal steps were taken "
                          f"({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}): steps whose batch "
                          "came out empty are skipped, so the accountant (one entry per step taken, each at rate "
                          "q) describes neither the number of steps nor the rate per step taken"))
-        lags = across_steps(x, batch)
-        if lags is not None:
+        if st.lags is not None:
             for name in ACROSS_STEPS:
-                tests.append(("correlated_sampling", name, lags[name], _across_steps_text(name, lags, q, q_obs)))
-    total = float(x.sum())
-    q_hat = total / (t * n)
-    if deterministic:
-        p_rate = 1.0 if total == t * n else 0.0
-    else:
-        p_rate = normal_two_sided_p((total - t * n * q) / math.sqrt(t * n * q * (1 - q)))
-    why = ""
-    if ws > 1 and abs(q_hat / q - ws) < 0.1 * ws:
-        why = (f" = {q_hat / q:.3g}x q, about the world size: q looks computed from a rank's local loader "
-               "(its shard of the dataset) instead of the global dataset")
-    elif q_hat > q and t < spec.nominal_steps:
-        why = (f" = {q_hat / q:.3g}x q, and only {t} of the {spec.nominal_steps} nominal steps were taken: steps "
-               "whose batch came out empty are skipped (the accountant counts the steps taken, each with rate q; "
-               "per step taken the rate is higher)")
-    else:
-        why = f" = {q_hat / q:.3g}x q"
-    tests.append(("wrong_sample_rate", "inclusion_rate", p_rate,
-                  f"samples are included at rate {q_hat:.5g} per step over {t} steps, not the configured "
-                  f"q = {q:.5g}{why}"))
-    counts = x.sum(0)
-    if deterministic:
-        p_hom = 1.0 if bool((counts == t).all()) else 0.0
-        hom = 0.0
-    else:
-        hom = float(((counts - t * q) ** 2).sum() / (t * q * (1 - q)))
-        p_hom = chi2_two_sided_p(hom, n)
-    tests.append(("wrong_sample_rate", "per_sample_rate", p_hom,
+                tests.append(("correlated_sampling", name, st.lags[name],
+                              _across_steps_text(name, st.lags, q, st.q_obs)))
+    tests.append(("wrong_sample_rate", "inclusion_rate", st.p_rate,
+                  f"samples are included at rate {st.q_hat:.5g} per step over {t} steps, not the configured "
+                  f"q = {q:.5g}{_rate_why(st, spec, ws)}"))
+    counts, hom = st.counts, st.hom
+    tests.append(("wrong_sample_rate", "per_sample_rate", st.p_hom,
                   f"per-sample inclusion counts spread {hom / n if n else 0:.3g}x as much as Binomial(T, q) "
                   f"(min {int(counts.min())}, max {int(counts.max())}, expected {t * q:.4g}): samples are not "
                   "each drawn with rate q" + (" (a shuffling loader draws each exactly once per epoch)"
                                               if n and hom / n < 0.5 else "")))
-    evidence = {"steps": t, "dataset_size": n, "q": q, "q_hat": q_hat, "alpha": alpha, "tests": len(tests),
-                "per_test_level": level, "p_values": {name: p for _, name, p, _ in tests},
-                "empty_global_batches": int((batch == 0).sum())}
-    if lags is not None:
-        evidence["across_steps"] = {k: v for k, v in lags.items() if k not in ACROSS_STEPS}
-    failed = [(d, name, p, msg) for d, name, p, msg in tests if not p >= level]  # NaN p rejects
-    if failed:
-        diagnosis = failed[0][0]
-        text = "; ".join(f"{msg} (p = {p:.2g} < {level:.2g})" for _, _, p, msg in failed)
-        steps = (" Amplification by subsampling, as the accountant composes it, needs every step's batch to be a "
-                 "fresh draw independent of every other step: a sample whose presence in one step makes it "
-                 "likelier in another is exposed in correlated steps, and the reported epsilon is too small."
-                 if any(name in ACROSS_STEPS for _, name, _, _ in failed) else "")
-        return case.verdict("fail", diagnosis, f"at world_size={ws}, N={n}, q={q:.4g}, seeding "
-                            f"{spec.seeding!r}: {text}. The accountant's epsilon assumes independent "
-                            f"Poisson inclusion at rate q in every step on every rank.{steps}", evidence)
-    return case.verdict("pass", None, (
-        f"{t} steps on {ws} rank(s): inclusion rate {q_hat:.5g} (q = {q:.5g}), independent across samples, ranks "
-        f"and steps ({len(tests)} tests, family-wise alpha {alpha:g})"), evidence)
+    return tests
+
+
+def _rate_why(st: Sampled, spec: RunSpec, ws: int) -> str:
+    """What an inclusion rate other than q looks like (the rate test's sentence ends with it)."""
+    q_hat, q, t = st.q_hat, st.q, st.t
+    if ws > 1 and abs(q_hat / q - ws) < 0.1 * ws:
+        return (f" = {q_hat / q:.3g}x q, about the world size: q looks computed from a rank's local loader "
+                "(its shard of the dataset) instead of the global dataset")
+    if q_hat > q and t < spec.nominal_steps:
+        return (f" = {q_hat / q:.3g}x q, and only {t} of the {spec.nominal_steps} nominal steps were taken: steps "
+                "whose batch came out empty are skipped (the accountant counts the steps taken, each with rate q; "
+                "per step taken the rate is higher)")
+    return f" = {q_hat / q:.3g}x q"
+
+
+def _failure_message(failed: List[tuple], level: float, ws: int, st: Sampled, seeding: str) -> str:
+    text = "; ".join(f"{msg} (p = {p:.2g} < {level:.2g})" for _, _, p, msg in failed)
+    steps = (" Amplification by subsampling, as the accountant composes it, needs every step's batch to be a "
+             "fresh draw independent of every other step: a sample whose presence in one step makes it "
+             "likelier in another is exposed in correlated steps, and the reported epsilon is too small."
+             if any(name in ACROSS_STEPS for _, name, _, _ in failed) else "")
+    return (f"at world_size={ws}, N={st.n}, q={st.q:.4g}, seeding {seeding!r}: {text}. The accountant's epsilon "
+            f"assumes independent Poisson inclusion at rate q in every step on every rank.{steps}")
 
 
 PROPERTY = Property(

@@ -296,7 +296,7 @@ class OpacusTarget(Target):
         k, index_parts, norm_parts, losses = spec.first_step, [], [], []
         # under accumulation the loader yields physical batches: the step budget counts logical
         # steps (below); resume is not combined with accumulation (RunSpec refuses it), so k starts at 0
-        for x, y, index in self._batches(spec.with_(steps=0) if accumulating else spec, loader):
+        for x, y, index in self._batches(spec.with_(steps=0) if accumulating and spec.poisson else spec, loader):
             if not losses:
                 progress.step_begun(k, None if accumulating else len(index))
             if accumulating:
@@ -347,6 +347,9 @@ class OpacusTarget(Target):
         resumed run's halves: steps ``0..k-1`` (save), or from step k on (load: fixed batches skip
         the first k; Poisson starts at epoch ``k // int(1/q)`` and skips ``k mod int(1/q)``
         batches of it, drawing them, as a user's resume loop does)."""
+        if not spec.poisson and not spec.resume_at:
+            yield from loader  # under accumulation: physical batches, as many as the passes
+            return
         if not spec.poisson:
             for k, batch in enumerate(loader):
                 if k >= spec.end_step:
