@@ -7,7 +7,7 @@
         [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
         [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
-        [--markdown PATH] [-q]
+        [--markdown PATH] [-q] [--launcher spawn|torchrun]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
     dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
@@ -34,11 +34,11 @@ from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
-from .plan import RunPlan, UsageError, load_target_info, parse_modes, positive_world_size, require_hypothesis
+from .plan import (DEFAULT_WORLD_SIZES, RunPlan, UsageError, load_target_info, parse_modes, positive_world_size,
+                   require_hypothesis)
 from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from ..verdict import FAILING
 
-DEFAULT_WORLD_SIZES = "1,2"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grad-sample-mode", default=DEFAULT_GRAD_SAMPLE_MODE,
                      help="grad_sample_mode passed to make_private (forks add e.g. ghost_fsdp_bk; "
                           f"default {DEFAULT_GRAD_SAMPLE_MODE})")
-    run.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES, help=f"comma list (default {DEFAULT_WORLD_SIZES})")
+    run.add_argument("--world-sizes", default=None,
+                     help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's world size)")
+    run.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
+                     help="spawn: the gate starts its own ranks on this host (default); torchrun: run inside the "
+                          "ranks of 'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
     run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
     run.add_argument("--models", default=None,
                      help="comma list of mlp,conv,transformer (base), lora,tied (fine-tuning: docs/finetune.md), "
@@ -176,6 +180,10 @@ def cmd_run(args) -> int:
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if args.launcher == "torchrun":
+        from .torchrun import cmd_run_torchrun
+
+        return cmd_run_torchrun(args)
     plan = RunPlan.from_args(args)
     progress = Progress(plan.quiet)
     target = target_info.describe_target(plan.options.target, plan.info)

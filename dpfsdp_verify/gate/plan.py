@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: gloo ranks are processes on this host: more than this is a mistake on a CI runner
 MAX_GLOO_WORLD_SIZE = 16
+#: ``--world-sizes`` when not given (a torchrun job: the job's own world size)
+DEFAULT_WORLD_SIZES = "1,2"
 REDUCTIONS = ("mean", "sum")
 
 
@@ -61,11 +63,16 @@ class RunPlan:
         return dict(self.target_info)
 
     @classmethod
-    def from_args(cls, args) -> "RunPlan":
-        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong."""
+    def from_args(cls, args, job_world_size: Optional[int] = None) -> "RunPlan":
+        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong.
+        ``job_world_size``: the ranks of the torchrun job the gate runs in (``--launcher
+        torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``)."""
         from ..properties import PROPERTIES, Options, modes_problem
 
-        world_sizes = parse_world_sizes(args.world_sizes, args.backend)
+        if job_world_size is None:
+            world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
+        else:
+            world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
         props = csv(args.properties) if args.properties else list(PROPERTIES)
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
@@ -120,11 +127,29 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
         raise UsageError(f"--world-sizes {text!r}: world sizes must be >= 1", "e.g. --world-sizes 1,2")
     if backend == "gloo" and world_sizes[-1] > MAX_GLOO_WORLD_SIZE:
         raise UsageError(f"--world-sizes: {world_sizes[-1]} gloo ranks is more than this gate runs on one host "
-                         f"(max {MAX_GLOO_WORLD_SIZE})", "use torchrun + the pytest plugin for larger worlds")
+                         f"(max {MAX_GLOO_WORLD_SIZE})",
+                         "run the gate inside a torchrun job for larger worlds (--launcher torchrun, docs/torchrun.md)")
     try:
         check_backend(backend, world_sizes[-1])
     except (BackendUnavailable, ValueError) as e:
         raise UsageError(f"--backend {backend}: {e}", "use --backend gloo on CPU runners") from None
+    return world_sizes
+
+
+def launched_world_sizes(text: Optional[str], job_world_size: int) -> List[int]:
+    """``--world-sizes`` inside a torchrun job: the job's own size when not given; a list must
+    include it (cases at its other sizes are reported as not run at this size, never dropped).
+    No per-host limit and no local device count: the ranks are the job's, across its nodes."""
+    if text is None:
+        return [job_world_size]
+    try:
+        world_sizes = sorted({int(w) for w in csv(text)})
+    except ValueError:
+        raise UsageError(f"--world-sizes {text!r}: not a comma list of integers",
+                         f"omit it to run at the job's world size {job_world_size}") from None
+    if job_world_size not in world_sizes:
+        raise UsageError(f"--world-sizes {text!r}: this torchrun job has {job_world_size} ranks, so none of these "
+                         "world sizes can run in it", f"omit --world-sizes, or relaunch with {world_sizes[-1]} ranks")
     return world_sizes
 
 

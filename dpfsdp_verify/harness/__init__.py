@@ -12,7 +12,7 @@ flight-recorder comparison), ``wording.py`` (what a verdict says). Rank side: ``
 """
 
 from .group import (BackendUnavailable, GroupResult, GroupStartError, JobFailed, JobPicklingError,
-                    WorkerGroup, check_backend)
+                    NotRunHere, WorkerGroup, check_backend)
 from .pool import DEFAULT_TIMEOUT_S, Pool, default_pool, pid_gone, wait_gone
 from .protocol import JobError, JobResult
 
@@ -24,5 +24,5 @@ def run(fn, *args, world_size: int = 2, backend: str = "gloo", env=None, timeout
 
 
 __all__ = ["run", "Pool", "default_pool", "WorkerGroup", "GroupResult", "JobResult", "JobError", "JobFailed",
-           "BackendUnavailable", "GroupStartError", "JobPicklingError", "check_backend", "DEFAULT_TIMEOUT_S",
-           "pid_gone", "wait_gone"]
+           "BackendUnavailable", "NotRunHere", "GroupStartError", "JobPicklingError", "check_backend",
+           "DEFAULT_TIMEOUT_S", "pid_gone", "wait_gone"]

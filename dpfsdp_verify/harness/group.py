@@ -76,6 +76,12 @@ class BackendUnavailable(RuntimeError):
     Callers turn it into a *skip* with this message as the reason."""
 
 
+class NotRunHere(BackendUnavailable):
+    """This launcher cannot run the job at all (e.g. a torchrun job asked for another world size,
+    or for fresh rank processes). Its text is the whole reason ("not run at this size: ..."), so
+    callers show it as is instead of prefixing "backend unavailable"."""
+
+
 class GroupStartError(RuntimeError):
     """Ranks could not be started (import error in a rank, rendezvous failure...)."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..harness import Pool, default_pool
-from ..harness.group import BackendUnavailable, GroupResult
+from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
@@ -174,7 +174,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         trails = progress.read(trail_dir, r0.world_size) if not res.ok else None
     except BackendUnavailable as e:
         for r in runs:
-            done[r] = f"backend unavailable: {e}"
+            done[r] = _unavailable(e)
         return
     finally:
         shutil.rmtree(trail_dir, ignore_errors=True)
@@ -210,7 +210,7 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
             for _ in range(r.fresh):
                 groups.append(pool.fresh_group(r.world_size, r.backend, r.mode.env_dict or None))
         except BackendUnavailable as e:
-            done[r] = f"backend unavailable: {e}"
+            done[r] = _unavailable(e)
             return
         outs = []
         specs = [with_checkpoint_dir(s, checkpoints) for s in r.specs]
@@ -235,6 +235,11 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
             g.close()
         shutil.rmtree(checkpoints, ignore_errors=True)
         seconds[r] = seconds.get(r, 0.0) + time.monotonic() - t0
+
+
+def _unavailable(e: BackendUnavailable) -> str:
+    """The skip reason of a run the pool could not give ranks to."""
+    return str(e) if isinstance(e, NotRunHere) else f"backend unavailable: {e}"
 
 
 def with_checkpoint_dir(spec: RunSpec, root: str) -> RunSpec:
