@@ -14,12 +14,15 @@ import pytest
 
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
+from verdict_helpers import run_gate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args, cwd=REPO):
-    """The installed console script in a subprocess, as CI runs it."""
+    """The installed console script in a subprocess, as CI runs it (``test_upstream_opacus_verdicts``
+    and the other modules' end-to-end runs; the rest run the same ``cli.main`` in this process on
+    the warm pool, ``verdict_helpers.run_gate``)."""
     exe = os.path.join(os.path.dirname(sys.executable), "dpfsdp-verify")
     return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
@@ -53,7 +56,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, args, says):
     assert len(err.splitlines()) == 1
 
 
-def test_sampling_axis_selects_and_the_seed_replays(tmp_path):
+def test_sampling_axis_selects_and_the_seed_replays(tmp_path, pool, monkeypatch, capsys):
     """--sampling picks the DP-step properties' sampling; Poisson knobs reach the spec; a property
     that runs under Poisson only is a skip that says why under --sampling fixed; --seed replays."""
     from dpfsdp_verify.gate.plan import RunPlan
@@ -79,7 +82,7 @@ def test_sampling_axis_selects_and_the_seed_replays(tmp_path):
     reports = []
     for seed in ("12345", "12345", "54321"):
         j = tmp_path / f"{len(reports)}.json"
-        assert run_cli(*sel, "--seed", seed, "--json", str(j)).returncode == 0
+        assert run_gate(pool, monkeypatch, capsys, *sel, "--seed", seed, "--json", str(j)).returncode == 0
         reports.append(json.loads(j.read_text()))
     a, b, c = reports
     assert a["seed"] == b["seed"] == 12345 and c["seed"] == 54321
@@ -149,9 +152,9 @@ def test_upstream_opacus_verdicts(tmp_path):
     assert "clipped_step" in md.read_text()
 
 
-def test_fork_with_planted_sqrt_n_bug(tmp_path):
+def test_fork_with_planted_sqrt_n_bug(tmp_path, pool, monkeypatch, capsys):
     j, md = tmp_path / "r.json", tmp_path / "r.md"
-    r = run_cli("run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
                 "--world-sizes", "1,2", "--models", "mlp", "--loss-reductions", "mean", "--json", str(j),
                 "--markdown", str(md))
     assert r.returncode == 1, r.stderr
@@ -167,9 +170,9 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path):
     assert "| 1 | replicated | mlp | mean | float64 | 1.000000 | 1.000000 | pass  |" in md.read_text()
 
 
-def test_crashing_mode_is_an_error_not_a_hang(tmp_path):
+def test_crashing_mode_is_an_error_not_a_hang(tmp_path, pool, monkeypatch, capsys):
     j = tmp_path / "r.json"
-    r = run_cli("run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1", "--properties",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1", "--properties",
                 "mode_equivalence", "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean",
                 "--mode-env", "immediate:OPACUS_USE_DEFERRED_NORM=0", "--mode-env",
                 "deferred:OPACUS_USE_DEFERRED_NORM=1", "--timeout", "30", "--json", str(j))
@@ -180,11 +183,15 @@ def test_crashing_mode_is_an_error_not_a_hang(tmp_path):
     assert "deferred" in msg and "rank 1" in msg and "planted crash" in msg
 
 
-def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path):
+def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path, pool, monkeypatch, capsys):
     """--fuzz N: N hypothesis examples per fuzzable property; on the shape-edge specimen the
     failure comes back shrunk to the minimal shape, with a replay command."""
+    import contextlib
+
+    from dpfsdp_verify import harness
+
     j = tmp_path / "r.json"
-    r = run_cli("run", "--target", "fixtures.shape_edge:FloorShardNorms", "--properties", "norm_fidelity",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.shape_edge:FloorShardNorms", "--properties", "norm_fidelity",
                 "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean", "--fuzz", "10",
                 "--json", str(j))
     assert r.returncode == 1, r.stderr
@@ -196,7 +203,9 @@ def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path):
     assert v["repro"].startswith("dpfsdp-verify replay ")
     # the repro line is a verb of the same CLI: it re-runs exactly that spec and fails again
     args = shlex.split(v["repro"])
-    again = run_cli(*args[1:])
+    # replay's own Pool() is the warm pool here (the pool fixture proves its ranks are gone)
+    monkeypatch.setattr(harness, "Pool", lambda *a, **k: contextlib.nullcontext(pool))
+    again = run_gate(pool, monkeypatch, capsys, *args[1:])
     assert again.returncode == 1, again.stderr
     assert "norm_fidelity: FAIL (undercount)" in again.stdout
 

@@ -2,8 +2,9 @@
 
 The gate tests run the real CLI on upstream opacus with the cheapest selection that shows the
 known ``loss_reduction="sum"`` finding (clipped_step, mlp, world size 2, both reductions): with
-the shipped file it exits 0; without the entry, 1 (a new failure); with an extra entry for a
-configuration that passes, 1 (the file cannot rot). The file checks run no property at all.
+the shipped file it exits 0 (the console script, end to end); without the entry, 1 (a new failure);
+with an extra entry for a configuration that passes, 1 (the file cannot rot) -- these two run the
+same ``cli.main`` in this process on the warm pool. The file checks run no property at all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dpfsdp_verify.gate import cli, expectations
 from dpfsdp_verify.gate.expectations import Entry, Expectations, ExpectationsError, apply, parse
 from dpfsdp_verify.verdict import Verdict
 from test_cli import run_cli
+from verdict_helpers import run_gate
 
 SHIPPED = expectations.bundled()["opacus-1.6.0"]
 #: the cheapest gate selection that exercises the shipped clipped_step entry and a passing neighbour
@@ -197,10 +199,10 @@ def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
     assert "xfail (expected) #1" in md.read_text()
 
 
-def test_gate_without_the_entry_exits_1(tmp_path):
+def test_gate_without_the_entry_exits_1(tmp_path, pool, monkeypatch, capsys):
     f, j = tmp_path / "known.toml", tmp_path / "r.json"
     f.write_text(without_entry(shipped_text(), "clipped_step", 'reduction = "sum"'))
-    r = run_cli(*SELECTION, "--expect", str(f), "--json", str(j))
+    r = run_gate(pool, monkeypatch, capsys, *SELECTION, "--expect", str(f), "--json", str(j))
     assert r.returncode == 1, r.stdout + r.stderr
     report, by_red = _results(j)
     assert (by_red["sum"]["status"], by_red["sum"]["expected"]) == ("fail", False)
@@ -208,11 +210,11 @@ def test_gate_without_the_entry_exits_1(tmp_path):
     assert "clipped_step [ws=2 split mlp sum" in r.stdout and "fail (mismatch)" in r.stdout
 
 
-def test_gate_with_an_entry_that_passes_exits_1(tmp_path):
+def test_gate_with_an_entry_that_passes_exits_1(tmp_path, pool, monkeypatch, capsys):
     f, j, x = tmp_path / "known.toml", tmp_path / "r.json", tmp_path / "r.xml"
     f.write_text(shipped_text() + '\n[[expect]]\nproperty = "clipped_step"\nconfig = { world_size = 2, '
                  'reduction = "mean" }\ndiagnosis = "mismatch"\nreason = "stale: fixed long ago"\n')
-    r = run_cli(*SELECTION, "--expect", str(f), "--json", str(j), "--junit", str(x))
+    r = run_gate(pool, monkeypatch, capsys, *SELECTION, "--expect", str(f), "--json", str(j), "--junit", str(x))
     assert r.returncode == 1, r.stdout + r.stderr
     report, by_red = _results(j)
     assert by_red["sum"]["expected"] is True and by_red["mean"]["status"] == "pass"

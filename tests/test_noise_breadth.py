@@ -17,17 +17,22 @@ from dpfsdp_verify.properties.contract import Options
 from dpfsdp_verify.properties.stats import detectable_std_ratios, kurtosis_z, normal_two_sided_p, pairwise_dependence
 from dpfsdp_verify.verdict import CONFIG_KEYS, DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import assert_all_pass
+from verdict_helpers import assert_all_pass, without_fresh_case
 
 N = "fixtures.noise_specimens:"
 PROP = PROPERTIES["noise_calibration"]
 
 
-def run(pool, target, **kw):
+#: for the tests that judge only the warm ranks' verdicts (the fresh-process case starts two new
+#: sets of ranks; the tests that assert its verdict run it)
+WARM_ONLY = without_fresh_case("noise_calibration")
+
+
+def run(pool, target, prop=PROP, **kw):
     kw.setdefault("timeout", 90)
     kw.setdefault("reductions", ("mean",))
     kw.setdefault("samplings", ("fixed",))
-    return props.run(PROP, target, pool=pool, seed=kw.pop("seed", 17), **kw)
+    return props.run(prop, target, pool=pool, seed=kw.pop("seed", 17), **kw)
 
 
 def split(vs):
@@ -85,7 +90,7 @@ def test_wrong_noise_fails_in_one_process(pool, target, diagnosis, words):
 
 @pytest.mark.parametrize("target", ["LaplaceNoise", "NoiseRing2", "OneBufferForAllTensors"])
 def test_wrong_noise_fails_at_two_ranks(pool, target):
-    main, _ = split(run(pool, N + target, world_sizes=(2,)))
+    main = run(pool, N + target, prop=WARM_ONLY, world_sizes=(2,))
     assert [v.status for v in main] == ["fail"]
     assert "PRIVACY VIOLATION" in main[0].message
 
@@ -116,7 +121,7 @@ def test_poisson_is_on_by_default():
 
 
 def test_five_percent_deficit_on_one_shard_is_caught(pool):
-    main, _ = split(run(pool, N + "NoiseDeficit5pct", world_sizes=(2,)))
+    main = run(pool, N + "NoiseDeficit5pct", prop=WARM_ONLY, world_sizes=(2,))
     assert [(v.status, v.diagnosis) for v in main] == [("fail", "mismatch")]
     for w in ["PRIVACY VIOLATION", "too little noise", "'fc2.weight' in rank 1's shard"]:
         assert w in main[0].message

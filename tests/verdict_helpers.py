@@ -1,4 +1,8 @@
-"""Small verdict filters shared by the property test modules."""
+"""Small verdict filters and runners shared by the test modules."""
+
+from dpfsdp_verify.gate import run as _gate_run
+
+_RUN_PLAN = _gate_run.run_plan
 
 
 def by(verdicts, **config):
@@ -9,3 +13,30 @@ def by(verdicts, **config):
 def assert_all_pass(verdicts):
     bad = [(v.config, v.status, v.message) for v in verdicts if v.status != "pass"]
     assert verdicts and not bad, bad
+
+
+def without_fresh_case(pid):
+    """Property ``pid`` with its fresh-process case left out, for tests that judge only the verdicts
+    of the warm ranks: that case starts two new sets of rank processes (seconds each) and is judged
+    by the tests that assert its verdict."""
+    import dataclasses
+
+    from dpfsdp_verify.properties import PROPERTIES
+
+    prop = PROPERTIES[pid]
+    return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point) if not c.fresh])
+
+
+def run_gate(pool, monkeypatch, capsys, *args):
+    """``dpfsdp-verify ARGS`` in this process on the tests' warm pool (what the console script does,
+    minus starting Python and the ranks again; ``test_cli.run_cli`` runs the script itself):
+    an object with ``returncode``, ``stdout`` and ``stderr``."""
+    from types import SimpleNamespace
+
+    from dpfsdp_verify.gate import cli
+
+    monkeypatch.setattr(_gate_run, "run_plan", lambda plan, progress=None: _RUN_PLAN(plan, progress, pool=pool))
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
