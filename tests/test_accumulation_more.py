@@ -119,6 +119,7 @@ def test_the_accum_specimens_under_the_new_cases(pool):
 
 
 # -- deadlock_free at three ranks -------------------------------------------------------------------
+@pytest.mark.slow
 def test_accumulation_scenarios_at_three_ranks(pool):
     assert_all_pass(run(pool, "deadlock_free", CORRECT, world_sizes=(3,), local_batches=ACCUM))
     vs = run(pool, "deadlock_free", A + "NoPassAgreement", world_sizes=(3,), local_batches=ACCUM, timeout=60)
@@ -164,6 +165,7 @@ ACCUM_DIVERGENCE_3 = ("upstream opacus 1.6.0: BatchMemoryManager under FSDP at 3
                       "per rank; the ranks' pass counts differ and the job deadlocks (here: gloo aborts)")
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=ACCUM_DIVERGENCE_3)
 def test_upstream_accumulation_diverges_at_three_ranks(pool):
     pytest.importorskip("opacus")

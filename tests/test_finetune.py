@@ -165,6 +165,7 @@ def test_clips_over_frozen_fails_norm_fidelity_naming_the_frozen_weight(pool):
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
 
 
+@pytest.mark.slow
 def test_noises_frozen_fails_noise_calibration_as_frozen_updated(pool):
     vs = props.run("noise_calibration", F + "NoisesFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
                                          reductions=("mean",), draws=32, seed=3)
@@ -172,6 +173,7 @@ def test_noises_frozen_fails_noise_calibration_as_frozen_updated(pool):
     assert all("frozen parameter 'fc1.weight'" in v.message for v in vs)
 
 
+@pytest.mark.slow
 def test_skips_adapter_noise_fails_noise_calibration(pool):
     vs = props.run("noise_calibration", F + "SkipsAdapterNoise", pool=pool, world_sizes=(1, 2), models=("lora",),
                                          reductions=("mean",), draws=32, seed=3)

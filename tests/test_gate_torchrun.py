@@ -144,6 +144,7 @@ def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     assert junit.exists()
 
 
+@pytest.mark.slow
 def test_deadlocking_specimen_ends_in_verdicts_not_a_stuck_job(tmp_path):
     # HookCollective: the last rank issues a barrier in a backward hook that no other rank issues
     report = tmp_path / "hang.json"
@@ -217,6 +218,7 @@ def test_outcomes_become_the_spawned_groups_verdicts():
     assert "rank(s) [1] never reported" in silent.message
 
 
+@pytest.mark.slow
 def test_a_rank_busy_outside_collectives_is_named_and_the_job_ends(tmp_path):
     # SlowCorrect sleeps 1 s before each step on every rank: with a 2 s deadline the watchdog ends
     # the job on each rank (no deadlock is claimed) and the run goes on to the next property

@@ -94,6 +94,7 @@ def test_pool_mode_outcomes(pytester, tagged):
     assert "needs CUDA GPUs" in out or _cuda()
 
 
+@pytest.mark.slow
 def test_xdist_runs_collide_nowhere(pytester, tagged):
     pytester.makepyfile(test_user=USER_TESTS)
     for _ in range(2):
@@ -206,6 +207,7 @@ def test_e_innocent_again(rank):
 '''
 
 
+@pytest.mark.slow
 def test_pytest_timeout_shorter_than_the_marker_poisons_nothing(pytester, tagged):
     pytester.makepyfile(test_user=TIMEOUT_TESTS)
     t0 = time.monotonic()
@@ -305,6 +307,7 @@ def _torchrun():
     return exe if os.path.exists(exe) else shutil.which("torchrun")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_torchrun() is None, reason="torchrun not installed")
 def test_torchrun_mode(pytester, tagged):
     pytester.makepyfile(test_user=USER_TESTS, test_torchrun=TORCHRUN_TESTS)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from test_cli import run_cli
 from test_plugin import tagged  # noqa: F401  (fixture: proves no rank outlives the run)
 
 NOISE = ("Not all ranks joining", "tabulate is not installed", "Flight Recorder:")
 
 
+@pytest.mark.slow
 def test_gate_terminal_shows_the_hang_verdict_not_the_analyser(tmp_path):
     junit = tmp_path / "r.xml"
     res = run_cli("run", "--target", "fixtures.specimens:HookCollective", "--properties", "clipped_step",

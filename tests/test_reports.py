@@ -32,6 +32,7 @@ def test_schema_is_a_valid_json_schema():
     assert SCHEMA["properties"]["schema_version"]["const"] == report.SCHEMA_VERSION
 
 
+@pytest.mark.slow
 def test_deadlock_free_scenarios_have_unique_labels_in_every_report(tmp_path):
     """The four deadlock_free scenarios of one world size used to share one label (and so one
     JUnit classname+name): reporters that key on them merged four results into one."""
@@ -141,6 +142,7 @@ def without_optional_deps(tmp_path):
     return env
 
 
+@pytest.mark.slow
 def test_gate_needs_only_its_runtime_dependencies(without_optional_deps):
     exe = os.path.join(os.path.dirname(sys.executable), "dpfsdp-verify")
     r = subprocess.run([exe, "run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "1",

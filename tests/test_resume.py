@@ -140,6 +140,7 @@ def test_correct_passes(pool, tmp_path, monkeypatch):
     ("ResumeResetsStepCount", "step_count_reset", "counts from 1 again"),
     ("ResumeReplaysMasks", "mask_replayed", "replays its masks"),
 ])
+@pytest.mark.slow
 def test_specimen_fails_as_named(pool, name, diagnosis, words):
     vs = run(pool, R + name, world_sizes=(2,))
     [v] = vs

@@ -9,6 +9,8 @@ import json
 import time
 from importlib import resources
 
+import pytest
+
 from dpfsdp_verify.harness import DEFAULT_TIMEOUT_S, wait_gone
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.contract import case_deadline
@@ -67,6 +69,7 @@ def _assert_group_gone(pool, before):
     assert wait_gone(before - after) == [], "the timed-out group's ranks must be ended"
 
 
+@pytest.mark.slow
 def test_slow_correct_target_under_a_short_timeout_is_a_timeout_naming_the_busy_rank(pool):
     before = set(pool.group(2).pids())
     t0 = time.monotonic()
@@ -88,6 +91,7 @@ def test_slow_correct_target_under_a_short_timeout_is_a_timeout_naming_the_busy_
     _assert_group_gone(pool, before)
 
 
+@pytest.mark.slow
 def test_slow_correct_target_passes_the_poisson_scenarios_under_the_default_timeout(pool):
     """12 steps of ~1 s each: longer than the Poisson scenarios' former fixed 10 s deadline."""
     v, = props.run("deadlock_free", SLOW, pool=pool, world_sizes=(2,), local_batches=("poisson_same",))
