@@ -90,6 +90,7 @@ def test_bug_from_step_4_is_caught_by_the_trajectory(pool):
     fails(vs, "step 4 of 6", "update 3 is the first that differs")
 
 
+@pytest.mark.slow
 def test_deferred_bug_from_step_4_is_caught_by_mode_equivalence(pool):
     vs = run(pool, "mode_equivalence", C + "DeferredDropsLayerFromStep4", world_sizes=(1, 2), modes=MODES)
     fails(vs, "are not equivalent", "differ at step 3")

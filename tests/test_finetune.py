@@ -150,6 +150,7 @@ def test_correct_passes_on_lora_and_tied(pool):
                                          reductions=("mean",), **FIXED))
 
 
+@pytest.mark.slow
 def test_correct_noise_is_calibrated_on_adapters_and_absent_on_frozen(pool):
     assert_all_pass(props.run("noise_calibration", CORRECT, pool=pool, world_sizes=(2,), models=("lora",),
                                                     reductions=("mean",), seed=11))

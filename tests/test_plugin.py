@@ -84,6 +84,7 @@ def tagged(monkeypatch):
     assert_no_ranks(tag)
 
 
+@pytest.mark.slow
 def test_pool_mode_outcomes(pytester, tagged):
     pytester.makepyfile(test_user=USER_TESTS)
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")

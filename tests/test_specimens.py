@@ -125,6 +125,7 @@ def test_noise_bugs(pool, target, diagnosis, words):
         assert w in main[0].message
 
 
+@pytest.mark.slow
 def test_noise_power_is_stated_and_meets_the_target(pool):
     vs = run(pool, "noise_calibration", "Correct", world_sizes=(1,), reductions=("sum",))
     assert_all_pass(vs)
