@@ -82,8 +82,9 @@ class ConvNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention built from Linear layers (opacus samples Linear on [B,T,D])."""
+class _SelfAttention(nn.Module):
+    """Multi-head attention built from Linear layers (opacus samples Linear on [B,T,D]); the
+    subclasses say which keys each query may attend to."""
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -93,7 +94,8 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(d_model, d_model)
         self.o = nn.Linear(d_model, d_model)
 
-    def forward(self, x):
+    def attend(self, x, allowed):
+        """Attention of ``x`` [B,T,D] where ``allowed`` (broadcast to [B,heads,T(query),T(key)]) is true."""
         b, t, d = x.shape
         h = self.n_heads
 
@@ -102,10 +104,17 @@ class CausalSelfAttention(nn.Module):
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         att = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        att = att.masked_fill(~allowed, float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         return self.o(y)
+
+
+class CausalSelfAttention(_SelfAttention):
+    """Multi-head causal attention."""
+
+    def forward(self, x):
+        t = x.shape[1]
+        return self.attend(x, torch.ones(t, t, dtype=torch.bool, device=x.device).tril())
 
 
 class TinyGPT(nn.Module):
@@ -213,7 +222,7 @@ class TiedLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
-class MaskedSelfAttention(nn.Module):
+class MaskedSelfAttention(_SelfAttention):
     """Bidirectional multi-head attention with a key padding mask derived from the token ids.
 
     A real position attends to the real positions of its own sequence only (``-inf`` on padding
@@ -223,28 +232,11 @@ class MaskedSelfAttention(nn.Module):
     NaN softmax, and ``0 * NaN`` is NaN in the backward even where the loss ignores the position.
     """
 
-    def __init__(self, d_model: int, n_heads: int):
-        super().__init__()
-        self.n_heads = n_heads
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.o = nn.Linear(d_model, d_model)
-
     def forward(self, x, real):
-        b, t, d = x.shape
-        h = self.n_heads
-
-        def heads(z):
-            return z.view(b, t, h, d // h).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
+        t = x.shape[1]
         eye = torch.eye(t, dtype=torch.bool, device=x.device)
         allowed = real.unsqueeze(1) | eye  # [b, t(query), t(key)]
-        att = att.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        return self.o(y)
+        return self.attend(x, allowed.unsqueeze(1))
 
 
 class MaskedEncoder(nn.Module):

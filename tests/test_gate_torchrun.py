@@ -18,26 +18,12 @@ import pytest
 
 from dpfsdp_verify.gate.cli import main
 from dpfsdp_verify.gate.plan import UsageError, launched_world_sizes
+from test_plugin import ranks_with_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: a selection small enough for CI (the full default gate at 4 ranks is compared by hand: docs/torchrun.md)
 SELECTION = ["--properties", "clipped_step,sensitivity_bound", "--models", "mlp", "--loss-reductions", "mean",
              "--dtypes", "float64", "--seed", "11"]
-
-
-def ranks_with_tag(tag: str):
-    """pids of live processes whose environment carries ``tag`` (the agents and their ranks)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"DPFSDP_TEST_TAG={tag}".encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def _free_port() -> int:
