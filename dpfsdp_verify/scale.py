@@ -432,7 +432,7 @@ def format_report(report: dict) -> str:
         lines.append(_fmt_p(r["rate_per_step_taken"],
                             f"realised sampling rate per step taken (q = {c['sample_rate']})"))
         sc = r["size_correlation"]
-        lines.append(f"  cross-rank correlation of local batch sizes: "
+        lines.append("  cross-rank correlation of local batch sizes: "
                      + ("-" if sc["mc"] is None else f"{sc['mc']:.3g}")
                      + f" (independent draws: 0 +- {sc['noise']:.2g})")
     return "\n".join(lines)

@@ -294,7 +294,7 @@ def _silent_shard(stacked, names, ws: int) -> Optional[Tuple[str, int, int, int]
 
 def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) -> Verdict:
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
-    spec, ws = case.spec, case.world_size
+    ws = case.world_size
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
     tensors, failures, shard_power = _scale_stats(stacked, names, ws, s, alpha, n_draws)
     evidence["tensors"] = tensors
