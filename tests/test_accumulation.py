@@ -14,7 +14,7 @@ from dpfsdp_verify.properties import PROPERTIES, Options
 from dpfsdp_verify.properties.compare import physical_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import assert_all_pass, by
+from verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 
 A = "fixtures.accum_specimens:"
 CORRECT = "fixtures.specimens:Correct"
@@ -179,10 +179,6 @@ def test_a_target_that_ignores_or_does_not_declare_accumulation_is_told_so(pool)
 
 
 # -- upstream opacus 1.6.0 ------------------------------------------------------------------------
-class KnownUpstreamDivergence(Exception):
-    """Raised only when both accumulation scenarios fail exactly as pinned."""
-
-
 #: opacus 1.6.0: BatchMemoryManager splits each rank's own logical batch into ceil(local / p) physical
 #: batches, each a full FSDP forward/backward. Local batches [3, 1] at p = 1: rank 0 runs 3 passes per
 #: step, rank 1 runs 1; the collectives pair across logical steps until rank 1 ends its step and meets
@@ -194,7 +190,7 @@ ACCUM_DIVERGENCE = ("upstream opacus 1.6.0: BatchMemoryManager under FSDP runs c
 
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamDivergence, reason=ACCUM_DIVERGENCE)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=ACCUM_DIVERGENCE)
 def test_upstream_accumulation_diverges(pool):
     pytest.importorskip("opacus")
     vs = run(pool, "deadlock_free", "opacus", world_sizes=(2,), local_batches=("uneven",) + ACCUM, timeout=60)
@@ -207,7 +203,7 @@ def test_upstream_accumulation_diverges(pool):
         ok &= len(passes) == 2 and passes[0] != passes[1]
     ok &= "physical passes per step [2]" in uneven.message and "physical passes per step [1]" in uneven.message
     if ok:
-        raise KnownUpstreamDivergence(uneven.message)
+        raise KnownUpstreamFailure(uneven.message)
 
 
 def test_upstream_mode_equivalence_default_pair_and_accumulated_step(pool):

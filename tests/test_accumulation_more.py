@@ -13,7 +13,7 @@ import pytest
 from dpfsdp_verify.properties import PROPERTIES, Options
 from dpfsdp_verify.properties import trajectory
 import dpfsdp_verify.properties as props
-from verdict_helpers import assert_all_pass, by
+from verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 
 A = "fixtures.accum_specimens:"
 M = "fixtures.accum_more_specimens:"
@@ -132,10 +132,6 @@ def test_accumulation_scenarios_at_three_ranks(pool):
 
 
 # -- upstream opacus 1.6.0 --------------------------------------------------------------------------
-class KnownUpstreamFailure(Exception):
-    """Raised only when upstream fails exactly as pinned."""
-
-
 #: opacus 1.6.0 under FSDP: make_private(poisson_sampling=True) swaps in
 #: DistributedUniformWithReplacementSampler, which does not yield a local batch that came out empty
 #: (identical seeds and a divisible dataset: every rank's at once). BatchSplittingSampler's branch for

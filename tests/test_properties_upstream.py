@@ -10,7 +10,7 @@ import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import assert_all_pass
+from verdict_helpers import KnownUpstreamFailure, assert_all_pass
 
 pytest.importorskip("opacus")
 
@@ -59,26 +59,22 @@ def test_sum_reduction_is_right_at_one_rank(pool):
     assert_all_pass(run(pool, "clipped_step", world_sizes=(1,), models=("mlp",), reductions=("sum",)))
 
 
-class KnownUpstreamBug(Exception):
-    """Raised only when every failing verdict is exactly the known bug, so the xfail hides nothing else."""
-
-
 def expect_known_sum_bug(verdicts, words):
     failing = [v for v in verdicts if v.status != "pass"]
     for v in failing:
         assert (v.status, v.diagnosis, v.config["world_size"]) == ("fail", "mismatch", 2), v.message
         assert words in v.message, v.message
     if failing:
-        raise KnownUpstreamBug(failing[0].message)
+        raise KnownUpstreamFailure(failing[0].message)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=SUM_BUG)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=SUM_BUG)
 def test_clipped_step_sum_reduction_two_ranks(pool):
     vs = run(pool, "clipped_step", world_sizes=(2,), models=("mlp", "transformer"), reductions=("sum",))
     expect_known_sum_bug(vs, "exactly 0.5 x the reference = 1/world_size")
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=SUM_BUG)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=SUM_BUG)
 def test_trajectory_sum_reduction_two_ranks(pool):
     vs = run(pool, "trajectory", world_sizes=(2,), models=("mlp",), reductions=("sum",))
     expect_known_sum_bug(vs, "update 0 is the first that differs")
@@ -107,12 +103,12 @@ def test_deadlock_free_on_non_empty_local_batches(pool):
     assert_all_pass(run(pool, "deadlock_free", world_sizes=(2,), local_batches=("even", "single", "uneven")))
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=EMPTY_BATCH_CRASH)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=EMPTY_BATCH_CRASH)
 def test_empty_local_batch_crashes_upstream(pool):
     empty, = run(pool, "deadlock_free", world_sizes=(2,), local_batches=("empty",))
     if (empty.status, empty.diagnosis) == ("error", "rank_crash") and "cannot reshape tensor of 0 elements" in \
             empty.message:
-        raise KnownUpstreamBug(empty.message)
+        raise KnownUpstreamFailure(empty.message)
 
 
 def test_mode_equivalence_between_env_labels(pool):
@@ -144,14 +140,14 @@ POISSON_HANG = ("upstream opacus 1.6.0: Poisson sampling under FSDP skips empty 
                 "per-rank seeds the ranks take 6 vs 5 steps and rank 0 hangs in all_gather")
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=POISSON_HANG)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=POISSON_HANG)
 def test_poisson_sampling_hangs_upstream(pool):
     vs = run(pool, "deadlock_free", world_sizes=(2,), local_batches=("poisson_same", "poisson_per_rank"))
     same, per_rank = vs
     assert (same.status, same.evidence["step_counts"]) == ("pass", [8, 8]), same.message
     if (per_rank.status, per_rank.diagnosis) == ("hang", "step_divergence") and \
             per_rank.evidence["step_counts"] == [6, 5] and "gloo:all_gather" in per_rank.message:
-        raise KnownUpstreamBug(per_rank.message)
+        raise KnownUpstreamFailure(per_rank.message)
 
 
 #: opacus 1.6.0's distributed Poisson sampler, 2000 draws (q = 1/8 or 1/9, expected local batch ~1):
@@ -163,7 +159,7 @@ POISSON_ACCOUNTING = ("upstream opacus 1.6.0: distributed Poisson sampler skips 
                       "same mask on every rank (correlated_sampling)")
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamBug, reason=POISSON_ACCOUNTING)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=POISSON_ACCOUNTING)
 def test_sampling_accounting_upstream(pool):
     vs = run(pool, "sampling_accounting", world_sizes=(1, 2))
     got = {(v.config["world_size"], v.config["dataset"], v.config["seeding"]): (v.status, v.diagnosis) for v in vs}
@@ -176,7 +172,7 @@ def test_sampling_accounting_upstream(pool):
         if got[key] == ("fail", "wrong_sample_rate"):
             want[key] = got[key]
     assert got == want, got
-    raise KnownUpstreamBug(by_key(vs, (2, "divisible", "same")).message)
+    raise KnownUpstreamFailure(by_key(vs, (2, "divisible", "same")).message)
 
 
 def by_key(vs, key):

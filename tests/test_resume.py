@@ -20,7 +20,7 @@ from dpfsdp_verify.properties.checkpoint_resume import mask_false_alarm
 from dpfsdp_verify.targets import RunSpec, unsupported_feature
 from fixtures.resume_specimens import UndeclaredResume
 from fixtures.specimens import Correct
-from verdict_helpers import assert_all_pass
+from verdict_helpers import KnownUpstreamFailure, assert_all_pass
 
 R = "fixtures.resume_specimens:"
 CORRECT = "fixtures.specimens:Correct"
@@ -157,10 +157,6 @@ def test_undeclared_resume_is_not_checkable(pool):
 
 
 # -- upstream opacus 1.6.0 ------------------------------------------------------------------------
-class KnownUpstreamReplay(Exception):
-    """Raised only when upstream fails exactly as pinned."""
-
-
 #: opacus 1.6.0 resumed as a user resumes it (docs/resume.md): model and optimizer via DCP, the
 #: accountant's state_dict; the noise generator and torch's global RNG (the Poisson sampler's
 #: source) are in no checkpoint, and the rerun script seeds them as at the start.
@@ -169,7 +165,7 @@ UPSTREAM_REPLAY = ("upstream opacus 1.6.0: neither PrivacyEngine.save_checkpoint
                    "replays the noise and the masks of the steps before the checkpoint")
 
 
-@pytest.mark.xfail(strict=True, raises=KnownUpstreamReplay, reason=UPSTREAM_REPLAY)
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=UPSTREAM_REPLAY)
 def test_upstream_replays_noise_and_masks(pool):
     pytest.importorskip("opacus")
     vs = run(pool, "opacus", world_sizes=(1, 2))
@@ -179,4 +175,4 @@ def test_upstream_replays_noise_and_masks(pool):
         ok &= "step 2 repeats step 0" in v.message and "replays its masks" in v.message
         ok &= "privacy step count" not in v.message and "differ from" not in v.message  # model and accountant survive
     if ok:
-        raise KnownUpstreamReplay(vs[0].message)
+        raise KnownUpstreamFailure(vs[0].message)
