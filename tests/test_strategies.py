@@ -14,6 +14,7 @@ from hypothesis.errors import InvalidArgument
 from dpfsdp_verify import hypothesis_profiles as profiles
 from dpfsdp_verify import models, reference
 from dpfsdp_verify import strategies as dps
+from dpfsdp_verify.properties.strategies import _relation_holds
 from dpfsdp_verify.fuzz import spec_from_json, spec_to_json
 from dpfsdp_verify.targets import RunSpec
 
@@ -28,7 +29,7 @@ def test_shard_dims_respect_the_relations(data, ws, relations):
         return
     d = data.draw(strategy)
     assert 1 <= d <= 2 * ws + 1
-    assert any(dps._relation_holds(d, ws, r) for r in relations)
+    assert any(_relation_holds(d, ws, r) for r in relations)
 
 
 @pytest.mark.parametrize("ws", [1, 2, 3, 4])
@@ -36,7 +37,7 @@ def test_shard_dims_cover_every_relation(ws):
     for r in dps.SHARD_RELATIONS:
         if ws == 1 and r in ("smaller", "indivisible"):
             continue
-        assert dps._relation_holds(find(dps.shard_dims(ws), lambda d, r=r: dps._relation_holds(d, ws, r)), ws, r)
+        assert _relation_holds(find(dps.shard_dims(ws), lambda d, r=r: _relation_holds(d, ws, r)), ws, r)
 
 
 def test_shard_dims_shrink_to_the_smallest_allowed():

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
@@ -151,31 +150,8 @@ def cmd_list() -> int:
     return EXIT_OK
 
 
-class Progress:
-    """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr."""
-
-    def __init__(self, quiet: bool):
-        self.quiet, self.t0, self.done = quiet, time.monotonic(), 0
-
-    def started(self, property_id: str) -> None:
-        if not self.quiet:
-            print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] running {property_id} ...",
-                  file=sys.stderr, flush=True)
-
-    def __call__(self, verdict) -> None:
-        from .report import config_label
-
-        self.done += 1
-        if self.quiet:
-            return
-        tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
-        print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
-              f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
-
-
 def cmd_run(args) -> int:
-    from . import report, target_info
-    from .run import run_plan
+    from .run import execute
 
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
@@ -184,14 +160,7 @@ def cmd_run(args) -> int:
         from .torchrun import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
-    plan = RunPlan.from_args(args)
-    progress = Progress(plan.quiet)
-    target = target_info.describe_target(plan.options.target, plan.info)
-    if not plan.quiet:
-        print(target_info.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties),
-              file=sys.stderr, flush=True)
-        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr, flush=True)
-    return report.finish(plan, run_plan(plan, progress=progress), target)
+    return execute(RunPlan.from_args(args))
 
 
 def cmd_replay(args) -> int:

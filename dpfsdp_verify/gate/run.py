@@ -1,23 +1,58 @@
-"""Run a checked ``RunPlan`` (``plan.py``) property by property on one warm pool.
+"""Run a checked ``RunPlan`` (``plan.py``) property by property on one warm pool, with progress
+lines on stderr, and hand the verdicts to ``report.finish``.
 
-Kept apart from ``cli.py`` so that the CLI only parses, validates and reports; and so that tests
-and the benchmark can run a plan without a subprocess.
+Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
+of a torchrun job, ``torchrun.py``) call ``execute``; tests and the benchmark call ``run_plan``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from typing import Callable, List, Optional
 
 from ..harness import Pool
-from .plan import RunPlan
-from ..properties import PROPERTIES, modes_problem
+from ..properties import PROPERTIES
 from ..properties.runner import run_property
-from ..verdict import Verdict
+from ..verdict import Verdict, config_label
+from . import report, target_info
+from .plan import RunPlan
 
 #: upper bound on warm worker groups kept by one gate run
 MAX_WARM_GROUPS = 6
+
+
+class Progress:
+    """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.t0, self.done = quiet, time.monotonic(), 0
+
+    def started(self, property_id: str) -> None:
+        if not self.quiet:
+            print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] running {property_id} ...",
+                  file=sys.stderr, flush=True)
+
+    def __call__(self, verdict: Verdict) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
+        print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
+              f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
+
+
+def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
+    """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
+    exit code. ``where`` ends the banner (e.g. the torchrun job it runs in)."""
+    target = target_info.describe_target(plan.options.target, plan.info)
+    opts = plan.options
+    if not plan.quiet:
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties) + where, file=sys.stderr,
+              flush=True)
+        print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
+    return report.finish(plan, run_plan(plan, progress=Progress(plan.quiet), pool=pool), target)
 
 
 def _config(plan: RunPlan) -> dict:
@@ -27,45 +62,31 @@ def _config(plan: RunPlan) -> dict:
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
              pool: Optional[Pool] = None) -> List[Verdict]:
-    """Every selected property's verdicts, in plan order. Never raises for a target's failure:
-    a property that cannot run becomes an ``error`` verdict saying why."""
+    """Every selected property's verdicts (then its fuzz runs', with ``--fuzz``), in plan order.
+    Never raises for a target's failure: a property that cannot run becomes an ``error`` verdict
+    saying why."""
     own_pool = pool is None
     # one warm group per (world size, mode) so no property restarts ranks another one just used
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(opts.world_sizes) * len(opts.modes)))
     verdicts: List[Verdict] = []
-
-    def emit(vs: List[Verdict]) -> None:
-        for v in vs:
-            verdicts.append(v)
-            if progress:
-                progress(v)
-
-    def guarded(what: str, pid: str, fn: Callable[[], List[Verdict]]) -> List[Verdict]:
-        t0 = time.monotonic()
-        try:
-            return fn()
-        except Exception as e:  # a bug in a check or an unloadable target: report, go on
-            return [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # exit 3
-                            message=f"{what} {pid} failed: {type(e).__name__}: {e}",
-                            details=traceback.format_exc(), seconds=round(time.monotonic() - t0, 3))]
-
     try:
         for pid in plan.properties:
-            prop = PROPERTIES[pid]
             if progress and hasattr(progress, "started"):
                 progress.started(pid)
-            emit(guarded("running", pid, lambda: run_property(prop, opts, pool)))
-            if plan.fuzz and prop.fuzz is not None and not modes_problem(prop, opts.modes):
-                emit(guarded("fuzzing", pid, lambda: _fuzz(pid, plan, pool)))
+            t0 = time.monotonic()
+            try:
+                found = run_property(PROPERTIES[pid], opts, pool, fuzz_examples=plan.fuzz)
+            except Exception as e:  # a bug in a check or an unloadable target: report, go on
+                found = [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # exit 3
+                                 message=f"running {pid} failed: {type(e).__name__}: {e}",
+                                 details=traceback.format_exc(), seconds=round(time.monotonic() - t0, 3))]
+            for v in found:
+                verdicts.append(v)
+                if progress:
+                    progress(v)
     finally:
         if own_pool:
             pool.close()
     return verdicts
-
-
-def _fuzz(pid: str, plan: RunPlan, pool: Pool) -> List[Verdict]:
-    from ..fuzz import fuzz_options
-
-    return fuzz_options(pid, PROPERTIES[pid].with_defaults(plan.options), plan.fuzz, pool=pool)

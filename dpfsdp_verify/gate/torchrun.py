@@ -130,22 +130,13 @@ def cmd_run_torchrun(args) -> int:
 
 
 def _run_gate(args, pool: "TorchrunPool") -> int:
-    """Rank 0: the spawned gate's ``cmd_run`` on ``pool``."""
-    from . import report, target_info
-    from .cli import Progress
+    """Rank 0: the spawned gate's ``execute`` on ``pool``."""
     from .plan import RunPlan
-    from .run import run_plan
+    from .run import execute
 
     plan = RunPlan.from_args(args, job_world_size=pool.world_size)
     pool.prepare(plan.options.target)
-    progress = Progress(plan.quiet)
-    target = target_info.describe_target(plan.options.target, plan.info)
-    if not plan.quiet:
-        print(target_info.banner(target, plan.options.backend, plan.options.world_sizes, plan.properties)
-              + f" -- in a torchrun job of {pool.world_size} ranks", file=sys.stderr, flush=True)
-        print(f"seed {plan.options.seed} (replay this run with --seed {plan.options.seed})", file=sys.stderr,
-              flush=True)
-    return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
+    return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks")
 
 
 def _silence() -> None:

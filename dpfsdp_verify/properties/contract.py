@@ -146,6 +146,9 @@ class Case:
     seconds: float = 0.0
     #: the run's statistical seed (``Options.seed``), for the repro line
     seed: int = 0
+    #: a fuzzed case: the spec as hypothesis drew it (before the recipe's ``prepare``); its repro
+    #: line is ``dpfsdp-verify replay`` of exactly that spec
+    drawn: Optional[RunSpec] = None
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
@@ -166,13 +169,18 @@ class Case:
             sampling["physical_batch_size"] = self.spec.physical_batch_size
         if self.spec.precision != "fp32":  # so does mixed precision
             sampling["precision"] = self.spec.precision
+        if self.drawn is not None:  # a fuzzed shape is told apart by its layer sizes
+            sampling["model_kwargs"] = dict(self.spec.model_kwargs)
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
 
     def repro(self) -> str:
         """The CLI line that re-runs this property for this model, reduction, world size and modes
-        (the CLI has no layout filter: both layouts the property checks are re-run)."""
+        (the CLI has no layout filter: both layouts the property checks are re-run); for a fuzzed
+        case the ``replay`` line of its drawn spec."""
+        if self.drawn is not None:
+            return self._replay_line()
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
                  "--world-sizes", str(self.world_size), "--grad-sample-mode", self.spec.grad_sample_mode,
                  "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
@@ -194,6 +202,14 @@ class Case:
             parts += ["--physical-batch-size", str(p)]
         if self.labels.get("resume_at"):
             parts += ["--resume-at", str(self.labels["resume_at"])]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def _replay_line(self) -> str:
+        parts = ["dpfsdp-verify", "replay", "--target", self.target_ref, "--property", self.property,
+                 "--world-size", str(self.world_size), "--spec", self.drawn.to_json()]
+        if self.backend != "gloo":
+            parts += ["--backend", self.backend]
+        parts += modes_mod.cli_args(self.modes, always=len(self.modes) > 1)
         return " ".join(shlex.quote(p) for p in parts)
 
     def verdict(self, status: str, diagnosis: Optional[str] = None, message: str = "", evidence=None,
@@ -415,6 +431,21 @@ class Property:
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
         return [item for point in self.points(opts) for item in self.cases(point)]
+
+    def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
+        """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's
+        ``prepare``; the ``skip`` verdict when ``prepare`` cannot use it."""
+        ready = self.fuzz.prepare(spec)
+        case = Case(self.id, opts.target, ready if isinstance(ready, RunSpec) else spec, world_size, tuple(modes),
+                    backend=opts.backend, doing="fuzzed configuration", drawn=spec)
+        return case.verdict("skip", None, ready) if isinstance(ready, str) else case
+
+    def fuzz_config(self, opts: Options, world_size: int, modes: Sequence[Mode], models: Sequence[str],
+                    dtypes: Sequence[str]) -> dict:
+        """The ``config`` of a fuzz run's summary verdict (one per world size and mode group)."""
+        return {"world_size": world_size, "data_layout": "fuzzed", "model": "fuzzed:" + ",".join(models),
+                "mode": " vs ".join(m.label for m in modes), "grad_sample_mode": opts.grad_sample_mode,
+                "reduction": "fuzzed", "dtype": "fuzzed:" + ",".join(dtypes)}
 
     def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
         """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own

@@ -12,6 +12,7 @@ ranks' progress trails show different step counts); a deadline that passed unpro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -26,15 +27,70 @@ from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
 from .compare import (all_padding_note, data_problem, frozen_problem, non_finite, physical_problem,
                       poisson_problem)
-from .contract import Case, Options, Outputs, Property, case_deadline
+from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
 
 
-def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None) -> List[Verdict]:
-    """Every verdict of ``prop`` under ``opts``, in report order."""
-    items = prop.plan(prop.with_defaults(opts))
+def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz_examples: int = 0
+                 ) -> List[Verdict]:
+    """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz_examples``, its
+    fuzz runs' verdicts (``fuzz_property``) where it has a recipe and the modes suit it."""
+    opts = prop.with_defaults(opts)
+    items = prop.plan(opts)
     cases = [c for c in items if isinstance(c, Case)]
     judged = iter(judge_cases(prop, cases, pool, opts.timeout))
-    return [next(judged) if isinstance(item, Case) else item for item in items]
+    verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
+    if fuzz_examples and prop.fuzz is not None and not modes_problem(prop, opts.modes):
+        verdicts += fuzz_property(prop, opts, fuzz_examples, pool)
+    return verdicts
+
+
+def fuzz_property(prop: Property, opts: Options, n_examples: int, pool: Optional[Pool] = None,
+                  settings=None) -> List[Verdict]:
+    """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
+    of the options' world sizes and mode groups, each run and judged by ``check_example``
+    (``fuzzing.fuzz_groups``); ``settings`` overrides the hypothesis profile's. ``pool=None``: a
+    private pool, closed at the end. Needs hypothesis (the ``fuzz`` extra)."""
+    from . import fuzzing
+
+    opts = prop.with_defaults(opts)
+    own = pool is None
+    pool = pool or Pool()
+    try:
+        check = lambda spec, world_size, modes: check_example(prop, opts, spec, world_size, pool, modes)  # noqa: E731
+        return fuzzing.fuzz_groups(prop, opts, n_examples, check, settings)
+    finally:
+        if own:
+            pool.close()
+
+
+def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
+                  modes: Sequence[Mode] = ()) -> Verdict:
+    """The verdict of one fuzzed ``spec`` at ``world_size`` (``Property.fuzz_case``: a spec the
+    recipe cannot use is a ``skip``). ``modes`` (default: the options' first mode group) holds one
+    mode, or two for a property that compares modes (the first is compared with the second)."""
+    modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
+    # the reference in this process on one thread, as the ranks run: one switch per example
+    with one_thread():
+        case = prop.fuzz_case(opts, spec, world_size, modes)
+        if isinstance(case, Verdict):
+            return case
+        outcome = run_cases([case], pool, opts.timeout)[0]
+        return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread in this process while it computes the reference, as the ranks run (the
+    harness starts them with ``OMP_NUM_THREADS=1``): threads per core on 2 shared cores slowed an
+    example ~3-5x, measured; a switch and back costs ~0.35 ms."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], timeout: float) -> List[Verdict]:

@@ -113,7 +113,8 @@ and point the suite at it with ``--target package.module:Attr`` or the entry-poi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -347,6 +348,26 @@ class RunSpec:
 
     def with_(self, **changes) -> "RunSpec":
         return replace(self, **changes)
+
+    def to_json(self) -> str:
+        """One line of JSON (what a fuzzed verdict's replay line carries); ``from_json`` reads it."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        """The spec ``to_json`` wrote (lists back to the tuples a frozen spec holds); ``ValueError``
+        or ``TypeError`` for text that is not one."""
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        for key in ("rank_batches", "options", "model_kwargs"):
+            if d.get(key) is not None:
+                d[key] = _tuples(d[key])
+        return cls(**d)
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 @dataclass

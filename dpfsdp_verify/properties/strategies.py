@@ -1,0 +1,354 @@
+"""Hypothesis strategies for the configurations FSDP2 + DP gets wrong: shard shapes, world sizes,
+global batch sizes and per-rank batch splits.
+
+FSDP2 shards every parameter on dim 0 into ``world_size`` chunks and pads the last ones, so a
+layer whose dim 0 is smaller than the world size leaves some ranks with an empty shard, and one
+not divisible by it leaves a padded shard. Data loaders pad or drop, and Poisson sampling gives
+each rank a different, possibly empty, local batch. These strategies generate exactly those
+cases, small enough that one example costs milliseconds on a warm worker group::
+
+    from hypothesis import given
+    from dpfsdp_verify import strategies as dps
+
+    @given(dps.run_specs(world_size=2, models=("mlp",)))
+    def test_norms(spec): ...
+
+Every strategy says what it generates and how it shrinks. Shrinking always heads for the
+simplest configuration a human would write first: the smallest world size and dims, the
+``DistributedSampler`` path with one sample per rank, float64, ``mean``, split data, no padding.
+Model dimensions are returned as dicts of ``models.MODEL_DIMS`` keywords; ``run_specs`` stores
+them in ``RunSpec.model_kwargs`` as sorted ``(key, value)`` pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from ..models import BASE_MODELS, MODEL_NAMES, TIES
+from ..reference import REDUCTIONS
+from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec
+
+#: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
+#: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
+#: ``multiple`` (d % n == 0: even shards, the case everyone tests)
+SHARD_RELATIONS = ("smaller", "equal", "indivisible", "multiple")
+DTYPES = ("float64", "float32")
+#: fraction of ignored (``IGNORE_INDEX``) target tokens in a transformer batch
+PAD_FRACTIONS = (0.0, 0.25, 0.5)
+
+IntOrStrategy = Union[int, st.SearchStrategy]
+
+
+def _relation_holds(d: int, n: int, relation: str) -> bool:
+    return {"smaller": d < n, "equal": d == n, "indivisible": d % n != 0, "multiple": d % n == 0}[relation]
+
+
+def world_sizes(min_value: int = 1, max_value: int = 4) -> st.SearchStrategy[int]:
+    """Numbers of ranks in ``[min_value, max_value]`` (default 1..4). Shrinks towards ``min_value``."""
+    if not 1 <= min_value <= max_value:
+        raise InvalidArgument(f"need 1 <= min_value <= max_value, got {min_value}, {max_value}")
+    return st.integers(min_value, max_value)
+
+
+def shard_dims(world_size: int, *, relations: Sequence[str] = SHARD_RELATIONS, min_value: int = 1,
+               max_value: Optional[int] = None) -> st.SearchStrategy[int]:
+    """Dim-0 sizes ``d`` in ``[min_value, max_value]`` whose relation to ``world_size`` is one of
+    ``relations`` (see ``SHARD_RELATIONS``). ``max_value`` defaults to ``2 * world_size + 1`` so that,
+    with all four relations, every case (empty shard, one row per rank, padded, even) is a likely
+    draw. Shrinks towards the smallest allowed value. Raises ``InvalidArgument`` if no size in the
+    range satisfies any relation (e.g. ``relations=("smaller",)`` at ``world_size=1``).
+    """
+    unknown = set(relations) - set(SHARD_RELATIONS)
+    if unknown:
+        raise InvalidArgument(f"unknown relations {sorted(unknown)}; choose from {SHARD_RELATIONS}")
+    hi = 2 * world_size + 1 if max_value is None else max_value
+    allowed = [d for d in range(min_value, hi + 1) if any(_relation_holds(d, world_size, r) for r in relations)]
+    if not allowed:
+        raise InvalidArgument(f"no dim-0 size in [{min_value}, {hi}] is {'/'.join(relations)} "
+                              f"relative to world_size={world_size}")
+    return st.sampled_from(allowed)
+
+
+@st.composite
+def mlp_dims(draw, world_size: int) -> Dict[str, int]:
+    """``{"d_in", "hidden", "classes"}`` for ``models.MLP``: ``d_in`` in 1..4 (a dim 1, never
+    sharded on), ``hidden`` (dim 0 of ``fc1`` and the LayerNorm) and ``classes`` (dim 0 of ``fc2``,
+    at least 2 so the loss has a gradient) from ``shard_dims(world_size)``. Shrinks towards
+    ``d_in=1, hidden=1, classes=2``.
+    """
+    return {"d_in": draw(st.integers(1, 4)), "hidden": draw(shard_dims(world_size)),
+            "classes": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1)))}
+
+
+@st.composite
+def conv_dims(draw, world_size: int) -> Dict[str, int]:
+    """``{"channels", "size", "classes", "width", "groups", "mixer"}`` for ``models.ConvNet``:
+    ``channels`` 1..3 and ``size`` 2..4 (image side; dims 1+, never sharded); ``groups`` 1..2 and
+    ``width`` (dim 0 of the Conv2d and GroupNorm) the multiple of ``groups`` nearest above a
+    ``shard_dims`` draw; ``mixer`` (dim 0 of the Conv1d) and ``classes`` (dim 0 of the Linear,
+    >= 2) from ``shard_dims``. Shrinks towards ``channels=1, size=2, groups=1, width=1, mixer=1,
+    classes=2``.
+    """
+    groups = draw(st.integers(1, 2))
+    width = draw(shard_dims(world_size))
+    width += (-width) % groups
+    return {"channels": draw(st.integers(1, 3)), "size": draw(st.integers(2, 4)), "groups": groups, "width": width,
+            "mixer": draw(shard_dims(world_size)),
+            "classes": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1)))}
+
+
+def seq_lens(max_value: int = 4) -> st.SearchStrategy[int]:
+    """Sequence lengths 1..``max_value`` (length 1: one token, attention over itself only; also the
+    dim 0 of the position embedding). Shrinks towards 1."""
+    return st.integers(1, max_value)
+
+
+def pad_fractions() -> st.SearchStrategy[float]:
+    """Fractions of target tokens masked with ``IGNORE_INDEX`` (never position 0), one of
+    ``PAD_FRACTIONS``. Shrinks towards 0.0 (no padding)."""
+    return st.sampled_from(PAD_FRACTIONS)
+
+
+@st.composite
+def transformer_dims(draw, world_size: int) -> Dict[str, object]:
+    """Dims of ``models.TinyGPT``: ``vocab`` (dim 0 of the token embedding and the LM head, >= 2)
+    and ``d_ff`` (dim 0 of ``mlp_in``) from ``shard_dims``; ``n_heads`` 1..2 and ``d_model`` (dim 0 of
+    q, k, v, o and of the norms' weights) the multiple of ``n_heads`` nearest above a ``shard_dims``
+    draw; ``seq_len`` from ``seq_lens()`` (dim 0 of the position embedding); ``norm`` ``rmsnorm`` or
+    ``layernorm``; ``pad_fraction`` from ``pad_fractions()``. Shrinks towards ``vocab=2, seq_len=1,
+    n_heads=1, d_model=1, d_ff=1, norm="rmsnorm", pad_fraction=0.0``.
+    """
+    n_heads = draw(st.integers(1, 2))
+    d_model = draw(shard_dims(world_size))
+    d_model += (-d_model) % n_heads
+    return {"vocab": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1))),
+            "seq_len": draw(seq_lens()), "n_heads": n_heads, "d_model": d_model,
+            "d_ff": draw(shard_dims(world_size)), "norm": draw(st.sampled_from(("rmsnorm", "layernorm"))),
+            "pad_fraction": draw(pad_fractions())}
+
+
+@st.composite
+def lora_dims(draw, world_size: int) -> Dict[str, int]:
+    """``mlp_dims`` plus ``rank`` (the LoRA adapters' inner dim, dim 0 of each ``*_a``) from
+    ``shard_dims``, for ``models.LoRAMLP``. Shrinks towards ``d_in=1, hidden=1, classes=2, rank=1``."""
+    return {**draw(mlp_dims(world_size)), "rank": draw(shard_dims(world_size))}
+
+
+@st.composite
+def tied_dims(draw, world_size: int) -> Dict[str, object]:
+    """Dims of ``models.TiedLM``: ``vocab`` (dim 0 of the tied embedding/head, >= 2) and
+    ``d_model`` from ``shard_dims``, ``seq_len`` from ``seq_lens()``, ``tie`` from ``TIES``,
+    ``pad_fraction``. Shrinks towards ``vocab=2, seq_len=1, d_model=1, tie="head", pad_fraction=0``."""
+    return {"vocab": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1))),
+            "seq_len": draw(seq_lens()), "d_model": draw(shard_dims(world_size)),
+            "tie": draw(st.sampled_from(TIES)), "pad_fraction": draw(pad_fractions())}
+
+
+@st.composite
+def masked_dims(draw, world_size: int) -> Dict[str, object]:
+    """Dims of ``models.MaskedEncoder``: ``vocab`` (>= 2: token 0 is padding) from ``shard_dims``,
+    ``n_heads`` 1..2 and ``d_model`` the multiple of ``n_heads`` nearest above a ``shard_dims``
+    draw, ``seq_len`` from ``seq_lens()``. Shrinks towards ``vocab=2, seq_len=1, n_heads=1,
+    d_model=1`` (every batch still holds an all-padding sequence: ``models.sequence_lengths``)."""
+    n_heads = draw(st.integers(1, 2))
+    d_model = draw(shard_dims(world_size))
+    d_model += (-d_model) % n_heads
+    return {"vocab": draw(shard_dims(world_size, min_value=2, max_value=max(3, 2 * world_size + 1))),
+            "seq_len": draw(seq_lens()), "n_heads": n_heads, "d_model": d_model}
+
+
+MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
+                        "tied": tied_dims, "masked": masked_dims}
+
+
+def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:
+    """The dims strategy of ``model`` (``mlp_dims``, ``conv_dims`` or ``transformer_dims``) at
+    ``world_size``. Raises ``InvalidArgument`` for an unknown model."""
+    if model not in MODEL_DIM_STRATEGIES:
+        raise InvalidArgument(f"unknown model {model!r}; choose from {MODEL_NAMES}")
+    return MODEL_DIM_STRATEGIES[model](world_size)
+
+
+def global_batch_sizes(world_size: int, *, min_per_rank: int = 1, min_value: int = 1,
+                       max_value: Optional[int] = None) -> st.SearchStrategy[int]:
+    """Global batch sizes in ``[max(min_value, world_size * min_per_rank), max_value]``;
+    ``max_value`` defaults to ``2 * world_size + 2`` (so uneven and one-sample-per-rank batches
+    are common draws). Shrinks towards the smallest. Raises ``InvalidArgument`` on an empty range.
+    """
+    lo = max(min_value, world_size * min_per_rank)
+    hi = 2 * world_size + 2 if max_value is None else max_value
+    if hi < lo:
+        raise InvalidArgument(f"no global batch size in [{lo}, {hi}] (world_size={world_size}, "
+                              f"min_per_rank={min_per_rank})")
+    return st.integers(lo, hi)
+
+
+@st.composite
+def batch_splits(draw, global_batch: int, world_size: int, *, min_per_rank: int = 0) -> Tuple[Tuple[int, ...], ...]:
+    """A split of the sample indices ``0..global_batch-1`` into ``world_size`` contiguous, ordered
+    chunks, one per rank: ``((0, 1), (2,), ())`` -- what a rank-local (e.g. Poisson) sampler can
+    give, uneven and, with ``min_per_rank=0``, empty on some ranks. Ranks 0..n-2 draw their sizes
+    in turn (each at least ``min_per_rank``, leaving enough for the rest); the last rank gets the
+    remainder. Shrinks towards every rank but the last holding ``min_per_rank`` samples and the
+    last rank holding all the others. Raises ``InvalidArgument`` if
+    ``global_batch < world_size * min_per_rank``.
+    """
+    if global_batch < world_size * min_per_rank:
+        raise InvalidArgument(f"cannot give {world_size} ranks >= {min_per_rank} samples each out of {global_batch}")
+    sizes, left = [], global_batch
+    for r in range(world_size - 1):
+        k = draw(st.integers(min_per_rank, left - min_per_rank * (world_size - 1 - r)))
+        sizes.append(k)
+        left -= k
+    sizes.append(left)
+    out, start = [], 0
+    for k in sizes:
+        out.append(tuple(range(start, start + k)))
+        start += k
+    return tuple(out)
+
+
+def data_layouts(layouts: Sequence[str] = DATA_LAYOUTS) -> st.SearchStrategy[str]:
+    """One of ``layouts`` (``"replicated"``: every rank holds the whole batch; ``"split"``: each
+    rank holds its own samples). Shrinks towards ``"split"`` when it is allowed (the layout opacus
+    defines a DP step for), else the first given."""
+    layouts = tuple(layouts)
+    return st.sampled_from(sorted(layouts, key=lambda x: x != "split"))
+
+
+def reductions(values: Sequence[str] = REDUCTIONS) -> st.SearchStrategy[str]:
+    """Loss reductions, ``"mean"`` or ``"sum"``. Shrinks towards the first given (``"mean"``)."""
+    return st.sampled_from(tuple(values))
+
+
+def dtypes(values: Sequence[str] = DTYPES) -> st.SearchStrategy[str]:
+    """Model dtype names (``"float64"``, ``"float32"``; ``"bfloat16"`` if asked for: the properties
+    have a tolerance for it, but not every target supports it on CPU). Shrinks towards the first
+    given (``"float64"``)."""
+    return st.sampled_from(tuple(values))
+
+
+def dataset_sizes(world_size: int, *, max_value: Optional[int] = None) -> st.SearchStrategy[int]:
+    """Poisson dataset sizes N in ``[world_size, max_value]`` (default ``4 * world_size + 3``: sizes
+    the world size divides and sizes it does not, so ranks own different numbers of samples).
+    Shrinks towards ``world_size`` (one sample per rank)."""
+    hi = 4 * world_size + 3 if max_value is None else max_value
+    if hi < world_size:
+        raise InvalidArgument(f"no dataset size in [{world_size}, {hi}]: a rank would own no sample")
+    return st.integers(world_size, hi)
+
+
+def seeding_policies(values: Sequence[str] = SEEDINGS) -> st.SearchStrategy[str]:
+    """How the ranks seed a Poisson sampler: ``same`` / ``per_rank`` / ``unseeded``
+    (``RunSpec.seeding``). Shrinks towards the first given (``same``: what most scripts do)."""
+    unknown = set(values) - set(SEEDINGS)
+    if unknown:
+        raise InvalidArgument(f"unknown seeding policies {sorted(unknown)}; choose from {SEEDINGS}")
+    return st.sampled_from(tuple(values))
+
+
+def opacus_sample_rate(dataset_size: int, world_size: int, local_batch: int) -> float:
+    """The q opacus derives (``1/len(data_loader)``) for a DistributedSampler over ``dataset_size``
+    samples at ``world_size`` ranks with local batch size ``local_batch``."""
+    n_local = -(-dataset_size // world_size)
+    return 1.0 / -(-n_local // max(1, min(local_batch, n_local)))
+
+
+@st.composite
+def poisson_params(draw, world_size: int, *, max_local_batch: int = 3, max_epochs: int = 3,
+                   seedings: Sequence[str] = SEEDINGS) -> Dict[str, object]:
+    """``RunSpec`` fields of a Poisson run at ``world_size`` ranks: ``dataset_size`` from
+    ``dataset_sizes``, ``sample_rate`` q as opacus derives it from a local batch of 1..
+    ``max_local_batch`` (``opacus_sample_rate``: an expected local batch of about that size, so
+    empty local batches are likely), ``epochs`` 1..``max_epochs``, ``seeding`` from
+    ``seeding_policies`` and ``sampling_seed`` 0..3. Shrinks towards N = world_size, local batch 1,
+    one epoch, ``same`` seeding, seed 0."""
+    n = draw(dataset_sizes(world_size))
+    b = draw(st.integers(1, max_local_batch))
+    return {"sampling": "poisson", "dataset_size": n, "sample_rate": opacus_sample_rate(n, world_size, b),
+            "epochs": draw(st.integers(1, max_epochs)), "seeding": draw(seeding_policies(seedings)),
+            "sampling_seed": draw(st.integers(0, 3)), "steps": 0}
+
+
+@st.composite
+def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_MODELS,
+              layouts: Sequence[str] = DATA_LAYOUTS, reduction_values: Sequence[str] = REDUCTIONS,
+              dtype_values: Sequence[str] = ("float64",), steps: int = 1, min_global_batch: int = 1,
+              min_per_rank: int = 1, explicit_splits: bool = True, grad_sample_mode: str = "ghost_fsdp",
+              seeds: bool = True, sampling_values: Sequence[str] = ("fixed",)) -> RunSpec:
+    """A ``RunSpec`` for ``world_size`` ranks (an int, or a strategy such as ``world_sizes()``):
+    the model from ``models`` with ``model_dims``; the layout, reduction and dtype from the given
+    values; the global batch from ``global_batch_sizes``; ``steps`` steps.
+
+    Split data uses one of two data paths: ``"sampler"`` -- ``rank_batches=None``, a global batch
+    that is a multiple of ``world_size`` (what ``DistributedSampler`` gives) -- or, when
+    ``explicit_splits``, ``"explicit"`` -- ``rank_batches`` from ``batch_splits(..., min_per_rank)``
+    per step, uneven, empty on some ranks when ``min_per_rank=0`` (only for targets whose data path
+    allows empty local batches). ``seeds`` also draws the model and batch seeds (0..3).
+
+    ``sampling_values``: ``("fixed",)`` (default: no sampling draws at all) or with ``"poisson"``:
+    the sampling is drawn (shrinking towards the first given) and a Poisson draw takes its
+    fields from ``poisson_params(ws)`` (the fixed batch fields stay as drawn, unused).
+
+    Shrinks towards: the smallest world size, the first model, its smallest dims, split data on
+    the sampler path with the smallest multiple of ``world_size`` >= ``min_global_batch``, seeds
+    0/1, and the first reduction and dtype. (Every branch draws the same number of values, so the
+    shrinker compares configurations by value; see the comment in the code.)
+    """
+    ws = draw(world_size) if isinstance(world_size, st.SearchStrategy) else int(world_size)
+    if ws < 1:
+        raise InvalidArgument(f"world_size must be >= 1, got {ws}")
+    model = draw(st.sampled_from(tuple(models)))
+    dims = draw(model_dims(model, ws))
+    layout = draw(data_layouts(layouts))
+    # Every branch below makes the same number of draws: hypothesis shrinks towards *shorter*
+    # choice sequences first, so a branch that drew less (say replicated data) would count as
+    # simpler than a split with smaller dims; equal lengths let the values decide.
+    can_split = explicit_splits and ws > 1 and "split" in layouts
+    path = draw(st.sampled_from(("sampler", "explicit"))) if can_split else "sampler"
+    extra = draw(st.integers(0, ws + 2))
+    lo = max(1, min_global_batch)
+    if layout == "replicated":
+        batch = lo + extra
+    elif path == "explicit":
+        batch = max(lo, ws * min_per_rank) + extra
+    else:  # DistributedSampler: a multiple of the world size, at least one sample per rank
+        batch = ws * (max(1, -(-lo // ws)) + min(extra, 2))
+    split_of = batch if (layout == "split" and path == "explicit") else max(batch, ws * min_per_rank)
+    splits = tuple(draw(batch_splits(split_of, ws, min_per_rank=min_per_rank)) for _ in range(steps))
+    rank_batches = splits if (layout == "split" and path == "explicit") else None
+    model_seed, batch_seed = (draw(st.integers(0, 3)), draw(st.integers(1, 4))) if seeds else (0, 1)
+    poisson: Dict[str, object] = {}
+    if tuple(sampling_values) != ("fixed",):
+        sampling = draw(st.sampled_from(tuple(sampling_values)))
+        params = draw(poisson_params(ws))  # drawn on both branches: equal-length choice sequences
+        if sampling == "poisson":
+            poisson, rank_batches = params, None
+    return RunSpec(model=model, model_seed=model_seed, global_batch_size=batch, batch_seed=batch_seed,
+                   data_layout="split" if poisson else layout, reduction=draw(reductions(reduction_values)),
+                   dtype=draw(dtypes(dtype_values)), **{"steps": steps, **poisson}, grad_sample_mode=grad_sample_mode,
+                   rank_batches=rank_batches, model_kwargs=tuple(sorted(dims.items())))
+
+
+def spec_summary(spec: RunSpec, world_size: int) -> str:
+    """A one-line human description of a spec, for failure reports: ``mlp(d_in=1, hidden=3,
+    classes=2) at world_size=2, split [2|1], batch 3, mean, float64``."""
+    dims = ", ".join(f"{k}={v}" for k, v in spec.model_kwargs)
+    if spec.poisson:
+        data = (f"Poisson sampling (N={spec.dataset_size}, q={spec.sample_rate:.4g}, {spec.epochs} epoch(s), "
+                f"seeding {spec.seeding!r}, seed {spec.sampling_seed})")
+    elif spec.rank_batches is not None:
+        data = "split " + " ".join("[" + "|".join(str(len(r)) for r in step) + "]" for step in spec.rank_batches)
+    else:
+        data = spec.data_layout + (" (DistributedSampler)" if spec.data_layout == "split" else "")
+    return (f"{spec.model}({dims}) at world_size={world_size}, {data}, batch {spec.global_batch_size}, "
+            f"{spec.reduction}, {spec.dtype}, seeds model={spec.model_seed} batch={spec.batch_seed}")
+
+
+__all__ = ["SHARD_RELATIONS", "DTYPES", "PAD_FRACTIONS", "world_sizes", "shard_dims", "mlp_dims", "conv_dims",
+           "transformer_dims", "model_dims", "seq_lens", "pad_fractions", "global_batch_sizes", "batch_splits",
+           "data_layouts", "reductions", "dtypes", "run_specs", "spec_summary", "dataset_sizes", "seeding_policies",
+           "opacus_sample_rate", "poisson_params"]
