@@ -46,13 +46,14 @@ class Progress:
 def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
     exit code. ``where`` ends the banner (e.g. the torchrun job it runs in)."""
+    progress = Progress(plan.quiet)
     target = target_info.describe_target(plan.options.target, plan.info)
     opts = plan.options
     if not plan.quiet:
         print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties) + where, file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
-    return report.finish(plan, run_plan(plan, progress=Progress(plan.quiet), pool=pool), target)
+    return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
 
 
 def _config(plan: RunPlan) -> dict:
