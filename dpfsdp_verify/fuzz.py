@@ -4,7 +4,7 @@ property's own ``judge`` against the float64 reference. ``properties/fuzzing.py`
 are drawn, shrunk and reported; this module takes property ids and keywords::
 
     from dpfsdp_verify import fuzz
-    verdicts = fuzz.fuzz_property("norm_fidelity", "opacus", 20, world_sizes=(1, 2))
+    verdicts = fuzz.fuzz_property(property_id, "opacus", 20, world_sizes=(1, 2))
     for v in verdicts:
         if v.status != "pass":
             print(fuzz.format_failure(v))   # minimal spec, seed, blob, replay line
