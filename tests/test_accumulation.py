@@ -147,6 +147,7 @@ def test_physical_batch_divisor_fails_mode_equivalence_and_clipped_step(pool):
     vs = run(pool, "mode_equivalence", A + "PhysicalBatchDivisor", world_sizes=(1, 2), models=("mlp",))
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 2
     assert all("gradients differ at step 0" in v.message for v in vs)
+    assert not any("shorter than p" in v.message for v in vs)  # every sample's weight is off, not the short pass's
     cs = run(pool, "clipped_step", A + "PhysicalBatchDivisor", world_sizes=(2,), models=("mlp",),
              reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     [v] = cs
@@ -159,6 +160,7 @@ def test_clipping_the_summed_pass_fails_mode_equivalence_and_clipped_step(pool):
     vs = run(pool, "mode_equivalence", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",))
     [v] = vs
     assert (v.status, v.diagnosis) == ("fail", "mismatch") and "gradients differ at step 0" in v.message
+    assert "shorter than p" not in v.message  # the short pass of one sample is clipped right; the full ones are not
     [v] = run(pool, "clipped_step", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",),
               reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message

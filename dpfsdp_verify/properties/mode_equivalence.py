@@ -175,11 +175,11 @@ def _short_pass_note(case: Case, a, b, rank: int) -> str:
             if 0 < m < p:
                 short.update(st.indices[pos:pos + m])
             pos += m
-    if not short:
-        return ""
+    grads = (a[rank].steps[0].gradient, b[rank].steps[0].gradient)
+    if not short or not all(bool(torch.isfinite(t).all()) for g in grads for t in g.values()):
+        return ""  # a non-finite gradient has no least-squares reading
     indices = processed_indices(a, 0, spec)
-    ra = recover_clip_coefficients(spec, indices, a[rank].steps[0].gradient)
-    rb = recover_clip_coefficients(spec, indices, b[rank].steps[0].gradient)
+    ra, rb = (recover_clip_coefficients(spec, indices, g) for g in grads)
     tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
     seen = ra.identifiable & rb.identifiable
     if max(ra.residual, rb.residual) > tol or not all(bool(seen[indices.index(i)]) for i in short):
