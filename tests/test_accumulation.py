@@ -54,11 +54,19 @@ def test_mode_equivalence_plans_its_own_pair_without_mode_env():
     assert case.config()["mode"] == "unsplit vs physical_batches_2"
     assert [m.apply(case.spec).physical_batch_size for m in case.modes] == [0, 2]
     assert "--physical-batch-size 2" in case.repro()
+    # local batches of 2p + 1 = 5: passes [2, 2, 1], two full and a last one shorter than p
+    assert case.spec.global_batch_size == 5 * 2 and [s.global_batch_size for s in case.specs] == [10, 10]
+    wide = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[1], models=["mlp"], physical_batch_size=3)))
+    assert wide[0].spec.global_batch_size == 7 and wide[0].config()["mode"] == "unsplit vs physical_batches_3"
     # one env mode given: the pair runs under that environment
     one = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2], models=["mlp"],
                                                      modes={"deferred": {"X": "1"}})))
     assert one[0].config()["mode"] == "deferred vs deferred+physical_batches_2"
-    assert all(m.env == (("X", "1"),) for m in one[0].modes)
+    assert all(m.env == (("X", "1"),) for m in one[0].modes) and one[0].spec.global_batch_size == 10
+    # two env modes: no built-in pair, local batches of 4 and no noised run, as before
+    two = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2], models=["mlp"],
+                                                     modes={"a": {"X": "0"}, "b": {"X": "1"}})))
+    assert two[0].spec.global_batch_size == 8 and len(two[0].specs) == 1
 
 
 # -- the runner's pass check and the trails, without ranks ---------------------------------------
@@ -139,6 +147,7 @@ def test_physical_batch_divisor_fails_mode_equivalence_and_clipped_step(pool):
     vs = run(pool, "mode_equivalence", A + "PhysicalBatchDivisor", world_sizes=(1, 2), models=("mlp",))
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 2
     assert all("gradients differ at step 0" in v.message for v in vs)
+    assert not any("shorter than p" in v.message for v in vs)  # every sample's weight is off, not the short pass's
     cs = run(pool, "clipped_step", A + "PhysicalBatchDivisor", world_sizes=(2,), models=("mlp",),
              reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     [v] = cs
@@ -151,6 +160,7 @@ def test_clipping_the_summed_pass_fails_mode_equivalence_and_clipped_step(pool):
     vs = run(pool, "mode_equivalence", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",))
     [v] = vs
     assert (v.status, v.diagnosis) == ("fail", "mismatch") and "gradients differ at step 0" in v.message
+    assert "shorter than p" not in v.message  # the short pass of one sample is clipped right; the full ones are not
     [v] = run(pool, "clipped_step", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",),
               reductions=("mean",), physical_batch_size=3, samplings=("fixed",))
     assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message

@@ -1,5 +1,6 @@
 """Gradient accumulation at the edges of a logical batch, and at three ranks: ``trajectory`` and
-``clipped_step`` with ``physical_batch_size`` (a last physical pass shorter than p; Poisson rounds
+``clipped_step`` with ``physical_batch_size`` and ``mode_equivalence``'s built-in pair (a last physical
+pass shorter than p; Poisson rounds
 whose logical batch is empty, which must still release a step of noise alone), and
 ``deadlock_free``'s accumulation scenarios at world size 3 -- on ``Correct``, the one-bug
 specimens of ``fixtures/accum_specimens.py`` and ``fixtures/accum_more_specimens.py``, and upstream
@@ -86,8 +87,19 @@ def test_a_dropped_short_pass_fails_clipped_step_and_trajectory(pool):
         vs = run(pool, prop, M + "ShortPassDropped", world_sizes=(1, 2), physical_batch_size=2, samplings=("fixed",))
         assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 2, [v.message for v in vs]
     assert "drifts from the single-process trajectory at step 1" in vs[0].message
-    # the built-in pair splits 4 samples into [2, 2]: no pass shorter than p = 2, so it cannot see this
-    assert_all_pass(run(pool, "mode_equivalence", M + "ShortPassDropped", world_sizes=(1,)))
+
+
+def test_a_dropped_short_pass_fails_the_default_mode_pair(pool):
+    """The built-in pair (no ``--physical-batch-size``) splits local batches of 5 into [2, 2, 1]:
+    the short last pass is dropped, and the note names exactly its samples."""
+    vs = run(pool, "mode_equivalence", M + "ShortPassDropped", world_sizes=(1, 2), models=("mlp", "transformer"))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 4, [v.message for v in vs]
+    for v in vs:
+        ws = v.config["world_size"]
+        assert v.config["mode"] == "unsplit vs physical_batches_2" and "gradients differ at step 0" in v.message
+        assert (f"differ on exactly the {ws} sample(s) of the physical passes shorter than p = 2 (passes per rank "
+                f"{[[2, 2, 1]] * ws})") in v.message, v.message
+        assert "the short last pass's gradient is dropped" in v.message
 
 
 def test_an_empty_logical_batch_without_noise_fails_trajectory(pool):

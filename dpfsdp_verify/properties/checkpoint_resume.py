@@ -48,8 +48,8 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (fmt, max_rel_diff, pick_clip_bound, processed_indices, reference_batch, reference_model,
-                      tensors_close, tolerance, trainable_names)
+from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
+                      tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 
 #: K steps, resumed after k (options ``steps`` / ``resume_at``)
@@ -91,7 +91,7 @@ def cases(point: Point):
     steps, k = point.param("steps"), point.param("resume_at")
     ws = point.world_size
     base = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.5, momentum=MOMENTUM)
-    traj = base.with_(max_grad_norm=pick_clip_bound(base) or 1.0)
+    traj = with_picked_clip(base)
     noise = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.0, max_grad_norm=CLIP, noise_multiplier=SIGMA,
                        noise_seed=point.seed(4242 + ws))
     o = point.options

@@ -447,6 +447,12 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
 
 
+def with_picked_clip(spec: RunSpec, fallback: float = 1.0) -> RunSpec:
+    """``spec`` with ``max_grad_norm`` set to ``pick_clip_bound(spec)``, or to ``fallback`` where no
+    bound splits the batch (ties, fewer than two samples, a bound of 0)."""
+    return spec.with_(max_grad_norm=pick_clip_bound(spec) or fallback)
+
+
 # -- clip coefficients: recovered from a released gradient, and the coefficient errors they fit --
 
 #: how far clip coefficients recovered from a released gradient may be from the reference's. They
@@ -695,4 +701,4 @@ __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "ref
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",
            "precision_spec", "PrecisionBound", "precision_bound", "precision_coefficient_bounds",
-           "precision_gradient_bound"]
+           "precision_gradient_bound", "with_picked_clip"]

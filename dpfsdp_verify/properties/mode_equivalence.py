@@ -13,17 +13,20 @@ verdict (``hang``/``deadlock``, ``hang``/``timeout`` or ``error``/``rank_crash``
 
 Without ``--mode-env`` (or with one) the pair is built in (``default_pair``): the same logical
 steps computed unsplit and in physical batches of ``PHYSICAL_BATCH`` samples (the param
-``physical_batch_size``; gradient accumulation, ``RunSpec.physical_batch_size``; local batches of
-4, so two passes per step),
-under the same environment. Accumulation must not change the DP step: every sample clipped on
-its own in its pass, noise once per logical step, the ``"mean"`` divisor the expected logical
-batch. Norms, gradients and parameters are compared at noise 0 as above; a second run of one
-step at noise multiplier 1 compares the noise each mode released (noised minus clean gradient
-of step 0): identical draws pass (the same generator consumed the same way); otherwise the
-variances are compared (``log(var_b / var_a)`` is ~N(0, 4/n) for n coordinates under equal
-variances; fail at |z| > ``NOISE_Z``, false alarm < 1e-6): noise added at every pass doubles the
-variance over two passes (z ~ 3.4 on the mlp's 99 coordinates: under the bound; ~10 on the
-transformer's 827: caught).
+``physical_batch_size`` p; gradient accumulation, ``RunSpec.physical_batch_size``), under the same
+environment. Local batches are ``2p + 1`` samples (``pair_local_batch``), three passes per step
+split as opacus splits (numpy's ``array_split``): [2, 2, 1] at p = 2, two full passes and a last
+one shorter than p, so a fork that mishandles a short last pass (drops it, clips or normalises it
+apart) is seen as well as one that mishandles full passes (for any p >= 2 some pass is short).
+Accumulation must not change the DP step: every sample clipped on its own in its pass, noise
+once per logical step, the ``"mean"`` divisor the expected logical batch. Norms, gradients and
+parameters are compared at noise 0 as above; a second run of one step at noise multiplier 1
+compares the noise each mode released (noised minus clean gradient of step 0): identical draws
+pass (the same generator consumed the same way); otherwise the variances are compared
+(``log(var_b / var_a)`` is ~N(0, 4/n) for n coordinates under equal variances; fail at |z| >
+``NOISE_Z``, false alarm < 1e-6): noise added at every pass triples the variance over three
+passes (z ~ log 3 / sqrt(4/n) +- 1: ~5.5 on the mlp's 99 coordinates, caught about 7 times in
+10; ~16 on the transformer's 827, always caught).
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ import torch
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import fmt, max_rel_diff, norm_ratios, pick_clip_bound, reference_norms, tensors_close, tolerance
+from .compare import (COEF_TOL, fmt, max_rel_diff, norm_ratios, processed_indices, recover_clip_coefficients,
+                      reference_norms, tensors_close, tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 STEPS = 2
 #: steps per model in the gate's cases: a mode that goes wrong only after a warm-up (a cache filled
 #: over the first steps) is seen on the mlp (cheap) if it starts by step index 5
 CASE_STEPS = {"mlp": 6}
-#: the built-in pair's physical batch: local batches of 4 run in two passes of 2
+#: the built-in pair's physical batch: local batches of 5 (``pair_local_batch``) run in passes [2, 2, 1]
 PHYSICAL_BATCH = 2
 #: |z| beyond which the two modes' noise variances differ (two-sided p ~ 1e-6)
 NOISE_Z = 4.89
@@ -63,16 +67,26 @@ def default_pair(mode: Mode, params: Dict) -> Tuple[Mode, Mode]:
     return base, split
 
 
+def pair_local_batch(p: int) -> int:
+    """The built-in pair's local batch at physical batch ``p``: ``2p + 1``, three passes per step --
+    two as full as an even split allows and, for p >= 2, passes shorter than p (a last physical
+    batch that is a remainder is where a fork's accumulation loop is most often wrong)."""
+    return 2 * p + 1
+
+
 def prepare(spec: RunSpec) -> Prepared:
-    return spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+    return with_picked_clip(spec)
 
 
 def cases(point: Point):
-    spec = prepare(point.spec(steps=CASE_STEPS.get(point.model, STEPS), global_batch_size=4 * point.world_size))
-    if any(m.spec for m in point.modes):  # the built-in pair: also one noised step
+    steps = CASE_STEPS.get(point.model, STEPS)
+    p = next((v for m in point.modes for k, v in m.spec if k == "physical_batch_size"), None)
+    if p:  # the built-in pair: local batches with a short last pass, and one noised step
+        spec = prepare(point.spec(steps=steps, global_batch_size=pair_local_batch(p) * point.world_size))
         yield point.case(spec, specs=(spec, spec.with_(steps=1, noise_multiplier=1.0)),
                          doing="the same logical steps unsplit and in physical batches")
         return
+    spec = prepare(point.spec(steps=steps, global_batch_size=4 * point.world_size))
     yield point.case(spec, doing="the same steps under each mode")
 
 
@@ -100,7 +114,8 @@ def judge(case: Case, runs: Outputs) -> Verdict:
             if problem is None and not tensors_close(sb.gradient, sa.gradient, rtol, atol):
                 err, name = max_rel_diff(sb.gradient, sa.gradient)
                 evidence["grad_rel_diff"] = err
-                problem = f"gradients differ at step {k} on rank {r} by up to {fmt(err)} relative (worst {name!r})"
+                problem = (f"gradients differ at step {k} on rank {r} by up to {fmt(err)} relative (worst {name!r})"
+                           + (_short_pass_note(case, a, b, r) if k == 0 else ""))
             if problem is None and not tensors_close(sb.parameters, sa.parameters, rtol, atol):
                 err, name = max_rel_diff(sb.parameters, sa.parameters)
                 evidence["param_rel_diff"] = err
@@ -139,6 +154,46 @@ def _noise_problem(noised_a, clean_a, noised_b, clean_b, evidence) -> Tuple[Opti
                 "of passes: more noise than the accountant assumes -- a utility loss; less is a privacy loss)"), ""
     return None, (f"; with noise on, the modes drew different noise whose std ratio {fmt(math.sqrt(vb / va))} "
                   f"is within chance (|z| = {fmt(abs(z))} <= {NOISE_Z}, {n} coordinates)")
+
+
+def _short_pass_note(case: Case, a, b, rank: int) -> str:
+    """For the built-in pair, gradients differing at step 0: whether the samples whose clip weight
+    differs between the modes (recovered from each mode's gradient against the float64 per-sample
+    gradients, ``recover_clip_coefficients``) are exactly those of the split mode's physical passes
+    shorter than p, with weight 0 there -- a last pass treated as a remainder and dropped. ``""``
+    when the pair is not built in or the recovery does not show exactly that."""
+    p = dict(case.modes[1].spec).get("physical_batch_size")
+    spec = case.spec
+    if not p or spec.data_layout != "split":
+        return ""
+    short, passes = set(), []
+    for o in b:
+        st = o.steps[0]
+        sizes, pos = list(st.physical_batches or []), 0
+        passes.append(sizes)
+        for m in sizes:
+            if 0 < m < p:
+                short.update(st.indices[pos:pos + m])
+            pos += m
+    grads = (a[rank].steps[0].gradient, b[rank].steps[0].gradient)
+    if not short or not all(bool(torch.isfinite(t).all()) for g in grads for t in g.values()):
+        return ""  # a non-finite gradient has no least-squares reading
+    indices = processed_indices(a, 0, spec)
+    ra, rb = (recover_clip_coefficients(spec, indices, g) for g in grads)
+    tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
+    seen = ra.identifiable & rb.identifiable
+    if max(ra.residual, rb.residual) > tol or not all(bool(seen[indices.index(i)]) for i in short):
+        return ""
+    differ = {i for i, ok, x, y in zip(indices, seen.tolist(), ra.coefficients.tolist(), rb.coefficients.tolist())
+              if ok and abs(y - x) > tol * max(1.0, abs(x))}
+    if differ != short:
+        return ""
+    if not bool((rb.coefficients[[indices.index(i) for i in sorted(short)]].abs() <= tol).all()):
+        return ""
+    return (f"; the clip weights recovered from the two step-0 gradients differ on exactly the {len(short)} "
+            f"sample(s) of the physical passes shorter than p = {p} (passes per rank {passes}), which count for "
+            "nothing in the split step: the short last pass's gradient is dropped, so samples drawn into the "
+            "batch are accounted for but never trained on")
 
 
 def _who_matches(case: Case, sa, sb, step: int) -> str:

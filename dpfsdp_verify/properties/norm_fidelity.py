@@ -37,9 +37,9 @@ from .. import reference
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, pick_clip_bound, precision_bound,
+from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, precision_bound,
                       precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
-                      reference_norms, sequence_weights, tolerance)
+                      reference_norms, sequence_weights, tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -51,7 +51,7 @@ def prepare(spec: RunSpec) -> RunSpec:
     recovered from the released gradient tell an overall gradient scale from norms that are off.
     A mixed-precision spec runs at ``compare.PRECISION_DIMS`` (where bf16 accumulation shows)."""
     spec = precision_spec(spec)
-    return spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+    return with_picked_clip(spec)
 
 
 def cases(point: Point):

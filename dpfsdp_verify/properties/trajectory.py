@@ -42,8 +42,8 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (close, fmt, global_loss, max_rel_diff, pick_clip_bound, processed_indices,
-                      reference_batch, reference_model, tensors_close, tolerance)
+from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices,
+                      reference_batch, reference_model, tensors_close, tolerance, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p
 
@@ -73,7 +73,7 @@ def cases(point: Point):
     if spec.poisson:
         # as many epochs as the steps need (int(1/q) steps each): all ``steps`` are taken
         spec = spec.with_(epochs=-(-steps // spec.steps_per_epoch))
-    yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=f"{steps} DP steps")
+    yield point.case(with_picked_clip(spec), doing=f"{steps} DP steps")
 
 
 def accum_cases(point: Point, steps: int, p: int):
@@ -82,7 +82,7 @@ def accum_cases(point: Point, steps: int, p: int):
     ws = point.world_size
     if not point.sampling == "poisson":
         spec = point.spec(steps=steps, global_batch_size=(p + 1) * ws, lr=0.5, physical_batch_size=p)
-        yield point.case(spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0), doing=(
+        yield point.case(with_picked_clip(spec), doing=(
             f"{steps} DP steps, local batches of {p + 1} in physical passes of at most {p}"))
         return
     if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
@@ -90,7 +90,7 @@ def accum_cases(point: Point, steps: int, p: int):
     o = point.options
     spec = point.spec(steps=0, lr=0.5, physical_batch_size=p).with_(
         epochs=EMPTY_EPOCHS, sample_rate=o.sample_rate or EMPTY_Q, dataset_size=o.dataset_size or EMPTY_PER_RANK * ws)
-    spec = spec.with_(max_grad_norm=pick_clip_bound(spec) or 1.0)
+    spec = with_picked_clip(spec)
     yield point.case(spec, [spec, spec.with_(noise_multiplier=1.0)], doing=(
         f"every Poisson round of {EMPTY_EPOCHS} epochs (q={spec.sample_rate:g}, dataset of {spec.dataset_size}) "
         f"in physical passes of at most {p}, empty logical batches included, at noise 0 and at noise 1"))
