@@ -111,6 +111,30 @@ def test_a_bug_inside_a_check_exits_3(tmp_path, capsys, monkeypatch):
     assert "bug in dpfsdp-verify" in out and "ZeroDivisionError" in out
 
 
+def _raising_prepare(spec):
+    raise ZeroDivisionError("planted bug in a fuzz recipe")
+
+
+def test_a_bug_in_fuzzing_keeps_the_property_verdicts(pool, tmp_path, capsys, monkeypatch):
+    """A fuzz recipe that raises is one internal_error verdict (exit 3) beside the verdicts the
+    property's own cases already earned: the report keeps them."""
+    from verdict_helpers import run_gate
+
+    prop = PROPERTIES["norm_fidelity"]
+    monkeypatch.setitem(PROPERTIES, "norm_fidelity", dataclasses.replace(
+        prop, fuzz=dataclasses.replace(prop.fuzz, prepare=_raising_prepare)))
+    j = tmp_path / "r.json"
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.specimens:Correct", "--properties",
+                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--fuzz", "2", "-q", "--json", str(j))
+    assert r.returncode == 3, r.stderr
+    rep = json.loads(j.read_text())
+    validate(rep)
+    *cases, error = rep["results"]
+    assert cases and all(v["status"] == "pass" for v in cases), [v["message"] for v in cases]
+    assert (error["status"], error["diagnosis"]) == ("error", "internal_error")
+    assert error["message"].startswith("fuzzing norm_fidelity failed: ZeroDivisionError: planted bug in a fuzz recipe")
+
+
 def test_a_crash_of_the_cli_itself_exits_3(capsys, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("planted crash in the table")

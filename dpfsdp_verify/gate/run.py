@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from typing import Callable, List, Optional
 
 from ..harness import Pool
@@ -56,11 +55,6 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
 
 
-def _config(plan: RunPlan) -> dict:
-    return {"world_size": None, "data_layout": None, "model": None, "mode": "default",
-            "grad_sample_mode": plan.options.grad_sample_mode}
-
-
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
              pool: Optional[Pool] = None) -> List[Verdict]:
     """Every selected property's verdicts (then its fuzz runs', with ``--fuzz``), in plan order.
@@ -80,9 +74,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
             try:
                 found = run_property(PROPERTIES[pid], opts, pool, fuzz_examples=plan.fuzz)
             except Exception as e:  # a bug in a check or an unloadable target: report, go on
-                found = [Verdict(pid, "error", _config(plan), diagnosis="internal_error",  # exit 3
-                                 message=f"running {pid} failed: {type(e).__name__}: {e}",
-                                 details=traceback.format_exc(), seconds=round(time.monotonic() - t0, 3))]
+                found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
             for v in found:
                 verdicts.append(v)
                 if progress:

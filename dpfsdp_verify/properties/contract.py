@@ -37,6 +37,7 @@ fresh seed and prints it) tests fresh randomness and ``--seed`` replays a run ex
 from __future__ import annotations
 
 import shlex
+import traceback
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -45,7 +46,7 @@ from ..harness import DEFAULT_TIMEOUT_S
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec
 from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, PRECISIONS, SAMPLINGS, SEEDINGS
-from ..verdict import Verdict
+from ..verdict import INTERNAL_ERROR, Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
 Outputs = Sequence[Sequence[Sequence[RankOutput]]]
@@ -450,9 +451,20 @@ class Property:
     def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
         """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own
         selection makes inapplicable is a skip)."""
-        return Verdict(self.id, "skip", {"world_size": world_size, "data_layout": None, "model": None,
-                                         "mode": opts.modes[0].label, "grad_sample_mode": opts.grad_sample_mode,
-                                         **config}, message=message)
+        return Verdict(self.id, "skip", self._whole_run_config(opts, world_size, **config), message=message)
+
+    def internal_error(self, opts: Options, doing: str, error: BaseException, seconds: float) -> Verdict:
+        """The ``error`` / ``internal_error`` verdict (exit 3) of this property when code of this suite
+        raised ``error`` while ``doing`` it (``running``, ``fuzzing``): a bug in a check, never a
+        verdict on the target. Call it in the ``except`` clause (it keeps the traceback)."""
+        return Verdict(self.id, "error", self._whole_run_config(opts), diagnosis=INTERNAL_ERROR,
+                       message=f"{doing} {self.id} failed: {type(error).__name__}: {error}",
+                       details=traceback.format_exc(), seconds=round(seconds, 3))
+
+    @staticmethod
+    def _whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
+        return {"world_size": world_size, "data_layout": None, "model": None, "mode": opts.modes[0].label,
+                "grad_sample_mode": opts.grad_sample_mode, **config}
 
 
 #: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a

@@ -40,7 +40,11 @@ def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuz
     judged = iter(judge_cases(prop, cases, pool, opts.timeout))
     verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
     if fuzz_examples and prop.fuzz is not None and not modes_problem(prop, opts.modes):
-        verdicts += fuzz_property(prop, opts, fuzz_examples, pool)
+        t0 = time.monotonic()
+        try:
+            verdicts += fuzz_property(prop, opts, fuzz_examples, pool)
+        except Exception as e:  # the fuzzer's bug: the matrix's verdicts above still stand
+            verdicts.append(prop.internal_error(opts, "fuzzing", e, time.monotonic() - t0))
     return verdicts
 
 
