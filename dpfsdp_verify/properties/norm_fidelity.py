@@ -54,8 +54,28 @@ def prepare(spec: RunSpec) -> RunSpec:
     return with_picked_clip(spec)
 
 
+#: the local batch of the one large case (``cases``): every default local batch is <= 8, so a fork that
+#: computes per-sample gradients in chunks (to bound vmap's memory) is only right on its first chunk
+#: unless a batch spans several chunks; 33 = one past 32 spans every chunk size up to 32
+LARGE_LOCAL_BATCH = 33
+
+
 def cases(point: Point):
     yield point.case(prepare(point.spec(global_batch_size=4 * point.world_size)), doing="per-sample norms")
+    if large_point(point):
+        spec = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
+        yield point.case(spec, labels={"local_batches": "large"}, facts={"local_batch_size": LARGE_LOCAL_BATCH},
+                         doing=f"per-sample norms of a local batch of {LARGE_LOCAL_BATCH}")
+
+
+def large_point(point: Point) -> bool:
+    """Whether ``point`` also runs the large local batch (``LARGE_LOCAL_BATCH``): once per world size
+    and mode, on the cheap point -- the mlp, split data, float64, fp32, fixed batches, the first
+    reduction -- where a chunking bug shows as plainly as anywhere (it is in the per-sample gradient
+    code, not in the model, the layout or the dtype)."""
+    return (point.sampling == "fixed" and point.precision == "fp32" and point.model == "mlp"
+            and point.data_layout == "split" and point.dtype == "float64"
+            and point.reduction == (point.options.reductions or PROPERTY.reductions)[0])
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
