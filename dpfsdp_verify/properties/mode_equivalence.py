@@ -51,6 +51,11 @@ CASE_STEPS = {"mlp": 6}
 PHYSICAL_BATCH = 2
 #: |z| beyond which the two modes' noise variances differ (two-sided p ~ 1e-6)
 NOISE_Z = 4.89
+#: the built-in pair's Poisson case (once per world size): q, samples per rank, steps (one epoch).
+#: 16 per rank at q = 1/4: expected local batch 4 (two passes at p = 2), a realised global batch
+#: that differs from the expected one in some step of four except with probability < 0.003, and an
+#: empty round (which a Poisson sampler may skip) in ~4% of runs at one rank
+POISSON_PAIR = (0.25, 16, 4)
 
 
 def default_pair(mode: Mode, params: Dict) -> Tuple[Mode, Mode]:
@@ -78,6 +83,17 @@ def prepare(spec: RunSpec) -> Prepared:
     return with_picked_clip(spec)
 
 
+def poisson_pair_spec(point: Point) -> RunSpec:
+    """The built-in pair's Poisson spec (``POISSON_PAIR``): DP-SGD's own sampling, the same sampling
+    seed (and ``same`` seeding: every rank's local batch has the same size, so the ranks run equally
+    many passes) in both modes, noise 0. Fixed batches always hold the expected logical batch; only
+    here can a ``"mean"`` divisor taken from the batch actually drawn differ from the expected one
+    (one sample's presence would then change every other sample's weight)."""
+    q, per_rank, steps = POISSON_PAIR
+    return prepare(point.spec(sampling="poisson", sample_rate=q, dataset_size=per_rank * point.world_size,
+                              epochs=1, steps=steps, seeding="same", sampling_seed=point.seed(0)))
+
+
 def cases(point: Point):
     steps = CASE_STEPS.get(point.model, STEPS)
     p = next((v for m in point.modes for k, v in m.spec if k == "physical_batch_size"), None)
@@ -85,6 +101,8 @@ def cases(point: Point):
         spec = prepare(point.spec(steps=steps, global_batch_size=pair_local_batch(p) * point.world_size))
         yield point.case(spec, specs=(spec, spec.with_(steps=1, noise_multiplier=1.0)),
                          doing="the same logical steps unsplit and in physical batches")
+        if point.sampling == "fixed" and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+            yield point.case(poisson_pair_spec(point), doing="the same Poisson rounds unsplit and in physical batches")
         return
     spec = prepare(point.spec(steps=steps, global_batch_size=4 * point.world_size))
     yield point.case(spec, doing="the same steps under each mode")
@@ -97,7 +115,12 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     rtol, atol = tolerance(spec.dtype)
     evidence: Dict[str, float] = {}
     problem = None
-    for k in range(spec.steps):
+    taken = (len(a[0].steps), len(b[0].steps))
+    if taken[0] != taken[1]:  # Poisson rounds a sampler skipped in one mode only
+        problem = f"the modes took {taken[0]} and {taken[1]} steps of the same sampling seed"
+    for k in range(min(spec.steps, *taken)):
+        if problem:
+            break
         for r in range(ws):
             sa, sb = a[r].steps[k], b[r].steps[k]
             if list(sa.indices) != list(sb.indices):
@@ -131,8 +154,11 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if problem:
         return case.verdict("fail", "mismatch", f"modes {base.label!r} ({base.describe_env()}) and {other.label!r} "
                             f"({other.describe_env()}) are not equivalent at world_size={ws}: {problem}.", evidence)
+    drawn = (f" (Poisson rounds at q = {spec.sample_rate:g}, {taken[0]} taken: the same draws in both)"
+             if spec.poisson else "")
     return case.verdict("pass", None, f"modes {base.label!r} and {other.label!r} give the same norms, gradients and "
-                        f"parameters over {spec.steps} steps at world_size={ws}{noise_note}", evidence)
+                        f"parameters over {min(spec.steps, *taken)} steps at world_size={ws}{drawn}{noise_note}",
+                        evidence)
 
 
 def _noise_problem(noised_a, clean_a, noised_b, clean_b, evidence) -> Tuple[Optional[str], str]:
