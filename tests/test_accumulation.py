@@ -50,7 +50,8 @@ def test_api_refuses_a_bad_pair_param():
 def test_mode_equivalence_plans_its_own_pair_without_mode_env():
     prop = PROPERTIES["mode_equivalence"]
     cases = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2], models=["mlp"])))
-    [case] = cases
+    case, poisson = cases  # and the pair's Poisson case (tests/test_batch_audit.py)
+    assert poisson.spec.poisson and not case.spec.poisson
     assert case.config()["mode"] == "unsplit vs physical_batches_2"
     assert [m.apply(case.spec).physical_batch_size for m in case.modes] == [0, 2]
     assert "--physical-batch-size 2" in case.repro()

@@ -1,0 +1,74 @@
+"""Batch breadth: the default cases that catch the audit's batch-shape escapes.
+
+* ``ChunkedNormsOffset`` (per-sample gradients in chunks of 8, later chunks with the first chunk's
+  activations) fails norm_fidelity's large-local-batch case (33 per rank) as ``mismatch``;
+* ``AccumDivisorRealised`` (the accumulating ``"mean"`` divides by the batch actually drawn) fails
+  mode_equivalence's Poisson case of the built-in pair as ``mismatch``;
+* ``RateFromLoaderLength`` (samples at 1/int(1/q), the accountant told q) fails sampling_accounting's
+  ``fractional_rate`` case (N = 10, q = 0.3) as ``wrong_sample_rate``;
+* ``Correct`` passes all three; the plans hold exactly one new case per world size.
+"""
+
+from __future__ import annotations
+
+import dpfsdp_verify.properties as props
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.properties.contract import Options
+from verdict_helpers import assert_all_pass, by
+
+N = "fixtures.audit_noise_specimens:"
+L = "fixtures.audit_loop_specimens:"
+CORRECT = "fixtures.specimens:Correct"
+
+
+def _plan(pid, **kw):
+    prop = PROPERTIES[pid]
+    return prop.plan(prop.with_defaults(Options.build("t", world_sizes=[1, 2], **kw)))
+
+
+def test_plans_one_new_case_per_world_size():
+    large = [c for c in _plan("norm_fidelity") if c.labels.get("local_batches") == "large"]
+    assert [(c.world_size, c.spec.global_batch_size, c.spec.model, c.spec.dtype) for c in large] == [
+        (1, 33, "mlp", "float64"), (2, 66, "mlp", "float64")]
+    poisson = [c for c in _plan("mode_equivalence") if c.spec.poisson]
+    assert [(c.world_size, c.spec.dataset_size, c.spec.sample_rate, len(c.specs)) for c in poisson] == [
+        (1, 16, 0.25, 1), (2, 32, 0.25, 1)]
+    assert all(c.spec.noise_multiplier == 0 for c in poisson)
+    frac = [c for c in _plan("sampling_accounting") if c.labels.get("dataset") == "fractional_rate"]
+    assert [(c.world_size, c.spec.dataset_size, c.spec.sample_rate) for c in frac] == [(1, 10, 0.3)]
+    assert len(_plan("sampling_accounting")) == 10
+
+
+def test_chunked_norms_fail_the_large_local_batch(pool):
+    vs = props.run("norm_fidelity", N + "ChunkedNormsOffset", pool=pool, world_sizes=(1, 2), models=("mlp",),
+                   data_layouts=("split",), reductions=("mean",), dtypes=("float64",))
+    large = by(vs, local_batches="large")
+    assert len(large) == 2 and all(v.status == "fail" and v.diagnosis == "mismatch" for v in large)
+    assert "per-sample norms differ from the reference" in large[0].message
+    assert_all_pass([v for v in vs if v not in large])  # local batches <= 8: the chunk is the batch
+
+
+def test_realised_divisor_fails_the_poisson_pair(pool):
+    vs = props.run("mode_equivalence", L + "AccumDivisorRealised", pool=pool, world_sizes=(1, 2), models=("mlp",))
+    poisson = by(vs, sampling="poisson")
+    assert len(poisson) == 2 and all(v.status == "fail" and v.diagnosis == "mismatch" for v in poisson)
+    assert "gradients differ at step" in poisson[0].message
+    assert_all_pass(by(vs, sampling=None))  # fixed batches hold the expected batch: identical
+
+
+def test_rate_from_loader_length_fails_the_fractional_rate(pool):
+    vs = props.run("sampling_accounting", L + "RateFromLoaderLength", pool=pool, world_sizes=(1,))
+    [frac] = by(vs, dataset="fractional_rate")
+    assert frac.status == "fail" and frac.diagnosis == "wrong_sample_rate"
+    assert "not the configured q = 0.3" in frac.message
+    assert_all_pass(by(vs, dataset="divisible"))  # q = 1/8 is 1/integer: the bug is invisible there
+
+
+def test_correct_passes_the_new_cases(pool):
+    assert_all_pass(by(props.run("norm_fidelity", CORRECT, pool=pool, world_sizes=(1, 2), models=("mlp",),
+                                 data_layouts=("split",), reductions=("mean",), dtypes=("float64",)),
+                       local_batches="large"))
+    assert_all_pass(by(props.run("mode_equivalence", CORRECT, pool=pool, world_sizes=(1, 2), models=("mlp",)),
+                       sampling="poisson"))
+    assert_all_pass(by(props.run("sampling_accounting", CORRECT, pool=pool, world_sizes=(1,)),
+                       dataset="fractional_rate"))
