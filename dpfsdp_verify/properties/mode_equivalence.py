@@ -26,7 +26,10 @@ pass (the same generator consumed the same way); otherwise the variances are com
 (``log(var_b / var_a)`` is ~N(0, 4/n) for n coordinates under equal variances; fail at |z| >
 ``NOISE_Z``, false alarm < 1e-6): noise added at every pass triples the variance over three
 passes (z ~ log 3 / sqrt(4/n) +- 1: ~5.5 on the mlp's 99 coordinates, caught about 7 times in
-10; ~16 on the transformer's 827, always caught).
+10; ~16 on the transformer's 827, always caught). Once per world size (the mlp) the pair also runs
+Poisson rounds (``POISSON_PAIR``, ``poisson_pair_spec``) with one sampling seed in both modes at
+noise 0: only there can a ``"mean"`` divisor taken from the batch actually drawn differ from the
+expected logical batch. Both modes must take the same rounds.
 """
 
 from __future__ import annotations

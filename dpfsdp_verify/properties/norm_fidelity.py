@@ -4,6 +4,11 @@ DP meaning: the clip coefficient ``min(1, C/||g_i||)`` bounds each sample's infl
 ``||g_i||`` is that sample's true gradient norm. Inflated norms over-clip (utility lost, silently);
 under-counted norms under-clip (a sample can contribute more than C: the privacy guarantee is void).
 
+Cases: a local batch of 4 at every point, and once per world size (mlp, split, float64) a local
+batch of ``LARGE_LOCAL_BATCH`` = 33 (``local_batches=large``): a fork that computes per-sample
+gradients in chunks (to bound memory) and gets a later chunk wrong is right on every batch of
+one chunk.
+
 Each rank reports, per step, the global indices it processed and the norms it clipped them with;
 they are compared with float64 per-sample norms of the same samples on one process. A failure is
 explained by testing the known bug shapes against the numbers, in this order:
