@@ -311,9 +311,27 @@ def diagnose(case: Case, got, want, steps, ratios):
             kind = f"inflated by a constant factor {k:.4g}"
         return "mismatch", (f"per-sample norms {kind} {where}: every sample is over-clipped (utility loss).")
     worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r].clamp_min(1e-300)).max()))
+    k = right_prefix(got, want)
+    prefix = (f" The first {k} sample(s) of every rank's local batch are right and the rest are not: per-sample "
+              f"gradients computed in chunks of {k}, a later chunk paired with the wrong samples' activations or "
+              "backprops?" if k else "")
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
-                        "some above and some below the truth.")
+                        f"some above and some below the truth.{prefix}")
+
+
+def right_prefix(got, want) -> int:
+    """``k > 0`` when on every rank exactly the first ``k`` reported norms are right (the same ``k``,
+    and every later one is wrong: the shape of a chunked per-sample computation whose first chunk is
+    right); else 0."""
+    ks = set()
+    for g, w in zip(got, want):
+        ok = ((g - w).abs() <= HYPOTHESIS_RTOL * w.abs() + 1e-12).tolist()
+        k = ok.index(False) if False in ok else len(ok)
+        if any(ok[k:]) or k == len(ok):
+            return 0
+        ks.add(k)
+    return ks.pop() if len(ks) == 1 and min(ks) > 0 else 0
 
 
 PROPERTY = Property(
