@@ -129,7 +129,9 @@ def test_correct_passes_the_accumulation_scenarios_and_the_pair(pool):
     assert uneven.evidence["physical_passes_per_step"] == [[3, 3], [3, 3]], uneven.message  # rank 1 padded
     me = run(pool, "mode_equivalence", CORRECT, world_sizes=(1, 2))
     assert_all_pass(me)
-    assert len(me) == 4 and all("released the same noise draw" in v.message for v in me)
+    fixed = by(me, sampling=None)  # and one Poisson case per world size (tests/test_batch_audit.py)
+    assert len(fixed) == 4 and all("released the same noise draw" in v.message for v in fixed)
+    assert len(by(me, sampling="poisson")) == 2
     assert_all_pass(run(pool, "clipped_step", CORRECT, world_sizes=(1, 2), models=("mlp",), physical_batch_size=3))
 
 
@@ -145,7 +147,8 @@ def test_noise_at_every_pass_fails_mode_equivalence(pool):
 
 
 def test_physical_batch_divisor_fails_mode_equivalence_and_clipped_step(pool):
-    vs = run(pool, "mode_equivalence", A + "PhysicalBatchDivisor", world_sizes=(1, 2), models=("mlp",))
+    vs = by(run(pool, "mode_equivalence", A + "PhysicalBatchDivisor", world_sizes=(1, 2), models=("mlp",)),
+            sampling=None)
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")] * 2
     assert all("gradients differ at step 0" in v.message for v in vs)
     assert not any("shorter than p" in v.message for v in vs)  # every sample's weight is off, not the short pass's
@@ -159,7 +162,7 @@ def test_physical_batch_divisor_fails_mode_equivalence_and_clipped_step(pool):
 
 def test_clipping_the_summed_pass_fails_mode_equivalence_and_clipped_step(pool):
     vs = run(pool, "mode_equivalence", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",))
-    [v] = vs
+    [v] = by(vs, sampling=None)
     assert (v.status, v.diagnosis) == ("fail", "mismatch") and "gradients differ at step 0" in v.message
     assert "shorter than p" not in v.message  # the short pass of one sample is clipped right; the full ones are not
     [v] = run(pool, "clipped_step", A + "ClipsSummedPass", world_sizes=(2,), models=("mlp",),
@@ -181,7 +184,8 @@ def test_no_pass_agreement_diverges_with_pass_counts_in_the_message(pool):
 
 
 def test_a_target_that_ignores_or_does_not_declare_accumulation_is_told_so(pool):
-    [v] = run(pool, "mode_equivalence", A + "IgnoresPhysicalBatches", world_sizes=(2,), models=("mlp",))
+    [v] = by(run(pool, "mode_equivalence", A + "IgnoresPhysicalBatches", world_sizes=(2,), models=("mlp",)),
+             sampling=None)
     assert (v.status, v.diagnosis) == ("fail", "mismatch")
     assert "no physical passes reported" in v.message and "does the target implement gradient accumulation" in v.message
     [v] = run(pool, "deadlock_free", A + "UndeclaredAccumulation", world_sizes=(2,), local_batches=("uneven_accum",))
@@ -221,7 +225,9 @@ def test_upstream_mode_equivalence_default_pair_and_accumulated_step(pool):
     pytest.importorskip("opacus")
     vs = run(pool, "mode_equivalence", "opacus", world_sizes=(1, 2))
     assert_all_pass(vs)
-    assert len(vs) == 4 and all("released the same noise draw" in v.message for v in vs)
+    fixed = by(vs, sampling=None)  # and the pair's Poisson case per world size, also passing
+    assert len(fixed) == 4 and all("released the same noise draw" in v.message for v in fixed)
+    assert len(by(vs, sampling="poisson")) == 2
     # fixed batches, and Poisson sampling with 'same' seeding (the ranks' local batches agree)
     vs = run(pool, "clipped_step", "opacus", world_sizes=(1, 2), models=("mlp",), reductions=("mean",),
              physical_batch_size=3)

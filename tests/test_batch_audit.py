@@ -1,12 +1,13 @@
 """Batch breadth: the default cases that catch the audit's batch-shape escapes.
 
 * ``ChunkedNormsOffset`` (per-sample gradients in chunks of 8, later chunks with the first chunk's
-  activations) fails norm_fidelity's large-local-batch case (33 per rank) as ``mismatch``;
+  activations) fails norm_fidelity's large local batch (33 per rank, a second spec of the mlp/split/
+  float64 case) as ``mismatch``;
 * ``AccumDivisorRealised`` (the accumulating ``"mean"`` divides by the batch actually drawn) fails
   mode_equivalence's Poisson case of the built-in pair as ``mismatch``;
 * ``RateFromLoaderLength`` (samples at 1/int(1/q), the accountant told q) fails sampling_accounting's
   ``fractional_rate`` case (N = 10, q = 0.3) as ``wrong_sample_rate``;
-* ``Correct`` passes all three; the plans hold exactly one new case per world size.
+* ``Correct`` passes all three; the plans hold one new case (one new spec for norm_fidelity) per world size.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ def _plan(pid, **kw):
 
 
 def test_plans_one_new_case_per_world_size():
-    large = [c for c in _plan("norm_fidelity") if c.labels.get("local_batches") == "large"]
-    assert [(c.world_size, c.spec.global_batch_size, c.spec.model, c.spec.dtype) for c in large] == [
-        (1, 33, "mlp", "float64"), (2, 66, "mlp", "float64")]
+    nf = _plan("norm_fidelity")
+    assert len(nf) == 2 * 2 * 2 * 2 * 2  # ws x models x layouts x reductions x dtypes: no new case
+    large = [c for c in nf if len(c.specs) == 2]
+    assert [(c.world_size, c.specs[1].global_batch_size, c.spec.global_batch_size, c.spec.model, c.spec.dtype,
+             c.spec.data_layout) for c in large] == [(1, 33, 4, "mlp", "float64", "split"),
+                                                     (2, 66, 8, "mlp", "float64", "split")]
     poisson = [c for c in _plan("mode_equivalence") if c.spec.poisson]
     assert [(c.world_size, c.spec.dataset_size, c.spec.sample_rate, len(c.specs)) for c in poisson] == [
         (1, 16, 0.25, 1), (2, 32, 0.25, 1)]
@@ -42,10 +46,13 @@ def test_plans_one_new_case_per_world_size():
 def test_chunked_norms_fail_the_large_local_batch(pool):
     vs = props.run("norm_fidelity", N + "ChunkedNormsOffset", pool=pool, world_sizes=(1, 2), models=("mlp",),
                    data_layouts=("split",), reductions=("mean",), dtypes=("float64",))
-    large = by(vs, local_batches="large")
-    assert len(large) == 2 and all(v.status == "fail" and v.diagnosis == "mismatch" for v in large)
-    assert all("The first 8 sample(s) of every rank's local batch are right" in v.message for v in large)
-    assert_all_pass([v for v in vs if v not in large])  # local batches <= 8: the chunk is the batch
+    assert len(vs) == 2  # mlp, split, mean, float64 at world sizes 1 and 2
+    for v in vs:
+        assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
+        assert v.message.startswith("at a local batch of 33 per rank (a local batch of 4 passes): per-sample norms "
+                                    "differ from the reference")
+        assert "The first 8 sample(s) of every rank's local batch are right" in v.message
+        assert v.evidence["large_local_batch"] == 33
 
 
 def test_realised_divisor_fails_the_poisson_pair(pool):
@@ -65,9 +72,10 @@ def test_rate_from_loader_length_fails_the_fractional_rate(pool):
 
 
 def test_correct_passes_the_new_cases(pool):
-    assert_all_pass(by(props.run("norm_fidelity", CORRECT, pool=pool, world_sizes=(1, 2), models=("mlp",),
-                                 data_layouts=("split",), reductions=("mean",), dtypes=("float64",)),
-                       local_batches="large"))
+    nf = props.run("norm_fidelity", CORRECT, pool=pool, world_sizes=(1, 2), models=("mlp",),
+                   data_layouts=("split",), reductions=("mean",), dtypes=("float64",))
+    assert_all_pass(nf)
+    assert all("at a local batch of 33 per rank too" in v.message for v in nf)
     assert_all_pass(by(props.run("mode_equivalence", CORRECT, pool=pool, world_sizes=(1, 2), models=("mlp",)),
                        sampling="poisson"))
     assert_all_pass(by(props.run("sampling_accounting", CORRECT, pool=pool, world_sizes=(1,)),

@@ -138,7 +138,7 @@ def sa(pool, target, **kw):
 
 def test_correct_poisson_sampler_passes_every_policy_at_1_2_3_ranks(pool):
     vs = sa(pool, "PoissonCorrect", world_sizes=(1, 2, 3))
-    assert len(vs) == 3 + 6 + 6
+    assert len(vs) == 4 + 6 + 6  # world size 1: three seedings, and the fractional q = 0.3 once
     assert {v.config["seeding"] for v in vs} == {"same", "per_rank", "unseeded"}
     assert_all_pass(vs)
     assert all(v.evidence["steps"] >= 2000 for v in vs)
@@ -168,7 +168,7 @@ def test_sample_rate_from_the_local_loader(pool):
 def test_skipping_empty_local_batches_is_a_step_divergence(pool):
     vs = sa(pool, "SkipEmptyLocalBatch", world_sizes=(1, 2))
     one = by(vs, world_size=1)
-    assert [(v.status, v.diagnosis) for v in one] == [("fail", "wrong_sample_rate")] * 3
+    assert [(v.status, v.diagnosis) for v in one] == [("fail", "wrong_sample_rate")] * 4  # fractional q too
     assert "steps whose batch came out empty are skipped" in one[0].message
     two = by(vs, world_size=2)
     seeded = [v for v in two if v.config["seeding"] != "unseeded"]

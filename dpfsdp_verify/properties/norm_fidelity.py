@@ -5,7 +5,8 @@ DP meaning: the clip coefficient ``min(1, C/||g_i||)`` bounds each sample's infl
 under-counted norms under-clip (a sample can contribute more than C: the privacy guarantee is void).
 
 Cases: a local batch of 4 at every point, and once per world size (mlp, split, float64) a local
-batch of ``LARGE_LOCAL_BATCH`` = 33 (``local_batches=large``): a fork that computes per-sample
+batch of ``LARGE_LOCAL_BATCH`` = 33 as a second spec of the same case, judged once the first
+passes (one verdict: a failure says "at a local batch of 33 per rank"): a fork that computes per-sample
 gradients in chunks (to bound memory) and gets a later chunk wrong is right on every batch of
 one chunk.
 
@@ -35,6 +36,7 @@ is judged on the norms it clips with.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -66,11 +68,13 @@ LARGE_LOCAL_BATCH = 33
 
 
 def cases(point: Point):
-    yield point.case(prepare(point.spec(global_batch_size=4 * point.world_size)), doing="per-sample norms")
-    if large_point(point):
-        spec = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
-        yield point.case(spec, labels={"local_batches": "large"}, facts={"local_batch_size": LARGE_LOCAL_BATCH},
-                         doing=f"per-sample norms of a local batch of {LARGE_LOCAL_BATCH}")
+    spec = prepare(point.spec(global_batch_size=4 * point.world_size))
+    if not large_point(point):
+        yield point.case(spec, doing="per-sample norms")
+        return
+    # the large batch rides in the same case (one job, one verdict): judged after the small one passes
+    large = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
+    yield point.case(spec, specs=(spec, large), doing=f"per-sample norms (local batches of 4 and {LARGE_LOCAL_BATCH})")
 
 
 def large_point(point: Point) -> bool:
@@ -84,9 +88,28 @@ def large_point(point: Point) -> bool:
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
-    """The verdict for one case from every rank's ``RankOutput`` (step 0): the norms it reports,
+    """The verdict for one case: its spec's (``judge_spec``), then -- once that passes -- the large
+    local batch's where the case carries one (``LARGE_LOCAL_BATCH``), whose failure is the verdict."""
+    first = judge_spec(case, runs[0][0])
+    if len(case.specs) < 2 or first.status != "pass":
+        return first
+    large = case.specs[1]
+    local = large.global_batch_size // case.world_size
+    sub = replace(case, spec=large, specs=(large,))
+    second = judge_spec(sub, runs[0][1])
+    evidence = {**first.evidence, "large_local_batch": local,
+                "large_local_batch_evidence": {k: v for k, v in second.evidence.items() if k not in case.facts}}
+    if second.status != "pass":
+        return replace(second, evidence={**second.evidence, "large_local_batch": local},
+                       message=f"at a local batch of {local} per rank (a local batch of 4 passes): {second.message}")
+    return replace(first, evidence=evidence,
+                   message=f"{first.message}; so at a local batch of {local} per rank too")
+
+
+def judge_spec(case: Case, outputs) -> Verdict:
+    """The verdict on ``case.spec`` from every rank's ``RankOutput`` (step 0): the norms it reports,
     and the norms it clips with (recovered from the released gradient)."""
-    spec, ws, outputs = case.spec, case.world_size, runs[0][0]
+    spec, ws = case.spec, case.world_size
     rtol, atol = tolerance(spec.dtype)
     bound = precision_bound(spec)
     ref = reference_norms(spec)
