@@ -26,10 +26,12 @@ pass (the same generator consumed the same way); otherwise the variances are com
 (``log(var_b / var_a)`` is ~N(0, 4/n) for n coordinates under equal variances; fail at |z| >
 ``NOISE_Z``, false alarm < 1e-6): noise added at every pass triples the variance over three
 passes (z ~ log 3 / sqrt(4/n) +- 1: ~5.5 on the mlp's 99 coordinates, caught about 7 times in
-10; ~16 on the transformer's 827, always caught). Once per world size (the mlp) the pair also runs
-Poisson rounds (``POISSON_PAIR``, ``poisson_pair_spec``) with one sampling seed in both modes at
-noise 0: only there can a ``"mean"`` divisor taken from the batch actually drawn differ from the
-expected logical batch. Both modes must take the same rounds.
+10; ~16 on the transformer's 827, always caught). At Poisson points (the ``poisson`` sampling axis)
+the pair runs, once per world size (the first model), Poisson rounds (``POISSON_PAIR``, or the
+options' q and dataset size; ``poisson_pair_spec``) with one sampling seed in both modes at noise
+0: only there can a ``"mean"`` divisor taken from the batch actually drawn differ from the expected
+logical batch. Both modes must take the same rounds. ``--mode-env`` labels get that case only when
+Poisson sampling is selected (``--sampling poisson``).
 """
 
 from __future__ import annotations
@@ -87,25 +89,33 @@ def prepare(spec: RunSpec) -> Prepared:
 
 
 def poisson_pair_spec(point: Point) -> RunSpec:
-    """The built-in pair's Poisson spec (``POISSON_PAIR``): DP-SGD's own sampling, the same sampling
-    seed (and ``same`` seeding: every rank's local batch has the same size, so the ranks run equally
-    many passes) in both modes, noise 0. Fixed batches always hold the expected logical batch; only
-    here can a ``"mean"`` divisor taken from the batch actually drawn differ from the expected one
-    (one sample's presence would then change every other sample's weight)."""
+    """The Poisson case's spec (``POISSON_PAIR`` unless the options give q or the dataset size):
+    DP-SGD's own sampling, the same sampling seed in both modes (``same`` seeding by default: every
+    rank's local batch has the same size, so the ranks run equally many passes), noise 0. Fixed
+    batches always hold the expected logical batch; only here can a ``"mean"`` divisor taken from
+    the batch actually drawn differ from the expected one (one sample's presence would then change
+    every other sample's weight)."""
     q, per_rank, steps = POISSON_PAIR
-    return prepare(point.spec(sampling="poisson", sample_rate=q, dataset_size=per_rank * point.world_size,
-                              epochs=1, steps=steps, seeding="same", sampling_seed=point.seed(0)))
+    o = point.options
+    return prepare(point.spec(sampling="poisson", sample_rate=o.sample_rate or q,
+                              dataset_size=o.dataset_size or per_rank * point.world_size, epochs=1, steps=steps,
+                              seeding=point.seeding or "same", sampling_seed=point.seed(0)))
 
 
 def cases(point: Point):
     steps = CASE_STEPS.get(point.model, STEPS)
     p = next((v for m in point.modes for k, v in m.spec if k == "physical_batch_size"), None)
+    if point.sampling == "poisson":
+        # one Poisson case per world size (the first model, reduction, dtype): for the built-in pair
+        # always, for --mode-env labels when Poisson sampling is selected
+        if (p or point.options.samplings is not None) and point.first_of_axes(PROPERTY.models, PROPERTY.reductions,
+                                                                               PROPERTY.dtypes):
+            yield point.case(poisson_pair_spec(point), doing="the same Poisson rounds under each mode")
+        return
     if p:  # the built-in pair: local batches with a short last pass, and one noised step
         spec = prepare(point.spec(steps=steps, global_batch_size=pair_local_batch(p) * point.world_size))
         yield point.case(spec, specs=(spec, spec.with_(steps=1, noise_multiplier=1.0)),
                          doing="the same logical steps unsplit and in physical batches")
-        if point.sampling == "fixed" and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
-            yield point.case(poisson_pair_spec(point), doing="the same Poisson rounds unsplit and in physical batches")
         return
     spec = prepare(point.spec(steps=steps, global_batch_size=4 * point.world_size))
     yield point.case(spec, doing="the same steps under each mode")
@@ -246,6 +256,8 @@ PROPERTY = Property(
     meaning=("two modes that claim to be equivalent (e.g. deferred vs immediate norms) clip and update "
              "identically; otherwise at most one of them is the mechanism the privacy analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",),
+    # fixed points: the built-in pair's (or the labels') cases; Poisson points: one case per world size
+    samplings=("fixed", "poisson"),
     compares_modes=True, default_pair=default_pair, params=(("physical_batch_size", PHYSICAL_BATCH),),
     # like clipped_step, over 2 steps (state carried between steps is compared too)
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2), ("steps", STEPS),
