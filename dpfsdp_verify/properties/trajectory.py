@@ -350,8 +350,8 @@ def judge_update(case: Case, outputs) -> Verdict:
                 + f"rank {r}: the parameters after noisy step {t} of {len(o.steps)} (noise multiplier "
                 f"{spec.noise_multiplier:g}, momentum {mu:g}, world_size={ws}) are not the update by the gradients "
                 f"the target released: they differ from {rule} over the released g by up to {fmt(err)} relative "
-                f"(worst {name!r}); the difference has RMS {off:.3g} x lr*sigma*C/D (one step's noise in the "
-                f"update)." + cause), evidence)
+                f"(worst {name!r}); the difference has RMS {off:.3g} x lr*sigma*C/D (1: one step's noise missing "
+                f"from the update or added to it; sqrt(2): another draw)." + cause), evidence)
     told = (f"the released noise at step 0 (released minus the reference's clipped gradient) has RMS {noise0:.3g} x "
             "sigma*C/D" if noise0 > 0.1 else
             f"but the released gradient carried no noise (RMS {noise0:.2g} x sigma*C/D at step 0: noise_calibration "
