@@ -41,8 +41,10 @@ def test_one_update_case_per_world_size_in_the_default_plan():
 
 def test_no_update_case_under_sum_only():
     # the opacus-1.6.0 expectation for trajectory at world_size 2 under "sum" must not select it
-    plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT, reductions=("sum",))))
+    plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT, reductions=("sum",), samplings=("fixed",))))
     assert plan and not [c for c in plan if c.spec.noise_multiplier]
+    plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT, reductions=("sum", "mean"), samplings=("fixed",))))
+    assert [c.spec.reduction for c in plan if c.spec.noise_multiplier] == ["mean", "mean"]
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, True, "0.9"])
