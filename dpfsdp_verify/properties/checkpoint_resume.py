@@ -165,14 +165,31 @@ def _step_count(case: Case, halves, k: int) -> Optional[tuple]:
                         "steps its accounting has counted", {"privacy_steps": got})
             want = list(range(1, len(got) + 1))
             if got != want:
-                after = got[k:]
-                why = (f"after the resume it counts from {after[0]} again: the accountant lost the {k} step(s) "
-                       f"taken before the checkpoint, so the epsilon it reports is that of {len(got) - k} step(s), "
-                       "not the run's") if after and after[0] != k + 1 and got[:k] == want[:k] \
-                    else "it does not count one per DP step"
                 return ("step_count_reset", f"rank {r}, {label} run resumed at step {k}: the privacy step count "
-                        f"after each step is {got}, expected {want}; {why}.", {"privacy_steps": got})
+                        f"after each step is {got}, expected {want}; {_count_error(got, want, k)}.",
+                        {"privacy_steps": got})
     return None
+
+
+def _count_error(got: List[int], want: List[int], k: int) -> str:
+    """How ``got`` (the counts after each step of a run resumed after ``k``) misses ``want``, in words:
+    only a count that starts again below k + 1 at the resume is called a reset."""
+    before, after = got[:k], got[k:]
+    if before != want[:k]:
+        return "already before the checkpoint it does not count one per DP step"
+    if after == list(range(1, len(after) + 1)):
+        return (f"after the resume it counts from 1 again: the accountant lost the {k} step(s) taken before the "
+                f"checkpoint, so the epsilon it reports is that of {len(after)} step(s), not the run's {len(got)}")
+    if after[0] == got[k - 1]:
+        return (f"its count does not advance at the first step after the resume (it stays at {after[0]}): the "
+                "resumed step is not counted, so the epsilon reported is too small")
+    if after[0] < k + 1:
+        return (f"after the resume it continues from {after[0] - 1}, not {k}: the accountant lost "
+                f"{k + 1 - after[0]} of the {k} step(s) taken before the checkpoint")
+    if after[0] > k + 1:
+        return (f"after the resume it continues from {after[0] - 1}, not {k}: it counts steps that were not taken "
+                "(an over-reported epsilon)")
+    return "after the resume it does not count one per DP step"
 
 
 def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
