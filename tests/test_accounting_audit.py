@@ -93,3 +93,14 @@ def test_correct_counts_one_per_step(pool):
     assert_all_pass(props.run("mode_equivalence", CORRECT, pool=pool, world_sizes=(1,), models=("mlp",), timeout=120))
     assert_all_pass(props.run("trajectory", CORRECT, pool=pool, world_sizes=(2,), models=("mlp",),
                               reductions=("mean",), samplings=("poisson",), timeout=120))
+
+
+# -- checkpoint_resume: ranks that all restore rank 0's random state -------------------------------
+@pytest.mark.parametrize("name, diagnosis, words", [
+    ("ResumeNoiseFromRankZero", "dependent_noise", "different ranks' noise shards are equal at the same step"),
+    ("ResumeSamplerFromRankZero", "correlated_sampling", "draw the same Poisson mask over their shards"),
+])
+def test_resume_from_rank_zero_fails(pool, name, diagnosis, words):
+    [v] = props.run("checkpoint_resume", A + name, pool=pool, world_sizes=(2,), timeout=120)
+    assert (v.status, v.diagnosis) == ("fail", diagnosis), v.message
+    assert words in v.message and " Also: " not in v.message  # one bug, one finding

@@ -35,7 +35,13 @@ the diagnosis):
   ``mask_replayed`` when at one lag L at least ``min(2, pairs)`` post-resume steps t draw exactly
   the non-empty batch of step t - L. Two independent non-empty masks over a shard of n samples
   are equal with probability p = (q^2 + (1-q)^2)^n - (1-q)^(2n); the verdict states the bound
-  ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults).
+  ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults);
+* across ranks (world size >= 2), after the resume: equal-shaped noise shards of different ranks
+  are not equal at the same step (a pair equal before the resume is not flagged) --
+  ``dependent_noise`` (false alarm < 1e-12 per pair, as above); and no two ranks draw the same
+  non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
+  steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
+  defaults). Both catch ranks that all restore rank 0's random state.
 """
 
 from __future__ import annotations
@@ -228,6 +234,50 @@ def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[
     return None, evidence
 
 
+def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Optional[tuple]:
+    """After the resume, equal-shaped shards of one tensor (dim-0 chunks: different ranks' draws) must
+    not carry equal noise at the same step -- a pair is flagged only if it was distinct at every
+    step before the resume (equal before is noise_calibration's finding, not the resume's). Equal
+    as in ``_noise`` (every coordinate within ``NOISE_EQUAL`` s, >= ``NOISE_MIN_NUMEL``
+    coordinates): false alarm < 1e-12 per pair."""
+    ws = case.world_size
+    if ws < 2:
+        return None
+    s = noise_spec.noise_multiplier * noise_spec.max_grad_norm / noise_spec.divisor
+    eps = NOISE_EQUAL.get(noise_spec.dtype, 1e-3) * s
+    names = [n for n in trainable_names(noise_spec) if n in clean[0].steps[0].gradient]
+    released = [st.gradient for st in save[0].steps + load[0].steps]
+    noise = [{n: (g[n] - c.gradient[n]).to(torch.float64) for n in names} for g, c in zip(released, clean[0].steps)]
+
+    def equal_pairs(t):
+        out = set()
+        for n in names:
+            chunks = torch.chunk(noise[t][n], ws, dim=0)
+            for i in range(len(chunks)):
+                for j in range(i + 1, len(chunks)):
+                    a, b = chunks[i], chunks[j]
+                    if a.shape != b.shape or a.numel() < NOISE_MIN_NUMEL or a.abs().max() <= eps:
+                        continue
+                    if (a - b).abs().max() <= eps:
+                        out.add((n, i, j))
+        return out
+
+    before = set().union(*(equal_pairs(t) for t in range(k)))
+    hits = [(t, x) for t in range(k, len(noise)) for x in sorted(equal_pairs(t) - before)]
+    if not hits:
+        return None
+    t0 = hits[0][0]
+    first = [x for t, x in hits if t == t0]
+    return ("dependent_noise", (
+        f"PRIVACY VIOLATION: after the resume at step {k} different ranks' noise shards are equal at the same step: "
+        f"at step {t0}, " + ", ".join(f"{n!r} shards {i} and {j}" for n, i, j in first[:4])
+        + f" ({len(hits)} equal shard pair(s) over steps {sorted({t for t, _ in hits})}, none equal before the resume; "
+        f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
+        "0's): shards of the same shape then carry the same noise, so a coordinate's noise is known from another's "
+        "and the noise is not independent across the update (a correct run shows this with probability < 1e-12 "
+        "per pair)."), {"cross_rank_equal_noise": [[t, *x] for t, x in hits[:20]]})
+
+
 def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int) -> Tuple[int, float]:
     """``(m, bound)``: matches needed at one lag, and the probability that a correct sampler (fresh
     independent masks) shows that many equal non-empty masks at some lag on some rank."""
@@ -236,6 +286,37 @@ def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int)
     if m < 1:
         return 0, 0.0
     return m, min(1.0, ranks * sum(math.comb(n, m) * p ** m for n in pairs_per_lag if n >= m))
+
+
+def _cross_rank_masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]:
+    """After the resume, two ranks must not draw the same mask over their shards: rank r's shard is
+    ``r, r + ws, ...``, so sample i sits at position ``i // ws``; flagged when at least
+    ``min(MASK_REPLAYS, post-resume steps)`` steps show equal non-empty position sets on one pair
+    of ranks (positions beyond the smallest shard left out). False alarm: ``C(ws, 2) C(steps, m) p^m``
+    with p the equal-non-empty-mask probability of ``mask_false_alarm`` over the smallest shard."""
+    ws = case.world_size
+    if ws < 2:
+        return None, {}
+    n = spec.dataset_size // ws
+    post = len(load[0].steps)
+    m = min(MASK_REPLAYS, post)
+    p = (spec.sample_rate ** 2 + (1 - spec.sample_rate) ** 2) ** n - (1 - spec.sample_rate) ** (2 * n)
+    bound = min(1.0, math.comb(ws, 2) * math.comb(post, m) * p ** m) if m else 0.0
+    pos = [[sorted(i // ws for i in st.indices if i // ws < n) for st in load[r].steps] for r in range(ws)]
+    evidence = {"cross_rank_masks_needed": m, "cross_rank_mask_false_alarm_bound": bound}
+    for a in range(ws):
+        for b in range(a + 1, ws):
+            hits = [t for t in range(post) if pos[a][t] and pos[a][t] == pos[b][t]]
+            if m and len(hits) >= m:
+                steps = [k + t for t in hits]
+                evidence.update({"ranks": [a, b], "equal_mask_steps": steps})
+                return ("correlated_sampling", (
+                    f"PRIVACY VIOLATION: after the resume at step {k} ranks {a} and {b} draw the same Poisson mask over "
+                    f"their shards at steps {steps} (shard positions {[pos[a][t] for t in hits]}; world_size={ws}): the "
+                    "resumed ranks restored the same sampler state (e.g. every rank loads rank 0's), so sample "
+                    f"{b} + {ws}j is in the batch exactly when sample {a} + {ws}j is -- not the independent Poisson subsampling the "
+                    f"accountant assumes (a correct sampler shows this with probability <= {bound:.2g})."), evidence), evidence
+    return None, evidence
 
 
 def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]:
@@ -276,7 +357,10 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     evidence.update(ev)
     masks, ev = _masks(case, ps, pl, k, case.specs[2])
     evidence.update(ev)
-    found = [f for f in (traj, counted, noise, masks) if f]
+    cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])
+    cross_masks, ev = _cross_rank_masks(case, ps, pl, k, case.specs[2])
+    evidence.update(ev)
+    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks) if f]
     for f in found:
         evidence.update(f[2])
     if found:
@@ -287,7 +371,10 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"parameters after every step equal the uninterrupted run's and the reference's (momentum {case.spec.momentum}), "
         f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
         f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
-        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g})"), evidence)
+        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g})"
+        + ("" if case.world_size < 2 else
+           f"; after the resume no two ranks' noise shards are equal and no two ranks draw the same mask "
+           f"(false-alarm bound {evidence['cross_rank_mask_false_alarm_bound']:.2g})")), evidence)
 
 
 PROPERTY = Property(
@@ -295,6 +382,7 @@ PROPERTY = Property(
     meaning=("a run checkpointed after k steps and resumed in fresh processes trains the uninterrupted run's "
              "model, keeps counting privacy steps, and replays neither noise nor Poisson masks"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
-    diagnoses=("mismatch", "step_count_reset", "noise_replayed", "mask_replayed"),
+    diagnoses=("mismatch", "step_count_reset", "noise_replayed", "mask_replayed", "dependent_noise",
+               "correlated_sampling"),
     params=(("steps", STEPS), ("resume_at", RESUME_AT)), samplings=None, check_params=check_params,
     false_alarm_rate=1e-9)
