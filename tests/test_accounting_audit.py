@@ -104,3 +104,20 @@ def test_resume_from_rank_zero_fails(pool, name, diagnosis, words):
     [v] = props.run("checkpoint_resume", A + name, pool=pool, world_sizes=(2,), timeout=120)
     assert (v.status, v.diagnosis) == ("fail", diagnosis), v.message
     assert words in v.message and " Also: " not in v.message  # one bug, one finding
+
+
+# -- checkpoint_resume: a mid-epoch resume ---------------------------------------------------------
+def test_sampler_saved_at_epoch_start_fails_the_mid_epoch_resume(pool):
+    """The default k = 2 is an epoch boundary at q = 0.5, where an epoch-start sampler state is
+    right; the second mask run (q = 1/3, 3 steps per epoch) resumes mid-epoch and sees the replay."""
+    [v] = props.run("checkpoint_resume", A + "ResumeSamplerAtEpochStart", pool=pool, world_sizes=(1,), timeout=120)
+    assert (v.status, v.diagnosis) == ("fail", "mask_replayed"), v.message
+    assert "is mid-epoch (epochs of int(1/q) = 3 steps)" in v.message and " Also: " not in v.message
+    assert v.evidence["mid_epoch"]["mask_false_alarm_bound"] < 1e-11
+
+
+def test_correct_passes_both_resumes_and_cross_rank_checks(pool):
+    [v] = props.run("checkpoint_resume", CORRECT, pool=pool, world_sizes=(2,), timeout=120)
+    assert v.status == "pass", v.message
+    assert "mid-epoch resume at step 2" in v.message and "no two ranks' noise shards are equal" in v.message
+    assert v.evidence["cross_rank_mask_false_alarm_bound"] < 1e-9

@@ -65,6 +65,10 @@ MOMENTUM = 0.9
 SIGMA, CLIP = 1.0, 1.0
 #: the mask check's Poisson sampling unless the options name q / the dataset size
 POISSON_RATE, POISSON_PER_RANK = 0.5, 16
+#: the second mask run, resumed mid-epoch (int(1/q) = 3 steps per epoch; the first run's k = 2 at q = 0.5 is an
+#: epoch boundary): a sampler state saved as of the epoch's start replays only at a mid-epoch resume. 24 samples
+#: per rank keep its false-alarm bound at ~1e-12 (two masks equal with p = (5/9)^24 = 7.5e-7)
+MID_EPOCH_RATE, MID_EPOCH_PER_RANK = 1 / 3, 24
 #: equal noise: every coordinate within this fraction of the noise std (per dtype)
 NOISE_EQUAL = {"float64": 1e-6, "float32": 1e-3}
 #: shards smaller than this are not compared (their chance agreement is not negligible)
@@ -106,10 +110,16 @@ def cases(point: Point):
                          dataset_size=o.dataset_size or POISSON_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
                          sampling_seed=point.seed(17))
     poisson = poisson.with_(epochs=-(-steps // poisson.steps_per_epoch))
+    mid = point.spec(steps=steps, lr=0.5, sampling="poisson", sample_rate=MID_EPOCH_RATE,
+                     dataset_size=MID_EPOCH_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
+                     sampling_seed=point.seed(19))
+    mid = mid.with_(epochs=-(-steps // mid.steps_per_epoch))
+    k_mid = k if k % mid.steps_per_epoch else k - 1  # k - 1 >= 2 is then mid-epoch too
     (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
                                                                      ("trajectory", "noise", "poisson")))
-    specs = (ts, ns, ps, tl, nl, pl, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(3, 5),
+    ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
+    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(4, 6),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 
@@ -335,31 +345,48 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
     evidence = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
     if worst and m and len(worst[2]) >= m:
         r, lag, hits, batches = worst
+        cause = ("The sampler's random state is not in the checkpoint and the resumed run seeds it as at the start"
+                 if k % spec.steps_per_epoch == 0 else
+                 f"The resume at step {k} is mid-epoch (epochs of int(1/q) = {spec.steps_per_epoch} steps) and the "
+                 "resumed sampler starts from a state from before the checkpoint (the epoch's start state, or the "
+                 f"seed), not where its stream was after step {k - 1}")
         evidence.update({"rank": r, "lag": lag, "replayed_steps": hits, "batches": batches})
         return ("mask_replayed", (
             f"PRIVACY VIOLATION: rank {r}'s Poisson sampler replays its masks after the resume at step {k}: steps "
             f"{hits} draw exactly the batches of steps {[t - lag for t in hits]} ({[batches[t] for t in hits]}) "
-            f"at world_size={ws}. The sampler's random state is not in the checkpoint and the resumed run seeds it "
-            "as at the start: those steps' batches are the same draw, not the independent Poisson subsamples the "
+            f"at world_size={ws}. {cause}: those steps' batches are the same draw, not the independent Poisson subsamples the "
             f"accountant's amplification assumes (a correct sampler shows this with probability <= {bound:.2g})."),
             evidence), evidence
     return None, evidence
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
-    ts, ns, ps, tl, nl, pl, full, clean = runs[0]
+    ts, ns, ps, ms, tl, nl, pl, ml, full, clean = runs[0]
     k = case.specs[0].resume_at
     found, evidence = [], {"resume_at": k}
     traj, ev = _trajectory(case, ts, tl, full, k)
     evidence.update(ev)
     counted = _step_count(case, (("trajectory", (ts, tl)), ("noise", (ns, nl)), ("poisson", (ps, pl))), k)
+    counted = counted or _step_count(case, (("mid-epoch poisson", (ms, ml)),), case.specs[3].resume_at)
     noise, ev = _noise(case, ns, nl, clean, k, case.specs[1])
     evidence.update(ev)
     masks, ev = _masks(case, ps, pl, k, case.specs[2])
     evidence.update(ev)
+    mid_spec = case.specs[3]
+    mid, ev = _masks(case, ms, ml, mid_spec.resume_at, mid_spec)
+    evidence["mid_epoch"] = {"resume_at": mid_spec.resume_at, "sample_rate": mid_spec.sample_rate, **ev,
+                             **(mid[2] if mid else {})}
+    if mid and not masks:
+        masks = mid[:2] + ({},)
+    elif mid:  # one finding: the same sampler state replays at both resumes
+        masks = (masks[0], masks[1] + f" The mid-epoch resume at step {mid_spec.resume_at} (q = "
+                 f"{mid_spec.sample_rate:.3g}) replays too.", masks[2])
     cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])
     cross_masks, ev = _cross_rank_masks(case, ps, pl, k, case.specs[2])
     evidence.update(ev)
+    if not cross_masks:
+        cross_masks, ev = _cross_rank_masks(case, ms, ml, mid_spec.resume_at, mid_spec)
+        evidence["mid_epoch"].update(ev)
     found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks) if f]
     for f in found:
         evidence.update(f[2])
@@ -371,7 +398,8 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"parameters after every step equal the uninterrupted run's and the reference's (momentum {case.spec.momentum}), "
         f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
         f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
-        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g})"
+        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g}; mid-epoch resume at step "
+        f"{evidence['mid_epoch']['resume_at']}: {evidence['mid_epoch']['mask_false_alarm_bound']:.2g})"
         + ("" if case.world_size < 2 else
            f"; after the resume no two ranks' noise shards are equal and no two ranks draw the same mask "
            f"(false-alarm bound {evidence['cross_rank_mask_false_alarm_bound']:.2g})")), evidence)
