@@ -23,21 +23,23 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 #: the statuses that make a gate run (and a fuzz example) fail
 FAILING = ("fail", "hang", "error")
 #: what the runner and the harness say of a case of any property (a hang, a crash, a refusal, data
-#: that is not what was asked, non-finite or frozen values released, a bug in a check)
+#: that is not what was asked, non-finite or frozen values released, a privacy step count that is not
+#: one per DP step, a bug in a check)
 RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
-                 "frozen_updated", "internal_error")
+                 "frozen_updated", "step_count_wrong", "internal_error")
 #: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
 #: (``Property.diagnoses``); the report schema's enum is this list (tests/test_contract.py ties them)
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
                              "wrong_sample_rate", "non_gaussian_noise", "dependent_noise", "step_count_reset",
-                             "noise_replayed", "mask_replayed")
+                             "noise_replayed", "mask_replayed", "noise_bypassed")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
 #: expectations file rejects other keys, and a test checks every property's plan against this list)
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
-               "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision")
+               "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision",
+               "noise_multiplier", "momentum")
 
 
 @dataclass

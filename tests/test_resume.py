@@ -86,10 +86,13 @@ def test_cli_refuses_a_bad_resume_at(capsys, value):
 def test_plan_fresh_halves():
     prop = PROPERTIES["checkpoint_resume"]
     [case] = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2])))
-    assert case.fresh == 2 and case.fresh_jobs == (3, 5) and case.config()["resume_at"] == 2
-    assert [s.phase for s in case.specs] == ["save"] * 3 + ["load"] * 3 + ["", ""]
-    assert [s.checkpoint_dir for s in case.specs[:3]] == [s.checkpoint_dir for s in case.specs[3:6]]
+    assert case.fresh == 2 and case.fresh_jobs == (4, 6) and case.config()["resume_at"] == 2
+    assert [s.phase for s in case.specs] == ["save"] * 4 + ["load"] * 4 + ["", ""]
+    assert [s.checkpoint_dir for s in case.specs[:4]] == [s.checkpoint_dir for s in case.specs[4:8]]
     assert case.specs[2].poisson and case.specs[0].momentum > 0 and case.specs[1].noise_multiplier > 0
+    # the second mask run resumes mid-epoch: k = 2 of epochs of int(1/q) = 3 steps
+    mid = case.specs[3]
+    assert mid.poisson and mid.resume_at == 2 and mid.steps_per_epoch == 3
     assert "--resume-at 2" in case.repro()
 
 

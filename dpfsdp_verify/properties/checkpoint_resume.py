@@ -35,7 +35,13 @@ the diagnosis):
   ``mask_replayed`` when at one lag L at least ``min(2, pairs)`` post-resume steps t draw exactly
   the non-empty batch of step t - L. Two independent non-empty masks over a shard of n samples
   are equal with probability p = (q^2 + (1-q)^2)^n - (1-q)^(2n); the verdict states the bound
-  ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults).
+  ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults);
+* across ranks (world size >= 2), after the resume: equal-shaped noise shards of different ranks
+  are not equal at the same step (a pair equal before the resume is not flagged) --
+  ``dependent_noise`` (false alarm < 1e-12 per pair, as above); and no two ranks draw the same
+  non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
+  steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
+  defaults). Both catch ranks that all restore rank 0's random state.
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ MOMENTUM = 0.9
 SIGMA, CLIP = 1.0, 1.0
 #: the mask check's Poisson sampling unless the options name q / the dataset size
 POISSON_RATE, POISSON_PER_RANK = 0.5, 16
+#: the second mask run, resumed mid-epoch (int(1/q) = 3 steps per epoch; the first run's k = 2 at q = 0.5 is an
+#: epoch boundary): a sampler state saved as of the epoch's start replays only at a mid-epoch resume. 24 samples
+#: per rank keep its false-alarm bound at ~1e-12 (two masks equal with p = (5/9)^24 = 7.5e-7)
+MID_EPOCH_RATE, MID_EPOCH_PER_RANK = 1 / 3, 24
 #: equal noise: every coordinate within this fraction of the noise std (per dtype)
 NOISE_EQUAL = {"float64": 1e-6, "float32": 1e-3}
 #: shards smaller than this are not compared (their chance agreement is not negligible)
@@ -100,10 +110,16 @@ def cases(point: Point):
                          dataset_size=o.dataset_size or POISSON_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
                          sampling_seed=point.seed(17))
     poisson = poisson.with_(epochs=-(-steps // poisson.steps_per_epoch))
+    mid = point.spec(steps=steps, lr=0.5, sampling="poisson", sample_rate=MID_EPOCH_RATE,
+                     dataset_size=MID_EPOCH_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
+                     sampling_seed=point.seed(19))
+    mid = mid.with_(epochs=-(-steps // mid.steps_per_epoch))
+    k_mid = k if k % mid.steps_per_epoch else k - 1  # k - 1 >= 2 is then mid-epoch too
     (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
                                                                      ("trajectory", "noise", "poisson")))
-    specs = (ts, ns, ps, tl, nl, pl, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(3, 5),
+    ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
+    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(4, 6),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 
@@ -165,14 +181,31 @@ def _step_count(case: Case, halves, k: int) -> Optional[tuple]:
                         "steps its accounting has counted", {"privacy_steps": got})
             want = list(range(1, len(got) + 1))
             if got != want:
-                after = got[k:]
-                why = (f"after the resume it counts from {after[0]} again: the accountant lost the {k} step(s) "
-                       f"taken before the checkpoint, so the epsilon it reports is that of {len(got) - k} step(s), "
-                       "not the run's") if after and after[0] != k + 1 and got[:k] == want[:k] \
-                    else "it does not count one per DP step"
                 return ("step_count_reset", f"rank {r}, {label} run resumed at step {k}: the privacy step count "
-                        f"after each step is {got}, expected {want}; {why}.", {"privacy_steps": got})
+                        f"after each step is {got}, expected {want}; {_count_error(got, want, k)}.",
+                        {"privacy_steps": got})
     return None
+
+
+def _count_error(got: List[int], want: List[int], k: int) -> str:
+    """How ``got`` (the counts after each step of a run resumed after ``k``) misses ``want``, in words:
+    only a count that starts again below k + 1 at the resume is called a reset."""
+    before, after = got[:k], got[k:]
+    if before != want[:k]:
+        return "already before the checkpoint it does not count one per DP step"
+    if after == list(range(1, len(after) + 1)):
+        return (f"after the resume it counts from 1 again: the accountant lost the {k} step(s) taken before the "
+                f"checkpoint, so the epsilon it reports is that of {len(after)} step(s), not the run's {len(got)}")
+    if after[0] == got[k - 1]:
+        return (f"its count does not advance at the first step after the resume (it stays at {after[0]}): the "
+                "resumed step is not counted, so the epsilon reported is too small")
+    if after[0] < k + 1:
+        return (f"after the resume it continues from {after[0] - 1}, not {k}: the accountant lost "
+                f"{k + 1 - after[0]} of the {k} step(s) taken before the checkpoint")
+    if after[0] > k + 1:
+        return (f"after the resume it continues from {after[0] - 1}, not {k}: it counts steps that were not taken "
+                "(an over-reported epsilon)")
+    return "after the resume it does not count one per DP step"
 
 
 def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
@@ -211,6 +244,50 @@ def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[
     return None, evidence
 
 
+def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Optional[tuple]:
+    """After the resume, equal-shaped shards of one tensor (dim-0 chunks: different ranks' draws) must
+    not carry equal noise at the same step -- a pair is flagged only if it was distinct at every
+    step before the resume (equal before is noise_calibration's finding, not the resume's). Equal
+    as in ``_noise`` (every coordinate within ``NOISE_EQUAL`` s, >= ``NOISE_MIN_NUMEL``
+    coordinates): false alarm < 1e-12 per pair."""
+    ws = case.world_size
+    if ws < 2:
+        return None
+    s = noise_spec.noise_multiplier * noise_spec.max_grad_norm / noise_spec.divisor
+    eps = NOISE_EQUAL.get(noise_spec.dtype, 1e-3) * s
+    names = [n for n in trainable_names(noise_spec) if n in clean[0].steps[0].gradient]
+    released = [st.gradient for st in save[0].steps + load[0].steps]
+    noise = [{n: (g[n] - c.gradient[n]).to(torch.float64) for n in names} for g, c in zip(released, clean[0].steps)]
+
+    def equal_pairs(t):
+        out = set()
+        for n in names:
+            chunks = torch.chunk(noise[t][n], ws, dim=0)
+            for i in range(len(chunks)):
+                for j in range(i + 1, len(chunks)):
+                    a, b = chunks[i], chunks[j]
+                    if a.shape != b.shape or a.numel() < NOISE_MIN_NUMEL or a.abs().max() <= eps:
+                        continue
+                    if (a - b).abs().max() <= eps:
+                        out.add((n, i, j))
+        return out
+
+    before = set().union(*(equal_pairs(t) for t in range(k)))
+    hits = [(t, x) for t in range(k, len(noise)) for x in sorted(equal_pairs(t) - before)]
+    if not hits:
+        return None
+    t0 = hits[0][0]
+    first = [x for t, x in hits if t == t0]
+    return ("dependent_noise", (
+        f"PRIVACY VIOLATION: after the resume at step {k} different ranks' noise shards are equal at the same step: "
+        f"at step {t0}, " + ", ".join(f"{n!r} shards {i} and {j}" for n, i, j in first[:4])
+        + f" ({len(hits)} equal shard pair(s) over steps {sorted({t for t, _ in hits})}, none equal before the resume; "
+        f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
+        "0's): shards of the same shape then carry the same noise, so a coordinate's noise is known from another's "
+        "and the noise is not independent across the update (a correct run shows this with probability < 1e-12 "
+        "per pair)."), {"cross_rank_equal_noise": [[t, *x] for t, x in hits[:20]]})
+
+
 def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int) -> Tuple[int, float]:
     """``(m, bound)``: matches needed at one lag, and the probability that a correct sampler (fresh
     independent masks) shows that many equal non-empty masks at some lag on some rank."""
@@ -219,6 +296,37 @@ def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int)
     if m < 1:
         return 0, 0.0
     return m, min(1.0, ranks * sum(math.comb(n, m) * p ** m for n in pairs_per_lag if n >= m))
+
+
+def _cross_rank_masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]:
+    """After the resume, two ranks must not draw the same mask over their shards: rank r's shard is
+    ``r, r + ws, ...``, so sample i sits at position ``i // ws``; flagged when at least
+    ``min(MASK_REPLAYS, post-resume steps)`` steps show equal non-empty position sets on one pair
+    of ranks (positions beyond the smallest shard left out). False alarm: ``C(ws, 2) C(steps, m) p^m``
+    with p the equal-non-empty-mask probability of ``mask_false_alarm`` over the smallest shard."""
+    ws = case.world_size
+    if ws < 2:
+        return None, {}
+    n = spec.dataset_size // ws
+    post = len(load[0].steps)
+    m = min(MASK_REPLAYS, post)
+    p = (spec.sample_rate ** 2 + (1 - spec.sample_rate) ** 2) ** n - (1 - spec.sample_rate) ** (2 * n)
+    bound = min(1.0, math.comb(ws, 2) * math.comb(post, m) * p ** m) if m else 0.0
+    pos = [[sorted(i // ws for i in st.indices if i // ws < n) for st in load[r].steps] for r in range(ws)]
+    evidence = {"cross_rank_masks_needed": m, "cross_rank_mask_false_alarm_bound": bound}
+    for a in range(ws):
+        for b in range(a + 1, ws):
+            hits = [t for t in range(post) if pos[a][t] and pos[a][t] == pos[b][t]]
+            if m and len(hits) >= m:
+                steps = [k + t for t in hits]
+                evidence.update({"ranks": [a, b], "equal_mask_steps": steps})
+                return ("correlated_sampling", (
+                    f"PRIVACY VIOLATION: after the resume at step {k} ranks {a} and {b} draw the same Poisson mask over "
+                    f"their shards at steps {steps} (shard positions {[pos[a][t] for t in hits]}; world_size={ws}): the "
+                    "resumed ranks restored the same sampler state (e.g. every rank loads rank 0's), so sample "
+                    f"{b} + {ws}j is in the batch exactly when sample {a} + {ws}j is -- not the independent Poisson subsampling the "
+                    f"accountant assumes (a correct sampler shows this with probability <= {bound:.2g})."), evidence), evidence
+    return None, evidence
 
 
 def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]:
@@ -237,29 +345,49 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
     evidence = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
     if worst and m and len(worst[2]) >= m:
         r, lag, hits, batches = worst
+        cause = ("The sampler's random state is not in the checkpoint and the resumed run seeds it as at the start"
+                 if k % spec.steps_per_epoch == 0 else
+                 f"The resume at step {k} is mid-epoch (epochs of int(1/q) = {spec.steps_per_epoch} steps) and the "
+                 "resumed sampler starts from a state from before the checkpoint (the epoch's start state, or the "
+                 f"seed), not where its stream was after step {k - 1}")
         evidence.update({"rank": r, "lag": lag, "replayed_steps": hits, "batches": batches})
         return ("mask_replayed", (
             f"PRIVACY VIOLATION: rank {r}'s Poisson sampler replays its masks after the resume at step {k}: steps "
             f"{hits} draw exactly the batches of steps {[t - lag for t in hits]} ({[batches[t] for t in hits]}) "
-            f"at world_size={ws}. The sampler's random state is not in the checkpoint and the resumed run seeds it "
-            "as at the start: those steps' batches are the same draw, not the independent Poisson subsamples the "
+            f"at world_size={ws}. {cause}: those steps' batches are the same draw, not the independent Poisson subsamples the "
             f"accountant's amplification assumes (a correct sampler shows this with probability <= {bound:.2g})."),
             evidence), evidence
     return None, evidence
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
-    ts, ns, ps, tl, nl, pl, full, clean = runs[0]
+    ts, ns, ps, ms, tl, nl, pl, ml, full, clean = runs[0]
     k = case.specs[0].resume_at
     found, evidence = [], {"resume_at": k}
     traj, ev = _trajectory(case, ts, tl, full, k)
     evidence.update(ev)
     counted = _step_count(case, (("trajectory", (ts, tl)), ("noise", (ns, nl)), ("poisson", (ps, pl))), k)
+    counted = counted or _step_count(case, (("mid-epoch poisson", (ms, ml)),), case.specs[3].resume_at)
     noise, ev = _noise(case, ns, nl, clean, k, case.specs[1])
     evidence.update(ev)
     masks, ev = _masks(case, ps, pl, k, case.specs[2])
     evidence.update(ev)
-    found = [f for f in (traj, counted, noise, masks) if f]
+    mid_spec = case.specs[3]
+    mid, ev = _masks(case, ms, ml, mid_spec.resume_at, mid_spec)
+    evidence["mid_epoch"] = {"resume_at": mid_spec.resume_at, "sample_rate": mid_spec.sample_rate, **ev,
+                             **(mid[2] if mid else {})}
+    if mid and not masks:
+        masks = mid[:2] + ({},)
+    elif mid:  # one finding: the same sampler state replays at both resumes
+        masks = (masks[0], masks[1] + f" The mid-epoch resume at step {mid_spec.resume_at} (q = "
+                 f"{mid_spec.sample_rate:.3g}) replays too.", masks[2])
+    cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])
+    cross_masks, ev = _cross_rank_masks(case, ps, pl, k, case.specs[2])
+    evidence.update(ev)
+    if not cross_masks:
+        cross_masks, ev = _cross_rank_masks(case, ms, ml, mid_spec.resume_at, mid_spec)
+        evidence["mid_epoch"].update(ev)
+    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks) if f]
     for f in found:
         evidence.update(f[2])
     if found:
@@ -270,7 +398,11 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"parameters after every step equal the uninterrupted run's and the reference's (momentum {case.spec.momentum}), "
         f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
         f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
-        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g})"), evidence)
+        f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g}; mid-epoch resume at step "
+        f"{evidence['mid_epoch']['resume_at']}: {evidence['mid_epoch']['mask_false_alarm_bound']:.2g})"
+        + ("" if case.world_size < 2 else
+           f"; after the resume no two ranks' noise shards are equal and no two ranks draw the same mask "
+           f"(false-alarm bound {evidence['cross_rank_mask_false_alarm_bound']:.2g})")), evidence)
 
 
 PROPERTY = Property(
@@ -278,6 +410,7 @@ PROPERTY = Property(
     meaning=("a run checkpointed after k steps and resumed in fresh processes trains the uninterrupted run's "
              "model, keeps counting privacy steps, and replays neither noise nor Poisson masks"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
-    diagnoses=("mismatch", "step_count_reset", "noise_replayed", "mask_replayed"),
+    diagnoses=("mismatch", "step_count_reset", "noise_replayed", "mask_replayed", "dependent_noise",
+               "correlated_sampling"),
     params=(("steps", STEPS), ("resume_at", RESUME_AT)), samplings=None, check_params=check_params,
     false_alarm_rate=1e-9)

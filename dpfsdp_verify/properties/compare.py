@@ -432,6 +432,57 @@ def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[T
     return None
 
 
+def privacy_steps_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with the privacy step counts a run reports (``StepOutput.privacy_steps``), as
+    ``(diagnosis, message, evidence)``, or ``None`` (also where no step reports a count). The
+    accountant composes one DP step per released update: after step j of a run it has counted
+    ``first_step + j + 1`` on every rank -- not one per physical pass, not only the steps whose
+    local batch held a sample. A resumed run's ``load`` half must count one per step from where
+    it starts; where it starts (the steps restored from the checkpoint) is checkpoint_resume's to
+    judge, against its ``save`` half. ``step_count_wrong``."""
+    counts = [[s.privacy_steps for s in o.steps] for o in outputs]
+    if all(c is None for row in counts for c in row):
+        return None
+    evidence = {"privacy_steps": counts}
+    for o, row in zip(outputs, counts):
+        if any(c is None for c in row):
+            return ("step_count_wrong", f"rank {o.rank} reports no privacy step count (StepOutput.privacy_steps) after "
+                    f"some steps: {row}. A target that reports the count reports it after every DP step", evidence)
+    # the counts each rank should report, and what a count per physical pass / per non-empty batch would be
+    resumed = spec.phase == "load"
+    for o, row in zip(outputs, counts):
+        start = (row[0] - 1) if resumed and row else spec.first_step
+        want = [start + j + 1 for j in range(len(row))]
+        if row == want:
+            continue
+        passes = [start + sum(len(s.physical_batches or (0,)) for s in o.steps[:j + 1]) for j in range(len(row))]
+        nonempty = [start + sum(1 for s in o.steps[:j + 1] if len(s.indices)) for j in range(len(row))]
+        k = next(j for j, (g, w) in enumerate(zip(row, want)) if g != w)
+        if spec.physical_batch_size and row == passes:
+            how = "it counts one step per physical pass (its count is the passes run so far), not one per DP step"
+        elif row == nonempty:
+            how = "it does not count the steps whose local batch on this rank was empty, though they were taken"
+        elif k and row[k] == row[k - 1]:
+            how = f"its count does not advance at step {spec.first_step + k}"
+        else:
+            how = "it does not count one per DP step"
+        if row[k] > want[k]:
+            meaning = ("the accountant composes more steps than were released: the reported epsilon is too large "
+                       "(over-reported, and the accountant does not count DP steps)")
+        else:
+            meaning = ("PRIVACY VIOLATION in the accounting: the accountant composes fewer steps than were released, "
+                       "so the reported epsilon is smaller than the run's privacy loss")
+        ranks = "" if all(r == counts[0] for r in counts) else (
+            "; the ranks' counts differ (" + ", ".join(f"rank {x.rank}: {r}" for x, r in zip(outputs, counts)) + ")")
+        return ("step_count_wrong", f"rank {o.rank}: the privacy step count (StepOutput.privacy_steps) after each step "
+                f"is {row}, expected {want}: {how}{ranks}. {meaning[0].upper() + meaning[1:]}.", evidence)
+    if any(r != counts[0] for r in counts):
+        return ("step_count_wrong", "the ranks' privacy step counts differ: " + ", ".join(
+            f"rank {x.rank}: {r}" for x, r in zip(outputs, counts)) + ". The accountant's step count is one number for "
+            "the run: ranks that disagree report different epsilons for the same release", evidence)
+    return None
+
+
 def fmt(x: float) -> str:
     return f"{x:.3g}"
 
@@ -701,4 +752,4 @@ __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "ref
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",
            "precision_spec", "PrecisionBound", "precision_bound", "precision_coefficient_bounds",
-           "precision_gradient_bound", "with_picked_clip"]
+           "precision_gradient_bound", "with_picked_clip", "privacy_steps_problem"]

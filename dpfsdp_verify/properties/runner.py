@@ -26,7 +26,7 @@ from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
 from .compare import (all_padding_note, data_problem, frozen_problem, non_finite, physical_problem,
-                      poisson_problem)
+                      poisson_problem, privacy_steps_problem)
 from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
 
 
@@ -119,6 +119,8 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       within a step across ranks (else ``fail`` / ``mismatch``); under gradient accumulation every
       step says how it was split into physical passes, and the ranks ran equally many
       (``compare.physical_problem``);
+    * a target that reports its privacy step count counts one per DP step on every rank
+      (``compare.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
       gradient, no noise and no update, exactly (else ``fail`` / ``frozen_updated``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
@@ -141,7 +143,7 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             else:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
-            found = found or physical_problem(spec, ranks)
+            found = found or physical_problem(spec, ranks) or privacy_steps_problem(spec, ranks)
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
