@@ -26,7 +26,8 @@ File format (``version = 1``)::
     config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
                                            # a list means any of: world_size = [2, 3]
     status = "fail"                        # optional: fail (default), hang or error
-    diagnosis = "mismatch"                 # required: the verdict's diagnosis
+    diagnosis = "mismatch"                 # required: the verdict's diagnosis; a list means any
+                                           # of (one bug whose symptom depends on the draws)
     reason = "why it fails, who owns it"   # required
     link = "https://..."                   # optional
 
@@ -106,14 +107,15 @@ class Entry:
     index: int  # 1-based position in the file
     property: str
     config: Dict[str, Any]
-    diagnosis: str
+    #: a diagnosis, or a list of them (any of)
+    diagnosis: Any
     reason: str
     status: str = "fail"
     link: str = ""
 
     def label(self) -> str:
         cfg = " ".join(f"{k}={_fmt(v)}" for k, v in self.config.items())
-        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {self.status} ({self.diagnosis})"
+        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {self.status} ({_fmt(self.diagnosis)})"
 
     def describe_reason(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
@@ -125,7 +127,7 @@ class Entry:
 
     def covers(self, v: Verdict) -> bool:
         """``selects`` and failed exactly as listed."""
-        return self.selects(v) and v.status == self.status and v.diagnosis == self.diagnosis
+        return self.selects(v) and v.status == self.status and _matches(self.diagnosis, v.diagnosis)
 
     def to_json(self) -> Dict[str, Any]:
         d = {"index": self.index, "property": self.property, "config": dict(self.config), "status": self.status,
@@ -192,6 +194,8 @@ def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entr
         raise ExpectationsError(f"{where}: unknown key {', '.join(map(repr, bad))}",
                                 f"allowed: {', '.join(_ENTRY_KEYS)}")
     for k in ("property", "diagnosis", "reason"):
+        if k == "diagnosis" and isinstance(e.get(k), list) and e[k]:
+            continue
         if not isinstance(e.get(k), str) or not e[k].strip():
             raise ExpectationsError(f"{where}: '{k}' is missing or not a non-empty string",
                                     "every entry needs property, diagnosis and reason")
@@ -202,12 +206,13 @@ def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entr
     if status not in EXPECTABLE_STATUSES:
         raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
                                 f"choose from {', '.join(EXPECTABLE_STATUSES)}")
-    if e["diagnosis"] == INTERNAL_ERROR:
-        raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
-                                "expected", "report it instead")
-    if e["diagnosis"] not in DIAGNOSES:
-        raise ExpectationsError(f"{where}: unknown diagnosis {e['diagnosis']!r}",
-                                f"choose from {', '.join(d for d in DIAGNOSES if d != INTERNAL_ERROR)}")
+    for diagnosis in (e["diagnosis"] if isinstance(e["diagnosis"], list) else [e["diagnosis"]]):
+        if diagnosis == INTERNAL_ERROR:
+            raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
+                                    "expected", "report it instead")
+        if diagnosis not in DIAGNOSES:
+            raise ExpectationsError(f"{where}: unknown diagnosis {diagnosis!r}",
+                                    f"choose from {', '.join(d for d in DIAGNOSES if d != INTERNAL_ERROR)}")
     config = e.get("config", {})
     if not isinstance(config, dict):
         raise ExpectationsError(f"{where}: 'config' must be a table", "e.g. config = { world_size = 2 }")

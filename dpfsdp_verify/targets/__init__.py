@@ -151,7 +151,11 @@ def _sample_on_rank(target: Target, spec: RunSpec, rank: int, world_size: int) -
         return RankOutput(rank, world_size, unsupported=f"target {getattr(target, 'name', '?')!r} does not "
                           "expose its data pipeline (implement Target.sample_batches: the global indices "
                           "each step draws on this rank)")
-    steps = [StepOutput(indices=[int(i) for i in b], norms=None, loss=0.0) for b in target.sample_batches(spec)]
+    try:  # a sampling configuration the target cannot express is a refusal, as in run()
+        batches = target.sample_batches(spec)
+    except Refused as e:
+        return RankOutput(rank, world_size, refused=str(e) or type(e).__name__)
+    steps = [StepOutput(indices=[int(i) for i in b], norms=None, loss=0.0) for b in batches]
     return RankOutput(rank, world_size, steps=steps)
 
 

@@ -114,8 +114,14 @@ def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
         if abs(1.0 / -(-n_local // b) - spec.sample_rate) <= 1e-12:
             return b
     rates = sorted({1.0 / -(-n_local // b) for b in range(1, n_local + 1)})
-    raise ValueError(f"opacus derives q = 1/len(data_loader); with dataset_size={spec.dataset_size} at world "
-                     f"size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not {spec.sample_rate}")
+    raise InexpressibleRate(f"opacus derives q = 1/len(data_loader); with dataset_size={spec.dataset_size} at "
+                            f"world size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not "
+                            f"{spec.sample_rate}")
+
+
+class InexpressibleRate(Refused, ValueError):
+    """A sample rate opacus cannot be configured with: a refusal on the ranks (every rank reaches
+    it at set-up), a ``ValueError`` to a caller that asked."""
 
 
 @functools.lru_cache(maxsize=4)
