@@ -80,3 +80,15 @@ def test_correct_passes_the_new_cases(pool):
                        sampling="poisson"))
     assert_all_pass(by(props.run("sampling_accounting", CORRECT, pool=pool, world_sizes=(1,)),
                        dataset="fractional_rate"))
+
+
+def test_poisson_divisor_not_truncated_fails_the_fractional_expected_batch(pool):
+    """``PoissonDivisorNotTruncated`` divides by q * N, not int(q * N): clipped_step's Poisson
+    points run on N = 12 ws - 2 (q * N = 2.5, 5.5), where the two differ; Correct passes there."""
+    kw = dict(pool=pool, world_sizes=(1, 2), models=("mlp",), reductions=("mean",), dtypes=("float64",),
+              samplings=("poisson",))
+    vs = props.run("clipped_step", N + "PoissonDivisorNotTruncated", **kw)
+    assert [(v.config["world_size"], v.config["dataset_size"]) for v in vs] == [(1, 10), (2, 22)]
+    assert all(v.status == "fail" and v.diagnosis == "mismatch" for v in vs), [v.message for v in vs]
+    assert "exactly 0.8" in vs[0].message and "0.909" in vs[1].message
+    assert_all_pass(props.run("clipped_step", CORRECT, **kw))

@@ -14,7 +14,7 @@ floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Sp
 sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
 the reference recomputes it on the realised batch (the union of what the ranks drew) with the
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
-realised one. With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
+realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
 of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
 at p = 3 is [2, 2] -- whether the target splits evenly or in chunks of p) and must still equal the
@@ -61,10 +61,21 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 WIDE_CLIP = 0.01
 
 
+def poisson_dataset_size(world_size: int) -> int:
+    """The dataset of a Poisson point when the options name none: ``12 * world_size - 2`` samples,
+    so that q * N at the default q = 1/4 is not an integer (2.5 at one rank, 5.5 at two) and the
+    ``"mean"`` divisor's truncation ``int(q * N)`` is seen (at the gate's other Poisson points
+    q * N is an integer, where a divisor of q * N is right by accident); opacus can configure
+    q = 1/4 on it at 1 and 2 ranks."""
+    return 12 * world_size - 2
+
+
 def cases(point: Point):
     p = point.param("physical_batch_size")
     # under accumulation, local batches of p + 1: two passes, the last shorter than p (p >= 2)
     spec = precision_spec(point.spec(global_batch_size=(p + 1 if p else 4) * point.world_size))
+    if spec.poisson and point.options.dataset_size is None and point.options.sample_rate is None:
+        spec = spec.with_(dataset_size=poisson_dataset_size(point.world_size))
     if p:
         spec = spec.with_(physical_batch_size=p)
     ready = prepare(spec)
