@@ -64,7 +64,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .stats import (chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios, kurtosis_z,
+from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios, kurtosis_z,
                     normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
@@ -109,9 +109,10 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
-    """scale per shard + mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
-    shards = sum(len(_shard_sizes(s, ws)) for s in shapes.values())
-    return shards + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    """scale per shard + shard-sum per shard of >= 2 coordinates + mean per tensor + shape + step,
+    run and all-pairs independence (+ shards)."""
+    sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
+    return len(sizes) + sum(k >= 2 for k in sizes) + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
 
 
 def cases(point: Point):
@@ -335,21 +336,32 @@ def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
     """``(tensors, failures, shard_power)``: each tensor's scale and mean statistics (the
     evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, and
     each shard's power as tested ``(detectable std error, tensor, rank, coordinates)``."""
-    tensors, failures, shard_power = {}, [], []
+    tensors, failures, shard_power, sum_failures = {}, [], [], []
     for n in names:
         x = stacked[n]
-        shard_stats = []
+        shard_stats, sum_ps = [], []
         for r, shard in enumerate(_shards(x, ws)):
             t, k = float((shard / s).pow(2).sum()), shard.numel()
             shard_stats.append((r, math.sqrt(t / k), chi2_two_sided_p(t, k), k))
             low, high = detectable_std_ratios(k, alpha, POWER)
             shard_power.append((max(1 - low, high - 1), n, r, k // n_draws))
+            width = k // n_draws
+            if width >= 2:
+                # each draw's shard sum is N(0, width s^2): sum_draws sum^2 / (width s^2) ~ chi^2(draws)
+                # exactly; noise centred per shard (its mean subtracted) sums to 0: t ~ 0, lower tail
+                sums = shard.reshape(n_draws, -1).sum(dim=1)
+                t_sum = float(sums.pow(2).sum()) / (width * s * s)
+                p_sum = chi2_cdf(t_sum, n_draws) if math.isfinite(t_sum) else 0.0
+                sum_ps.append(p_sum)
+                if not p_sum >= alpha:
+                    sum_failures.append(("sum", n, r, t_sum, p_sum, width, n_draws))
         t_all, k_all = float((x / s).pow(2).sum()), x.numel()
         z_mean = float(x.sum()) / (s * math.sqrt(k_all))
         weakest = max(p for p in shard_power if p[1] == n)
         tensors[n] = {"coordinates": k_all // n_draws, "std_ratio": math.sqrt(t_all / k_all),
                       "shard_std_ratios": [round(ratio, 4) for _, ratio, _, _ in shard_stats],
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
+                      "p_shard_sum_min": min(sum_ps, default=None),
                       "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
         for r, ratio, p, k in shard_stats:
             if not p >= alpha:
@@ -357,7 +369,8 @@ def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
         p_mean = normal_two_sided_p(z_mean)
         if not p_mean >= alpha:
             failures.append(("mean", n, None, z_mean, p_mean))
-    return tensors, failures, shard_power
+    # a shard whose noise sums to 0 is named as such first: its scale is only (1 - 1/k) too small
+    return tensors, sum_failures + failures, shard_power
 
 
 def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
@@ -465,8 +478,16 @@ def _shards(x: torch.Tensor, ws: int):
 
 
 def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
-    test, name, rank, value, p = failure
+    test, name, rank, value, p = failure[:5]
     shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
+    if test == "sum":
+        width, draws = failure[5:]
+        return (f"PRIVACY VIOLATION: the noise on {name!r}{shard} sums to ~0 in every release {where}: the sum of "
+                f"its {width} coordinates is released with no noise (sum over the {draws} draws of "
+                f"(sum of the shard's noise)^2 / ({width} s^2) = {value:.3g}, expected ~{draws}; lower-tail "
+                f"chi-square p={p:.2g} < {alpha:.2g}). Noise centred per shard (its mean subtracted) leaves a "
+                "linear statistic of the clipped gradient, their sum, un-noised: no privacy for it whatever the "
+                "std of each coordinate.")
     if test == "mean":
         return (f"the noise on {name!r} is biased {where}: mean z={value:.3g} (p={p:.2g} < {alpha:.2g}); Gaussian DP "
                 "noise has mean 0.")
