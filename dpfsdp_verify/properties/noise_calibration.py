@@ -9,7 +9,7 @@ shard, missing on the Poisson path) is a privacy violation. More noise (not divi
 utility bug. Noise of the right std but another distribution is a privacy violation too: the
 accountant's Renyi bounds are for Gaussian noise (uniform noise, bounded, gives no DP guarantee
 at all; Laplace noise is calibrated for L1, not the L2 sensitivity clipping bounds). Noise that
-repeats -- at any lag within a run (a generator re-seeded every step, a pool of noise vectors
+repeats -- at a lag within a run (a generator re-seeded every step, a pool of noise vectors
 reused in turn), on two tensors (one buffer sliced for every tensor), on two shards (ranks seeded
 alike), in two runs with different seeds (the seed ignored), in two training jobs (a generator
 created once per process with a constant seed) -- cancels in the difference of two releases: no
@@ -26,7 +26,10 @@ Deterministic checks first (no statistics needed):
 * a coordinate whose noise is exactly 0 in every draw (a tensor, or a rank's shard, left
   un-noised);
 * the same noise values (any 4 consecutive values of a tensor's noise, quantised far below the
-  noise's scale) in two places: two shards, two tensors, two steps at any lag, two runs;
+  noise's scale) in two places: two shards, two tensors, two steps of a run (lags up to
+  ``STEPS_PER_RUN - 1``; up to ``LONG_RUN - 1`` in the one long run per gate run), two runs, or
+  two steps of two runs (the runs' noise seeds are adjacent, so ``noise_seed + step`` seeding
+  shows as a repeat one step apart);
 * a ``fresh`` case (once per gate run, smallest world size): two runs with different noise seeds,
   each in rank processes started for it alone, must not release the same noise.
 
@@ -80,6 +83,10 @@ POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
 MLP_DIMS = (("classes", 16), ("d_in", 32), ("hidden", 64))
 #: noise draws per run (steps at lr 0); runs with fresh noise seeds make up the rest of the draws
 STEPS_PER_RUN = 12
+#: steps of the one long noisy run per gate run (smallest world size, fixed batches, first point): the
+#: exact repeat check then covers lags 1..LONG_RUN-1 within a run (a pool of up to 35 noise vectors
+#: reused in turn); the other runs are STEPS_PER_RUN steps
+LONG_RUN = 36
 #: consecutive values that make a repetition (a chance match of 4 quantised Gaussians is ~1e-25)
 WINDOW = 4
 
@@ -130,13 +137,19 @@ def cases(point: Point):
     big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
-    runs = [spec.with_(noise_seed=(base_seed + 7919 * i) % 2 ** 31) for i in range(repeats)]
-    # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
-    yield point.case(spec, [spec.with_(noise_multiplier=0.0)] + runs, doing="DP steps with noise",
-                     facts={"alpha_per_test": alpha}, isolate=True)
+    # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
+    # run i's step k+1, which the exact repeat check sees across runs
+    runs = [spec.with_(noise_seed=(base_seed + i) % 2 ** 31) for i in range(repeats)]
+    clean = spec.with_(noise_multiplier=0.0)
     o = point.options
-    if (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
-            and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes)):
+    once = (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
+            and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes))
+    if once:  # one run (and its noise-0 twin) long enough that repeats at lags up to LONG_RUN - 1 show
+        clean, runs[0] = clean.with_(steps=LONG_RUN), runs[0].with_(steps=LONG_RUN)
+    # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
+    yield point.case(spec, [clean] + runs, doing="DP steps with noise",
+                     facts={"alpha_per_test": alpha}, isolate=True)
+    if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
         yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
@@ -178,8 +191,9 @@ def _windows(noise, names, quantum: float):
     return torch.cat(keys), torch.cat(owners)
 
 
-def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]:
-    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none."""
+def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tuple[str, str]]:
+    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none.
+    ``seeds``: each noisy run's noise seed."""
     keys, owners = _windows(noise, names, quantum)
     _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
     dup = counts[inverse] > 1
@@ -187,14 +201,14 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
         return None
     # pair each repeated window with the first window of its group
     idx = dup.nonzero().reshape(-1)
-    first: Dict[int, int] = {}
-    found = []
-    for j in idx[:20_000].tolist():  # a repeating target repeats everywhere: the first ones name it
-        g = int(inverse[j])
-        if g in first:
-            found.append((owners[first[g]].tolist(), owners[j].tolist()))
-        else:
-            first[g] = j
+    # the windows of each repeated group in order (stable sort by group): each window after its
+    # group's first is paired with that first; a repeating target repeats everywhere, so the first
+    # 20,000 pairs name it
+    order = idx[torch.sort(inverse[idx], stable=True).indices]
+    groups = inverse[order]
+    later = (groups[1:] == groups[:-1]).nonzero().reshape(-1)[:20_000] + 1
+    starts = torch.searchsorted(groups, groups[later])
+    found = [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
     shapes = {n: noise[0][0][n].shape for n in names}
 
     def shard_of(name, offset):
@@ -225,6 +239,13 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
                      f"and k+{lag} carry the same noise")
             return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
                        cause)
+        if ri != rj and si != sj and ti == tj and seeds is not None:
+            d_seed, d_step = seeds[rj] - seeds[ri], si - sj
+            shifted = (f"the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
+                       f"the same noise d steps apart" if d_seed == d_step else
+                       "noise reused across training jobs with different noise seeds, shifted in steps")
+            return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
+                       f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
         if ri != rj:
             return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
                        f"different noise seeds (runs {ri} and {rj})",
@@ -264,7 +285,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
-    repeated = _repeats(noise, names, ws, _quantum(spec, s))
+    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
         what, cause = repeated
         return case.verdict("fail", "dependent_noise", (
