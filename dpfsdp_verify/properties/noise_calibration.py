@@ -149,6 +149,12 @@ def cases(point: Point):
     # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
     yield point.case(spec, [clean] + runs, doing="DP steps with noise",
                      facts={"alpha_per_test": alpha}, isolate=True)
+    if once and "transformer" not in (o.models or PROPERTY.models):
+        # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
+        # rows no sample used, a buffer shared between its tensors
+        t = spec.with_(model="transformer", model_kwargs=(), steps=1, noise_seed=point.seed(point.param("noise_seed") + 3))
+        yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
+                         facts={"exact_only": True})
     if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
@@ -259,6 +265,8 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
 def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.fresh:
         return _judge_fresh(case, outputs)
+    if case.facts.get("exact_only"):
+        return _judge_exact(case, outputs)
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
@@ -285,6 +293,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
+    unnoised = _unnoised_in_some_draw(runs, names, spec)
+    if unnoised:
+        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
     repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
         what, cause = repeated
@@ -292,6 +303,65 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
             "release; repeated noise cancels in the difference of two releases."), evidence)
     return _judge_tests(case, noise, names, stacked, where, evidence)
+
+
+def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
+    """One noisy step beside a noise-0 step: the checks that need no statistics (no coordinate
+    left without noise, no noise value repeated within or across tensors)."""
+    spec, ws, runs = case.spec, case.world_size, outputs[0]
+    s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
+    noise = _noise(runs)
+    names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
+    n_draws = sum(len(run) for run in noise)
+    coords = sum(noise[0][0][n].numel() for n in names)
+    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
+             f"C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact checks only)")
+    evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords}
+    unnoised = _unnoised_in_some_draw(runs, names, spec)
+    if unnoised:
+        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
+    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
+    if repeated:
+        what, cause = repeated
+        return case.verdict("fail", "dependent_noise", (
+            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
+            "release; repeated noise cancels in the difference of two releases."), evidence)
+    return case.verdict("pass", None, (
+        f"noise on all {coords} coordinates of the {len(names)} tensors {where}, no noise value repeated within or "
+        "across tensors (exact checks; the statistical tests run on the other verdicts)"), evidence)
+
+
+def _unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
+    """The first tensor with coordinates released with exactly zero noise in some draw, as
+    ``(tensor, unnoised coordinates, coordinates, draws with any, run, step)`` of the first such
+    draw; ``None`` if none. Exact zero noise has probability 0 under a Gaussian: counted where the
+    noise-0 gradient is 0 (the noisy value is then the noise itself, in any dtype) and everywhere
+    in float64 (where rounding the noise away next to a gradient value is out of reach)."""
+    clean = runs[0][0].steps
+    exact_everywhere = spec.torch_dtype == torch.float64
+    for n in names:
+        hit, draws, first = None, 0, None
+        for i, run in enumerate(runs[1:]):
+            for k, (st, c) in enumerate(zip(run[0].steps, clean)):
+                zero = st.gradient[n] == c.gradient[n]
+                if not exact_everywhere:
+                    zero &= c.gradient[n] == 0
+                if bool(zero.any()):
+                    hit = zero if hit is None else hit | zero
+                    draws += 1
+                    first = first or (i, k)
+        if hit is not None:
+            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
+    return None
+
+
+def _unnoised_message(unnoised, ws: int, where: str) -> str:
+    name, k, numel, draws, run, step = unnoised
+    return (f"PRIVACY VIOLATION: no noise on {k} of {numel} coordinates of {name!r} in {draws} release(s) (first: "
+            f"step {step} of run {run}) {where}: those coordinates are released exactly (equal to the noise-0 "
+            "run's gradient), which Gaussian noise does with probability 0. Noise only where the gradient is "
+            "nonzero (e.g. only on the embedding rows of the tokens a batch used) reveals which rows the batch "
+            "touched: membership released without noise.")
 
 
 def _resampled_run(runs) -> Optional[int]:
