@@ -81,6 +81,8 @@ POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
 #: both weight matrices; the four bias / norm vectors (64, 64, 64, 16) are tested too, with the
 #: power their size gives (stated)
 MLP_DIMS = (("classes", 16), ("d_in", 32), ("hidden", 64))
+#: the wide mlp of the exact-only case: shards far above any bounded noise buffer (4096, 16384 values)
+WIDE_MLP_DIMS = (("classes", 16), ("d_in", 512), ("hidden", 64))
 #: noise draws per run (steps at lr 0); runs with fresh noise seeds make up the rest of the draws
 STEPS_PER_RUN = 12
 #: steps of the one long noisy run per gate run (smallest world size, fixed batches, first point): the
@@ -155,6 +157,13 @@ def cases(point: Point):
         t = spec.with_(model="transformer", model_kwargs=(), steps=1, noise_seed=point.seed(point.param("noise_seed") + 3))
         yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                          facts={"exact_only": True})
+    if once and point.model == "mlp":
+        # exact checks only on one wide layer (fc1.weight 64 x 512 = 32768 coordinates, 16384 per
+        # shard at 2 ranks): a noise buffer of a bounded size tiled over larger shards repeats within
+        # one draw, which the gate's statistical mlp (no tensor above 2048) cannot show
+        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed(point.param("noise_seed") + 4))
+        yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
+                         "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
     if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
@@ -233,7 +242,8 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
             if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
                 return 0, (f"rank {shard_of(na, oi)}'s and rank {shard_of(na, oj)}'s shards of {na!r} get the same "
                            f"noise (run {ri}, step {si})", "ranks seeded alike add the same noise to every shard")
-            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj})",
+            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "
+                       f"{abs(oj - oi)} apart)",
                        "a short noise buffer tiled over the tensor")
         if (ri, si) == (rj, sj):
             return 1, (f"{na!r} and {nb!r} get the same noise values at step {si} (run {ri}): one noise buffer "
