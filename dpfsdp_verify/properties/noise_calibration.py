@@ -118,10 +118,11 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
-    """scale per shard + shard-sum per shard of >= 2 coordinates + mean per tensor + shape + step,
-    run and all-pairs independence (+ shards)."""
+    """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
+    mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
-    return len(sizes) + sum(k >= 2 for k in sizes) + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
+    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
 
 
 def cases(point: Point):
@@ -398,8 +399,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
     ws = case.world_size
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
-    tensors, failures, shard_power = _scale_stats(stacked, names, ws, s, alpha, n_draws)
-    evidence["tensors"] = tensors
+    tensors, failures, shard_power, pooled = _scale_stats(stacked, names, ws, s, alpha, n_draws)
+    evidence.update(tensors=tensors, vectors_pooled=pooled)
     pooled = torch.cat([stacked[n].reshape(-1) for n in names])
     evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
     # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
@@ -434,9 +435,10 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
 
 
 def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
-    """``(tensors, failures, shard_power)``: each tensor's scale and mean statistics (the
-    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, and
-    each shard's power as tested ``(detectable std error, tensor, rank, coordinates)``."""
+    """``(tensors, failures, shard_power, pooled)``: each tensor's scale and mean statistics (the
+    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
+    shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
+    test pooled over the 1-D tensors (``None`` without any)."""
     tensors, failures, shard_power, sum_failures = {}, [], [], []
     for n in names:
         x = stacked[n]
@@ -470,8 +472,20 @@ def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
         p_mean = normal_two_sided_p(z_mean)
         if not p_mean >= alpha:
             failures.append(("mean", n, None, z_mean, p_mean))
+    # every 1-D tensor (bias, norm weight) pooled: one formula for all vectors' noise, a few % off,
+    # is out of reach of each small vector's own test
+    vectors = [n for n in names if stacked[n].dim() == 2]
+    if vectors:
+        t_vec = sum(float((stacked[n] / s).pow(2).sum()) for n in vectors)
+        k_vec = sum(stacked[n].numel() for n in vectors)
+        p_vec = chi2_two_sided_p(t_vec, k_vec)
+        pooled = {"tensors": vectors, "values": k_vec, "std_ratio": math.sqrt(t_vec / k_vec), "p_scale": p_vec}
+        if not p_vec >= alpha:
+            failures.append(("vectors", ", ".join(repr(n) for n in vectors), None, math.sqrt(t_vec / k_vec), p_vec))
+    else:
+        pooled = None
     # a shard whose noise sums to 0 is named as such first: its scale is only (1 - 1/k) too small
-    return tensors, sum_failures + failures, shard_power
+    return tensors, sum_failures + failures, shard_power, pooled
 
 
 def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
@@ -592,6 +606,13 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
     if test == "mean":
         return (f"the noise on {name!r} is biased {where}: mean z={value:.3g} (p={p:.2g} < {alpha:.2g}); Gaussian DP "
                 "noise has mean 0.")
+    if test == "vectors":
+        side = ("PRIVACY VIOLATION: too little noise" if value < 1 else "UTILITY LOSS: too much noise")
+        return (f"{side} on the 1-D tensors (biases, norm weights: {name}), pooled, {where}: measured std "
+                f"{value * s:.4g} = {value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square over all "
+                f"their values, p={p:.2g} < {alpha:.2g}): their noise is calibrated with another formula than the "
+                "weight matrices'." + (" The released gradient is less private than the accounting states."
+                                       if value < 1 else ""))
     hint = ""
     for k, what in ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
                     (1 / ws, "1/N: noise divided by N once too often"),
