@@ -313,7 +313,33 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         return case.verdict("fail", "dependent_noise", (
             f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
             "release; repeated noise cancels in the difference of two releases."), evidence)
+    coarse = _bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
+    if coarse is not None:
+        evidence["bf16_representable_fraction"] = coarse
+        if coarse > 0.5:
+            return case.verdict("fail", "non_gaussian_noise", (
+                f"PRIVACY VIOLATION: the float32 noise has bfloat16's resolution {where}: {coarse:.1%} of the noise "
+                "values (released gradient minus the noise-0 run's) are exactly representable in bfloat16 (8-bit "
+                "significand), against ~2^-16 of float32 Gaussian values. Noise drawn or stored in bfloat16 and "
+                "added in float32 is discrete: the released value's low-order bits carry the gradient's "
+                "(a floating-point attack on the Gaussian mechanism), which the Gaussian accounting does not cover."),
+                evidence)
     return _judge_tests(case, noise, names, stacked, where, evidence)
+
+
+def _bf16_fraction(runs, names) -> Optional[float]:
+    """The fraction of the float32 noise values (computed in float32, as released) that
+    bfloat16 represents exactly (low 16 bits of the float32 pattern zero); ``None`` if no value."""
+    clean = runs[0][0].steps
+    hits = total = 0
+    for run in runs[1:]:
+        for st, c in zip(run[0].steps, clean):
+            for n in names:
+                d = (st.gradient[n] - c.gradient[n]).to(torch.float32).reshape(-1)
+                d = d[d != 0]
+                hits += int(((d.view(torch.int32) & 0xFFFF) == 0).sum())
+                total += d.numel()
+    return hits / total if total else None
 
 
 def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
