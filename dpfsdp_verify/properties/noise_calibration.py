@@ -30,8 +30,14 @@ Deterministic checks first (no statistics needed):
   ``STEPS_PER_RUN - 1``; up to ``LONG_RUN - 1`` in the one long run per gate run), two runs, or
   two steps of two runs (the runs' noise seeds are adjacent, so ``noise_seed + step`` seeding
   shows as a repeat one step apart);
+* a coordinate released with exactly zero noise in any one draw (noise only on the embedding
+  rows a batch used; counted in float64, and where the noise-0 gradient is 0 in other dtypes);
+* float32 only: noise with bfloat16's resolution (more than half of the values bf16-representable);
 * a ``fresh`` case (once per gate run, smallest world size): two runs with different noise seeds,
-  each in rank processes started for it alone, must not release the same noise.
+  each in rank processes started for it alone, must not release the same noise;
+* two exact-only cases (once per gate run, beside the default mlp): one step of the transformer
+  and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
+  zero-noise and repeat checks only.
 
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
 Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
@@ -42,6 +48,9 @@ alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
   ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D`` (D = the batch size under ``mean``;
   Poisson: opacus' expected batch size ``int(q N)``);
 * mean, per tensor: ``sum(noise) / (s sqrt(n)) ~ N(0, 1)``;
+* shard sum, per shard of k >= 2 coordinates, lower tail: ``sum_draws (sum noise)^2 / (k s^2) ~
+  chi^2(draws)`` (noise centred per shard sums to 0: one linear statistic released un-noised);
+* scale pooled over every 1-D tensor (a calibration formula for vectors only, a few % off);
 * shape: the excess kurtosis of every coordinate's noise, each shard standardised by its own
   RMS (so a scale error is the scale test's, never this one's), pooled: Anscombe-Glynn z ~ N(0, 1)
   (Laplace: excess +3, heavy tails; uniform: -1.2, light tails);
@@ -152,7 +161,7 @@ def cases(point: Point):
     # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
     yield point.case(spec, [clean] + runs, doing="DP steps with noise",
                      facts={"alpha_per_test": alpha}, isolate=True)
-    if once and "transformer" not in (o.models or PROPERTY.models):
+    if once and point.model == "mlp" and "transformer" not in (o.models or PROPERTY.models):
         # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
         # rows no sample used, a buffer shared between its tensors
         t = spec.with_(model="transformer", model_kwargs=(), steps=1, noise_seed=point.seed(point.param("noise_seed") + 3))
@@ -222,7 +231,8 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
     # 20,000 pairs name it
     order = idx[torch.sort(inverse[idx], stable=True).indices]
     groups = inverse[order]
-    later = (groups[1:] == groups[:-1]).nonzero().reshape(-1)[:20_000] + 1
+    later = (groups[1:] == groups[:-1]).nonzero().reshape(-1) + 1
+    later = later[torch.argsort(order[later])][:20_000]  # earliest repeats first (run, step, tensor, offset)
     starts = torch.searchsorted(groups, groups[later])
     found = [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
     shapes = {n: noise[0][0][n].shape for n in names}
@@ -353,7 +363,7 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
     coords = sum(noise[0][0][n].numel() for n in names)
     where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact checks only)")
-    evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords}
+    evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
     unnoised = _unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
@@ -510,8 +520,9 @@ def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
             failures.append(("vectors", ", ".join(repr(n) for n in vectors), None, math.sqrt(t_vec / k_vec), p_vec))
     else:
         pooled = None
-    # a shard whose noise sums to 0 is named as such first: its scale is only (1 - 1/k) too small
-    return tensors, sum_failures + failures, shard_power, pooled
+    # the shard-sum statistic is divided by the required s^2, so a scale error moves it too: scale
+    # failures are named first; a shard-sum failure alone (right scale) is noise that sums to ~0
+    return tensors, failures + sum_failures, shard_power, pooled
 
 
 def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
