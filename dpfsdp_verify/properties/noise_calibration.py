@@ -76,8 +76,8 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios, kurtosis_z,
-                    normal_two_sided_p, pairwise_dependence)
+from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
+                    kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3
@@ -164,7 +164,8 @@ def cases(point: Point):
     if once and point.model == "mlp" and "transformer" not in (o.models or PROPERTY.models):
         # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
         # rows no sample used, a buffer shared between its tensors
-        t = spec.with_(model="transformer", model_kwargs=(), steps=1, noise_seed=point.seed(point.param("noise_seed") + 3))
+        t = spec.with_(model="transformer", model_kwargs=(), steps=1,
+                       noise_seed=point.seed(point.param("noise_seed") + 3))
         yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                          facts={"exact_only": True})
     if once and point.model == "mlp":
@@ -361,8 +362,9 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     coords = sum(noise[0][0][n].numel() for n in names)
-    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
-             f"C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact checks only)")
+    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} "
+             f"(sigma={spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
+             "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
     unnoised = _unnoised_in_some_draw(runs, names, spec)
     if unnoised:
