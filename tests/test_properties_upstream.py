@@ -88,7 +88,8 @@ def test_noise_calibration_both_reductions(pool):
     # noise is right even under "sum": the 1/N bug above is in the signal, not in the noise
     # and under Poisson sampling (make_private's default), and across fresh training jobs
     vs = run(pool, "noise_calibration", world_sizes=(1, 2))
-    assert len(vs) == 2 * 2 * 2 + 1  # world sizes x reductions x samplings + the fresh-process case
+    # world sizes x reductions x samplings + the fresh-process case + the two exact-only cases
+    assert len(vs) == 2 * 2 * 2 + 1 + 2
     assert_all_pass(vs)
 
 

@@ -10,7 +10,7 @@ from dpfsdp_verify.harness import wait_gone
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import assert_all_pass, by, without_fresh_case
+from verdict_helpers import assert_all_pass, by, without_extra_noise_cases
 
 S = "fixtures.specimens:"
 IMMEDIATE = {"OPACUS_USE_DEFERRED_NORM": "0"}
@@ -118,7 +118,7 @@ def test_no_clip_min_fails_the_step_but_not_sensitivity(pool):
 ])
 def test_noise_bugs(pool, target, diagnosis, words):
     # the warm ranks' verdict only: the fresh-process case is judged in test_noise_breadth.py
-    main = run(pool, without_fresh_case("noise_calibration"), target, world_sizes=(2,), models=("mlp",),
+    main = run(pool, without_extra_noise_cases(), target, world_sizes=(2,), models=("mlp",),
                reductions=("mean",))
     assert [(v.status, v.diagnosis) for v in main] == [("fail", diagnosis)]
     for w in words:
@@ -166,9 +166,10 @@ def test_a_target_reporting_no_norms_is_judged_on_what_it_clips_with(pool):
 def test_nan_is_a_non_finite_failure_everywhere(pool, prop, extra):
     vs = run(pool, prop, "NaNClipCoefficients", world_sizes=(2,), models=("mlp",), reductions=("mean",),
              dtypes=("float64",), **extra)
-    # noise_calibration's fresh-process case releases NaN too, and so does trajectory's noisy-update case
+    # noise_calibration's fresh-process case and its two exact-only cases release NaN too, and so does
+    # trajectory's noisy-update case
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "non_finite")] * (
-        2 if prop in ("noise_calibration", "trajectory") else 1)
+        {"noise_calibration": 4, "trajectory": 2}.get(prop, 1))
     assert "NaN" in vs[0].message and "rank 0, step 0" in vs[0].message
 
 

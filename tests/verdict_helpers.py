@@ -33,6 +33,19 @@ def without_fresh_case(pid):
     return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point) if not c.fresh])
 
 
+def without_extra_noise_cases():
+    """noise_calibration with only its statistical verdicts on the warm ranks: no fresh-process
+    case and no exact-only cases (one step of the transformer and of a wide mlp, run beside the
+    default mlp at the smallest world size), for tests that judge the statistical verdict alone."""
+    import dataclasses
+
+    from dpfsdp_verify.properties import PROPERTIES
+
+    prop = PROPERTIES["noise_calibration"]
+    return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point)
+                                                          if not c.fresh and not c.facts.get("exact_only")])
+
+
 def run_gate(pool, monkeypatch, capsys, *args):
     """``dpfsdp-verify ARGS`` in this process on the tests' warm pool (what the console script does,
     minus starting Python and the ranks again; ``test_cli.run_cli`` runs the script itself):

@@ -9,7 +9,7 @@ shard, missing on the Poisson path) is a privacy violation. More noise (not divi
 utility bug. Noise of the right std but another distribution is a privacy violation too: the
 accountant's Renyi bounds are for Gaussian noise (uniform noise, bounded, gives no DP guarantee
 at all; Laplace noise is calibrated for L1, not the L2 sensitivity clipping bounds). Noise that
-repeats -- at any lag within a run (a generator re-seeded every step, a pool of noise vectors
+repeats -- at a lag within a run (a generator re-seeded every step, a pool of noise vectors
 reused in turn), on two tensors (one buffer sliced for every tensor), on two shards (ranks seeded
 alike), in two runs with different seeds (the seed ignored), in two training jobs (a generator
 created once per process with a constant seed) -- cancels in the difference of two releases: no
@@ -26,9 +26,18 @@ Deterministic checks first (no statistics needed):
 * a coordinate whose noise is exactly 0 in every draw (a tensor, or a rank's shard, left
   un-noised);
 * the same noise values (any 4 consecutive values of a tensor's noise, quantised far below the
-  noise's scale) in two places: two shards, two tensors, two steps at any lag, two runs;
+  noise's scale) in two places: two shards, two tensors, two steps of a run (lags up to
+  ``STEPS_PER_RUN - 1``; up to ``LONG_RUN - 1`` in the one long run per gate run), two runs, or
+  two steps of two runs (the runs' noise seeds are adjacent, so ``noise_seed + step`` seeding
+  shows as a repeat one step apart);
+* a coordinate released with exactly zero noise in any one draw (noise only on the embedding
+  rows a batch used; counted in float64, and where the noise-0 gradient is 0 in other dtypes);
+* float32 only: noise with bfloat16's resolution (more than half of the values bf16-representable);
 * a ``fresh`` case (once per gate run, smallest world size): two runs with different noise seeds,
-  each in rank processes started for it alone, must not release the same noise.
+  each in rank processes started for it alone, must not release the same noise;
+* two exact-only cases (once per gate run, beside the default mlp): one step of the transformer
+  and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
+  zero-noise and repeat checks only.
 
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
 Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
@@ -39,6 +48,9 @@ alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
   ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D`` (D = the batch size under ``mean``;
   Poisson: opacus' expected batch size ``int(q N)``);
 * mean, per tensor: ``sum(noise) / (s sqrt(n)) ~ N(0, 1)``;
+* shard sum, per shard of k >= 2 coordinates, lower tail: ``sum_draws (sum noise)^2 / (k s^2) ~
+  chi^2(draws)`` (noise centred per shard sums to 0: one linear statistic released un-noised);
+* scale pooled over every 1-D tensor (a calibration formula for vectors only, a few % off);
 * shape: the excess kurtosis of every coordinate's noise, each shard standardised by its own
   RMS (so a scale error is the scale test's, never this one's), pooled: Anscombe-Glynn z ~ N(0, 1)
   (Laplace: excess +3, heavy tails; uniform: -1.2, light tails);
@@ -64,8 +76,8 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .stats import (chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios, kurtosis_z,
-                    normal_two_sided_p, pairwise_dependence)
+from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
+                    kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3
@@ -78,8 +90,14 @@ POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
 #: both weight matrices; the four bias / norm vectors (64, 64, 64, 16) are tested too, with the
 #: power their size gives (stated)
 MLP_DIMS = (("classes", 16), ("d_in", 32), ("hidden", 64))
+#: the wide mlp of the exact-only case: shards far above any bounded noise buffer (4096, 16384 values)
+WIDE_MLP_DIMS = (("classes", 16), ("d_in", 512), ("hidden", 64))
 #: noise draws per run (steps at lr 0); runs with fresh noise seeds make up the rest of the draws
 STEPS_PER_RUN = 12
+#: steps of the one long noisy run per gate run (smallest world size, fixed batches, first point): the
+#: exact repeat check then covers lags 1..LONG_RUN-1 within a run (a pool of up to 35 noise vectors
+#: reused in turn); the other runs are STEPS_PER_RUN steps
+LONG_RUN = 36
 #: consecutive values that make a repetition (a chance match of 4 quantised Gaussians is ~1e-25)
 WINDOW = 4
 
@@ -109,9 +127,11 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
-    """scale per shard + mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
-    shards = sum(len(_shard_sizes(s, ws)) for s in shapes.values())
-    return shards + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
+    mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
+    sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
+    vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
+    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
 
 
 def cases(point: Point):
@@ -129,13 +149,33 @@ def cases(point: Point):
     big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
-    runs = [spec.with_(noise_seed=(base_seed + 7919 * i) % 2 ** 31) for i in range(repeats)]
-    # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
-    yield point.case(spec, [spec.with_(noise_multiplier=0.0)] + runs, doing="DP steps with noise",
-                     facts={"alpha_per_test": alpha}, isolate=True)
+    # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
+    # run i's step k+1, which the exact repeat check sees across runs
+    runs = [spec.with_(noise_seed=(base_seed + i) % 2 ** 31) for i in range(repeats)]
+    clean = spec.with_(noise_multiplier=0.0)
     o = point.options
-    if (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
-            and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes)):
+    once = (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
+            and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes))
+    if once:  # one run (and its noise-0 twin) long enough that repeats at lags up to LONG_RUN - 1 show
+        clean, runs[0] = clean.with_(steps=LONG_RUN), runs[0].with_(steps=LONG_RUN)
+    # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
+    yield point.case(spec, [clean] + runs, doing="DP steps with noise",
+                     facts={"alpha_per_test": alpha}, isolate=True)
+    if once and point.model == "mlp" and "transformer" not in (o.models or PROPERTY.models):
+        # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
+        # rows no sample used, a buffer shared between its tensors
+        t = spec.with_(model="transformer", model_kwargs=(), steps=1,
+                       noise_seed=point.seed(point.param("noise_seed") + 3))
+        yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
+                         facts={"exact_only": True})
+    if once and point.model == "mlp":
+        # exact checks only on one wide layer (fc1.weight 64 x 512 = 32768 coordinates, 16384 per
+        # shard at 2 ranks): a noise buffer of a bounded size tiled over larger shards repeats within
+        # one draw, which the gate's statistical mlp (no tensor above 2048) cannot show
+        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed(point.param("noise_seed") + 4))
+        yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
+                         "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
+    if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
         yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
@@ -177,8 +217,9 @@ def _windows(noise, names, quantum: float):
     return torch.cat(keys), torch.cat(owners)
 
 
-def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]:
-    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none."""
+def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tuple[str, str]]:
+    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none.
+    ``seeds``: each noisy run's noise seed."""
     keys, owners = _windows(noise, names, quantum)
     _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
     dup = counts[inverse] > 1
@@ -186,14 +227,15 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
         return None
     # pair each repeated window with the first window of its group
     idx = dup.nonzero().reshape(-1)
-    first: Dict[int, int] = {}
-    found = []
-    for j in idx[:20_000].tolist():  # a repeating target repeats everywhere: the first ones name it
-        g = int(inverse[j])
-        if g in first:
-            found.append((owners[first[g]].tolist(), owners[j].tolist()))
-        else:
-            first[g] = j
+    # the windows of each repeated group in order (stable sort by group): each window after its
+    # group's first is paired with that first; a repeating target repeats everywhere, so the first
+    # 20,000 pairs name it
+    order = idx[torch.sort(inverse[idx], stable=True).indices]
+    groups = inverse[order]
+    later = (groups[1:] == groups[:-1]).nonzero().reshape(-1) + 1
+    later = later[torch.argsort(order[later])][:20_000]  # earliest repeats first (run, step, tensor, offset)
+    starts = torch.searchsorted(groups, groups[later])
+    found = [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
     shapes = {n: noise[0][0][n].shape for n in names}
 
     def shard_of(name, offset):
@@ -212,7 +254,8 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
             if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
                 return 0, (f"rank {shard_of(na, oi)}'s and rank {shard_of(na, oj)}'s shards of {na!r} get the same "
                            f"noise (run {ri}, step {si})", "ranks seeded alike add the same noise to every shard")
-            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj})",
+            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "
+                       f"{abs(oj - oi)} apart)",
                        "a short noise buffer tiled over the tensor")
         if (ri, si) == (rj, sj):
             return 1, (f"{na!r} and {nb!r} get the same noise values at step {si} (run {ri}): one noise buffer "
@@ -224,6 +267,13 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
                      f"and k+{lag} carry the same noise")
             return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
                        cause)
+        if ri != rj and si != sj and ti == tj and seeds is not None:
+            d_seed, d_step = seeds[rj] - seeds[ri], si - sj
+            shifted = (f"the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
+                       f"the same noise d steps apart" if d_seed == d_step else
+                       "noise reused across training jobs with different noise seeds, shifted in steps")
+            return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
+                       f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
         if ri != rj:
             return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
                        f"different noise seeds (runs {ri} and {rj})",
@@ -237,6 +287,8 @@ def _repeats(noise, names, ws: int, quantum: float) -> Optional[Tuple[str, str]]
 def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.fresh:
         return _judge_fresh(case, outputs)
+    if case.facts.get("exact_only"):
+        return _judge_exact(case, outputs)
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
@@ -263,13 +315,102 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
-    repeated = _repeats(noise, names, ws, _quantum(spec, s))
+    unnoised = _unnoised_in_some_draw(runs, names, spec)
+    if unnoised:
+        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
+    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
         what, cause = repeated
         return case.verdict("fail", "dependent_noise", (
             f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
             "release; repeated noise cancels in the difference of two releases."), evidence)
+    coarse = _bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
+    if coarse is not None:
+        evidence["bf16_representable_fraction"] = coarse
+        if coarse > 0.5:
+            return case.verdict("fail", "non_gaussian_noise", (
+                f"PRIVACY VIOLATION: the float32 noise has bfloat16's resolution {where}: {coarse:.1%} of the noise "
+                "values (released gradient minus the noise-0 run's) are exactly representable in bfloat16 (8-bit "
+                "significand), against ~2^-16 of float32 Gaussian values. Noise drawn or stored in bfloat16 and "
+                "added in float32 is discrete: the released value's low-order bits carry the gradient's "
+                "(a floating-point attack on the Gaussian mechanism), which the Gaussian accounting does not cover."),
+                evidence)
     return _judge_tests(case, noise, names, stacked, where, evidence)
+
+
+def _bf16_fraction(runs, names) -> Optional[float]:
+    """The fraction of the float32 noise values (computed in float32, as released) that
+    bfloat16 represents exactly (low 16 bits of the float32 pattern zero); ``None`` if no value."""
+    clean = runs[0][0].steps
+    hits = total = 0
+    for run in runs[1:]:
+        for st, c in zip(run[0].steps, clean):
+            for n in names:
+                d = (st.gradient[n] - c.gradient[n]).to(torch.float32).reshape(-1)
+                d = d[d != 0]
+                hits += int(((d.view(torch.int32) & 0xFFFF) == 0).sum())
+                total += d.numel()
+    return hits / total if total else None
+
+
+def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
+    """One noisy step beside a noise-0 step: the checks that need no statistics (no coordinate
+    left without noise, no noise value repeated within or across tensors)."""
+    spec, ws, runs = case.spec, case.world_size, outputs[0]
+    s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
+    noise = _noise(runs)
+    names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
+    n_draws = sum(len(run) for run in noise)
+    coords = sum(noise[0][0][n].numel() for n in names)
+    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} "
+             f"(sigma={spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
+             "checks only)")
+    evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
+    unnoised = _unnoised_in_some_draw(runs, names, spec)
+    if unnoised:
+        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
+    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
+    if repeated:
+        what, cause = repeated
+        return case.verdict("fail", "dependent_noise", (
+            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
+            "release; repeated noise cancels in the difference of two releases."), evidence)
+    return case.verdict("pass", None, (
+        f"noise on all {coords} coordinates of the {len(names)} tensors {where}, no noise value repeated within or "
+        "across tensors (exact checks; the statistical tests run on the other verdicts)"), evidence)
+
+
+def _unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
+    """The first tensor with coordinates released with exactly zero noise in some draw, as
+    ``(tensor, unnoised coordinates, coordinates, draws with any, run, step)`` of the first such
+    draw; ``None`` if none. Exact zero noise has probability 0 under a Gaussian: counted where the
+    noise-0 gradient is 0 (the noisy value is then the noise itself, in any dtype) and everywhere
+    in float64 (where rounding the noise away next to a gradient value is out of reach)."""
+    clean = runs[0][0].steps
+    exact_everywhere = spec.torch_dtype == torch.float64
+    for n in names:
+        hit, draws, first = None, 0, None
+        for i, run in enumerate(runs[1:]):
+            for k, (st, c) in enumerate(zip(run[0].steps, clean)):
+                zero = st.gradient[n] == c.gradient[n]
+                if not exact_everywhere:
+                    zero &= c.gradient[n] == 0
+                if bool(zero.any()):
+                    hit = zero if hit is None else hit | zero
+                    draws += 1
+                    first = first or (i, k)
+        if hit is not None:
+            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
+    return None
+
+
+def _unnoised_message(unnoised, ws: int, where: str) -> str:
+    name, k, numel, draws, run, step = unnoised
+    return (f"PRIVACY VIOLATION: no noise on {k} of {numel} coordinates of {name!r} in {draws} release(s) (first: "
+            f"step {step} of run {run}) {where}: those coordinates are released exactly (equal to the noise-0 "
+            "run's gradient), which Gaussian noise does with probability 0. Noise only where the gradient is "
+            "nonzero (e.g. only on the embedding rows of the tokens a batch used) reveals which rows the batch "
+            "touched: membership released without noise.")
 
 
 def _resampled_run(runs) -> Optional[int]:
@@ -296,8 +437,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
     ws = case.world_size
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
-    tensors, failures, shard_power = _scale_stats(stacked, names, ws, s, alpha, n_draws)
-    evidence["tensors"] = tensors
+    tensors, failures, shard_power, pooled = _scale_stats(stacked, names, ws, s, alpha, n_draws)
+    evidence.update(tensors=tensors, vectors_pooled=pooled)
     pooled = torch.cat([stacked[n].reshape(-1) for n in names])
     evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
     # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
@@ -332,24 +473,36 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
 
 
 def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
-    """``(tensors, failures, shard_power)``: each tensor's scale and mean statistics (the
-    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, and
-    each shard's power as tested ``(detectable std error, tensor, rank, coordinates)``."""
-    tensors, failures, shard_power = {}, [], []
+    """``(tensors, failures, shard_power, pooled)``: each tensor's scale and mean statistics (the
+    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
+    shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
+    test pooled over the 1-D tensors (``None`` without any)."""
+    tensors, failures, shard_power, sum_failures = {}, [], [], []
     for n in names:
         x = stacked[n]
-        shard_stats = []
+        shard_stats, sum_ps = [], []
         for r, shard in enumerate(_shards(x, ws)):
             t, k = float((shard / s).pow(2).sum()), shard.numel()
             shard_stats.append((r, math.sqrt(t / k), chi2_two_sided_p(t, k), k))
             low, high = detectable_std_ratios(k, alpha, POWER)
             shard_power.append((max(1 - low, high - 1), n, r, k // n_draws))
+            width = k // n_draws
+            if width >= 2:
+                # each draw's shard sum is N(0, width s^2): sum_draws sum^2 / (width s^2) ~ chi^2(draws)
+                # exactly; noise centred per shard (its mean subtracted) sums to 0: t ~ 0, lower tail
+                sums = shard.reshape(n_draws, -1).sum(dim=1)
+                t_sum = float(sums.pow(2).sum()) / (width * s * s)
+                p_sum = chi2_cdf(t_sum, n_draws) if math.isfinite(t_sum) else 0.0
+                sum_ps.append(p_sum)
+                if not p_sum >= alpha:
+                    sum_failures.append(("sum", n, r, t_sum, p_sum, width, n_draws))
         t_all, k_all = float((x / s).pow(2).sum()), x.numel()
         z_mean = float(x.sum()) / (s * math.sqrt(k_all))
         weakest = max(p for p in shard_power if p[1] == n)
         tensors[n] = {"coordinates": k_all // n_draws, "std_ratio": math.sqrt(t_all / k_all),
                       "shard_std_ratios": [round(ratio, 4) for _, ratio, _, _ in shard_stats],
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
+                      "p_shard_sum_min": min(sum_ps, default=None),
                       "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
         for r, ratio, p, k in shard_stats:
             if not p >= alpha:
@@ -357,7 +510,21 @@ def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
         p_mean = normal_two_sided_p(z_mean)
         if not p_mean >= alpha:
             failures.append(("mean", n, None, z_mean, p_mean))
-    return tensors, failures, shard_power
+    # every 1-D tensor (bias, norm weight) pooled: one formula for all vectors' noise, a few % off,
+    # is out of reach of each small vector's own test
+    vectors = [n for n in names if stacked[n].dim() == 2]
+    if vectors:
+        t_vec = sum(float((stacked[n] / s).pow(2).sum()) for n in vectors)
+        k_vec = sum(stacked[n].numel() for n in vectors)
+        p_vec = chi2_two_sided_p(t_vec, k_vec)
+        pooled = {"tensors": vectors, "values": k_vec, "std_ratio": math.sqrt(t_vec / k_vec), "p_scale": p_vec}
+        if not p_vec >= alpha:
+            failures.append(("vectors", ", ".join(repr(n) for n in vectors), None, math.sqrt(t_vec / k_vec), p_vec))
+    else:
+        pooled = None
+    # the shard-sum statistic is divided by the required s^2, so a scale error moves it too: scale
+    # failures are named first; a shard-sum failure alone (right scale) is noise that sums to ~0
+    return tensors, failures + sum_failures, shard_power, pooled
 
 
 def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
@@ -465,11 +632,26 @@ def _shards(x: torch.Tensor, ws: int):
 
 
 def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
-    test, name, rank, value, p = failure
+    test, name, rank, value, p = failure[:5]
     shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
+    if test == "sum":
+        width, draws = failure[5:]
+        return (f"PRIVACY VIOLATION: the noise on {name!r}{shard} sums to ~0 in every release {where}: the sum of "
+                f"its {width} coordinates is released with no noise (sum over the {draws} draws of "
+                f"(sum of the shard's noise)^2 / ({width} s^2) = {value:.3g}, expected ~{draws}; lower-tail "
+                f"chi-square p={p:.2g} < {alpha:.2g}). Noise centred per shard (its mean subtracted) leaves a "
+                "linear statistic of the clipped gradient, their sum, un-noised: no privacy for it whatever the "
+                "std of each coordinate.")
     if test == "mean":
         return (f"the noise on {name!r} is biased {where}: mean z={value:.3g} (p={p:.2g} < {alpha:.2g}); Gaussian DP "
                 "noise has mean 0.")
+    if test == "vectors":
+        side = ("PRIVACY VIOLATION: too little noise" if value < 1 else "UTILITY LOSS: too much noise")
+        return (f"{side} on the 1-D tensors (biases, norm weights: {name}), pooled, {where}: measured std "
+                f"{value * s:.4g} = {value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square over all "
+                f"their values, p={p:.2g} < {alpha:.2g}): their noise is calibrated with another formula than the "
+                "weight matrices'." + (" The released gradient is less private than the accounting states."
+                                       if value < 1 else ""))
     hint = ""
     for k, what in ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
                     (1 / ws, "1/N: noise divided by N once too often"),
