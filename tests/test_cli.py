@@ -110,6 +110,7 @@ def test_list_and_version(capsys):
     assert e.value.code == 0 and "dpfsdp-verify 0.1.0" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_upstream_opacus_verdicts(tmp_path):
     """Upstream opacus 1.6.0 ghost_fsdp: norms exact at 1 and 2 ranks on both layouts; the
     one-step update is right under "mean" and, at 2 ranks under "sum", half the DP-SGD sum (a

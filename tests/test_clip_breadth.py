@@ -46,6 +46,7 @@ def fails(vs, *words):
 
 
 # -- the correct specimen passes every widened case ---------------------------------------------
+@pytest.mark.slow
 def test_correct_passes_the_wide_and_long_cases(pool):
     for prop in ("sensitivity_bound", "clipped_step", "trajectory"):
         assert_all_pass(run(pool, prop, S + "Correct", world_sizes=(1, 2)))

@@ -102,6 +102,7 @@ def test_world_sizes_in_a_torchrun_job():
         launched_world_sizes("four", 4)
 
 
+@pytest.mark.slow
 def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     spawned = tmp_path / "spawned.json"
     assert main(["run", "--target", "fixtures.specimens:Correct", "--world-sizes", "4", "-q",

@@ -84,6 +84,7 @@ def test_sensitivity_bound(pool):
     assert_all_pass(run(pool, "sensitivity_bound", world_sizes=(2,), models=("mlp",)))
 
 
+@pytest.mark.slow
 def test_noise_calibration_both_reductions(pool):
     # noise is right even under "sum": the 1/N bug above is in the signal, not in the noise
     # and under Poisson sampling (make_private's default), and across fresh training jobs

@@ -128,6 +128,7 @@ def test_mask_false_alarm_bound():
 
 
 # -- the property on ranks -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_correct_passes(pool, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own: xdist's other worker makes its own
     vs = run(pool, CORRECT, world_sizes=(1, 2))
@@ -168,6 +169,7 @@ UPSTREAM_REPLAY = ("upstream opacus 1.6.0: neither PrivacyEngine.save_checkpoint
                    "replays the noise and the masks of the steps before the checkpoint")
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=UPSTREAM_REPLAY)
 def test_upstream_replays_noise_and_masks(pool):
     pytest.importorskip("opacus")

@@ -47,6 +47,7 @@ def test_correct_specimen_norms_both_layouts(pool, env):
     assert all("it clips with them" in v.message for v in vs)
 
 
+@pytest.mark.slow
 def test_correct_specimen_step_sensitivity_noise_trajectory(pool):
     for prop in ("clipped_step", "sensitivity_bound", "noise_calibration", "trajectory"):
         assert_all_pass(run(pool, prop, "Correct", world_sizes=(2,), models=("mlp",)))
