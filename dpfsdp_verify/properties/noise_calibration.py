@@ -315,15 +315,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
-    unnoised = _unnoised_in_some_draw(runs, names, spec)
-    if unnoised:
-        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
-    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
-    if repeated:
-        what, cause = repeated
-        return case.verdict("fail", "dependent_noise", (
-            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
-            "release; repeated noise cancels in the difference of two releases."), evidence)
+    exact = _exact_failure(case, runs, noise, names, s, where, evidence)
+    if exact is not None:
+        return exact
     coarse = _bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
     if coarse is not None:
         evidence["bf16_representable_fraction"] = coarse
@@ -366,6 +360,19 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
              f"(sigma={spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
              "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
+    exact = _exact_failure(case, runs, noise, names, s, where, evidence)
+    if exact is not None:
+        return exact
+    return case.verdict("pass", None, (
+        f"noise on all {coords} coordinates of the {len(names)} tensors {where}, no noise value repeated within or "
+        "across tensors (exact checks; the statistical tests run on the other verdicts)"), evidence)
+
+
+def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidence: Dict) -> Optional[Verdict]:
+    """The exact checks every noisy verdict makes first: no coordinate released with exactly zero
+    noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
+    runs (``dependent_noise``); ``None`` when both hold."""
+    spec, ws = case.spec, case.world_size
     unnoised = _unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
@@ -375,9 +382,7 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
         return case.verdict("fail", "dependent_noise", (
             f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
             "release; repeated noise cancels in the difference of two releases."), evidence)
-    return case.verdict("pass", None, (
-        f"noise on all {coords} coordinates of the {len(names)} tensors {where}, no noise value repeated within or "
-        "across tensors (exact checks; the statistical tests run on the other verdicts)"), evidence)
+    return None
 
 
 def _unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
