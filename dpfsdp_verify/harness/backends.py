@@ -6,6 +6,23 @@ A ``Backend`` says whether it can give ``world_size`` ranks here (``unavailable(
 returns the reason it cannot, or ``None``), which device a rank uses, what a rank must do
 before ``init_process_group`` (``setup_rank``, e.g. ``torch.cuda.set_device``), and how a rank
 frees a collective it is blocked in (``free_blocked``).
+
+The device is a single value derived from the backend (``rank_device``): gloo computes on the
+CPU *whatever the machine has*, nccl on the rank's own GPU. torch's defaults do not follow the
+backend: FSDP2's ``fully_shard`` without ``mesh=`` builds its mesh on ``torch._C._get_accelerator()``,
+the accelerator torch was *built* for (CUDA on any GPU machine's torch, GPUs visible or not), so a
+gloo rank on a GPU box had its parameters moved to cuda:0 while its batches stayed on the CPU.
+``setup_rank`` of gloo therefore makes this process's accelerator query answer ``cpu``
+(``pin_accelerator``): every torch default built from it (FSDP2's default mesh, ``barrier``'s
+device) then follows the backend, for any adapter, including those that cannot pass a mesh
+(opacus' ``FSDP2Wrapper`` has no ``mesh`` argument). Hiding the GPUs (``CUDA_VISIBLE_DEVICES=``)
+would not do: the query answers the build, and FSDP2 would then ask an empty CUDA runtime for its
+current device.
+
+``SIMULATED_ACCELERATOR_ENV`` (private, for the suite's own tests): a rank started with it set to
+``cuda`` has its accelerator query answer ``cuda`` before anything else runs, as torch does on a
+GPU box, so the CPU test suite can show what a GPU box does to a gloo group
+(``tests/test_devices.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +102,34 @@ def _cuda_setup(local_rank: int) -> None:
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+#: private: a rank started with this set (to ``cuda``) answers torch's accelerator query with it,
+#: as a GPU machine's torch does (module docstring); only the suite's tests set it
+SIMULATED_ACCELERATOR_ENV = "_DPFSDP_VERIFY_SIMULATED_ACCELERATOR"
+
+
+def pin_accelerator(device_type: str) -> None:
+    """Make ``torch._C._get_accelerator()`` -- torch's query for "the" accelerator, read at call
+    time by FSDP2's default mesh, ``barrier`` and an undefined backend's choice -- answer
+    ``device_type`` in this process (module docstring)."""
+    import torch
+
+    answer = torch.device(device_type)
+    torch._C._get_accelerator = lambda: answer
+
+
+def simulate_accelerator_from_env() -> None:
+    """Tests only: answer the accelerator query as ``SIMULATED_ACCELERATOR_ENV`` says (unset: leave
+    torch alone). Called first thing in a rank, before the backend's ``setup_rank``."""
+    device_type = os.environ.get(SIMULATED_ACCELERATOR_ENV)
+    if device_type:
+        pin_accelerator(device_type)
+
+
+def _cpu_setup(local_rank: int) -> None:
+    """gloo computes on the CPU: torch's defaults must not pick the machine's GPU (module docstring)."""
+    pin_accelerator("cpu")
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -92,6 +137,8 @@ class Backend:
     unavailable: Callable[[int], Optional[str]]
     #: ``device(local_rank)`` -> the torch device string a rank computes on
     device: Callable[[int], str]
+    #: the device type every rank of this backend computes on (``rank_device``)
+    device_type: str
     #: ``setup_rank(local_rank)``: what a rank does before ``init_process_group``
     setup_rank: Callable[[int], None]
     #: ``free_blocked()``, called from a rank's diagnosis thread: make a collective the main thread
@@ -102,9 +149,10 @@ class Backend:
 
 BACKENDS: Dict[str, Backend] = {
     b.name: b for b in (
-        Backend("gloo", _gloo_unavailable, lambda local_rank: "cpu", lambda local_rank: None, _close_tcp_connections,
+        Backend("gloo", _gloo_unavailable, lambda local_rank: "cpu", "cpu", _cpu_setup, _close_tcp_connections,
                 "gloo (CPU)"),
-        Backend("nccl", _nccl_unavailable, _cuda_device, _cuda_setup, _abort_default_group, "nccl (one GPU per rank)"),
+        Backend("nccl", _nccl_unavailable, _cuda_device, "cuda", _cuda_setup, _abort_default_group,
+                "nccl (one GPU per rank)"),
     )
 }
 
@@ -118,6 +166,16 @@ def get_backend(name: str) -> Backend:
         return BACKENDS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown backend {name!r}; choose " + " or ".join(repr(n) for n in NAMES)) from None
+
+
+def rank_device(backend: str):
+    """The ``torch.device`` a rank of ``backend`` computes on: ``cpu`` for gloo, the current CUDA
+    device (``setup_rank`` set it to the rank's own GPU) for nccl."""
+    import torch
+
+    if get_backend(backend).device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def preferred_backend() -> str:

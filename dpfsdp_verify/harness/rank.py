@@ -23,7 +23,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from .backends import get_backend
+from .backends import get_backend, simulate_accelerator_from_env
 from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
 
@@ -294,6 +294,7 @@ def main(argv=None) -> None:
 
     import torch.distributed as dist
 
+    simulate_accelerator_from_env()  # tests only (backends.SIMULATED_ACCELERATOR_ENV)
     store, env_snapshot = _join_group(cfg)
     send(job_conn, Ready(cfg.rank, os.getpid()))
     _serve_jobs(cfg, job_conn, store, env_snapshot)

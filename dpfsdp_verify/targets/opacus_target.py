@@ -63,6 +63,12 @@ noise generator from ``spec.noise_seed``), since neither opacus' checkpoint nor 
 it continues at epoch ``k // int(1/q)``, skipping ``k mod int(1/q)`` batches of it by drawing them.
 ``StepOutput.privacy_steps`` is the accountant's step count (the sum over its history).
 
+Devices (``util.device()``, docs/gpu.md): the model is sharded, the batches are fed and the noise
+generator is made on the device the process group's backend implies: the CPU under gloo whatever
+the machine has, the rank's own GPU under nccl. ``FSDP2Wrapper`` has no ``mesh`` argument, so
+FSDP2's default mesh decides where the parameters go; the harness makes it follow the backend
+(``harness.backends.pin_accelerator``). Reported tensors come back as float64 on the CPU.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -80,7 +86,7 @@ from .. import models
 from . import progress
 from .base import (FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME,
                    RankOutput, Refused, RunSpec, StepOutput, Target)
-from .util import (dataset_index, gather_named, global_dataset, load_sharded, precision_autocast, precision_policy,
+from .util import (dataset_index, device, gather_named, global_dataset, load_sharded, precision_autocast, precision_policy,
                    rank_and_world, save_sharded, step_indices, world)
 
 #: opacus' own state in a resumed run's checkpoint directory (written by rank 0)
@@ -269,7 +275,8 @@ class OpacusTarget(Target):
             loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets, dataset_index(spec)), rank,
                                        world_size)
         criterion = nn.CrossEntropyLoss(reduction=spec.reduction)
-        generator = torch.Generator().manual_seed(spec.noise_seed)
+        # the noise is drawn where the gradient lives: a CPU generator cannot feed CUDA noise
+        generator = torch.Generator(device=device()).manual_seed(spec.noise_seed)
         engine = PrivacyEngine()
         module, optimizer, criterion, loader = engine.make_private(
             module=fsdp, optimizer=optimizer, criterion=criterion, data_loader=loader,
@@ -307,6 +314,7 @@ class OpacusTarget(Target):
         logical step ends where the optimizer really stepped (always, without accumulation)."""
         accumulating = bool(spec.physical_batch_size)
         k, index_parts, norm_parts, losses = spec.first_step, [], [], []
+        on = device()
         # under accumulation the loader yields physical batches: the step budget counts logical
         # steps (below); resume is not combined with accumulation (RunSpec refuses it), so k starts at 0
         for x, y, index in self._batches(spec.with_(steps=0) if accumulating and spec.poisson else spec, loader):
@@ -315,6 +323,7 @@ class OpacusTarget(Target):
             if accumulating:
                 progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
+            x, y = x.to(on), y.to(on)
             with precision_autocast(spec):
                 logits = module(x)
                 if data.loss == "token_cross_entropy":
@@ -324,7 +333,7 @@ class OpacusTarget(Target):
                     loss = criterion(logits, y)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
-            norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())
+            norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).cpu().clone())
             index_parts.append(index)
             losses.append((float(loss.item()), len(index)))
             optimizer.step()

@@ -22,6 +22,28 @@ def world() -> Tuple[int, int]:
     return 0, 1
 
 
+def device() -> torch.device:
+    """The device this rank computes on: the one its process group's backend implies
+    (``harness.backends.rank_device``): ``cpu`` under gloo whatever GPUs the machine has, the rank's
+    own GPU under nccl; ``cpu`` outside a process group. An adapter puts its model (or mesh), its
+    batches and its noise generator there; the suite's judges read every reported tensor back
+    as float64 on the CPU."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    from ..harness.backends import rank_device
+
+    return rank_device(str(dist.get_backend()))
+
+
+def device_mesh():
+    """The 1-D mesh over every rank on ``device()``: what an adapter passes as ``fully_shard(...,
+    mesh=device_mesh())`` so that FSDP2 shards on the backend's device, never on the accelerator
+    torch was built for (``harness.backends`` docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device().type, (world()[1],))
+
+
 def rank_and_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
     """A virtual ``(rank, world_size)`` when both are given (``Target.sample_batches``), this
     process's own (``world()``) when both are ``None``; ``ValueError`` otherwise."""
@@ -145,7 +167,7 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
 
-__all__ = ["world", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
+__all__ = ["world", "device", "device_mesh", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
            "dataset_index", "step_indices", "local_batch"]
 
 
@@ -185,7 +207,6 @@ def precision_policy(spec: RunSpec):
 
 def precision_autocast(spec: RunSpec):
     """The context a user runs the forward and the loss in for ``spec.precision``:
-    ``torch.autocast(<device>, dtype=torch.bfloat16)`` under ``bf16-autocast`` (float32
-    parameters, matmuls in bf16), a disabled autocast otherwise."""
-    device = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=spec.precision == "bf16-autocast")
+    ``torch.autocast(<this rank's device type>, dtype=torch.bfloat16)`` under ``bf16-autocast``
+    (float32 parameters, matmuls in bf16), a disabled autocast otherwise."""
+    return torch.autocast(device().type, dtype=torch.bfloat16, enabled=spec.precision == "bf16-autocast")
