@@ -280,6 +280,37 @@ def close(got: float, want: float, rtol: float, atol: float) -> bool:
     return abs(got - want) <= atol + rtol * abs(want)
 
 
+def device_facts(outputs: Sequence[RankOutput]) -> Dict[str, object]:
+    """What every verdict's evidence says about where the ranks computed: ``device`` (each rank's,
+    in rank order, joined when they differ: ``cuda:0, cuda:1``) and, on CUDA, ``numerics`` (the
+    TF32 switches in force after the run, ``targets.util.numerics``). ``{}`` for outputs from an
+    older rank that did not say."""
+    devices = list(dict.fromkeys(o.device for o in outputs if getattr(o, "device", "")))
+    if not devices:
+        return {}
+    facts: Dict[str, object] = {"device": ", ".join(devices)}
+    how = next((o.numerics for o in outputs if getattr(o, "numerics", None)), None)
+    if how:
+        facts["numerics"] = dict(how)
+    return facts
+
+
+def tf32_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[str]:
+    """Why a float32 case cannot be judged: a rank computed it with TF32 in force (the suite turns
+    it off before each run, ``targets.util.float32_numerics``; the target turned it back on), and
+    the float32 tolerances are derived for IEEE float32, ten times finer than TF32's rounding.
+    ``None`` otherwise (float64, bf16 precisions, the CPU)."""
+    if spec.compute_dtype != torch.float32:
+        return None
+    on = sorted({k for o in outputs for k, v in (getattr(o, "numerics", None) or {}).items() if v})
+    if not on:
+        return None
+    return (f"the target computed float32 with TF32 in force ({', '.join(on)} = True after its run; the suite "
+            "sets them False before it): float32 tolerances assume IEEE float32 rounding, TF32 keeps 10 mantissa "
+            "bits (~1e-3 relative). Leave torch.backends.cuda.matmul.allow_tf32 / torch.backends.cudnn.allow_tf32 "
+            "as the suite sets them, or run --dtypes float64")
+
+
 def non_finite(outputs: Sequence[RankOutput]) -> Optional[str]:
     """Where the first NaN/inf is in what the ranks reported (loss, norms, gradient, parameters),
     as "rank r, step k: gradient 'fc1.weight' has 3 NaN and 0 inf of 48 values"; ``None`` if all
@@ -747,7 +778,7 @@ def precision_gradient_bound(spec: RunSpec, bound: PrecisionBound, indices: Sequ
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``); the data checks are the runner's
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
-           "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
+           "device_facts", "tf32_problem", "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
            "all_padding_note", "pick_clip_bound", "smallest_norm", "norm_ratios", "sequence_weights", "fmt",
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",

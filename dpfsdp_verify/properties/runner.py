@@ -25,8 +25,8 @@ from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .compare import (all_padding_note, data_problem, frozen_problem, non_finite, physical_problem,
-                      poisson_problem, privacy_steps_problem)
+from .compare import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
+                      poisson_problem, privacy_steps_problem, tf32_problem)
 from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
 
 
@@ -105,7 +105,9 @@ def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], tim
 
 
 def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
-    """What every property requires before its own judgement, then ``prop.judge``:
+    """What every property requires before its own judgement, then ``prop.judge``; every verdict's
+    evidence names the device the ranks computed on and, on CUDA, the TF32 switches in force
+    (``compare.device_facts``):
 
     * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
       sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
@@ -121,11 +123,20 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       (``compare.physical_problem``);
     * a target that reports its privacy step count counts one per DP step on every rank
       (``compare.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
+    * a float32 case computed with TF32 in force (the target re-enabled it) cannot be judged at
+      float32 tolerances: a ``fail`` saying so (``compare.tf32_problem``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
       gradient, no noise and no update, exactly (else ``fail`` / ``frozen_updated``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
+    verdict = _judge_case(prop, case, outputs)
+    if outputs and outputs[0]:
+        verdict.evidence = {**device_facts(outputs[0][0]), **verdict.evidence}
+    return verdict
+
+
+def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
             spec = mode.apply(spec)
@@ -137,6 +148,9 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
             if unsupported:
                 return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
+            tf32 = tf32_problem(spec, ranks)
+            if tf32:
+                return case.verdict("fail", None, f"not checkable on this target: {tf32}{where}")
             # fixed batches are compared with what was given; Poisson draws with what sampling guarantees
             if spec.poisson:
                 found = poisson_problem(spec, case.world_size, ranks)

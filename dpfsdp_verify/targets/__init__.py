@@ -96,9 +96,10 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
     ``RankOutput.refused``. ``progress_dir``: where each rank leaves its
     progress trail (``targets.progress``) for the parent to read after a hang."""
     from . import progress
-    from .util import world
+    from .util import device, float32_numerics, numerics, world
 
     rank, world_size = world()
+    float32_numerics()  # what the float32 tolerances assume; a target that changes it is reported so
     progress.open_sink(progress_dir, rank)
     try:
         target = load_target(target_ref)
@@ -116,6 +117,9 @@ def run_many_on_rank(target_ref: str, specs: Sequence[RunSpec], progress_dir: Op
                 except Refused as e:
                     out.append(RankOutput(rank, world_size, refused=str(e) or type(e).__name__))
             progress.run_ended()
+        where, how = str(device()), numerics()
+        for o in out:
+            o.device, o.numerics = where, how
         return out
     finally:
         progress.close_sink()

@@ -92,6 +92,13 @@ a verdict: a property that needs it then *fails* ("not checkable on this target:
 expose its data pipeline (Target.sample_batches)"), it does not skip. A user who accepts that says so
 explicitly (an ``--expect`` entry).
 
+Devices: a rank computes on ``util.device()``, the device its process group's backend implies
+(gloo: the CPU, whatever GPUs the machine has; nccl: the rank's own GPU). An adapter shards on
+that device (``fully_shard(..., mesh=util.device_mesh())``), feeds its batches and draws its noise
+there, and reports every tensor as float64 on the CPU (``util.gather_named`` does). In a gloo rank
+the harness makes torch's accelerator query answer ``cpu`` (``harness.backends.pin_accelerator``),
+so a wrapper that cannot be given a mesh (opacus' ``FSDP2Wrapper``) still shards on the CPU.
+
 Refusing: a target that does not support a configuration (tied parameters, say) raises
 ``Refused(reason)`` from ``run`` on every rank; the case's verdict is ``fail`` / ``refused``.
 
@@ -395,6 +402,11 @@ class RankOutput:
     #: set when the target *refuses* the configuration (it raised ``Refused``, e.g. tied
     #: parameters): the case's verdict is ``fail`` / ``refused`` with this reason
     refused: Optional[str] = None
+    #: where the rank computed and under which float32 numerics (``util.device``, ``util.numerics``),
+    #: read by the harness after ``run`` returned (a target that changes TF32 is reported as it left
+    #: it); every verdict's evidence carries them
+    device: str = ""
+    numerics: Dict[str, object] = field(default_factory=dict)
 
 
 class Refused(Exception):

@@ -35,6 +35,27 @@ def device() -> torch.device:
     return rank_device(str(dist.get_backend()))
 
 
+def numerics() -> Dict[str, object]:
+    """The switches that decide how this rank rounds float32 products, as they stand now: on a
+    CUDA device whether TF32 is allowed for matmuls and for cuDNN convolutions; ``{}`` on the
+    CPU, which has no such switch."""
+    if device().type != "cuda":
+        return {}
+    return {"tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+            "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32)}
+
+
+def float32_numerics() -> None:
+    """On a CUDA rank, TF32 off for matmuls and for cuDNN convolutions, so that float32 rounds as
+    IEEE float32, for which the suite's float32 tolerances are derived
+    (``properties.compare.TOLERANCES``). torch's defaults leave cuDNN convolutions in TF32 (a
+    10-bit mantissa: ~1e-3 relative, ten times the float32 tolerance): set by the suite before
+    every run and reported in each verdict's evidence (``numerics``). No-op on the CPU."""
+    if device().type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def device_mesh():
     """The 1-D mesh over every rank on ``device()``: what an adapter passes as ``fully_shard(...,
     mesh=device_mesh())`` so that FSDP2 shards on the backend's device, never on the accelerator
@@ -167,7 +188,7 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
 
-__all__ = ["world", "device", "device_mesh", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
+__all__ = ["world", "device", "device_mesh", "numerics", "float32_numerics", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
            "dataset_index", "step_indices", "local_batch"]
 
 
