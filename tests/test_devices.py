@@ -98,8 +98,24 @@ def _opacus_on_simulated_box(undo_pin: bool):
     except Exception as e:
         import traceback
 
-        return answer, f"{type(e).__name__}: {e}", traceback.format_exc()
-    return answer, "ok", [str(p.device) for p in out.steps[0].gradient.values()] + [str(util.device())]
+        return answer, f"{type(e).__name__}: {e}", traceback.format_exc(), _correct_devices()
+    return answer, "ok", [str(p.device) for p in out.steps[0].gradient.values()] + [str(util.device())], \
+        _correct_devices()
+
+
+def _correct_devices():
+    """The Correct specimen passes ``mesh=util.device_mesh()`` itself: the device of its sharded
+    parameters after one step, pinned or not."""
+    from fixtures.specimens import Correct
+
+    class Watched(Correct):
+        def _shard(self, model):
+            self.sharded = super()._shard(model)
+            return self.sharded
+
+    target = Watched()
+    target.run(RunSpec())
+    return sorted({str(p.device) for p in target.sharded.parameters()})
 
 
 def test_simulated_gpu_box_the_pin_is_what_keeps_gloo_on_the_cpu():
@@ -107,19 +123,30 @@ def test_simulated_gpu_box_the_pin_is_what_keeps_gloo_on_the_cpu():
     try:
         res = pool.run(_opacus_on_simulated_box, False, world_size=2, env=SIMULATED, timeout=120)
         assert res.ok, res.message
-        for answer, status, devices in res.values():
-            assert answer == "cpu" and status == "ok" and set(devices) == {"cpu"}
+        for answer, status, devices, correct in res.values():
+            assert answer == "cpu" and status == "ok" and set(devices) == {"cpu"} and correct == ["cpu"]
         # a fresh group (the undone pin must not leak into a warm one)
         res = pool.run(_opacus_on_simulated_box, True, world_size=2, env={**SIMULATED, "X": "unpinned"}, timeout=120)
         assert res.ok, res.message
-        for answer, status, trace in res.values():
+        for answer, status, trace, correct in res.values():
             # the failure the H100 box showed, as far as a CPU build of torch can go: FSDP2's default
             # mesh is built on CUDA and fully_shard asks CUDA for the parameters' device
             assert status == "AssertionError: Torch not compiled with CUDA enabled"
             assert "FSDP2Wrapper" in trace and "_get_device_from_mesh" in trace
+            assert correct == ["cpu"]  # an adapter that passes the backend's mesh needs no pin
     finally:
         pool.close()
         assert wait_gone(pool.started_pids) == [], "rank processes left behind"
+
+
+@pytest.mark.distributed(world_size=2, timeout=60, env=SIMULATED)
+def test_plugin_gloo_groups_on_a_simulated_gpu_box_shard_on_the_cpu(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    assert torch._C._get_accelerator() == torch.device("cpu")  # the simulation answered cuda first
+    layer = fully_shard(torch.nn.Linear(4, 3))  # no mesh=: FSDP2's default mesh
+    assert {p.device.type for p in layer.parameters()} == {"cpu"}
+    assert layer(torch.ones(2, 4)).shape == (2, 3)
 
 
 def _verdicts(path):
