@@ -32,7 +32,8 @@ def device() -> torch.device:
         return torch.device("cpu")
     from ..harness.backends import rank_device
 
-    return rank_device(str(dist.get_backend()))
+    name = str(dist.get_backend())  # "gloo", "nccl", or a per-device map such as "cpu:gloo,cuda:nccl"
+    return rank_device("nccl" if "nccl" in name else "gloo")
 
 
 def numerics() -> Dict[str, object]:
