@@ -15,8 +15,8 @@ and CUDA versions above it. Exit 0 iff every run exited 0.
 Needs torch with CUDA (without a GPU only the gloo run happens, and the table says so); pytest
 and hypothesis are not needed; opacus may be missing: ``--wheels DIR`` installs every wheel in
 DIR (``opacus-*.whl``, and scipy / opt-einsum wheels if the machine lacks them) with ``pip install
---no-index --no-deps`` into a temporary directory put on ``PYTHONPATH`` (no network). Runs from the repository checkout without installing it (the
-checkout goes on ``PYTHONPATH`` too)::
+--no-index --no-deps`` into a temporary directory put on ``PYTHONPATH`` (no network). Runs from
+the repository checkout without installing it (the checkout goes on ``PYTHONPATH`` too)::
 
     python scripts/gpu_check.py --wheels /path/to/wheels [--out gpu-check.md] [-- EXTRA GATE ARGS]
 

@@ -778,7 +778,8 @@ def precision_gradient_bound(spec: RunSpec, bound: PrecisionBound, indices: Sequ
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``); the data checks are the runner's
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
-           "device_facts", "tf32_problem", "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close", "close", "non_finite",
+           "device_facts", "tf32_problem", "rows", "processed_indices", "global_loss", "max_rel_diff", "tensors_close",
+           "close", "non_finite",
            "all_padding_note", "pick_clip_bound", "smallest_norm", "norm_ratios", "sequence_weights", "fmt",
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",

@@ -86,8 +86,8 @@ from .. import models
 from . import progress
 from .base import (FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME,
                    RankOutput, Refused, RunSpec, StepOutput, Target)
-from .util import (dataset_index, device, gather_named, global_dataset, load_sharded, precision_autocast, precision_policy,
-                   rank_and_world, save_sharded, step_indices, world)
+from .util import (dataset_index, device, gather_named, global_dataset, load_sharded, precision_autocast,
+                   precision_policy, rank_and_world, save_sharded, step_indices, world)
 
 #: opacus' own state in a resumed run's checkpoint directory (written by rank 0)
 OPACUS_STATE = "opacus_state.pt"

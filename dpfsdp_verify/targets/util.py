@@ -189,8 +189,8 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
     return torch.arange(spec.global_batch_size)[rows].tolist(), spec.global_batch(step).select(rows)
 
 
-__all__ = ["world", "device", "device_mesh", "numerics", "float32_numerics", "full_tensor", "full_tensors", "strip_prefixes", "gather_named", "global_dataset",
-           "dataset_index", "step_indices", "local_batch"]
+__all__ = ["world", "device", "device_mesh", "numerics", "float32_numerics", "full_tensor", "full_tensors",
+           "strip_prefixes", "gather_named", "global_dataset", "dataset_index", "step_indices", "local_batch"]
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
