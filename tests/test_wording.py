@@ -27,7 +27,7 @@ def test_crash_names_each_dead_rank_and_the_ended_survivors():
 def test_raised_names_the_first_rank_and_keeps_every_traceback():
     errors = {2: JobError("KeyError", "'b'", "tb2"), 1: JobError("ValueError", "bad", "tb1")}
     message, details = wording.raised(errors)
-    assert message == "rank 1 raised ValueError: bad (ranks 1-2 all raised)"
+    assert message == "rank 1 raised ValueError: bad (ranks 1, 2 all raised)"
     assert details == "--- rank 1 traceback ---\ntb1\n--- rank 2 traceback ---\ntb2"
     assert wording.raised({0: JobError("E", "m", "t")})[0] == "rank 0 raised E: m"
     assert wording.left_waiting([1], 1.0) == "; rank 1 was left waiting (ended after 1.0 s grace)"
