@@ -39,8 +39,8 @@ def gate_on(cpus: str, threads: int = 0) -> dict:
         out = os.path.join(tmp, "gate.json")
         load0 = os.getloadavg()[0]
         cpu0, t0 = _children_cpu_s(), time.perf_counter()
-        proc = subprocess.run(["taskset", "-c", cpus, sys.executable, os.path.join(HERE, "run.py"), "--sections", "gate",
-                               "--out", out], env=env, capture_output=True, text=True)
+        cmd = ["taskset", "-c", cpus, sys.executable, os.path.join(HERE, "run.py"), "--sections", "gate", "--out", out]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
         if proc.returncode != 0:
             raise RuntimeError(f"the gate on CPUs {cpus} failed: {proc.stderr[-2000:]}")
@@ -64,10 +64,11 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     keys = [k for k in results[0] if k.endswith("_s") or k in ("verdicts", "not_pass", "load_before", "load_after")]
-    head = ["cpus"] + [f"{r['cpus']}" + (f" x{r['omp_num_threads']}thr" if r["omp_num_threads"] else "") for r in results]
+    head = ["cpus"] + [r["cpus"] + (f" x{r['omp_num_threads']}thr" if r["omp_num_threads"] else "") for r in results]
     print("  ".join(f"{h:>24}" for h in head))
     for k in keys:
-        print("  ".join([f"{k:>24}"] + [f"{r[k]:>24.1f}" if isinstance(r[k], float) else f"{r[k]:>24}" for r in results]))
+        cells = [f"{r[k]:>24.1f}" if isinstance(r[k], float) else f"{r[k]:>24}" for r in results]
+        print("  ".join([f"{k:>24}"] + cells))
     print(f"(written to {args.out})")
     return 0
 
