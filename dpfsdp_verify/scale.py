@@ -353,6 +353,30 @@ def world_size_figures(cfg: ScaleConfig, d: Draws) -> dict:
     return out
 
 
+def check_runnable(target: Target, cfg: ScaleConfig) -> None:
+    """Before anything is drawn, ask the pipeline for one step on rank 0 of every world size: a
+    configuration it refuses (opacus cannot run every ``q`` at every world size: it derives ``q =
+    1/len(data_loader)``) is refused at once, naming every refused world size, and the rates the
+    pipeline offers instead when it says (``rates`` on the exception, e.g. ``InexpressibleRate``)."""
+    refused = []
+    for ws in cfg.world_sizes:
+        try:
+            target.sample_batches(cfg.spec(0).with_(steps=1), rank=0, world_size=ws)
+        except ValueError as e:
+            refused.append((ws, e))
+    if not refused:
+        return
+    ws, first = refused[0]
+    others = [w for w, _ in refused[1:]]
+    more = f" (also refused at world size(s) {', '.join(map(str, others))})" if others else ""
+    rates = getattr(first, "rates", None)
+    hint = (f"--sample-rate {' or '.join(f'{r:.6g}' for r in rates)} runs at world size {ws}" if rates
+            else "pick --sample-rate/--dataset-size the pipeline can run")
+    if others:
+        hint += "; or drop the refused world sizes"
+    raise ScaleUsageError(f"world size {ws}: {first}{more}", hint)
+
+
 def scale_report(target: Target, cfg: ScaleConfig, target_ref: str = "") -> dict:
     """The whole report as plain data (documented in docs/scale.md)."""
     cfg.validate()
@@ -365,6 +389,7 @@ def scale_report(target: Target, cfg: ScaleConfig, target_ref: str = "") -> dict
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny draws: threading only costs
     try:
+        check_runnable(target, cfg)
         for ws in cfg.world_sizes:
             t0 = time.perf_counter()
             try:
@@ -484,6 +509,6 @@ def parse_world_sizes(text: str) -> Tuple[int, ...]:
     return out
 
 
-__all__ = ["ScaleConfig", "ScaleUsageError", "Draws", "draw", "closed_forms", "format_report", "plot",
+__all__ = ["ScaleConfig", "ScaleUsageError", "Draws", "check_runnable", "draw", "closed_forms", "format_report", "plot",
            "rank_sizes", "scale_report", "supports_virtual_ranks", "wilson", "world_size_figures",
            "parse_world_sizes"]

@@ -30,6 +30,8 @@ import traceback
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+from .harness.rank_groups import grouped, ranks_phrase, were
+
 #: Extra time a rank waits for its peers' outcomes beyond the test's deadline (a peer stuck in a
 #: collective reports only once the process-group timeout has fired).
 REPORT_GRACE_S = 10.0
@@ -87,7 +89,7 @@ class TorchrunSession:
         failed = {r: o for r, o in outcomes.items() if o is not None and not o["ok"]}
         silent = sorted(r for r, o in outcomes.items() if o is None)
         if silent:
-            self.broken = (f"rank(s) {silent} never reported an outcome of {nodeid} (stuck outside any "
+            self.broken = (f"{ranks_phrase(silent)} never reported an outcome of {nodeid} (stuck outside any "
                            "collective?); the process group cannot be renewed without them")
         elif failed:
             self._renew_group()
@@ -140,12 +142,14 @@ def _failure_text(failed: Dict[int, dict], silent: List[int], deadline: float, o
     # a rank that raised on its own is the culprit; ranks whose collective timed out waited for it
     culprits = [r for r, o in sorted(failed.items()) if not o.get("timeout")]
     waited = [r for r, o in sorted(failed.items()) if o.get("timeout")]
-    parts = [f"rank {r}: {failed[r]['type']}: {failed[r]['message']}" for r in culprits]
+    # ranks that raised the same error are told once ("ranks 0-6: ValueError: ...")
+    parts = [grouped({r: f"{failed[r]['type']}: {failed[r]['message']}" for r in culprits}, between=": ")] \
+        if culprits else []
     if silent:
-        parts.append(f"rank(s) {silent} did not report within {deadline:g} s + {REPORT_GRACE_S:g} s "
+        parts.append(f"{ranks_phrase(silent)} did not report within {deadline:g} s + {REPORT_GRACE_S:g} s "
                      "(hung outside any collective?)")
     if waited:
-        parts.append(f"rank(s) {waited} were left waiting in a collective until the {deadline:g} s "
+        parts.append(f"{ranks_phrase(waited)} {were(waited)} left waiting in a collective until the {deadline:g} s "
                      "process-group timeout")
     head = "; ".join(parts)
     tb = "\n".join(f"--- rank {r} traceback ---\n{o['traceback']}" for r, o in sorted(failed.items()))

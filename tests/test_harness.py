@@ -206,7 +206,7 @@ def test_a_recovered_group_diagnoses_its_next_deadlock_from_its_new_process_grou
     assert second.status == "hang" and second.message.startswith("deadlock proven")
     # renewed group: #1 its set-up barrier, #2 run_fault's check job; the aborted group's entries
     # (which went higher) are not mixed in
-    assert ("collective #3 (gloo:all_reduce [[5]]) was issued by rank(s) 0 but never by rank 1 (last issued #2)"
+    assert ("collective #3 (gloo:all_reduce [[5]]) was issued by rank 0 but never by rank 1 (last issued #2)"
             in second.message)
     assert elapsed < VERDICT_BOUND
 

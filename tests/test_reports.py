@@ -180,3 +180,26 @@ def test_gate_needs_only_its_runtime_dependencies(without_optional_deps):
     err = r.stderr.strip()
     assert r.returncode == 2 and len(err.splitlines()) == 1, err
     assert "--fuzz needs hypothesis" in err and "pip install 'dpfsdp-verify[fuzz]'" in err
+
+
+def test_junit_message_is_a_headline_cut_at_a_clause_and_the_body_keeps_it_all(tmp_path):
+    """JUnit's ``message`` attribute is short by convention: a long message is cut at its last
+    clause boundary (never mid-word) and marked; the testcase's text holds the whole message."""
+    from dpfsdp_verify.harness.rank_groups import grouped
+    from dpfsdp_verify.verdict import Verdict
+
+    states = {r: f"began step {r % 7 + 1} after {r % 7} finished step(s) and never finished it" for r in range(64)}
+    long = "the run deadlocked: " + grouped(states) + ". " + "A collective issued by only some ranks; " * 12
+    short = "the run deadlocked: ranks 0-63 can never finish"
+    config = {"world_size": 64, "data_layout": "split", "model": "mlp", "mode": "default",
+              "grad_sample_mode": "ghost_fsdp"}
+    verdicts = [Verdict("deadlock_free", "hang", dict(config, loss_reduction=red), "deadlock", msg)
+                for red, msg in (("mean", long), ("sum", short))]
+    path = tmp_path / "r.xml"
+    report.write_junit(str(path), verdicts, "t")
+    errors = ET.parse(path).getroot().findall(".//error")
+    assert len(long) > 600 and len(errors) == 2
+    cut = errors[0].get("message")
+    assert len(cut) <= 500 and cut.endswith(" [...]") and f"[deadlock] {long}".startswith(cut[:-len(" [...]")])
+    assert cut[:-len(" [...]")].endswith(("it", "ranks")) and long in errors[0].text
+    assert errors[1].get("message") == f"[deadlock] {short}"

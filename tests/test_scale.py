@@ -8,6 +8,8 @@ Cheap: a few hundred nominal steps (the benchmark in docs/scale.md uses 1000 at 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 
@@ -147,6 +149,26 @@ def test_bad_input_exits_2_with_one_line(capsys, args, needle):
     assert code == 2
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "hint:" in lines[0], out.err
+
+
+def test_a_rate_opacus_cannot_run_is_refused_before_anything_is_drawn(capsys):
+    """The pipeline of issue 25: 1e6 samples, q = 0.001 at 8, 64, 512 and 1024 ranks. opacus runs
+    q = 1/len(data_loader) only: 0.001 at 8 ranks (125 local samples per step), not at the others.
+    Refused in seconds (it drew 8 ranks for 2 minutes, then listed ~250 rates), naming the two rates
+    nearest to q at the first refused size, and every size refused."""
+    t0 = time.perf_counter()
+    code, out = _cli(capsys, "--target", "opacus", "--dataset-size", "1000000", "--sample-rate", "0.001",
+                     "--world-sizes", "8,64,512,1024")
+    took = time.perf_counter() - t0
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and not out.out, out
+    # 64 ranks hold 15625 samples each: local batch 15 gives 1042 steps, 16 gives 977
+    assert "world size 64:" in lines[0] and "1/1042 = 0.000959693 and 1/977 = 0.00102354" in lines[0]
+    assert "also refused at world size(s) 512, 1024" in lines[0]
+    assert "hint: --sample-rate 0.000959693 or 0.00102354 runs at world size 64" in lines[0]
+    decimals = re.findall(r"\d+\.\d+", lines[0])
+    assert len(decimals) <= 6, decimals  # q and the two nearest rates, twice: not a wall of numbers
+    assert took < 20, took  # one step of rank 0 per world size (loaded 2-core machine: ~1 s of CPU)
 
 
 def test_plot_without_matplotlib_exits_2_naming_the_extra(capsys, tmp_path):

@@ -20,6 +20,7 @@ import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import __version__
+from ..harness.rank_groups import headline
 from ..verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,7 +111,8 @@ def junit_names(verdicts: List[Verdict]) -> List[tuple]:
 
 
 def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: Optional["Outcome"] = None) -> None:
-    """One testcase per property x config; failure text = the diagnosis message. An expected
+    """One testcase per property x config; failure text = the diagnosis message (the ``message``
+    attribute: its ``headline``, cut at a clause boundary if it is long; the body: all of it). An expected
     failure (``--expect``) is a ``skipped`` testcase of type ``expected_failure`` whose message is
     the expectation's reason (as pytest reports an xfail); an expectation that no longer holds is
     a failed testcase ``dpfsdp_verify.expectations`` named after the entry."""
@@ -129,16 +131,16 @@ def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: O
         if x:
             entry = outcome.entry_for(v)
             ET.SubElement(case, "skipped", type="expected_failure",
-                          message=f"expected {v.status} ({v.diagnosis}): {entry.describe_reason()}"[:500]).text = body
+                          message=headline(f"expected {v.status} ({v.diagnosis}): {entry.describe_reason()}")).text = body
         elif v.status == "fail":
-            ET.SubElement(case, "failure", message=head[:500], type=v.diagnosis or "fail").text = body
+            ET.SubElement(case, "failure", message=headline(head), type=v.diagnosis or "fail").text = body
         elif v.status in ("error", "hang"):
-            ET.SubElement(case, "error", message=head[:500], type=v.diagnosis or v.status).text = body
+            ET.SubElement(case, "error", message=headline(head), type=v.diagnosis or v.status).text = body
         elif v.status == "skip":
-            ET.SubElement(case, "skipped", message=v.message[:500])
+            ET.SubElement(case, "skipped", message=headline(v.message))
     for u in unmet:
         case = ET.SubElement(suite, "testcase", classname="dpfsdp_verify.expectations", name=u.entry.label(), time="0")
-        ET.SubElement(case, "failure", message=u.message[:500], type="expectation_not_met").text = u.message
+        ET.SubElement(case, "failure", message=headline(u.message), type="expectation_not_met").text = u.message
     root = ET.Element("testsuites")
     root.append(suite)
     ET.indent(root)

@@ -55,6 +55,7 @@ from ..errors import HintedError
 from ..harness import diagnose
 from ..harness.group import GroupResult, NotRunHere
 from ..harness.protocol import JobError, JobResult
+from ..harness.rank_groups import grouped, ranks_phrase, were
 from ..torchrun_mode import REPORT_GRACE_S, TorchrunSession, _is_pg_timeout, torchrun_env
 from .plan import UsageError
 from .report import EXIT_INTERNAL, EXIT_USAGE
@@ -190,7 +191,7 @@ class TorchrunPool:
                         f.write(o["trail"])
         silent = sorted(r for r, o in outcomes.items() if o is None)
         if silent:
-            self.broken = (f"rank(s) {silent} of this torchrun job never reported the outcome of an earlier job "
+            self.broken = (f"{ranks_phrase(silent)} of this torchrun job never reported the outcome of an earlier job "
                            "(died, or stuck outside any collective); its process group cannot be renewed without "
                            "them")
         elif not res.ok or any(o["result"].dirty for o in outcomes.values()):
@@ -540,9 +541,9 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
                     and r not in waited and r not in busy)
     out.details = "\n".join(f"--- rank {r} traceback ---\n{results[r].error.traceback}"
                             for r in sorted(results) if not results[r].ok)
-    wait_text = (f"rank(s) {waited} were left waiting in a collective until the {deadline:g} s process-group timeout"
-                 if waited else "")
-    silent_text = (f"rank(s) {silent} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process died -- "
+    wait_text = (f"{ranks_phrase(waited)} {were(waited)} left waiting in a collective until the {deadline:g} s "
+                 "process-group timeout" if waited else "")
+    silent_text = (f"{ranks_phrase(silent)} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process died -- "
                    "e.g. gloo aborted it -- or is stuck where the deadline cannot reach, e.g. a long sleep)"
                    if silent else "")
     if raised:  # a rank raised on its own: the others waited for it
@@ -550,7 +551,7 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
         out.status, out.diagnosis = "error", "rank_crash"
         out.message = "; ".join(p for p in (
             f"rank {raised[0]} raised {first.type}: {first.message}"
-            + (f" (ranks {raised} all raised)" if len(raised) > 1 else ""), silent_text, wait_text) if p)
+            + (f" ({ranks_phrase(raised)} all raised)" if len(raised) > 1 else ""), silent_text, wait_text) if p)
         return out
     out.status = "hang"
     out.fired_at = time.time()
@@ -558,8 +559,8 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     if proof is not None:
         stuck = sorted(r for r, o in outcomes.items() if o is not None and not o["result"].ok)
         out.diagnosis = "deadlock"
-        out.message = f"deadlock proven at the {deadline:g} s deadline: rank(s) {stuck} can never finish ({proof})"
-        sites = "; ".join(f"rank {r} at {outcomes[r]['site']}" for r in stuck if outcomes[r]["site"])
+        out.message = f"deadlock proven at the {deadline:g} s deadline: {ranks_phrase(stuck)} can never finish ({proof})"
+        sites = grouped({r: f"at {outcomes[r]['site']}" for r in stuck if outcomes[r]["site"]})
         if sites:
             out.message += f" ({sites})"
         dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
@@ -567,14 +568,15 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
         return out
     out.diagnosis = "timeout"
     out.busy_ranks = busy + silent
-    parts = [f"rank {r} was busy outside any collective at the {deadline:g} s deadline, at {outcomes[r]['site']}"
-             for r in busy]
+    busy_at = grouped({r: f"at {outcomes[r]['site']}" for r in busy},
+                      between=lambda ranks: f" {were(ranks)} busy outside any collective at the {deadline:g} s deadline, ")
+    parts = [busy_at] if busy else []
     if silent:
         parts.append(silent_text)
     if wait_text:
         parts.append(wait_text)
     if finished:
-        parts.append(f"rank(s) {finished} finished the job")
+        parts.append(f"{ranks_phrase(finished)} finished the job")
     out.message = "; ".join(parts) or f"the job did not finish within its {deadline:g} s deadline"
     return out
 

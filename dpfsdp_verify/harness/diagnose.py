@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .protocol import RankDump
+from .rank_groups import grouped, ranks_phrase, span
 
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -96,16 +97,15 @@ def describe_divergence(div: Divergence, proven: bool = True) -> str:
     passed without a proof): a collective some rank has not issued *yet* -- it may still come."""
     if div.missing:
         ops = sorted(set(div.issued.values()))
-        who = ", ".join(str(r) for r in sorted(div.issued))
-        missing = ", ".join(f"rank {r} (last issued #{div.last_seq[r]})" if div.last_seq.get(r, -1) >= 0
-                            else f"rank {r} (issued none in this group)" for r in div.missing)
+        who = ranks_phrase(div.issued)
+        missing = grouped({r: f"(last issued #{div.last_seq[r]})" if div.last_seq.get(r, -1) >= 0
+                           else "(issued none in this group)" for r in div.missing}, sep=", ")
         if not proven:
-            return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but not yet by "
+            return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by {who} but not yet by "
                     f"{missing} when the deadline passed")
-        return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by rank(s) {who} but never by "
+        return (f"collective #{div.seq_id} ({' / '.join(ops)}) was issued by {who} but never by "
                 f"{missing}: the ranks' collective sequences diverge there")
-    parts = "; ".join(f"rank {r}: {op}" for r, op in sorted(div.issued.items()))
-    return f"mismatched collectives at #{div.seq_id}: {parts}"
+    return f"mismatched collectives at #{div.seq_id}: {grouped(div.issued, between=': ')}"
 
 
 def hang_report(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int],
@@ -172,10 +172,6 @@ def busy_ranks(dumps: Dict[int, RankDump], running: List[int]) -> Busy:
     return Busy(busy=behind, waiting=waiting, last=last)
 
 
-def _ranks(ranks: List[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
-
-
 def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int], timeout: float,
                     idle_for: Optional[Dict[int, tuple]] = None, suspected: Optional[str] = None) -> str:
     """The message of a deadline that passed with no deadlock proven (diagnosis ``timeout``): which
@@ -184,19 +180,33 @@ def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive
     collective the others waited in. It claims no divergence: a busy rank may be slow."""
     idle_for = idle_for or {}
     b = busy_ranks(dumps, running)
-    parts = []
+    # each busy rank's state without its own seconds; ranks in the same state are told once, their
+    # seconds since the last progress as a range
+    keys: Dict[int, tuple] = {}
     for r in b.busy:
-        bits = [f"at {call_site(dumps[r])}" if r in dumps else "did not answer the dump request"]
-        if r in idle_for:
-            secs, seen = idle_for[r]
-            bits.append(f"last progress {secs:.1f} s before the deadline" if seen
-                        else f"no progress for at least {secs:.1f} s")
+        site = f"at {call_site(dumps[r])}" if r in dumps else "did not answer the dump request"
+        seen = idle_for[r][1] if r in idle_for else None
         if r in b.last:
-            entry = _default_group(dumps[r])[b.last[r]]
-            bits.append(f"last collective #{b.last[r]} {_describe(entry)}")
+            coll = f"last collective #{b.last[r]} {_describe(_default_group(dumps[r])[b.last[r]])}"
         elif r in dumps and dumps[r].flight_recorder is not None:
-            bits.append("no collective issued yet")
-        parts.append(f"rank {r} ({'; '.join(bits)})")
+            coll = "no collective issued yet"
+        else:
+            coll = None
+        keys[r] = (site, seen, coll)
+    idle_by_key: Dict[tuple, List[float]] = {}
+    for r, key in keys.items():
+        if key[1] is not None:
+            idle_by_key.setdefault(key, []).append(idle_for[r][0])
+    states = {}
+    for r, (site, seen, coll) in keys.items():
+        bits = [site]
+        if seen is not None:
+            secs = span(idle_by_key[keys[r]])
+            bits.append(f"last progress {secs} s before the deadline" if seen else f"no progress for at least {secs} s")
+        if coll:
+            bits.append(coll)
+        states[r] = f"({'; '.join(bits)})"
+    parts = [grouped(states, sep=", ")] if states else []
     where = "outside any collective" if b.waiting or all(r in b.last for r in running) else "somewhere"
     msg = (f"no deadlock proven: the job did not finish within {timeout:g} s; busy {where}, still in the job: "
            + ", ".join(parts))
@@ -208,13 +218,13 @@ def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive
         for seq, ranks in sorted(by_seq.items()):
             entry = _default_group(dumps[ranks[0]]).get(seq)
             op = f" ({_describe(entry)})" if entry else ""
-            waits.append(f"{_ranks(ranks)} waited in collective #{seq}{op}")
-        msg += f"; {'; '.join(waits)}, which {_ranks(b.busy)} had not issued yet"
+            waits.append(f"{ranks_phrase(ranks)} waited in collective #{seq}{op}")
+        msg += f"; {'; '.join(waits)}, which {ranks_phrase(b.busy)} had not issued yet"
     finished = [r for r in sorted(dumps) if r not in running]
     if finished:
-        msg += f"; {_ranks(finished)} had finished the job"
+        msg += f"; {ranks_phrase(finished)} had finished the job"
     if unresponsive:
-        msg += f"; {_ranks(unresponsive)} did not answer the dump request"
+        msg += f"; {ranks_phrase(unresponsive)} did not answer the dump request"
     if suspected:
         msg += f". A deadlock was suspected but not confirmed before the deadline ({suspected})"
     return msg + (". Nothing proves the busy rank(s) stuck for good: a slow target needs a longer timeout")

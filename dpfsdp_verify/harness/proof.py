@@ -32,12 +32,16 @@ from typing import Dict, Optional, Set, Tuple
 
 from .protocol import Probe
 
-#: Start probing once a job has run this long (most jobs finish before: they pay nothing).
-PROBE_AFTER_S = 1.0
+#: Start probing once a job has run this long (most jobs finish before: they pay nothing). A
+#: proof costs this plus ``QUIET_S`` after the divergence: a target that hangs in every job (a
+#: collective on one rank only) pays it in each of the gate's ~25 jobs at 2 ranks.
+PROBE_AFTER_S = 0.25
 #: Between probe rounds.
 PROBE_EVERY_S = 0.25
-#: A proof must hold, with no rank's probe changing, for this long before it is a verdict.
-QUIET_S = 1.0
+#: A proof must hold, with no rank's probe changing, for this long before it is a verdict. Both
+#: proofs are facts that cannot un-happen (a peer finished; a sequence id used for two ops): the
+#: wait only makes sure the probes it reads are all of one moment; 2 probe rounds and more.
+QUIET_S = 0.5
 #: The process group the proof is about: torch names the default (world) group "0".
 DEFAULT_PG = "0"
 #: Ops whose input sizes are the same on every rank of a correct program (the part after

@@ -14,6 +14,7 @@ import signal
 from typing import Dict, List, Optional, Tuple
 
 from . import diagnose
+from .rank_groups import grouped, ranks_phrase, were
 from .protocol import JobError, RankDump
 
 #: appended to a recovered deadlock's details
@@ -42,14 +43,14 @@ def raised(errors: Dict[int, JobError]) -> Tuple[str, str]:
     bad = sorted(errors)
     first = errors[bad[0]]
     message = (f"rank {bad[0]} raised {first.type}: {first.message}"
-               + (f" (ranks {bad} all raised)" if len(bad) > 1 else ""))
+               + (f" ({ranks_phrase(bad)} all raised)" if len(bad) > 1 else ""))
     details = "\n".join(f"--- rank {r} traceback ---\n{errors[r].traceback}" for r in bad)
     return message, details
 
 
 def left_waiting(running: List[int], grace_s: float) -> str:
     """Appended to ``raised``'s message when other ranks were still in the job after ``grace_s``."""
-    return f"; rank(s) {running} were left waiting (ended after {grace_s:.1f} s grace)"
+    return f"; {ranks_phrase(running)} {were(running)} left waiting (ended after {grace_s:.1f} s grace)"
 
 
 def where_others_were(dumps: Dict[int, RankDump], running: List[int], unresponsive: List[int]) -> str:
@@ -58,9 +59,11 @@ def where_others_were(dumps: Dict[int, RankDump], running: List[int], unresponsi
 
 
 def crashed(codes: Dict[int, Optional[int]], running: List[int]) -> str:
-    """The message of rank processes that died (``codes``: rank -> exit code or -signal)."""
-    what = "; ".join(f"rank {r} died ({exit_text(code)})" for r, code in sorted(codes.items()))
-    return what + (f"; rank(s) {running} were still running and were ended" if running else "")
+    """The message of rank processes that died (``codes``: rank -> exit code or -signal), ranks
+    that ended alike told once ("ranks 0-6 died (killed by SIGKILL)")."""
+    what = grouped({r: f"died ({exit_text(code)})" for r, code in codes.items()})
+    return what + (f"; {ranks_phrase(running)} {were(running)} still running and {were(running)} ended"
+                   if running else "")
 
 
 def deadlock(dumps: Dict[int, RankDump], running: List[int], proven: str, after: float,
@@ -69,10 +72,10 @@ def deadlock(dumps: Dict[int, RankDump], running: List[int], proven: str, after:
     job with deadline ``timeout``: the ``proven`` sentence, where the collective sequences diverge
     and each stuck rank's call site."""
     div = diagnose.find_divergence(dumps)
-    message = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: rank(s) {running} "
+    message = (f"deadlock proven after {after:.1f} s, before the {timeout:g} s deadline: {ranks_phrase(running)} "
                f"can never finish ({proven})")
     message += f"; {diagnose.describe_divergence(div)}" if div else ""
-    sites = "; ".join(f"rank {r} at {diagnose.call_site(dumps[r])}" for r in running if r in dumps)
+    sites = grouped({r: f"at {diagnose.call_site(dumps[r])}" for r in running if r in dumps})
     if sites:
         message += f" ({sites})"
     return message, f"deadlock proven after {after:.1f} s: {proven}.\n"

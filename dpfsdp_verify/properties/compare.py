@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import models, reference
+from ..harness.rank_groups import grouped, ranks_phrase
 from ..targets import RankOutput, RunSpec
 
 #: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
@@ -372,7 +373,8 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     if any(c != asked for c in counts):
         short = [r for r, c in enumerate(counts) if c != asked]
         half = f" ({spec.phase} half of a run resumed at step {spec.resume_at})" if spec.phase else ""
-        return (f"the ranks took {counts} step(s) where {asked} were asked for{half} (rank(s) {short}): a rank "
+        took = grouped({r: str(c) for r, c in enumerate(counts)}, between=": ", sep=", ")
+        return (f"the ranks took {took} step(s) where {asked} were asked for{half} ({ranks_phrase(short)}): a rank "
                 "that returns early, or takes extra steps, trains on other data than its peers")
     for k in range(spec.first_step, spec.end_step):
         for r, o in enumerate(outputs):
@@ -402,7 +404,7 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     evidence = {"step_counts": counts, "local_batch_sizes": brief}
     if len(set(counts)) > 1:
         return ("step_divergence", (
-            f"the ranks took different numbers of steps: {', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))} "
+            f"the ranks took different numbers of steps: {grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
             f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
             "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
             "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
@@ -457,7 +459,8 @@ def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[T
         if len(set(per_rank)) > 1:
             return ("step_divergence", (
                 f"step {k}: the ranks ran different numbers of physical passes "
-                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(per_rank))}; passes per step {counts}). "
+                f"({grouped({r: str(n) for r, n in enumerate(per_rank)}, ': ', ', ')}; every rank's passes per step in "
+                "the evidence). "
                 "Under FSDP every pass joins collectives: passes that differ pair across logical steps and the "
                 "rank with more passes waits forever at the end"), evidence)
     return None

@@ -380,8 +380,13 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
             msg += f" Progress: {progress.describe(trails)}."
     else:
         msg = f"{lead}a rank failed ({res.message})."
+    details = res.details
+    if trails:  # the message groups the ranks by state; every rank's own trail is kept here
+        evidence["progress"] = progress.evidence(trails)
+        details = (f"--- progress of every rank ---\n{progress.describe_each(trails, proven=diagnosis != 'timeout')}"
+                   + (f"\n{details}" if details else ""))
     if len(case.modes) > 1:
         mode = case.modes[mode_index]
         msg = f"mode {mode.label!r} ({mode.describe_env()}) did not complete: {msg}"
         evidence["failed_mode"] = mode.label
-    return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=res.details)
+    return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)

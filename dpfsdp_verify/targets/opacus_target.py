@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -113,21 +113,30 @@ def _as_rank(rank: int, world_size: int, virtual: bool):
 def opacus_local_batch_size(spec: RunSpec, world_size: int) -> int:
     """The local batch size b for which opacus derives ``sample_rate = 1/len(data_loader)`` equal
     to ``spec.sample_rate`` over a ``DistributedSampler`` (each rank holds ``ceil(N/ws)`` samples,
-    so ``len(data_loader) = ceil(ceil(N/ws)/b)``). ``ValueError`` naming the rates opacus can give
-    when q is not one of them."""
+    so ``len(data_loader) = ceil(ceil(N/ws)/b)``). ``InexpressibleRate`` naming the two rates
+    nearest to q that opacus can give when q is not one of them."""
     n_local = -(-spec.dataset_size // world_size)
     for b in range(1, n_local + 1):
         if abs(1.0 / -(-n_local // b) - spec.sample_rate) <= 1e-12:
             return b
-    rates = sorted({1.0 / -(-n_local // b) for b in range(1, n_local + 1)})
+    steps = sorted({-(-n_local // b) for b in range(1, n_local + 1)})  # len(data_loader) for each b
+    below = [m for m in steps if 1.0 / m < spec.sample_rate]
+    above = [m for m in steps if 1.0 / m > spec.sample_rate]
+    nearest = ([min(below)] if below else []) + ([max(above)] if above else [])
     raise InexpressibleRate(f"opacus derives q = 1/len(data_loader); with dataset_size={spec.dataset_size} at "
-                            f"world size {world_size} it can only be one of {[round(r, 6) for r in rates]}, not "
-                            f"{spec.sample_rate}")
+                            f"world size {world_size} the rates nearest to {spec.sample_rate} it can run are "
+                            + " and ".join(f"1/{m} = {1.0 / m:.6g}" for m in nearest),
+                            rates=[1.0 / m for m in nearest])
 
 
 class InexpressibleRate(Refused, ValueError):
     """A sample rate opacus cannot be configured with: a refusal on the ranks (every rank reaches
-    it at set-up), a ``ValueError`` to a caller that asked."""
+    it at set-up), a ``ValueError`` to a caller that asked. ``rates``: the nearest ones it can
+    run (below and above), for a hint."""
+
+    def __init__(self, message: str, rates: Sequence[float] = ()):
+        super().__init__(message)
+        self.rates = list(rates)
 
 
 @functools.lru_cache(maxsize=4)

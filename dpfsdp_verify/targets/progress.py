@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ..harness.rank_groups import by_state, grouped, span
+
 _sink = None  # the open file of the current job on this rank, or None
 
 
@@ -98,6 +100,22 @@ class Trail:
     def _passes(self) -> str:
         return f"; physical passes per step {self.pass_counts}" if self.accumulating else ""
 
+    def state(self, proven: bool = True) -> str:
+        """Where the rank is, without its own sizes: what ranks in the same place share ("began step
+        1 after 0 finished step(s) and never finished it, during physical pass 2")."""
+        if self.ended:
+            return f"ended the run after {self.finished} step(s)"
+        if self.begun > self.finished:
+            during = f", during physical pass {self.pass_counts[-1]}" if self.passes and self.passes[-1] else ""
+            never = "and never finished it" if proven else "and had not finished it when the deadline passed"
+            return f"began step {self.begun} after {self.finished} finished step(s) {never}{during}"
+        return f"finished {self.finished} step(s) and did not end the run"
+
+    def evidence(self) -> dict:
+        """The trail as plain data, for a verdict's evidence."""
+        return {"steps_begun": self.begun, "steps_finished": self.finished, "ended": self.ended,
+                "local_batch_sizes": self.sizes, "physical_passes_per_step": self.pass_counts}
+
     def describe(self, rank: int, proven: bool = True) -> str:
         """``proven=False`` (a deadline passed, nothing proven): a step begun and not finished is
         told as not finished *yet* -- it may still finish."""
@@ -173,22 +191,47 @@ def passes_diverged(trails: List[Optional[Trail]]) -> bool:
 
 
 def describe(trails: List[Optional[Trail]], proven: bool = True) -> str:
-    return "; ".join(t.describe(r, proven) if t is not None else f"rank {r} left no progress"
-                     for r, t in enumerate(trails))
+    """Every rank's progress, each state once with its ranks ("ranks 0-6 began step 1 ... and never
+    finished it; rank 7 finished 1 step(s) and did not end its run"); a rank alone in its state
+    is told with its own local batches. Bounded by the states named, not by the world size
+    (``rank_groups``); ``describe_each`` tells every rank."""
+    states = {r: t.state(proven) if t is not None else "left no progress" for r, t in enumerate(trails)}
+    return grouped(states, alone=lambda r: _one(trails, r, proven))
+
+
+def describe_each(trails: List[Optional[Trail]], proven: bool = True) -> str:
+    """One line per rank with its local batches and passes: a verdict's details."""
+    return "\n".join(_one(trails, r, proven) for r in range(len(trails)))
+
+
+def evidence(trails: List[Optional[Trail]]) -> List[Optional[dict]]:
+    """Every rank's trail as plain data (``Trail.evidence``; ``None``: no trail)."""
+    return [t.evidence() if t is not None else None for t in trails]
+
+
+def _one(trails: List[Optional[Trail]], rank: int, proven: bool) -> str:
+    t = trails[rank]
+    return t.describe(rank, proven) if t is not None else f"rank {rank} left no progress"
 
 
 def last_progress(trails: List[Optional[Trail]], ranks: List[int], at: Optional[float]) -> str:
     """For ``ranks``: each one's last progress line in words and how long before ``at`` (wall
-    clock) it was written -- e.g. "rank 1's last progress: began step 4 (local batch 1), 2.4 s
-    before the deadline"."""
-    out = []
+    clock) it was written, ranks alike told once -- e.g. "last progress of rank 1: began step 4
+    (local batch 1), 2.4 s before the deadline; ranks 2-7: finished step 3, 0.1-0.3 s before the deadline"."""
+    said, ago = {}, {}
     for r in ranks:
         t = trails[r] if r < len(trails) else None
         if t is None or not t.last_line:
             continue
-        ago = f", {max(0.0, at - t.updated):.1f} s before the deadline" if at and t.updated else ""
-        out.append(f"rank {r}'s last progress: {_said(t.last_line)}{ago}")
-    return "; ".join(out)
+        said[r] = _said(t.last_line)
+        if at and t.updated:
+            ago[r] = max(0.0, at - t.updated)
+    states = {}  # ranks that wrote the same last line are told once, their seconds as a range
+    for ranks_alike, line in by_state(said):
+        secs = [ago[r] for r in ranks_alike if r in ago]
+        for r in ranks_alike:
+            states[r] = f"{line}, {span(secs)} s before the deadline" if secs else line
+    return f"last progress of {grouped(states, between=': ')}" if states else ""
 
 
 def _said(line: str) -> str:
