@@ -135,10 +135,11 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
-    mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
+    mean per tensor + shape + step, run and all-pairs independence (+ shards) + the accountant's sigma
+    (``accountant.py``: its epsilon interval is the same statistic's confidence interval)."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
-    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0) + 1
 
 
 def cases(point: Point):

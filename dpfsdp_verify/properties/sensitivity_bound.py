@@ -153,18 +153,22 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
 EXTREME_RTOL = 1e-4
 
 
-def contributions(spec: RunSpec, step: int, indices, gradient) -> Tuple[torch.Tensor, float]:
-    """``(contribution norms [len(indices)], relative residual)``: with noise 0 the released gradient
-    times D is ``sum_i d_i u_i``, ``u_i`` sample i's reference gradient direction (unit norm) and
-    ``d_i`` the norm of its clipped contribution; a least-squares fit on the unit directions (norms
-    from 1 to 1e20 would leave the small samples below a solver's rank cut-off) reads each ``d_i``."""
+def contributions(spec: RunSpec, step: int, indices, gradient) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """``(contribution norms, their uncertainty [len(indices)], relative residual)``: with noise 0 the
+    released gradient times D is ``sum_i d_i u_i``, ``u_i`` sample i's reference gradient direction
+    (unit norm) and ``d_i`` the norm of its clipped contribution; a least-squares fit on the unit
+    directions (norms from 1 to 1e20 would leave the small samples below a solver's rank cut-off)
+    reads each ``d_i``. Its uncertainty: the released gradient's rounding in its dtype (eps x its
+    norm) through the fit's dual vector -- a contribution of 1e17 C swamps a neighbour's C in float32."""
     grads = rows(reference_grads(spec, step), list(indices))
     names = sorted(grads)
     basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1)
     basis = (basis / basis.norm(dim=1, keepdim=True).clamp_min(1e-300)).T
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * spec.divisor
     d = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    return d, float((basis @ d - released).norm() / released.norm().clamp_min(1e-300))
+    rounding = 4 * torch.finfo(spec.torch_dtype).eps * float(released.norm())
+    uncertainty = rounding * torch.linalg.pinv(basis).norm(dim=1)
+    return d, uncertainty, float((basis @ d - released).norm() / released.norm().clamp_min(1e-300))
 
 
 def judge_extreme(case: Case, ranks) -> Verdict:
@@ -179,7 +183,7 @@ def judge_extreme(case: Case, ranks) -> Verdict:
         local = {o.rank: len(o.steps[k].indices) for o in ranks}
         indices = sorted(owner)
         norms = reference_norms(spec, k)[indices]
-        d, residual = contributions(spec, k, indices, ranks[0].steps[k].gradient)
+        d, uncertainty, residual = contributions(spec, k, indices, ranks[0].steps[k].gradient)
         want = reference.clip_coefficients(norms, c) * norms
         evidence["steps"][k] = {"norms_over_C": [float(n / c) for n in norms],
                                 "contributions_over_C": [float(x / c) for x in d], "residual": residual}
@@ -189,16 +193,16 @@ def judge_extreme(case: Case, ranks) -> Verdict:
             continue
         for j, i in enumerate(indices):
             r = owner[i]
-            x, n = float(d[j]), float(norms[j])
+            x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
             where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
                 "its rank's local batch of exactly 1" if local[r] == 1 else
                 f"the last of an odd local batch of {local[r]}" if local[r] % 2 and i == ranks[r].steps[k].indices[-1] else
                 f"in a local batch of {local[r]}"))
             if n > 1.8e19:  # its square exceeds float32's largest value
                 where += " (its squared norm overflows float32)"
-            if x > c * (1 + EXTREME_RTOL):
+            if x > c + slack:
                 found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C"))
-            elif x < float(want[j]) - EXTREME_RTOL * c:
+            elif x < float(want[j]) - slack:
                 found.append((0.0, k, i, f"{where} contributes {x / c:.6g} x C, not the {float(want[j]) / c:.6g} x C "
                               "of min(1, C/||g||) ||g|| (over-clipped or dropped)"))
     if not found:
@@ -207,7 +211,8 @@ def judge_extreme(case: Case, ranks) -> Verdict:
             f"{spec.steps} steps: norms up to {max(max(s['norms_over_C']) for s in evidence['steps'].values()):.3g} C "
             "(one's square overflows float32), a sample at 1.005 C, local batches of exactly 1 and of 3 (float32)"),
             evidence)
-    worst = max(found, key=lambda f: f[0])
+    found.sort(key=lambda f: -f[0])  # the largest contribution first
+    worst = found[0]
     over = [f for f in found if f[0] > 1]
     text = "; ".join(f[3] for f in (over or found)[:4])
     if over:
