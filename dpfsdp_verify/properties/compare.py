@@ -176,7 +176,8 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     and for each type whose layers hold a bias, the norms without those biases alone (a conv bias
     the per-sample code forgets). Such a target trains the missing parameters with the coefficients
     the other layers' norms give: a sample's norm is undercounted, so it can contribute more than
-    C. Cached per model and batch; only types that hold a trainable parameter, and not when the
+    C. The conv types together ("convolution") and the InstanceNorm types together are hypotheses
+    too (a registry keyed by their base class). Cached per model and batch; only types that hold a trainable parameter, and not when the
     model has a single layer type (nothing would be left)."""
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size)
@@ -192,6 +193,12 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
         layers.append(name)
         params += [f"{name}.{n}" for n in own]
         biases += [f"{name}.{n}" for n in own if n == "bias"]
+    # a registry keyed by a family's base class (torch's _ConvNd, _InstanceNorm) misses every member at once
+    for family, members in (("convolution", ("Conv1d", "Conv2d", "Conv3d")),
+                            ("InstanceNorm", ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"))):
+        present = [by_type[m] for m in members if m in by_type]
+        if len(present) > 1:
+            by_type[family] = tuple(sum((list(x[i]) for x in present), []) for i in range(3))
     out: List[Tuple[str, torch.Tensor, str]] = []
     if len(by_type) > 1:
         for kind, (layers, params, biases) in by_type.items():
