@@ -78,7 +78,7 @@ def cases(point: Point):
     if "zoo" not in (point.options.models or PROPERTY.models):
         # every layer type ghost clipping samples, once per world size: a layer type missing from a
         # target's norm registry shows, named (models.LayerZoo; docs/properties.md)
-        zoo = prepare(point.spec(model="zoo", model_kwargs=(), global_batch_size=4 * point.world_size))
+        zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()))
         yield point.case(zoo, doing="per-sample norms of every layer type (the layer zoo)")
 
 
