@@ -33,8 +33,8 @@ def run(pool, prop, **kw):
 
 def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(pool):
     vs = run(pool, "norm_fidelity", world_sizes=(1, 2))
-    assert len(vs) == 2 * 2 * 2 * 2
-    assert {v.config["model"] for v in vs} == {"mlp", "transformer"}
+    assert len(vs) == 2 * 2 * 2 * 2 + 2  # + the layer zoo once per world size (every layer type)
+    assert {v.config["model"] for v in vs} == {"mlp", "transformer", "zoo"}
     assert_all_pass(vs)
 
 
