@@ -144,8 +144,8 @@ def test_upstream_opacus_verdicts(tmp_path):
             assert verdicts[("clipped_step", "mlp", 1, "split", "sum", dtype, sampling)] == ("pass", None)
             assert verdicts[("clipped_step", "mlp", 2, "split", "mean", dtype, sampling)] == ("pass", None)
             assert verdicts[("clipped_step", "mlp", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
-        assert verdicts[("norm_fidelity", "zoo", 1, "split", "mean", "float64", "fixed")] == ("pass", None)
-        assert verdicts[("norm_fidelity", "zoo", 2, "split", "mean", "float64", "fixed")] == ("pass", None)
+    assert verdicts[("norm_fidelity", "zoo", 1, "split", "mean", "float64", "fixed")] == ("pass", None)
+    assert verdicts[("norm_fidelity", "zoo", 2, "split", "mean", "float64", "fixed")] == ("pass", None)
     assert report["summary"] == {"pass": 30, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
