@@ -201,7 +201,7 @@ def judge_extreme(case: Case, ranks) -> Verdict:
             if n > 1.8e19:  # its square exceeds float32's largest value
                 where += " (its squared norm overflows float32)"
             if x > c + slack:
-                found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C"))
+                found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C (clip coefficient {x / n:.4g})"))
             elif x < float(want[j]) - slack:
                 found.append((0.0, k, i, f"{where} contributes {x / c:.6g} x C, not the {float(want[j]) / c:.6g} x C "
                               "of min(1, C/||g||) ||g|| (over-clipped or dropped)"))
