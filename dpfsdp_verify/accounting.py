@@ -1,6 +1,6 @@
 """The suite's own privacy accountant: Renyi DP of the Poisson-subsampled Gaussian mechanism.
 
-What the gate compares a target's reported epsilon with (``noise_calibration``'s accountant
+What the gate compares a target's reported epsilon with (the noise property's accountant
 check, docs/properties.md): an accountant that does not depend on the target, nor on opacus
 being importable (a fork's CI may have neither opacus nor scipy). The computation is the one of
 Mironov, Talwar and Zhang, "Renyi Differential Privacy of the Sampled Gaussian Mechanism"

@@ -31,7 +31,7 @@ FINETUNE_MODELS = ("lora", "tied")
 #: variable-length sequences (``docs/sequences.md``): padded to a common length, an attention mask
 #: that hides padding, ``IGNORE_INDEX`` targets on it, and an all-padding sequence in every batch
 SEQUENCE_MODELS = ("masked",)
-#: one model holding every layer type opacus' ghost clipping samples (``LayerZoo``): norm_fidelity runs
+#: one model holding every layer type opacus' ghost clipping samples (``LayerZoo``): the norm property runs
 #: it once per world size, so a norm registry that misses a layer type shows, naming it
 ZOO_MODELS = ("zoo",)
 #: samples of every scale (``ExtremeMLP``): per-sample norms from ~1 to ~1e20 in one batch
@@ -288,7 +288,7 @@ class LayerZoo(nn.Module):
     classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
     Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
     bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
-    as a 2 x 4 image, then as a 2 x 2 x 2 volume. Not in ``BASE_MODELS``: norm_fidelity runs it once
+    as a 2 x 4 image, then as a 2 x 2 x 2 volume. Not in ``BASE_MODELS``: the norm property runs it once
     per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
     runs it everywhere."""
 

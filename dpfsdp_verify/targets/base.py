@@ -80,7 +80,7 @@ a run in ``RankOutput``: ``accountant`` (its mechanism, opacus' ``accountant.mec
 opacus' format ``[(noise_multiplier, sample_rate, steps), ...]`` (``accountant.history``; a resumed
 run's includes the restored steps); and, where ``spec.accountant_delta`` > 0, ``epsilon``: the
 epsilon it reports at that delta (``accountant.get_epsilon(delta)``). The suite checks them against
-the mechanism it measured (``noise_calibration``). A target that reports none is not checked.
+the mechanism it measured (docs/properties.md). A target that reports none is not checked.
 
 Momentum (``spec.momentum`` mu > 0; 0 = plain SGD): SGD with torch's momentum (dampening 0, no
 Nesterov), the state a checkpoint must carry; declared with ``"momentum"`` in ``Target.features``.
