@@ -57,18 +57,20 @@ def _fmt_history(history) -> str:
     return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
 
 
-def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[str], alpha: float
-                       ) -> Optional[Tuple[str, Dict]]:
+def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[str], alpha: float,
+                       evidence: Optional[Dict] = None) -> Optional[Tuple[str, Dict]]:
     """``(message, evidence)`` when the accountant of a noisy run was told other than what the
     gate measured (module docstring), else ``None`` (also when the target reports no accountant).
     ``runs[i][rank]``: the outputs of ``specs[i]`` (``runs[0]`` noise 0); ``noise[i - 1][step][name]``:
-    run i's measured noise; ``alpha``: the case's per-test level."""
+    run i's measured noise; ``alpha``: the case's per-test level. ``evidence``: a dict it fills with
+    what it compared (told and measured sigma and q, both epsilons), pass or fail."""
     spec, noisy = specs[1], runs[1:]
     if all(o.accountant_history is None for run in noisy for o in run):
         return None
     c, d = spec.max_grad_norm, spec.divisor
     unit = c / d  # the noise std per unit of sigma
-    evidence: Dict = {"accountant": noisy[0][0].accountant}
+    evidence = {} if evidence is None else evidence
+    evidence["accountant"] = noisy[0][0].accountant
     # each step's measured sum of squares and coordinates, by the sigma the accountant was told for it
     by_sigma: Dict[float, List[float]] = {}
     told_rates: set = set()
@@ -207,4 +209,18 @@ def _text(spec: RunSpec, told: str, measured: str, why: str) -> str:
             "the sampler have, it is too small (e.g. sigma*sqrt(N) and q/N composed across N ranks).")
 
 
-__all__ = ["accountant_problem", "DELTA", "TIGHTER_FLOOR"]
+def describe(evidence: Dict) -> str:
+    """A passing check in words (``evidence`` as ``accountant_problem`` filled it); "" if not run."""
+    if "measured_sigma" not in evidence:
+        return ""
+    text = (f"; the accountant ({evidence['accountant']}) was told sigma "
+            f"{', '.join(f'{x:.6g}' for x in evidence['told_sigmas'])} (measured {evidence['measured_sigma']:.4g}) "
+            f"and q {', '.join(f'{x:.6g}' for x in evidence['told_rates'])}")
+    if evidence.get("reported_epsilon") is not None:
+        lo, hi = evidence["independent_interval"]
+        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the suite's "
+                 f"RDP epsilon of the measured mechanism: {evidence['independent_epsilon']:.4g}, {lo:.4g}..{hi:.4g})")
+    return text
+
+
+__all__ = ["accountant_problem", "describe", "DELTA", "TIGHTER_FLOOR"]

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -81,6 +82,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .accountant import DELTA as ACCOUNTANT_DELTA
 from .accountant import accountant_problem
+from .accountant import describe as describe_accountant
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
 from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
@@ -344,11 +346,12 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     verdict = _judge_tests(case, noise, names, stacked, where, evidence)
     if verdict.status != "pass":
         return verdict
-    told = accountant_problem(case.specs, runs, noise, names, case.facts["alpha_per_test"])
+    accounted: Dict = {}
+    told = accountant_problem(case.specs, runs, noise, names, case.facts["alpha_per_test"], accounted)
     if told is not None:
-        message, more = told
-        return case.verdict("fail", "accountant_mismatch", f"{message} ({where})", {**verdict.evidence, **more})
-    return verdict
+        return case.verdict("fail", "accountant_mismatch", f"{told[0]} ({where})", {**verdict.evidence, **accounted})
+    return replace(verdict, message=verdict.message + describe_accountant(accounted),
+                   evidence={**verdict.evidence, **accounted})
 
 
 def _bf16_fraction(runs, names) -> Optional[float]:
