@@ -16,6 +16,11 @@ Two kinds of verdicts, counted apart:
         [--precisions bf16-fsdp,bf16-autocast]
     (run i uses run seed S + i)
 
+``--accountant N`` (no ranks, seconds): N verdicts of ``noise_calibration``'s accountant check
+alone (``properties/accountant.py``) on exactly Gaussian noise of the right std, an RDP accountant
+told the configured (sigma, q, steps) and reporting its epsilon: the check's own false alarms
+(expected <= N x 2 x its per-test level), far more draws than gate runs give it.
+
 ``--models`` runs every property on those models instead of each property's own (e.g. the
 fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties;
 ``--precisions`` the mixed-precision forms (``docs/precision.md``; a property that does not judge
@@ -40,6 +45,34 @@ TARGET = "fixtures.specimens:Correct"
 MODES = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
 
 
+def accountant_false_alarms(n: int, seed: int, alpha: float = 3.4e-6) -> int:
+    """Alarms of the accountant check over ``n`` simulated correct verdicts shaped like the default
+    gate's 2-rank Poisson one (24 draws of 3280 coordinates, q = 1/4, 12 steps, D = 4) at its
+    per-test level ``alpha``."""
+    import torch
+
+    from dpfsdp_verify import accounting
+    from dpfsdp_verify.properties.accountant import accountant_problem
+    from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
+
+    spec = RunSpec(noise_multiplier=1.0, max_grad_norm=1.0, lr=0.0, steps=12, sampling="poisson", sample_rate=0.25,
+                   dataset_size=16, epochs=3)
+    specs = [spec.with_(noise_multiplier=0.0), spec.with_(accountant_delta=1e-5), spec]
+    history = [(1.0, 0.25, 12)]
+    eps = accounting.epsilon(history, 1e-5)
+    steps = [StepOutput(indices=[k % 16, (k + 7) % 16, (k + 11) % 16, (k + 13) % 16], norms=None, loss=0.0)
+             for k in range(12)]
+    runs = [[RankOutput(0, 1, steps=steps, accountant="rdp", accountant_history=history, epsilon=e)]
+            for e in (None, eps, None)]
+    g = torch.Generator().manual_seed(seed)
+    alarms = 0
+    for _ in range(n):
+        noise = [[{"w": torch.randn(3280, generator=g, dtype=torch.float64) / spec.divisor} for _ in range(12)]
+                 for _ in range(2)]
+        alarms += accountant_problem(specs, runs, noise, ["w"], alpha) is not None
+    return alarms
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
@@ -47,7 +80,15 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated models (default: each property's own)")
     ap.add_argument("--properties", default="", help="comma list of property ids (default: all)")
     ap.add_argument("--precisions", default=None, help="comma list of precisions (default: fp32 only)")
+    ap.add_argument("--accountant", type=int, default=0, metavar="N",
+                    help="simulate N verdicts of the accountant check alone (no ranks) and stop")
     args = ap.parse_args(argv)
+    if args.accountant:
+        t0 = time.perf_counter()
+        n_alarms = accountant_false_alarms(args.accountant, args.seed or 0)
+        print(f"accountant check: {args.accountant} simulated correct verdicts, {n_alarms} false alarm(s) (expected "
+              f"<= {args.accountant * 2 * 3.4e-6:.3g}); {time.perf_counter() - t0:.0f} s")
+        return 1 if n_alarms else 0
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
     if args.precisions:
         axes["precisions"] = tuple(args.precisions.split(","))

@@ -31,7 +31,16 @@ FINETUNE_MODELS = ("lora", "tied")
 #: variable-length sequences (``docs/sequences.md``): padded to a common length, an attention mask
 #: that hides padding, ``IGNORE_INDEX`` targets on it, and an all-padding sequence in every batch
 SEQUENCE_MODELS = ("masked",)
-MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS
+#: one model holding every layer type opacus' ghost clipping samples (``LayerZoo``): the norm property runs
+#: it once per world size, so a norm registry that misses a layer type shows, naming it
+ZOO_MODELS = ("zoo",)
+#: samples of every scale (``ExtremeMLP``): per-sample norms from ~1 to ~1e20 in one batch
+EXTREME_MODELS = ("extreme",)
+MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS
+#: the input scale of sample ``i`` of an ``extreme`` batch: ``EXTREME_SCALES[i % 6]``. Its per-sample
+#: gradient norm is about the scale (``ExtremeMLP``): ~1, ~1e2, ~1e6 and ~1e20, whose square (1e40)
+#: overflows float32 (largest finite 3.4e38)
+EXTREME_SCALES = (1.0, 1.0, 1e2, 1.0, 1e6, 1e20)
 
 #: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds.
 MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 8, 3
@@ -274,6 +283,69 @@ class MaskedEncoder(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class LayerZoo(nn.Module):
+    """Every layer type opacus 1.6.0's ghost clipping samples, each with its parameters, in one tiny
+    classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
+    Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
+    bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
+    as a 2 x 4 image, then as a 2 x 2 x 2 volume. Not in ``BASE_MODELS``: the norm property runs it once
+    per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
+    runs it everywhere."""
+
+    SEQ_LEN = 8
+
+    def __init__(self, vocab: int = VOCAB, classes: int = MLP_CLASSES, width: int = 4):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"width={width} must be even (GroupNorm of 2 groups)")
+        self.tok = nn.Embedding(vocab, width)
+        self.ln = nn.LayerNorm(width)
+        self.rms = nn.RMSNorm(width)
+        self.conv1d = nn.Conv1d(width, width, kernel_size=3, padding=1)
+        self.in1d = nn.InstanceNorm1d(width, affine=True)
+        self.conv2d = nn.Conv2d(width, width, kernel_size=3, padding=1)
+        self.gn = nn.GroupNorm(2, width)
+        self.in2d = nn.InstanceNorm2d(width, affine=True)
+        self.conv3d = nn.Conv3d(width, 2, kernel_size=3, padding=1)
+        self.in3d = nn.InstanceNorm3d(2, affine=True)
+        self.fc = nn.Linear(2 * self.SEQ_LEN, classes)
+        with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
+            for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
+                norm.weight.uniform_(0.5, 1.5)
+                if getattr(norm, "bias", None) is not None:
+                    norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, idx):
+        # a tanh after every layer: a norm right after a layer would cancel that layer's per-channel
+        # bias and scale (an InstanceNorm after a conv removes the conv's bias: its gradient is 0)
+        b, t = idx.shape[0], torch.tanh
+        x = t(self.rms(t(self.ln(self.tok(idx)))))                         # [B, 8, w]
+        x = t(self.in1d(t(self.conv1d(x.transpose(1, 2)))))               # [B, w, 8]
+        x = t(self.in2d(t(self.gn(t(self.conv2d(x.reshape(b, -1, 2, 4)))))))  # [B, w, 2, 4]
+        x = t(self.in3d(t(self.conv3d(x.reshape(b, -1, 2, 2, 2)))))       # [B, 2, 2, 2, 2]
+        return self.fc(x.flatten(1))
+
+
+class ExtremeMLP(nn.Module):
+    """Linear -> tanh -> Linear whose first layer starts ~1e-20 x its usual initialisation, so that an
+    input of scale s (``EXTREME_SCALES``) reaches the second layer at ~1e-20 s: the logits stay
+    moderate (the softmax does not saturate, so no gradient vanishes) while the first layer's
+    per-sample gradient, backprop x input, has norm ~s. One batch thus holds samples of norm ~1 and
+    ~1e2, 1e6, 1e20: a clip coefficient wrong only far above C, and a squared norm that overflows
+    float32 (the per-sample gradient itself, ~1e20, does not), show on it."""
+
+    def __init__(self, d_in: int = MLP_IN, hidden: int = MLP_HIDDEN, classes: int = MLP_CLASSES):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+        with torch.no_grad():
+            self.fc1.weight.mul_(1e-20)
+            self.fc1.bias.mul_(1e-20)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
 def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
     """``[batch_size]`` real lengths of a ``masked`` batch: sample ``i`` is full (``seq_len``) when
     ``i % 3 == 0``, all padding (0) when ``i % 3 == 1``, else drawn uniformly from ``1..seq_len-1``
@@ -315,12 +387,15 @@ MODEL_DIMS = {
     "lora": ("d_in", "hidden", "classes", "rank"),
     "tied": ("vocab", "seq_len", "d_model", "tie"),
     "masked": ("vocab", "seq_len", "d_model", "n_heads"),
+    "zoo": ("vocab", "classes", "width"),
+    "extreme": ("d_in", "hidden", "classes"),
 }
 #: keywords only the batch uses (``build_model`` accepts and ignores them)
 BATCH_DIMS = ("pad_fraction",)
 _BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
                "transformer": ("vocab", "seq_len", "pad_fraction"), "lora": ("d_in", "classes"),
-               "tied": ("vocab", "seq_len", "pad_fraction"), "masked": ("vocab", "seq_len")}
+               "tied": ("vocab", "seq_len", "pad_fraction"), "masked": ("vocab", "seq_len"),
+               "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes")}
 
 
 def _check_dims(name: str, dims: dict) -> None:
@@ -341,7 +416,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     """
     _check_dims(name, dims)
     ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
-            "masked": MaskedEncoder}[name]
+            "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -366,6 +441,11 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     _check_dims(name, dims)
     d = {k: v for k, v in dims.items() if k in _BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
+    if name == "extreme":
+        scale = torch.tensor([EXTREME_SCALES[i % len(EXTREME_SCALES)] for i in range(batch_size)], dtype=torch.float64)
+        x = torch.randn(batch_size, d.get("d_in", MLP_IN), generator=g, dtype=torch.float64) * scale.unsqueeze(1)
+        y = torch.randint(0, d.get("classes", MLP_CLASSES), (batch_size,), generator=g)
+        return Batch(x.to(dtype), y, "cross_entropy")
     if name in ("mlp", "lora"):
         d_in, classes = d.get("d_in", MLP_IN), d.get("classes", MLP_CLASSES)
         x = torch.randn(batch_size, d_in, generator=g, dtype=torch.float64).to(dtype)
@@ -375,6 +455,10 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
         channels, size = d.get("channels", CONV_CHANNELS), d.get("size", CONV_SIZE)
         x = torch.randn(batch_size, channels, size, size, generator=g, dtype=torch.float64).to(dtype)
         y = torch.randint(0, d.get("classes", CONV_CLASSES), (batch_size,), generator=g)
+        return Batch(x, y, "cross_entropy")
+    if name == "zoo":
+        x = torch.randint(0, d.get("vocab", VOCAB), (batch_size, LayerZoo.SEQ_LEN), generator=g)
+        y = torch.randint(0, d.get("classes", MLP_CLASSES), (batch_size,), generator=g)
         return Batch(x, y, "cross_entropy")
     vocab, seq_len = d.get("vocab", VOCAB), d.get("seq_len", SEQ_LEN)
     if name == "masked":
@@ -394,4 +478,4 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
 
 
 __all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
-           "ConvNet", "TinyGPT", "MaskedEncoder", "sequence_lengths"]
+           "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES", "sequence_lengths"]

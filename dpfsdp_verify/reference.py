@@ -46,7 +46,8 @@ from .models import IGNORE_INDEX, Batch
 #: Layers opacus 1.6.0 can sample (grad sampler or ghost norm sampler) that matter for FSDP
 #: models. A module with parameters of any other type is refused: the reference would happily
 #: compute its per-sample gradients, but then it would check something opacus cannot do.
-SUPPORTED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+SUPPORTED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
+                    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 #: Added to the norm in the clip coefficient, as opacus does (``norm + 1e-6``).
 CLIP_EPSILON = 1e-6

@@ -128,22 +128,25 @@ def test_upstream_opacus_verdicts(tmp_path):
     assert report["schema_version"] == 1 and report["target"]["opacus"]["version"] == opacus.__version__
     assert report["target"]["opacus"]["path"] == os.path.dirname(opacus.__file__)
     assert f"[opacus {opacus.__version__} from {os.path.dirname(opacus.__file__)}]" in r.stderr
-    verdicts = {(v["property"], v["config"]["world_size"], v["config"]["data_layout"], v["config"]["reduction"],
-                 v["config"]["dtype"], v["config"].get("sampling", "fixed")): (v["status"], v["diagnosis"])
-                for v in report["results"]}
-    # float64 and float32 by default for these two; clipped_step under fixed and Poisson sampling
-    assert len(verdicts) == len(report["results"]) == 32
+    verdicts = {(v["property"], v["config"]["model"], v["config"]["world_size"], v["config"]["data_layout"],
+                 v["config"]["reduction"], v["config"]["dtype"], v["config"].get("sampling", "fixed")):
+                (v["status"], v["diagnosis"]) for v in report["results"]}
+    # float64 and float32 by default for these two; clipped_step under fixed and Poisson sampling; the
+    # layer zoo once per world size
+    assert len(verdicts) == len(report["results"]) == 34
     for dtype in ("float64", "float32"):
         for ws in (1, 2):
             for layout in ("replicated", "split"):
                 for red in ("mean", "sum"):
-                    assert verdicts[("norm_fidelity", ws, layout, red, dtype, "fixed")] == ("pass", None)
+                    assert verdicts[("norm_fidelity", "mlp", ws, layout, red, dtype, "fixed")] == ("pass", None)
         for sampling in ("fixed", "poisson"):
-            assert verdicts[("clipped_step", 1, "split", "mean", dtype, sampling)] == ("pass", None)
-            assert verdicts[("clipped_step", 1, "split", "sum", dtype, sampling)] == ("pass", None)
-            assert verdicts[("clipped_step", 2, "split", "mean", dtype, sampling)] == ("pass", None)
-            assert verdicts[("clipped_step", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
-    assert report["summary"] == {"pass": 28, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
+            assert verdicts[("clipped_step", "mlp", 1, "split", "mean", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", "mlp", 1, "split", "sum", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", "mlp", 2, "split", "mean", dtype, sampling)] == ("pass", None)
+            assert verdicts[("clipped_step", "mlp", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
+    assert verdicts[("norm_fidelity", "zoo", 1, "split", "mean", "float64", "fixed")] == ("pass", None)
+    assert verdicts[("norm_fidelity", "zoo", 2, "split", "mean", "float64", "fixed")] == ("pass", None)
+    assert report["summary"] == {"pass": 30, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
     assert "4 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message

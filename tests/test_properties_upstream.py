@@ -33,8 +33,8 @@ def run(pool, prop, **kw):
 
 def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(pool):
     vs = run(pool, "norm_fidelity", world_sizes=(1, 2))
-    assert len(vs) == 2 * 2 * 2 * 2
-    assert {v.config["model"] for v in vs} == {"mlp", "transformer"}
+    assert len(vs) == 2 * 2 * 2 * 2 + 2  # + the layer zoo once per world size (every layer type)
+    assert {v.config["model"] for v in vs} == {"mlp", "transformer", "zoo"}
     assert_all_pass(vs)
 
 
@@ -81,7 +81,22 @@ def test_trajectory_sum_reduction_two_ranks(pool):
 
 
 def test_sensitivity_bound(pool):
-    assert_all_pass(run(pool, "sensitivity_bound", world_sizes=(2,), models=("mlp",)))
+    vs = run(pool, "sensitivity_bound", world_sizes=(2,), models=("mlp",))
+    assert_all_pass([v for v in vs if v.config["model"] != "extreme"])  # the extreme case: finding 15, below
+
+
+#: finding 15: a per-sample gradient norm beyond float32's range comes out inf, and the sample is dropped
+NORM_OVERFLOW = ("upstream opacus 1.6.0 ghost_fsdp, float32: a per-sample gradient of ~1e20 has a squared norm beyond "
+                 "float32's range; its norm is reported as inf and its clip coefficient C/inf = 0 drops it")
+
+
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=NORM_OVERFLOW)
+def test_float32_norm_overflow_drops_the_sample(pool):
+    vs = run(pool, "sensitivity_bound", world_sizes=(1,), models=("mlp",))
+    [extreme] = [v for v in vs if v.config["model"] == "extreme"]
+    if (extreme.status, extreme.diagnosis) == ("fail", "non_finite") and "per-sample norms has 0 NaN and 1 inf" in \
+            extreme.message:
+        raise KnownUpstreamFailure(extreme.message)
 
 
 @pytest.mark.slow

@@ -179,6 +179,9 @@ MODEL_CASES = {
     "transformer_rmsnorm": _model_case("transformer"),
     "transformer_layernorm": _model_case("transformer", norm="layernorm"),
     "transformer_padded_sequence": _transformer_with_padded_sequence,
+    # every layer type ghost clipping samples (Conv3d, InstanceNorm1d/2d/3d among them), and norms to ~1e20
+    "zoo": _model_case("zoo"),
+    "extreme": _model_case("extreme"),
 }
 
 

@@ -41,7 +41,8 @@ def run(pool, prop, target, **kw):
 def test_correct_specimen_norms_both_layouts(pool, env):
     vs = run(pool, "norm_fidelity", "Correct", world_sizes=(1, 2), modes={"m": env}, reductions=("mean",),
              dtypes=("float64", "float32"))
-    assert len(vs) == 2 * 2 * 2 * 2  # world sizes x models (mlp, transformer) x layouts x dtypes
+    # world sizes x models (mlp, transformer) x layouts x dtypes, + the layer zoo once per world size
+    assert len(vs) == 2 * 2 * 2 * 2 + 2
     assert {v.config["dtype"] for v in vs} == {"float64", "float32"}
     assert_all_pass(vs)
     assert all("it clips with them" in v.message for v in vs)

@@ -167,6 +167,57 @@ def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     return found
 
 
+_OMITTED_CACHE: "OrderedDict[tuple, list]" = OrderedDict()
+
+
+def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of a norm registry that misses a layer
+    type, as ``("undercount", norms, what it does)``: for each layer type of the model (``Linear``,
+    ``GroupNorm``, ``Conv2d``...) the norms without every parameter of every layer of that type,
+    and for each type whose layers hold a bias, the norms without those biases alone (a conv bias
+    the per-sample code forgets). Such a target trains the missing parameters with the coefficients
+    the other layers' norms give: a sample's norm is undercounted, so it can contribute more than
+    C. The conv types together ("convolution") and the InstanceNorm types together are hypotheses
+    too (a registry keyed by their base class). Cached per model and batch; only types that hold a trainable parameter, and not when the
+    model has a single layer type (nothing would be left)."""
+    key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+           spec.dataset_size if spec.poisson else spec.global_batch_size)
+    if key in _OMITTED_CACHE:
+        return _OMITTED_CACHE[key]
+    grads = reference_grads(spec)
+    by_type: "OrderedDict[str, Tuple[List[str], List[str], List[str]]]" = OrderedDict()
+    for name, module in reference_model(spec).named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        layers, params, biases = by_type.setdefault(type(module).__name__, ([], [], []))
+        layers.append(name)
+        params += [f"{name}.{n}" for n in own]
+        biases += [f"{name}.{n}" for n in own if n == "bias"]
+    # a registry keyed by a family's base class (torch's _ConvNd, _InstanceNorm) misses every member at once
+    for family, members in (("convolution", ("Conv1d", "Conv2d", "Conv3d")),
+                            ("InstanceNorm", ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"))):
+        present = [by_type[m] for m in members if m in by_type]
+        if len(present) > 1:
+            by_type[family] = tuple(sum((list(x[i]) for x in present), []) for i in range(3))
+    out: List[Tuple[str, torch.Tensor, str]] = []
+    if len(by_type) > 1:
+        for kind, (layers, params, biases) in by_type.items():
+            what = f"{kind} layer{'s' if len(layers) > 1 else ''} {', '.join(repr(n) for n in layers)}"
+            for left_out, missing in ((params, f"leave out every {kind} layer ({what}): a norm registry without "
+                                               f"{kind}"),
+                                      (biases, f"leave out the bias of every {kind} layer ({what})")):
+                if not left_out or (missing.startswith("leave out the bias") and left_out == params):
+                    continue
+                keep = {n: g for n, g in grads.items() if n not in set(left_out)}
+                out.append(("undercount", reference.per_sample_norms(keep), f"{missing}; its parameters "
+                            f"({', '.join(left_out)}) are trained with the coefficients the other layers' norms give"))
+    _OMITTED_CACHE[key] = out
+    while len(_OMITTED_CACHE) > 32:
+        _OMITTED_CACHE.popitem(last=False)
+    return out
+
+
 def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     """The ways a target gets the per-sequence loss of padded token batches wrong, as ``(diagnosis,
     weights, what it does)`` with ``weights[i]`` the factor its per-sample loss (so its gradient
@@ -787,4 +838,4 @@ __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "ref
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",
            "precision_spec", "PrecisionBound", "precision_bound", "precision_coefficient_bounds",
-           "precision_gradient_bound", "with_picked_clip", "privacy_steps_problem"]
+           "precision_gradient_bound", "with_picked_clip", "privacy_steps_problem", "omitted_layer_norms"]

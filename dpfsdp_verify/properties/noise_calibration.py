@@ -35,6 +35,11 @@ Deterministic checks first (no statistics needed):
 * float32 only: noise with bfloat16's resolution (more than half of the values bf16-representable);
 * a ``fresh`` case (once per gate run, smallest world size): two runs with different noise seeds,
   each in rank processes started for it alone, must not release the same noise;
+* the accountant (``accountant.py``), once the tests below pass: what a target's accountant was
+  told -- each step's sigma against that step's measured noise, q against the configured rate
+  (Poisson), its steps against the steps taken -- and, in the one run per Poisson point that asks
+  (``RunSpec.accountant_delta``), its epsilon against the suite's own RDP epsilon of the measured
+  mechanism (``accountant_mismatch``);
 * two exact-only cases (once per gate run, beside the default mlp): one step of the transformer
   and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
   zero-noise and repeat checks only.
@@ -68,12 +73,16 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..targets import RunSpec
 from ..verdict import Verdict
+from .accountant import DELTA as ACCOUNTANT_DELTA
+from .accountant import accountant_problem
+from .accountant import describe as describe_accountant
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
 from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
@@ -128,10 +137,11 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
-    mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
+    mean per tensor + shape + step, run and all-pairs independence (+ shards) + the accountant's sigma
+    (``accountant.py``: its epsilon interval is the same statistic's confidence interval)."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
-    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0) + 1
 
 
 def cases(point: Point):
@@ -156,6 +166,10 @@ def cases(point: Point):
     o = point.options
     once = (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
             and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes))
+    if spec.poisson and point.reduction == (point.options.reductions or PROPERTY.reductions)[0]:
+        # the accountant's epsilon (accountant.py): asked of one run per world size, where q is a sampling
+        # rate (an opacus PRV epsilon costs its ranks ~0.1-1 s)
+        runs[0] = runs[0].with_(accountant_delta=ACCOUNTANT_DELTA)
     if once:  # one run (and its noise-0 twin) long enough that repeats at lags up to LONG_RUN - 1 show
         clean, runs[0] = clean.with_(steps=LONG_RUN), runs[0].with_(steps=LONG_RUN)
     # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
@@ -329,7 +343,15 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                 "added in float32 is discrete: the released value's low-order bits carry the gradient's "
                 "(a floating-point attack on the Gaussian mechanism), which the Gaussian accounting does not cover."),
                 evidence)
-    return _judge_tests(case, noise, names, stacked, where, evidence)
+    verdict = _judge_tests(case, noise, names, stacked, where, evidence)
+    if verdict.status != "pass":
+        return verdict
+    accounted: Dict = {}
+    told = accountant_problem(case.specs, runs, noise, names, case.facts["alpha_per_test"], accounted)
+    if told is not None:
+        return case.verdict("fail", "accountant_mismatch", f"{told[0]} ({where})", {**verdict.evidence, **accounted})
+    return replace(verdict, message=verdict.message + describe_accountant(accounted),
+                   evidence={**verdict.evidence, **accounted})
 
 
 def _bf16_fraction(runs, names) -> Optional[float]:
@@ -707,7 +729,7 @@ def _independence(noise, names, ws):
 
 
 PROPERTY = Property(
-    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise"),
+    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise", "accountant_mismatch"),
     meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),

@@ -44,7 +44,7 @@ from .. import reference
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, precision_bound,
+from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, omitted_layer_norms, precision_bound,
                       precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
                       reference_norms, sequence_weights, tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
@@ -75,6 +75,11 @@ def cases(point: Point):
     # the large batch rides in the same case (one job, one verdict): judged after the small one passes
     large = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
     yield point.case(spec, specs=(spec, large), doing=f"per-sample norms (local batches of 4 and {LARGE_LOCAL_BATCH})")
+    if "zoo" not in (point.options.models or PROPERTY.models):
+        # every layer type ghost clipping samples, once per world size: a layer type missing from a
+        # target's norm registry shows, named (models.LayerZoo; docs/properties.md)
+        zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()))
+        yield point.case(zoo, doing="per-sample norms of every layer type (the layer zoo)")
 
 
 def large_point(point: Point) -> bool:
@@ -300,6 +305,12 @@ def hypotheses(case: Case, want, steps, subject: str):
                        "than C, a privacy violation" if diagnosis == "undercount" else
                        "the norms are too large: samples are over-clipped (utility loss)")
         yield diagnosis, shown, f"{subject} {where} {what}; {consequence}.", None
+    # a layer type (or its biases) missing from the target's norm registry: trained, never in the norm
+    for diagnosis, norms, what in omitted_layer_norms(case.spec):
+        shown = [norms[list(s.indices)] for s in steps]
+        yield diagnosis, shown, (f"{subject} undercount the true norms {where}: they {what}. A sample's "
+                                 "norm then misses those parameters' share, so it can contribute more than C: a "
+                                 "privacy violation."), None
     # padded sequences: the per-sequence loss normalised over the wrong token count
     for diagnosis, weights, what in sequence_weights(case.spec):
         w = [weights[list(s.indices)] for s in steps]

@@ -15,17 +15,31 @@ the norms shows at once, and so does a clip coefficient that is floored (``max(c
 lets a sample of norm 100 C contribute 100 f C) or clips at a bound above C. A failure names the
 coefficient error the measured coefficients (contribution / true norm) fit
 (``compare.fit_clip_coefficients``).
+
+Extreme and rare samples (one case per world size, ``extreme_spec``): the ``extreme`` model in
+float32 (``models.ExtremeMLP``: per-sample norms ~1 to ~1e20, one whose square overflows float32),
+noise 0, lr 0, three steps whose local batches are exactly 1, an odd 3 and 6 samples, C at
+1/1.005 of one sample's norm. No leave-one-out (an empty local batch would crash upstream opacus,
+finding 4): each sample's contribution is read back from the released gradient by least squares
+on the reference gradient *directions* (``contributions``) and must be at most C -- correct
+behaviour for a norm beyond float32's range is a clipped contribution of norm C, finite -- and
+equal to the reference's ``min(1, C/||g||) ||g||`` (a dropped or over-clipped sample is a
+``mismatch`` without the privacy violation). A failure names each sample: its norm over C, its
+rank's local batch (of one; last of an odd batch), a squared norm beyond float32.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+import math
+from typing import Dict, List, Tuple
 
 import torch
 
+from .. import models, reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import describe_clip_fit, fit_clip_coefficients, reference_norms, smallest_norm, tolerance
+from .compare import (describe_clip_fit, fit_clip_coefficients, reference_grads, reference_norms, rows,
+                      smallest_norm, tolerance)
 from .contract import Case, Outputs, Point, Property
 
 
@@ -50,6 +64,31 @@ def cases(point: Point):
     spec = spec.with_(max_grad_norm=CLIP_FRACTION * smallest_norm(reference_norms(spec)))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
+    if point.sampling == "fixed" and point.data_layout == "split" and point.first_of_axes(
+            PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        yield point.case(extreme_spec(point.spec(), point.world_size), doing="extreme and rare samples (norms ~1 to ~1e20 C, local "
+                         "batches of 1 and 3)", facts={"extreme": True})
+
+
+#: the extreme case's steps: each rank's positions in its block of the global batch (``EXTREME_SCALES``
+#: holds the scale of each position): a local batch of exactly 1 (a ~1e2 sample), an odd local batch
+#: of 3 (its last sample ~1e2), and all six (~1, a sample at 1.005 C, ~1e6 and ~1e20: its squared
+#: norm overflows float32)
+EXTREME_STEPS = ((2,), (0, 1, 2), (0, 1, 2, 3, 4, 5))
+#: where C sits in the extreme case: the first sample of step 2 has norm 1.005 C (within 1% of C)
+EXTREME_NEAR_C = 1.005
+
+
+def extreme_spec(base: RunSpec, ws: int) -> RunSpec:
+    """The extreme case (``EXTREME_STEPS``) at ``base``'s world size and reduction: the ``extreme``
+    model in float32 (where a squared norm of 1e40 overflows), 3 steps at lr 0 (every step at the
+    initial parameters, so each is read back against the reference), noise 0."""
+    block = len(models.EXTREME_SCALES)
+    batches = tuple(tuple(tuple(block * r + k for k in step) for r in range(ws)) for step in EXTREME_STEPS)
+    spec = base.with_(model="extreme", model_kwargs=(), dtype="float32", global_batch_size=block * ws,
+                      steps=len(EXTREME_STEPS), lr=0.0, noise_multiplier=0.0, rank_batches=batches)
+    near = float(reference_norms(spec, len(EXTREME_STEPS) - 1)[0])
+    return spec.with_(max_grad_norm=near / EXTREME_NEAR_C)
 
 
 def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -57,6 +96,8 @@ def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
+    if case.facts.get("extreme"):
+        return judge_extreme(case, outputs[0][0])
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     if spec.data_layout != "split":
         return case.verdict("skip", None, "leave-one-out needs split data (removing a sample from one rank); "
@@ -106,6 +147,83 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         f"{ratios[worst]:.4g} x C (C={c:.4g}) at world_size={ws}; {sum(r > 1 + 1e-6 for r in ratios)} of "
         f"{len(ratios)} samples exceed C. The noise sigma*C is calibrated to a sensitivity of C, so the "
         f"stated privacy guarantee does not hold.{cause}"), evidence)
+
+
+#: float32: a contribution read back from a float32 gradient carries ~1e-7 relative rounding
+EXTREME_RTOL = 1e-4
+
+
+def contributions(spec: RunSpec, step: int, indices, gradient) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """``(contribution norms, their uncertainty [len(indices)], relative residual)``: with noise 0 the
+    released gradient times D is ``sum_i d_i u_i``, ``u_i`` sample i's reference gradient direction
+    (unit norm) and ``d_i`` the norm of its clipped contribution; a least-squares fit on the unit
+    directions (norms from 1 to 1e20 would leave the small samples below a solver's rank cut-off)
+    reads each ``d_i``. Its uncertainty: the released gradient's rounding in its dtype (eps x its
+    norm) through the fit's dual vector -- a contribution of 1e17 C swamps a neighbour's C in float32."""
+    grads = rows(reference_grads(spec, step), list(indices))
+    names = sorted(grads)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1)
+    basis = (basis / basis.norm(dim=1, keepdim=True).clamp_min(1e-300)).T
+    released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * spec.divisor
+    d = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    rounding = 4 * torch.finfo(spec.torch_dtype).eps * float(released.norm())
+    uncertainty = rounding * torch.linalg.pinv(basis).norm(dim=1)
+    return d, uncertainty, float((basis @ d - released).norm() / released.norm().clamp_min(1e-300))
+
+
+def judge_extreme(case: Case, ranks) -> Verdict:
+    """Each step of the extreme case: every sample's clipped contribution (read back,
+    ``contributions``) is at most C, and is the reference's ``min(1, C/(||g|| + 1e-6)) ||g||``: no
+    sample is left unclipped, however large, alone, or last in an odd batch, and none is dropped."""
+    spec, ws = case.spec, case.world_size
+    c = spec.max_grad_norm
+    found, evidence = [], {"max_grad_norm": c, "steps": {}}
+    for k in range(spec.steps):
+        owner = {i: o.rank for o in ranks for i in o.steps[k].indices}
+        local = {o.rank: len(o.steps[k].indices) for o in ranks}
+        indices = sorted(owner)
+        norms = reference_norms(spec, k)[indices]
+        d, uncertainty, residual = contributions(spec, k, indices, ranks[0].steps[k].gradient)
+        want = reference.clip_coefficients(norms, c) * norms
+        evidence["steps"][k] = {"norms_over_C": [float(n / c) for n in norms],
+                                "contributions_over_C": [float(x / c) for x in d], "residual": residual}
+        if not residual <= EXTREME_RTOL:
+            found.append((math.inf, k, None, f"step {k}: the released gradient is not a combination of the processed "
+                          f"samples' gradients (relative residual {residual:.3g})"))
+            continue
+        for j, i in enumerate(indices):
+            r = owner[i]
+            x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
+            where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
+                "its rank's local batch of exactly 1" if local[r] == 1 else
+                f"the last of an odd local batch of {local[r]}" if local[r] % 2 and i == ranks[r].steps[k].indices[-1] else
+                f"in a local batch of {local[r]}"))
+            if n > 1.8e19:  # its square exceeds float32's largest value
+                where += " (its squared norm overflows float32)"
+            if x > c + slack:
+                found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C (clip coefficient {x / n:.4g})"))
+            elif x < float(want[j]) - slack:
+                found.append((0.0, k, i, f"{where} contributes {x / c:.6g} x C, not the {float(want[j]) / c:.6g} x C "
+                              "of min(1, C/||g||) ||g|| (over-clipped or dropped)"))
+    if not found:
+        return case.verdict("pass", None, (
+            f"every sample's clipped contribution is min(1, C/||g||) ||g|| <= C at world_size={ws} over "
+            f"{spec.steps} steps: norms up to {max(max(s['norms_over_C']) for s in evidence['steps'].values()):.3g} C "
+            "(one's square overflows float32), a sample at 1.005 C, local batches of exactly 1 and of 3 (float32)"),
+            evidence)
+    found.sort(key=lambda f: -f[0])  # the largest contribution first
+    worst = found[0]
+    over = [f for f in found if f[0] > 1]
+    text = "; ".join(f[3] for f in (over or found)[:4])
+    if over:
+        return case.verdict("fail", "mismatch", (
+            f"PRIVACY VIOLATION: {len(over)} sample(s) contribute more than C={c:.4g} at world_size={ws} (extreme "
+            f"and rare samples, float32, noise 0): {text}. The largest contributes {worst[0]:.4g} x C; the noise "
+            "sigma*C is calibrated to a sensitivity of C, so the stated guarantee does not hold for them."), evidence)
+    return case.verdict("fail", "mismatch", (
+        f"{len(found)} sample(s) are clipped more than min(1, C/||g||) at world_size={ws} (extreme and rare samples, "
+        f"float32, noise 0): {text}. Privacy holds (no contribution above C), but those samples are under-weighted "
+        "or lost (utility)."), evidence)
 
 
 PROPERTY = Property(

@@ -74,6 +74,14 @@ the noise and of the sampler (noise and batches after the resume must not repeat
 it). A target declares it with ``"resume"`` in ``Target.features`` and reports
 ``StepOutput.privacy_steps``; one that does not is answered ``RankOutput.unsupported``.
 
+Privacy accounting (optional; ``docs/adapters.md``): a target reports its accountant at the end of
+a run in ``RankOutput``: ``accountant`` (its mechanism, opacus' ``accountant.mechanism()``:
+``"rdp"``, ``"prv"``, ``"gdp"``...) and ``accountant_history``, what the accountant was *told*, in
+opacus' format ``[(noise_multiplier, sample_rate, steps), ...]`` (``accountant.history``; a resumed
+run's includes the restored steps); and, where ``spec.accountant_delta`` > 0, ``epsilon``: the
+epsilon it reports at that delta (``accountant.get_epsilon(delta)``). The suite checks them against
+the mechanism it measured (docs/properties.md). A target that reports none is not checked.
+
 Momentum (``spec.momentum`` mu > 0; 0 = plain SGD): SGD with torch's momentum (dampening 0, no
 Nesterov), the state a checkpoint must carry; declared with ``"momentum"`` in ``Target.features``.
 
@@ -122,7 +130,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -204,6 +212,9 @@ class RunSpec:
     #: ``fp32`` (compute in the parameters' dtype), ``bf16-fsdp`` or ``bf16-autocast`` (bf16 compute
     #: over float32 parameters; module docstring)
     precision: str = "fp32"
+    #: delta at which the target reports its accountant's epsilon (``RankOutput.epsilon``); 0: not
+    #: asked (an epsilon can cost a target's accountant a second per run: only some runs ask)
+    accountant_delta: float = 0.0
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -407,6 +418,13 @@ class RankOutput:
     #: it); every verdict's evidence carries them
     device: str = ""
     numerics: Dict[str, object] = field(default_factory=dict)
+    #: the target's privacy accountant at the end of the run (module docstring; ``None``: not
+    #: reported): its mechanism (``"rdp"``, ``"prv"``...) and what it was told, opacus'
+    #: ``accountant.history``, one ``(noise_multiplier, sample_rate, steps)`` entry per run of equal steps
+    accountant: Optional[str] = None
+    accountant_history: Optional[List[Tuple[float, float, int]]] = None
+    #: the epsilon the accountant reports at ``RunSpec.accountant_delta`` (only where that is > 0)
+    epsilon: Optional[float] = None
 
 
 class Refused(Exception):

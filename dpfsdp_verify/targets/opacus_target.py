@@ -68,6 +68,9 @@ generator is made on the device the process group's backend implies: the CPU und
 the machine has, the rank's own GPU under nccl. ``FSDP2Wrapper`` has no ``mesh`` argument, so
 FSDP2's default mesh decides where the parameters go; the harness makes it follow the backend
 (``harness.backends.pin_accelerator``). Reported tensors come back as float64 on the CPU.
+Accounting: ``RankOutput.accountant`` / ``accountant_history`` are opacus' own accountant's
+``mechanism()`` and ``history`` at the end of the run (what its optimizer step hook told it), and
+``RankOutput.epsilon`` its ``get_epsilon(spec.accountant_delta)`` where the spec asks.
 
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
@@ -309,6 +312,7 @@ class OpacusTarget(Target):
                 self._train(spec, data, module, optimizer, criterion, physical, out)
         else:
             self._train(spec, data, module, optimizer, criterion, loader, out)
+        self._report_accountant(spec, out)
         if spec.phase == "save":
             import os
 
@@ -362,6 +366,15 @@ class OpacusTarget(Target):
             k, index_parts, norm_parts, losses = k + 1, [], [], []
             if accumulating and spec.poisson and spec.steps and k >= spec.steps:
                 return
+
+    def _report_accountant(self, spec: RunSpec, out: RankOutput) -> None:
+        """What opacus' own accountant was told (its ``history``) and, where the spec asks, the
+        epsilon it reports (``get_epsilon(delta)``: the PRV accountant by default, ~0.1-1 s)."""
+        acc = self._accountant
+        out.accountant = acc.mechanism()
+        out.accountant_history = [(float(s), float(q), int(n)) for s, q, n in acc.history]
+        if spec.accountant_delta > 0 and acc.history and all(s > 0 for s, _, _ in acc.history):
+            out.epsilon = float(acc.get_epsilon(delta=spec.accountant_delta))
 
     @staticmethod
     def _step_loss(spec: RunSpec, losses) -> float:

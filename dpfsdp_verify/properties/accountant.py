@@ -1,0 +1,226 @@
+"""What a target's privacy accountant was told, against the mechanism the gate measured.
+
+DP meaning: the epsilon a user reads is computed from the accountant's history -- (noise
+multiplier sigma, sampling rate q, steps) -- not from the noise the optimizer adds. A fork whose
+noise is right but whose accountant is told sigma*sqrt(N) and q/N (N ranks) reports an epsilon
+several times too small: a privacy violation in the accounting, invisible to every check of the
+noise and the sampler.
+
+``noise_calibration`` calls ``accountant_problem`` on its statistical cases (several noisy runs
+at lr 0, each step's noise measured as gradient(sigma) - gradient(0)), after its own tests passed,
+for a target that reports its accountant (``RankOutput.accountant_history``; docs/adapters.md):
+
+* every rank reports the same history, and its steps add up to the steps the run took;
+* sigma: for each value of sigma the history gives a step, the noise measured at those steps
+  (every coordinate of every tensor, pooled over the runs) must have std sigma * C / D: a
+  two-sided chi-square test at the case's per-test level (the test the scale checks use);
+* q (Poisson runs): each entry's sampling rate is the configured q (relative 1e-9), the rate
+  ``sampling_accounting`` measures the sampler at (2000 draws per case); the rate seen in the run's
+  own draws is stated beside it. Fixed batches have no sampling rate to measure: q is not judged;
+* epsilon (the runs that ask, ``RunSpec.accountant_delta`` > 0): ``dpfsdp_verify.accounting``'s
+  RDP epsilon of the measured mechanism -- sigma's confidence interval at the case's level, the
+  configured q (fixed batches: the told q), the steps taken -- is an interval; an ``"rdp"``
+  accountant's epsilon must lie in it (relative 1e-6 for rounding), any other (PRV, GDP: tighter
+  than RDP) must not be below ``TIGHTER_FLOOR`` times its lower end (measured PRV / RDP at the
+  gate's parameters: 0.85-0.90).
+
+The steps composed are the steps *taken* (what ``StepOutput.privacy_steps`` counts): a sampler
+that skips empty rounds takes fewer steps than nominal, which ``sampling_accounting`` names
+(``wrong_sample_rate``); what that does to the epsilon is docs/findings.md's finding 7.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import accounting
+from ..targets import RunSpec
+from .stats import chi2_quantile, chi2_two_sided_p
+
+#: the delta the runs that ask for an epsilon ask it at
+DELTA = 1e-5
+#: how far below the RDP epsilon of the measured mechanism a tighter accountant (PRV, GDP) may report
+TIGHTER_FLOOR = 0.5
+#: relative rounding allowed between two RDP computations of one history (measured: 2e-14)
+RDP_RTOL = 1e-6
+#: told sampling rates are compared with the configured one to rounding
+RATE_RTOL = 1e-9
+
+
+def _expand(history) -> List[Tuple[float, float]]:
+    """``[(sigma, q)]`` per step, in order, of an opacus-format history."""
+    return [(float(s), float(q)) for s, q, n in history for _ in range(int(n))]
+
+
+def _fmt_history(history) -> str:
+    return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
+
+
+def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[str], alpha: float,
+                       evidence: Optional[Dict] = None) -> Optional[Tuple[str, Dict]]:
+    """``(message, evidence)`` when the accountant of a noisy run was told other than what the
+    gate measured (module docstring), else ``None`` (also when the target reports no accountant).
+    ``runs[i][rank]``: the outputs of ``specs[i]`` (``runs[0]`` noise 0); ``noise[i - 1][step][name]``:
+    run i's measured noise; ``alpha``: the case's per-test level. ``evidence``: a dict it fills with
+    what it compared (told and measured sigma and q, both epsilons), pass or fail."""
+    spec, noisy = specs[1], runs[1:]
+    if all(o.accountant_history is None for run in noisy for o in run):
+        return None
+    c, d = spec.max_grad_norm, spec.divisor
+    unit = c / d  # the noise std per unit of sigma
+    evidence = {} if evidence is None else evidence
+    evidence["accountant"] = noisy[0][0].accountant
+    # each step's measured sum of squares and coordinates, by the sigma the accountant was told for it
+    by_sigma: Dict[float, List[float]] = {}
+    told_rates: set = set()
+    for i, run in enumerate(noisy):
+        histories = [o.accountant_history for o in run]
+        if any(h != histories[0] for h in histories):
+            return (f"the ranks' accountants were told different things in one run: "
+                    + "; ".join(f"rank {o.rank}: {_fmt_history(o.accountant_history or [])}" for o in run)
+                    + ". The accountant is one for the run: ranks that disagree report different epsilons for "
+                    "the same release", evidence)
+        history = histories[0]
+        if history is None:
+            return f"rank(s) of run {i} report no accountant history while others do", evidence
+        taken = spec.first_step + len(run[0].steps)
+        per_step = _expand(history)
+        if len(per_step) != taken:
+            evidence["accountant_history"] = history
+            return (f"the accountant was told {len(per_step)} step(s) ({_fmt_history(history)}), but the run "
+                    f"took {taken}: it composes {'fewer' if len(per_step) < taken else 'more'} releases than "
+                    "were made", evidence)
+        for k, step in enumerate(noise[i]):
+            sigma, q = per_step[spec.first_step + k]
+            told_rates.add(q)
+            ss = sum(float(step[n].pow(2).sum()) for n in names)
+            count = sum(step[n].numel() for n in names)
+            acc = by_sigma.setdefault(sigma, [0.0, 0])
+            acc[0] += ss
+            acc[1] += count
+    total_ss = sum(v[0] for v in by_sigma.values())
+    total_n = sum(v[1] for v in by_sigma.values())
+    sigma_hat = math.sqrt(total_ss / total_n) / unit
+    evidence.update(told_sigmas=sorted(by_sigma), measured_sigma=sigma_hat, told_rates=sorted(told_rates))
+    q_hat = _observed_rate(spec, noisy[0]) if spec.poisson else None
+    if q_hat is not None:
+        evidence["measured_rate"] = q_hat
+    told = f"sigma {', '.join(f'{s:.6g}' for s in sorted(by_sigma))} and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}"
+    measured = f"sigma {sigma_hat:.4g}" + (f" and q {spec.sample_rate:.6g} (the run's draws: {q_hat:.4g})"
+                                          if q_hat is not None else "")
+    # sigma: each told value against the noise of the steps it was told for
+    for sigma, (ss, count) in sorted(by_sigma.items()):
+        own = math.sqrt(ss / count) / unit
+        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, count) if sigma > 0 else 0.0
+        if not p >= alpha:
+            return _mismatch(spec, evidence, told, measured, (
+                f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "
+                f"(two-sided chi-square over {count} values, p = {p:.2g} < {alpha:.2g})"), specs, runs, sigma_hat,
+                total_n, alpha)
+    if spec.poisson:
+        wrong = sorted(q for q in told_rates if abs(q - spec.sample_rate) > RATE_RTOL * spec.sample_rate)
+        if wrong:
+            return _mismatch(spec, evidence, told, measured, (
+                f"it was told q = {', '.join(f'{q:.6g}' for q in wrong)} while the sampler draws at q = "
+                f"{spec.sample_rate:.6g} (this run's draws: {q_hat:.4g}; sampling_accounting measures the sampler's "
+                f"rate over 2000 draws); {wrong[0] / spec.sample_rate:.4g} x q"),
+                specs, runs, sigma_hat, total_n, alpha)
+    return _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, alpha)
+
+
+def _observed_rate(spec: RunSpec, ranks) -> float:
+    """Inclusions per sample per step taken in one Poisson run (the union of the ranks' batches)."""
+    steps = len(ranks[0].steps)
+    drawn = sum(len(o.steps[k].indices) for o in ranks for k in range(steps))
+    return drawn / (steps * spec.dataset_size) if steps else float("nan")
+
+
+def _interval(specs: Sequence[RunSpec], runs, sigma_hat: float, total_n: int, alpha: float):
+    """``(run index, its outputs, delta, (eps at sigma_hat, eps low, eps high), (sigma_hat, q, steps),
+    sigma's interval)``: the suite's RDP epsilon of the measured mechanism at the delta the first run
+    that asked for an epsilon asked at, over sigma's confidence interval; ``None`` if none asked."""
+    asking = next((i for i in range(1, len(runs)) if specs[i].accountant_delta > 0), None)
+    if asking is None:
+        return None
+    spec, run = specs[asking], runs[asking]
+    delta = spec.accountant_delta
+    steps = spec.first_step + len(run[0].steps)
+    told_q = sorted({q for _, q in _expand(run[0].accountant_history or [])})
+    q = spec.sample_rate if spec.poisson else (told_q[0] if len(told_q) == 1 else None)
+    if q is None or not steps:
+        return None
+    # sigma's (1 - alpha) confidence interval from the pooled sum of squares ~ (sigma unit)^2 chi^2(n)
+    lo = sigma_hat * math.sqrt(total_n / chi2_quantile(1 - alpha / 2, total_n))
+    hi = sigma_hat * math.sqrt(total_n / chi2_quantile(alpha / 2, total_n))
+    eps = accounting.epsilon([(sigma_hat, q, steps)], delta)
+    return asking, run, delta, (eps, accounting.epsilon([(hi, q, steps)], delta),
+                                accounting.epsilon([(lo, q, steps)], delta)), (sigma_hat, q, steps), (lo, hi)
+
+
+def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, alpha):
+    spec = specs[1]
+    got = _interval(specs, runs, sigma_hat, total_n, alpha)
+    if got is None:
+        return None
+    asking, run, delta, (eps, eps_lo, eps_hi), history, (s_lo, s_hi) = got
+    reported = [o.epsilon for o in run]
+    mechanism = run[0].accountant
+    evidence.update(reported_epsilon=reported[0], independent_epsilon=eps, independent_interval=[eps_lo, eps_hi],
+                    delta=delta, sigma_interval=[s_lo, s_hi])
+    if all(r is None for r in reported):
+        return (f"it was asked for its epsilon at delta {delta:g} (RunSpec.accountant_delta) and reported none "
+                "(RankOutput.epsilon)", evidence)
+    if any(r is None for r in reported) or any(r != reported[0] for r in reported):
+        return (f"the ranks report different epsilons for one run ({reported}) at delta {delta:g}", evidence)
+    r = float(reported[0])
+    low = eps_lo * (1 - RDP_RTOL) * (1.0 if mechanism == "rdp" else TIGHTER_FLOOR)
+    high = eps_hi * (1 + RDP_RTOL) if mechanism == "rdp" else math.inf
+    if low <= r <= high:
+        return None
+    bound = (f"the RDP interval {eps_lo:.4g}..{eps_hi:.4g}" if mechanism == "rdp" else
+             f"{TIGHTER_FLOOR:g} x its lower end {eps_lo:.4g} (a {mechanism!r} accountant may be tighter than RDP, not "
+             "that much)")
+    return _text(spec, told, measured, (
+        f"it reports epsilon {r:.4g} at delta {delta:g}; the suite's own RDP accountant on the measured mechanism "
+        f"(sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; q {history[1]:.6g}; {history[2]} "
+        f"steps) gives {eps:.4g}, and {r:.4g} is outside {bound}")), evidence
+
+
+def _mismatch(spec, evidence, told, measured, why, specs, runs, sigma_hat, total_n, alpha):
+    """The message of a told-parameter mismatch, with both epsilons where a run asked for one."""
+    got = _interval(specs, runs, sigma_hat, total_n, alpha)
+    eps_note = ""
+    if got is not None:
+        asking, run, delta, (eps, eps_lo, eps_hi), history, _ = got
+        reported = run[0].epsilon
+        evidence.update(reported_epsilon=reported, independent_epsilon=eps, independent_interval=[eps_lo, eps_hi],
+                        delta=delta)
+        if reported is not None:
+            eps_note = (f" It reports epsilon {reported:.4g} at delta {delta:g}; the suite's RDP accountant on the "
+                        f"measured mechanism gives {eps:.4g} ({eps_lo:.4g}..{eps_hi:.4g}).")
+    return _text(spec, told, measured, why) + eps_note, evidence
+
+
+def _text(spec: RunSpec, told: str, measured: str, why: str) -> str:
+    return (f"PRIVACY ACCOUNTING: the accountant does not describe the mechanism that ran: {why}. Told {told}; "
+            f"measured {measured} (C={spec.max_grad_norm:g}, D={spec.divisor:g}). The epsilon a user reads is "
+            "computed from what the accountant is told: with a larger sigma or a smaller q than the noise and "
+            "the sampler have, it is too small (e.g. sigma*sqrt(N) and q/N composed across N ranks).")
+
+
+def describe(evidence: Dict) -> str:
+    """A passing check in words (``evidence`` as ``accountant_problem`` filled it); "" if not run."""
+    if "measured_sigma" not in evidence:
+        return ""
+    text = (f"; the accountant ({evidence['accountant']}) was told sigma "
+            f"{', '.join(f'{x:.6g}' for x in evidence['told_sigmas'])} (measured {evidence['measured_sigma']:.4g}) "
+            f"and q {', '.join(f'{x:.6g}' for x in evidence['told_rates'])}")
+    if evidence.get("reported_epsilon") is not None:
+        lo, hi = evidence["independent_interval"]
+        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the suite's "
+                 f"RDP epsilon of the measured mechanism: {evidence['independent_epsilon']:.4g}, {lo:.4g}..{hi:.4g})")
+    return text
+
+
+__all__ = ["accountant_problem", "describe", "DELTA", "TIGHTER_FLOOR"]
