@@ -61,7 +61,7 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices,
+from .compare import (at_own_clip_epsilon, close, fmt, global_loss, max_rel_diff, processed_indices,
                       reference_batch, reference_model, tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p
@@ -222,13 +222,16 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
                                                         "nominal_steps": spec.nominal_steps})
     n_steps = spec.nominal_steps
     batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
-    ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
-                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
-                                      empty_steps=spec.poisson)
+    # the reference at the target's own clip epsilon where it is one DP-SGD allows (compare.at_own_clip_epsilon)
+    ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
+        reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
+        expected_batch_size=spec.expected_batch_size, empty_steps=spec.poisson, clip_epsilon=e),
+        outputs[0].steps[-1].parameters, rtol, atol)
     losses = [global_loss(outputs, k, spec) if len(batches[k]) else float("nan") for k in range(n_steps)]
     # an empty Poisson batch has no loss: None in the report (NaN is not JSON)
     evidence = {"losses": [x if x == x else None for x in losses],
-                "reference_losses": [x if x == x else None for x in ref.losses], "max_grad_norm": spec.max_grad_norm}
+                "reference_losses": [x if x == x else None for x in ref.losses], "max_grad_norm": spec.max_grad_norm,
+                "clip_epsilon": eps}
     sizes = [len(b) for b in batches]
     # under Poisson "mean" the divisor is int(q*N) whatever was drawn: a step whose realised batch
     # differs from it is where a realised-batch normaliser shows (the pass message says how many)
