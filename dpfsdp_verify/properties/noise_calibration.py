@@ -76,6 +76,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
+from . import noise_stats
 from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
@@ -128,10 +129,15 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
-    mean per tensor + shape + step, run and all-pairs independence (+ shards)."""
+    mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
+    pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats``."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
-    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+    multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
+    pairs = 1 if len(set(multi)) < len(multi) else 0
+    matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
+    return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+            + pairs + matrices)
 
 
 def cases(point: Point):
@@ -208,6 +214,10 @@ def _windows(noise, names, quantum: float):
                 if w < 2:
                     continue
                 win = q.unfold(0, w, 1)
+                # a sign flip is a repeat: each window keyed with its first nonzero value made positive,
+                # so a negated copy (cancelling in the *sum* of two releases) has the same key
+                lead = torch.gather(win, 1, (win != 0).to(torch.int8).argmax(dim=1, keepdim=True))
+                win = win * torch.where(lead < 0, -1, 1)
                 if w < WINDOW:  # short tensors: pad with a value no window of a long one holds
                     win = torch.cat([win, torch.full((win.shape[0], WINDOW - w), -2 ** 62 - w)], dim=1)
                 keys.append(win)
@@ -281,7 +291,18 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
         return 4, (f"the noise of {na!r} at step {si} reappears on {nb!r} at step {sj} (run {ri})",
                    "noise values reused across releases")
 
-    return min((describe(a, b) for a, b in found), key=lambda d: d[0])[1]
+    def negated(a, b) -> bool:
+        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
+        x = noise[ri][si][names[ti]].reshape(-1)[oi:oi + WINDOW]
+        y = noise[rj][sj][names[tj]].reshape(-1)[oj:oj + WINDOW]
+        return bool((x * y).sum() < 0)
+
+    (_, (what, cause)), flipped = min(((describe(a, b), negated(a, b)) for a, b in found), key=lambda d: d[0][0])
+    if flipped:
+        what = (what.replace("the same noise values", "the same noise values, one negated,")
+                .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
+        cause += " (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their difference)"
+    return what, cause
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
@@ -315,6 +336,14 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
+    # low rank before the exact checks and the shape test: a low-rank matrix's rows are proportional
+    # (values nearly repeat when two rows' scales are close) and its values are sums of a few products
+    # (heavy-tailed); the cause is the structure, not a buffer or the distribution it draws from
+    flat = noise_stats.low_rank(stacked, names, case.facts["alpha_per_test"])
+    if flat is not None:
+        evidence.update(low_rank_tensor=flat.name, top_singular_over_rms=flat.ratio, low_rank_bound=flat.bound)
+        return case.verdict("fail", "dependent_noise", _low_rank_message(flat, where, case.facts["alpha_per_test"]),
+                            evidence)
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
         return exact
@@ -460,6 +489,12 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         if not p_corr >= alpha:
             return case.verdict("fail", "dependent_noise", _independence_message(test, r_corr, p_corr, pairs, where,
                                                                                  alpha), evidence)
+    pair = noise_stats.tensor_pair_dependence(stacked, names)
+    if pair is not None:
+        evidence.update(tensor_pair_p=pair.p, tensor_pair=[pair.a, pair.b], tensor_pair_mean_r=pair.mean_r)
+        if not pair.p >= alpha:
+            at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))][pair.worst_draw]
+            return case.verdict("fail", "dependent_noise", _tensor_pair_message(pair, at, where, alpha), evidence)
     draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
@@ -572,6 +607,26 @@ def _pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: flo
             f"draws (any lag, any run) sum of m*r^2 = {t_pairs:.4g}; most correlated: {pair}, r={r_ij:.3f} "
             f"(p={p_pairs:.2g} < {alpha:.2g}). Each release needs noise independent of every other release's; "
             "correlated noise partly cancels in the difference of two releases.")
+
+
+def _low_rank_message(flat, where: str, alpha: float) -> str:
+    return (f"PRIVACY VIOLATION: the noise on {flat.name!r} is low-rank {where}: in draw {flat.draw} its top singular "
+            f"value is {flat.ratio:.3g} x its RMS ({flat.share:.0%} of the noise's energy in one direction); i.i.d. "
+            f"Gaussian noise of that shape gives ~{flat.full_rank:.3g} and exceeds {flat.bound:.3g} with probability "
+            f"< {alpha:.2g}. The coordinates' noise is linearly dependent (e.g. an outer product of two vectors): "
+            "projected on its few directions, the released matrix carries almost no noise elsewhere.")
+
+
+def _tensor_pair_message(pair, at, where: str, alpha: float) -> str:
+    """``at``: the ``(run, step)`` of the pair's most correlated draw."""
+    run, step = at
+    kind = ("one is the other negated" if pair.worst_r < -0.999 else
+            "one is the other" if pair.worst_r > 0.999 else "a linear dependence")
+    return (f"PRIVACY VIOLATION: the noise of {pair.a!r} and of {pair.b!r} (same shape) is dependent {where}: "
+            f"correlation {pair.mean_r:+.3f} on average over {pair.draws} draws, {pair.worst_r:+.3f} at step {step} of "
+            f"run {run} ({kind}; p={pair.p:.2g} < {alpha:.2g} over the {pair.pairs} pair(s) of equal-shape tensors). "
+            "Each tensor's noise must be independent of every other's: a noise reused (negated or mixed) on another "
+            "tensor cancels in a sum or difference of the two released tensors.")
 
 
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
