@@ -9,7 +9,8 @@ loss before each step (reconstructed from the ranks' local losses) and the final
 compared with ``reference.dp_sgd_trajectory``. K is 6 on the mlp and 3 on the transformer (option
 ``steps``): a bug that switches on a few steps into training (a warm-up, a cache) is seen on the
 mlp if it starts by step index 5. Under Poisson sampling the K steps are the first K of Poisson
-sampling over as many epochs as they need (``Point.spec``), each step's reference batch the union
+sampling over as many epochs as they need (``Point.spec``), on ``POISSON_PER_RANK`` samples per rank
+(no rank draws an empty batch but with probability 1e-8, so the verdict does not hang on the seed), each step's reference batch the union
 of what the ranks drew, normalised by opacus' expected batch size int(q*N); a realised batch that
 differs from it shows a realised-batch normaliser (named in the message; the pass message says in
 how many steps the two differed). Diagnosis ``mismatch``; the message names the first step whose
@@ -72,6 +73,13 @@ from .stats import chi2_two_sided_p
 #: through the losses and by 5 through the parameters; the transformer keeps 3.
 STEPS = {"mlp": 6}
 DEFAULT_STEPS = 3
+#: samples per rank of a Poisson trajectory case (no accumulation) when the options name no dataset:
+#: an expected local batch of 16 at q = 1/4, so a rank draws an empty local batch with probability
+#: 0.75^64 = 1e-8 per step (~5e-7 over every such case of a gate run). Empty batches are the
+#: accumulation case's deliberate business (below) and ``sampling_accounting``'s; here an empty draw
+#: made the outcome depend on the run seed (a target that skips an empty round -- upstream opacus,
+#: docs/findings.md finding 7 -- failed at some seeds only, which no expectation can pin)
+POISSON_PER_RANK = 64
 #: Poisson under accumulation (module docstring): q = 1/2 over 2 samples per rank, so a rank's
 #: logical batch is empty with probability 1/4 per round, every rank's at once with 1/4^ws under
 #: independent streams; 16 epochs of 2 rounds are 32 rounds, which miss a batch empty on every
@@ -103,6 +111,8 @@ def cases(point: Point):
         yield from accum_cases(point, steps, p)
         return
     spec = point.spec(steps=steps, global_batch_size=4 * point.world_size, lr=0.5)
+    if spec.poisson and point.options.dataset_size is None:
+        spec = spec.with_(dataset_size=POISSON_PER_RANK * point.world_size)
     if spec.poisson:
         # as many epochs as the steps need (int(1/q) steps each): all ``steps`` are taken
         spec = spec.with_(epochs=-(-steps // spec.steps_per_epoch))
