@@ -77,7 +77,7 @@ from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
 from . import noise_stats
-from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
+from .stats import (chi2_cdf, chi2_two_sided_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
@@ -342,7 +342,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     flat = noise_stats.low_rank(stacked, names, case.facts["alpha_per_test"])
     if flat is not None:
         evidence.update(low_rank_tensor=flat.name, top_singular_over_rms=flat.ratio, low_rank_bound=flat.bound)
-        return case.verdict("fail", "dependent_noise", _low_rank_message(flat, where, case.facts["alpha_per_test"]),
+        return case.verdict("fail", "dependent_noise", noise_stats.low_rank_message(flat, where, case.facts["alpha_per_test"]),
                             evidence)
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
@@ -484,7 +484,7 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
                             evidence)
     if failures:
         return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
-    for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
+    for test, (r_corr, p_corr, pairs) in noise_stats.independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr
         if not p_corr >= alpha:
             return case.verdict("fail", "dependent_noise", _independence_message(test, r_corr, p_corr, pairs, where,
@@ -494,7 +494,7 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         evidence.update(tensor_pair_p=pair.p, tensor_pair=[pair.a, pair.b], tensor_pair_mean_r=pair.mean_r)
         if not pair.p >= alpha:
             at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))][pair.worst_draw]
-            return case.verdict("fail", "dependent_noise", _tensor_pair_message(pair, at, where, alpha), evidence)
+            return case.verdict("fail", "dependent_noise", noise_stats.tensor_pair_message(pair, at, where, alpha), evidence)
     draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
@@ -609,26 +609,6 @@ def _pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: flo
             "correlated noise partly cancels in the difference of two releases.")
 
 
-def _low_rank_message(flat, where: str, alpha: float) -> str:
-    return (f"PRIVACY VIOLATION: the noise on {flat.name!r} is low-rank {where}: in draw {flat.draw} its top singular "
-            f"value is {flat.ratio:.3g} x its RMS ({flat.share:.0%} of the noise's energy in one direction); i.i.d. "
-            f"Gaussian noise of that shape gives ~{flat.full_rank:.3g} and exceeds {flat.bound:.3g} with probability "
-            f"< {alpha:.2g}. The coordinates' noise is linearly dependent (e.g. an outer product of two vectors): "
-            "projected on its few directions, the released matrix carries almost no noise elsewhere.")
-
-
-def _tensor_pair_message(pair, at, where: str, alpha: float) -> str:
-    """``at``: the ``(run, step)`` of the pair's most correlated draw."""
-    run, step = at
-    kind = ("one is the other negated" if pair.worst_r < -0.999 else
-            "one is the other" if pair.worst_r > 0.999 else "a linear dependence")
-    return (f"PRIVACY VIOLATION: the noise of {pair.a!r} and of {pair.b!r} (same shape) is dependent {where}: "
-            f"correlation {pair.mean_r:+.3f} on average over {pair.draws} draws, {pair.worst_r:+.3f} at step {step} of "
-            f"run {run} ({kind}; p={pair.p:.2g} < {alpha:.2g} over the {pair.pairs} pair(s) of equal-shape tensors). "
-            "Each tensor's noise must be independent of every other's: a noise reused (negated or mixed) on another "
-            "tensor cancels in a sum or difference of the two released tensors.")
-
-
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
                   where: str, alpha: float) -> str:
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
@@ -725,40 +705,6 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
     return (f"UTILITY LOSS: too much noise on {name!r}{shard} {where}: measured std {value * s:.4g} = {value:.3f} x "
             f"sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g}).{hint} Privacy holds, but the model "
             "trains on more noise than the guarantee needs.")
-
-
-def _independence(noise, names, ws):
-    """``{test: (r, p, pairs)}`` for shard pairs (ws > 1), consecutive steps, consecutive runs."""
-    def pairs_of(get_a, get_b):
-        xs, ys = [], []
-        for a, b in zip(get_a, get_b):
-            k = min(a.numel(), b.numel())
-            xs.append(a.reshape(-1)[:k])
-            ys.append(b.reshape(-1)[:k])
-        x, y = torch.cat(xs), torch.cat(ys)
-        r, p = correlation_p(x, y)
-        return r, p, x.numel()
-
-    out = {}
-    draws = [step for run in noise for step in run]
-    if ws > 1:
-        a, b = [], []
-        for step in draws:
-            for n in names:
-                if step[n].dim() == 0:
-                    continue
-                chunks = torch.chunk(step[n], ws, dim=0)
-                for i in range(len(chunks)):
-                    for j in range(i + 1, len(chunks)):
-                        a.append(chunks[i])
-                        b.append(chunks[j])
-        if a:
-            out["shard"] = pairs_of(a, b)
-    out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
-                           [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
-    out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
-                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
-    return out
 
 
 PROPERTY = Property(

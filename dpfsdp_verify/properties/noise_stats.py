@@ -2,6 +2,8 @@
 release and *within* a noise matrix, which per-coordinate tests (std, mean, shape) and the exact
 repeat check cannot see.
 
+* ``independence``: correlation across FSDP shards, consecutive steps and consecutive runs (moved
+  here from ``noise_calibration``).
 * ``tensor_pair_dependence``: for every pair of parameter tensors of equal shape, the correlation
   of their flattened noise in each draw. Independent noise gives ``m r_d^2 ~ chi^2_1`` per draw
   (``m`` coordinates, uncentred correlation ``r_d``), so ``t = m sum_d r_d^2 ~ chi^2(draws)``; its
@@ -28,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .stats import chi2_sf
+from .stats import chi2_sf, correlation_p
 
 
 @dataclass(frozen=True)
@@ -118,4 +120,60 @@ def low_rank(stacked: Dict[str, torch.Tensor], names: Sequence[str], alpha: floa
     return None if worst is None else worst[1]
 
 
-__all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound"]
+def independence(noise, names, ws):
+    """``{test: (r, p, pairs)}``: Pearson correlation with its Fisher z p-value (``stats.correlation_p``)
+    of the noise of FSDP shard pairs (ws > 1), consecutive steps and consecutive runs (``noise[run][step][name]``)."""
+    def pairs_of(get_a, get_b):
+        xs, ys = [], []
+        for a, b in zip(get_a, get_b):
+            k = min(a.numel(), b.numel())
+            xs.append(a.reshape(-1)[:k])
+            ys.append(b.reshape(-1)[:k])
+        x, y = torch.cat(xs), torch.cat(ys)
+        r, p = correlation_p(x, y)
+        return r, p, x.numel()
+
+    out = {}
+    draws = [step for run in noise for step in run]
+    if ws > 1:
+        a, b = [], []
+        for step in draws:
+            for n in names:
+                if step[n].dim() == 0:
+                    continue
+                chunks = torch.chunk(step[n], ws, dim=0)
+                for i in range(len(chunks)):
+                    for j in range(i + 1, len(chunks)):
+                        a.append(chunks[i])
+                        b.append(chunks[j])
+        if a:
+            out["shard"] = pairs_of(a, b)
+    out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
+                           [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
+    out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
+                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
+    return out
+
+
+def low_rank_message(flat, where: str, alpha: float) -> str:
+    return (f"PRIVACY VIOLATION: the noise on {flat.name!r} is low-rank {where}: in draw {flat.draw} its top singular "
+            f"value is {flat.ratio:.3g} x its RMS ({flat.share:.0%} of the noise's energy in one direction); i.i.d. "
+            f"Gaussian noise of that shape gives ~{flat.full_rank:.3g} and exceeds {flat.bound:.3g} with probability "
+            f"< {alpha:.2g}. The coordinates' noise is linearly dependent (e.g. an outer product of two vectors): "
+            "projected on its few directions, the released matrix carries almost no noise elsewhere.")
+
+
+def tensor_pair_message(pair, at, where: str, alpha: float) -> str:
+    """``at``: the ``(run, step)`` of the pair's most correlated draw."""
+    run, step = at
+    kind = ("one is the other negated" if pair.worst_r < -0.999 else
+            "one is the other" if pair.worst_r > 0.999 else "a linear dependence")
+    return (f"PRIVACY VIOLATION: the noise of {pair.a!r} and of {pair.b!r} (same shape) is dependent {where}: "
+            f"correlation {pair.mean_r:+.3f} on average over {pair.draws} draws, {pair.worst_r:+.3f} at step {step} of "
+            f"run {run} ({kind}; p={pair.p:.2g} < {alpha:.2g} over the {pair.pairs} pair(s) of equal-shape tensors). "
+            "Each tensor's noise must be independent of every other's: a noise reused (negated or mixed) on another "
+            "tensor cancels in a sum or difference of the two released tensors.")
+
+
+__all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound", "independence",
+           "low_rank_message", "tensor_pair_message"]
