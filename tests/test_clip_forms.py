@@ -76,3 +76,16 @@ def test_fit_clip_epsilon_recovers_an_accepted_epsilon_and_clamps_others():
         assert fit_clip_epsilon(coef, coef(e)) == pytest.approx(e, abs=1e-14, rel=1e-5)
     assert fit_clip_epsilon(coef, coef(-1e-6)) == 0.0  # looser: the nearest accepted end
     assert fit_clip_epsilon(coef, coef(0.1)) == reference.MAX_CLIP_EPSILON
+
+
+def test_trajectory_names_a_first_local_batch_of_one():
+    """A trajectory whose first differing update is the first with a local batch of one sample says
+    so (a batch of one left unclipped used to read "state carried between steps")."""
+    from types import SimpleNamespace as NS
+
+    from dpfsdp_verify.properties.trajectory import _first_drift_cause
+
+    outputs = [NS(steps=[NS(indices=[1, 2]), NS(indices=[3]), NS(indices=[4, 5])]),
+               NS(steps=[NS(indices=[6, 7]), NS(indices=[8, 9]), NS(indices=[0, 10])])]
+    assert "update 1 is the first with a local batch of one sample (rank(s) [0])" in _first_drift_cause(outputs, 1)
+    assert "state carried between steps" in _first_drift_cause(outputs, 2)

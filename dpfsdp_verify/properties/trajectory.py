@@ -223,6 +223,18 @@ def judge_empty(case: Case, runs: Outputs) -> Verdict:
         f"std {ratio:.3g} x sigma*C/D (p = {pval:.2g}); {local_empty} round(s) had an empty local batch"), evidence)
 
 
+def _first_drift_cause(outputs, update: int) -> str:
+    """What sets ``update`` (the first that differs, after matching ones) apart: a local batch of
+    one sample seen there for the first time (a batch of one handled differently, e.g. left
+    unclipped), else state carried between steps."""
+    ones = [r for r, o in enumerate(outputs) if len(o.steps[update].indices) == 1]
+    earlier = any(len(o.steps[t].indices) == 1 for o in outputs for t in range(update))
+    if ones and not earlier:
+        return (f", after {update} matching update(s); update {update} is the first with a local batch of one "
+                f"sample (rank(s) {ones}): a batch of one handled differently (e.g. left unclipped) is suspect")
+    return f", after {update} matching update(s) (state carried between steps is suspect)"
+
+
 def judge_run(case: Case, spec, outputs) -> Verdict:
     ws = case.world_size
     rtol, atol = tolerance(spec.dtype)
@@ -255,7 +267,7 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
                 f"training drifts from the single-process trajectory at step {k} of {n_steps} "
                 f"(world_size={ws}): loss {got:.10g} vs reference {want:.10g}"
                 + (f": update {k - 1} is the first that differs" if k > 0 else ": the initial model already differs")
-                + (f", after {k - 1} matching update(s) (state carried between steps is suspect)" if k > 1 else "")
+                + (_first_drift_cause(outputs, k - 1) if k > 1 else "")
                 + f"; final parameters differ by up to {fmt(p_err)} relative."
                 + _realised_normaliser(spec, batches, outputs, off, rtol, atol)), evidence)
     for r, o in enumerate(outputs):
