@@ -14,7 +14,9 @@ Definitions (they follow opacus 1.6.0, so that a correct opacus matches to float
   size under ``"mean"`` so that norms are those of ``l_i``;
 * the *clip coefficient* ``c_i = min(1, C / (||g_i|| + CLIP_EPSILON))`` with ``CLIP_EPSILON =
   1e-6`` (opacus' ``get_clipping_coef``; the epsilon keeps a zero gradient finite and makes a
-  sample exactly at the bound scale by ``C/(C+1e-6)``, not 1);
+  sample exactly at the bound scale by ``C/(C+1e-6)``, not 1). DP-SGD's own coefficient is
+  ``min(1, C/||g_i||)``; an epsilon only clips harder, so the checks accept any epsilon from 0 to
+  ``MAX_CLIP_EPSILON`` (``clip_epsilon=`` below; ``compare.fit_clip_epsilon``);
 * the *DP-SGD gradient* ``(sum_i c_i g_i + sigma * C * z) / D`` with ``z`` standard normal per
   coordinate drawn from an explicit generator and ``D`` the expected batch size under
   ``"mean"`` (1 under ``"sum"``).
@@ -51,6 +53,12 @@ SUPPORTED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn
 
 #: Added to the norm in the clip coefficient, as opacus does (``norm + 1e-6``).
 CLIP_EPSILON = 1e-6
+#: The largest epsilon in the denominator the checks accept (``docs/clipping.md``, "Clip forms the
+#: gate accepts"): ``min(1, C/(||g|| + e))`` for any ``0 <= e <= MAX_CLIP_EPSILON`` is DP-SGD's clip
+#: (a stricter one: never more than C per sample); it costs a clipped sample a relative ``e/||g||``
+#: of its coefficient, at most 1e-5 at the default models' norms (all >= 1). Ten times opacus'
+#: 1e-6; ``C/max(||g||, C)`` (e = 0) and opacus' form both lie inside.
+MAX_CLIP_EPSILON = 1e-5
 
 LOSSES = ("cross_entropy", "token_cross_entropy")
 REDUCTIONS = ("mean", "sum")
@@ -218,11 +226,12 @@ def per_sample_norms(grads: Grads) -> torch.Tensor:
     return sq.sqrt()
 
 
-def clip_coefficients(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """``min(1, C / (norm + CLIP_EPSILON))`` per sample (opacus' ``get_clipping_coef``)."""
+def clip_coefficients(norms: torch.Tensor, max_grad_norm: float, epsilon: float = CLIP_EPSILON) -> torch.Tensor:
+    """``min(1, C / (norm + epsilon))`` per sample (opacus' ``get_clipping_coef`` at the default
+    epsilon; ``epsilon=0`` is DP-SGD's ``min(1, C/norm)``, with a zero norm left unscaled)."""
     if max_grad_norm <= 0:
         raise ReferenceInputError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-    return (max_grad_norm / (norms + CLIP_EPSILON)).clamp(max=1.0)
+    return (max_grad_norm / (norms + epsilon).clamp_min(1e-300)).clamp(max=1.0)
 
 
 def clipped_sum(grads: Grads, coefficients: torch.Tensor) -> Grads:
@@ -250,16 +259,18 @@ class DPStep:
 
 def dp_sgd_gradient(model: nn.Module, batch: Batch, *, max_grad_norm: float, noise_multiplier: float = 0.0,
                     reduction: str = "mean", expected_batch_size: Optional[int] = None,
-                    generator: Optional[torch.Generator] = None, method: str = "vmap") -> DPStep:
+                    generator: Optional[torch.Generator] = None, method: str = "vmap",
+                    clip_epsilon: float = CLIP_EPSILON) -> DPStep:
     """The reference DP-SGD gradient for one batch (see module docstring).
 
     ``expected_batch_size`` defaults to ``len(batch)``; it is the divisor under ``"mean"``.
+    ``clip_epsilon`` is the epsilon in the clip coefficient's denominator (``clip_coefficients``).
     """
     if noise_multiplier < 0:
         raise ReferenceInputError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
     grads = per_sample_grads(model, batch, reduction, method)
     norms = per_sample_norms(grads)
-    coef = clip_coefficients(norms, max_grad_norm)
+    coef = clip_coefficients(norms, max_grad_norm, clip_epsilon)
     summed = clipped_sum(grads, coef)
     noise = noise_like(grads, noise_multiplier * max_grad_norm, generator)
     divisor = 1.0
@@ -285,13 +296,15 @@ class Trajectory:
 def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, max_grad_norm: float,
                       reduction: str = "mean", expected_batch_size: Optional[int] = None,
                       noise_multiplier: float = 0.0, generator: Optional[torch.Generator] = None,
-                      empty_steps: bool = False, momentum: float = 0.0) -> Trajectory:
+                      empty_steps: bool = False, momentum: float = 0.0,
+                      clip_epsilon: float = CLIP_EPSILON) -> Trajectory:
     """DP-SGD training on one process, one step per batch, in float64: plain SGD, or with
     ``momentum`` mu torch's SGD momentum (``buf = g`` at the first step, then ``buf = mu buf + g``;
     ``p -= lr buf``; dampening 0, no Nesterov).
 
     An empty batch is refused (``BatchError``) unless ``empty_steps`` (Poisson sampling can draw
-    one): then it is a step of noise alone, with loss NaN. The input model is not modified.
+    one): then it is a step of noise alone, with loss NaN. ``clip_epsilon``: as in
+    ``dp_sgd_gradient``. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
     losses, history, bufs = [], [], {}
@@ -317,7 +330,8 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
             history.append({n: p.detach().clone() for n, p in m.named_parameters()})
             continue
         step = dp_sgd_gradient(m, batch, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                               reduction=reduction, expected_batch_size=expected_batch_size, generator=generator)
+                               reduction=reduction, expected_batch_size=expected_batch_size, generator=generator,
+                               clip_epsilon=clip_epsilon)
         losses.append(step.loss)
         with torch.no_grad():
             for n, p in m.named_parameters():
@@ -331,4 +345,4 @@ __all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped
            "dp_sgd_gradient", "dp_sgd_trajectory", "per_sample_losses", "batch_loss", "check_model",
            "check_batch", "DPStep", "Trajectory", "ReferenceInputError", "UnsupportedLayerError",
            "BatchError", "tied_names", "untie", "per_use_grads", "with_all_trainable", "SUPPORTED_LAYERS",
-           "CLIP_EPSILON", "LOSSES", "REDUCTIONS"]
+           "CLIP_EPSILON", "MAX_CLIP_EPSILON", "LOSSES", "REDUCTIONS"]

@@ -54,7 +54,7 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
+from .compare import (at_own_clip_epsilon, fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
                       tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 
@@ -129,9 +129,11 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
     rtol, atol = tolerance(spec.dtype)
     steps = spec.steps
     batches = [reference_batch(spec, t).select(processed_indices(full, t, spec)) for t in range(steps)]
-    ref = reference.dp_sgd_trajectory(reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
-                                      reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
-                                      momentum=spec.momentum)
+    # the reference at the target's own clip epsilon where it is one DP-SGD allows (compare.at_own_clip_epsilon)
+    ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
+        reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
+        expected_batch_size=spec.expected_batch_size, momentum=spec.momentum, clip_epsilon=e),
+        full[0].steps[-1].parameters, rtol, atol)
     for r in range(ws):
         resumed = [s.parameters for s in save[r].steps + load[r].steps]
         for t in range(steps):
@@ -148,16 +150,17 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
                 when = (f"step {t}, after the resume at step {k}" if t >= k else f"step {t}, before the checkpoint")
                 msg = (f"rank {r}: the resumed run's parameters after {when} differ from {what}'s by up to "
                        f"{fmt(err)} relative (worst {name!r}) at world_size={ws}")
-                if t >= k and _restarted_momentum(spec, ref.steps[k - 1], batches[k:], resumed[k:], rtol, atol):
+                if t >= k and _restarted_momentum(spec, ref.steps[k - 1], batches[k:], resumed[k:], rtol, atol, eps):
                     msg += (f"; they equal the trajectory whose momentum buffers restart at step {k}: the optimizer "
                             "state was not restored from the checkpoint")
                 elif t >= k:
                     msg += ": state the step after the checkpoint depends on did not survive it"
                 return ("mismatch", msg + ". The released model is not the one the DP analysis describes.", {}), {}
-    return None, {"max_grad_norm": spec.max_grad_norm, "momentum": spec.momentum}
+    return None, {"max_grad_norm": spec.max_grad_norm, "momentum": spec.momentum, "clip_epsilon": eps}
 
 
-def _restarted_momentum(spec, start: Dict[str, torch.Tensor], batches, resumed, rtol, atol) -> bool:
+def _restarted_momentum(spec, start: Dict[str, torch.Tensor], batches, resumed, rtol, atol,
+                        clip_epsilon: float = reference.CLIP_EPSILON) -> bool:
     """Whether the resumed steps are the reference restarted from ``start`` with fresh momentum buffers."""
     if not spec.momentum:
         return False
@@ -167,7 +170,7 @@ def _restarted_momentum(spec, start: Dict[str, torch.Tensor], batches, resumed, 
             p.copy_(start[n])
     alt = reference.dp_sgd_trajectory(model, batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm,
                                       reduction=spec.reduction, expected_batch_size=spec.expected_batch_size,
-                                      momentum=spec.momentum)
+                                      momentum=spec.momentum, clip_epsilon=clip_epsilon)
     return all(tensors_close(got, want, rtol, atol) for got, want in zip(resumed, alt.steps))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -652,6 +652,45 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
     return RecoveredCoefficients(indices, coef, residual, seen)
 
 
+def fit_clip_epsilon(evaluate: Callable[[float], torch.Tensor], got: torch.Tensor) -> float:
+    """The clip epsilon ``e`` in ``[0, reference.MAX_CLIP_EPSILON]`` whose reference output
+    ``evaluate(e)`` (a flat float64 tensor: coefficients, a gradient, a trajectory's parameters) is
+    nearest to ``got``: DP-SGD's ``min(1, C/||g||)`` may carry any epsilon in that range
+    (``reference.MAX_CLIP_EPSILON``), so a check compares with the reference at the target's own.
+    The output is smooth in ``e`` and the range is tiny: ``got`` projected on the line through
+    ``evaluate(0)`` and ``evaluate(MAX_CLIP_EPSILON)``, clamped to the range. A looser clip (``e < 0``)
+    or a far larger epsilon comes out at an end of the range, where the caller's comparison fails."""
+    top = reference.MAX_CLIP_EPSILON
+    low, high = evaluate(0.0), evaluate(top)
+    step = high - low
+    span = float(step @ step)
+    if span == 0.0:  # no sample is near or above C: the epsilon changes nothing
+        return reference.CLIP_EPSILON
+    t = float((got.to(torch.float64) - low) @ step) / span
+    return min(max(t, 0.0), 1.0) * top
+
+
+def at_own_clip_epsilon(make: Callable[[float], "reference.Trajectory"], got: Dict[str, torch.Tensor],
+                        rtol: float, atol: float) -> Tuple["reference.Trajectory", float]:
+    """``(reference trajectory, epsilon)``: ``make(e)`` (the reference at clip epsilon ``e``) at
+    opacus' epsilon, or -- where the parameters ``got`` after the last step differ from it -- at the
+    accepted epsilon nearest to them (``fit_clip_epsilon``) if they match that one. A caller then
+    compares with the trajectory returned; a target outside the accepted range still differs."""
+    ref = make(reference.CLIP_EPSILON)
+    if tensors_close(got, ref.parameters, rtol, atol):
+        return ref, reference.CLIP_EPSILON
+    names = sorted(n for n in ref.parameters if n in got and got[n].shape == ref.parameters[n].shape)
+    if len(names) != len(ref.parameters):
+        return ref, reference.CLIP_EPSILON
+
+    def flat(params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([params[n].reshape(-1).to(torch.float64) for n in names])
+
+    eps = fit_clip_epsilon(lambda e: flat(make(e).parameters), flat(got))
+    own = make(eps)
+    return (own, eps) if tensors_close(got, own.parameters, rtol, atol) else (ref, reference.CLIP_EPSILON)
+
+
 @dataclass(frozen=True)
 class CoefficientFit:
     """A clip-coefficient error that reproduces measured coefficients: ``kind`` is ``bound`` (clips
@@ -712,9 +751,13 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
             return ("C/||g_i|| *not capped at 1* (no min(1, .)): the samples with norm below C are scaled up "
                     "to norm C instead of being left alone")
         return f"min({fit.value:.4g}, C/||g_i||): the coefficient is capped at {fit.value:.4g} instead of 1"
+    if fit.kind == "epsilon" and fit.value < 0:
+        return (f"min(1, C/(||g_i|| - {-fit.value:.3g})): an epsilon of the wrong sign, a clip *looser* than "
+                f"min(1, C/||g_i||): every clipped sample keeps more than C (a privacy violation)")
     if fit.kind == "epsilon":
-        return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, not opacus' "
-                f"{reference.CLIP_EPSILON:g}")
+        return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, beyond the "
+                f"{reference.MAX_CLIP_EPSILON:g} the gate accepts (opacus: {reference.CLIP_EPSILON:g}): every clipped "
+                "sample is over-clipped (utility loss)")
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 
 
@@ -836,6 +879,6 @@ __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "ref
            "close", "non_finite",
            "all_padding_note", "pick_clip_bound", "smallest_norm", "norm_ratios", "sequence_weights", "fmt",
            "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients", "recover_clip_coefficients",
-           "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",
+           "CoefficientFit", "fit_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "describe_clip_fit", "UNIT_ROUNDOFF", "PRECISION_DIMS",
            "precision_spec", "PrecisionBound", "precision_bound", "precision_coefficient_bounds",
            "precision_gradient_bound", "with_picked_clip", "privacy_steps_problem", "omitted_layer_norms"]

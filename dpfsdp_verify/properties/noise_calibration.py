@@ -85,7 +85,8 @@ from .accountant import accountant_problem
 from .accountant import describe as describe_accountant
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
+from . import noise_stats
+from .stats import (chi2_cdf, chi2_two_sided_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
 #: false-alarm probability of a correct target over every noise verdict of one run
@@ -137,11 +138,16 @@ def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
 
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
-    mean per tensor + shape + step, run and all-pairs independence (+ shards) + the accountant's sigma
-    (``accountant.py``: its epsilon interval is the same statistic's confidence interval)."""
+    mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
+    pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
+    accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval)."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
-    return len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0) + 1
+    multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
+    pairs = 1 if len(set(multi)) < len(multi) else 0
+    matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
+    return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
+            + pairs + matrices + 1)
 
 
 def cases(point: Point):
@@ -222,6 +228,10 @@ def _windows(noise, names, quantum: float):
                 if w < 2:
                     continue
                 win = q.unfold(0, w, 1)
+                # a sign flip is a repeat: each window keyed with its first nonzero value made positive,
+                # so a negated copy (cancelling in the *sum* of two releases) has the same key
+                lead = torch.gather(win, 1, (win != 0).to(torch.int8).argmax(dim=1, keepdim=True))
+                win = win * torch.where(lead < 0, -1, 1)
                 if w < WINDOW:  # short tensors: pad with a value no window of a long one holds
                     win = torch.cat([win, torch.full((win.shape[0], WINDOW - w), -2 ** 62 - w)], dim=1)
                 keys.append(win)
@@ -295,7 +305,18 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
         return 4, (f"the noise of {na!r} at step {si} reappears on {nb!r} at step {sj} (run {ri})",
                    "noise values reused across releases")
 
-    return min((describe(a, b) for a, b in found), key=lambda d: d[0])[1]
+    def negated(a, b) -> bool:
+        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
+        x = noise[ri][si][names[ti]].reshape(-1)[oi:oi + WINDOW]
+        y = noise[rj][sj][names[tj]].reshape(-1)[oj:oj + WINDOW]
+        return bool((x * y).sum() < 0)
+
+    (_, (what, cause)), flipped = min(((describe(a, b), negated(a, b)) for a, b in found), key=lambda d: d[0][0])
+    if flipped:
+        what = (what.replace("the same noise values", "the same noise values, one negated,")
+                .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
+        cause += " (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their difference)"
+    return what, cause
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
@@ -329,6 +350,14 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"PRIVACY VIOLATION: no noise at all on {k} of {numel} coordinates of "
             f"{n!r}" + (f" in rank {r}'s shard" if ws > 1 else "") + f" {where}: they are released exactly. "
             "Every released coordinate needs its Gaussian noise."), evidence)
+    # low rank before the exact checks and the shape test: a low-rank matrix's rows are proportional
+    # (values nearly repeat when two rows' scales are close) and its values are sums of a few products
+    # (heavy-tailed); the cause is the structure, not a buffer or the distribution it draws from
+    flat = noise_stats.low_rank(stacked, names, case.facts["alpha_per_test"])
+    if flat is not None:
+        evidence.update(low_rank_tensor=flat.name, top_singular_over_rms=flat.ratio, low_rank_bound=flat.bound)
+        return case.verdict("fail", "dependent_noise", noise_stats.low_rank_message(flat, where, case.facts["alpha_per_test"]),
+                            evidence)
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
         return exact
@@ -477,11 +506,17 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
                             evidence)
     if failures:
         return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
-    for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
+    for test, (r_corr, p_corr, pairs) in noise_stats.independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr
         if not p_corr >= alpha:
             return case.verdict("fail", "dependent_noise", _independence_message(test, r_corr, p_corr, pairs, where,
                                                                                  alpha), evidence)
+    pair = noise_stats.tensor_pair_dependence(stacked, names)
+    if pair is not None:
+        evidence.update(tensor_pair_p=pair.p, tensor_pair=[pair.a, pair.b], tensor_pair_mean_r=pair.mean_r)
+        if not pair.p >= alpha:
+            at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))][pair.worst_draw]
+            return case.verdict("fail", "dependent_noise", noise_stats.tensor_pair_message(pair, at, where, alpha), evidence)
     draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
@@ -692,40 +727,6 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
     return (f"UTILITY LOSS: too much noise on {name!r}{shard} {where}: measured std {value * s:.4g} = {value:.3f} x "
             f"sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g}).{hint} Privacy holds, but the model "
             "trains on more noise than the guarantee needs.")
-
-
-def _independence(noise, names, ws):
-    """``{test: (r, p, pairs)}`` for shard pairs (ws > 1), consecutive steps, consecutive runs."""
-    def pairs_of(get_a, get_b):
-        xs, ys = [], []
-        for a, b in zip(get_a, get_b):
-            k = min(a.numel(), b.numel())
-            xs.append(a.reshape(-1)[:k])
-            ys.append(b.reshape(-1)[:k])
-        x, y = torch.cat(xs), torch.cat(ys)
-        r, p = correlation_p(x, y)
-        return r, p, x.numel()
-
-    out = {}
-    draws = [step for run in noise for step in run]
-    if ws > 1:
-        a, b = [], []
-        for step in draws:
-            for n in names:
-                if step[n].dim() == 0:
-                    continue
-                chunks = torch.chunk(step[n], ws, dim=0)
-                for i in range(len(chunks)):
-                    for j in range(i + 1, len(chunks)):
-                        a.append(chunks[i])
-                        b.append(chunks[j])
-        if a:
-            out["shard"] = pairs_of(a, b)
-    out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
-                           [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
-    out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
-                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
-    return out
 
 
 PROPERTY = Property(

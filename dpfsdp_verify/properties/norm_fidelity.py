@@ -26,8 +26,9 @@ explained by testing the known bug shapes against the numbers, in this order:
 What a target *reports* is not trusted to be what it *clips with*: with noise 0 the released
 gradient is ``sum_i c_i g_i / D`` over the processed samples, so a least-squares fit against the
 reference per-sample gradients (far more parameters than samples) recovers each sample's clip
-coefficient ``c_i``; they are compared with ``min(1, C/(||g_i|| + 1e-6))`` and explained by the
-same bug shapes ("reports X, clips with Y" when the two differ). C lies between the middle
+coefficient ``c_i``; they are compared with ``min(1, C/(||g_i|| + e))``, e the target's own epsilon
+if it lies in ``[0, reference.MAX_CLIP_EPSILON]`` (``compare.fit_clip_epsilon``: ``C/max(||g||, C)``
+and opacus' ``+ 1e-6`` are both DP-SGD's clip), and explained by the same bug shapes ("reports X, clips with Y" when the two differ). C lies between the middle
 reference norms, so some samples are clipped and some not: one factor on every coefficient is the
 gradient's overall scale (``clipped_step``'s business), not a norm. A target that reports no norms
 is judged on the norms it clips with.
@@ -44,8 +45,8 @@ from .. import reference
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fmt, norm_ratios, omitted_layer_norms, precision_bound,
-                      precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
+from .compare import (COEF_TOL, finetune_norms, fit_clip_epsilon, fmt, norm_ratios, omitted_layer_norms,
+                      precision_bound, precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
                       reference_norms, sequence_weights, tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
@@ -197,13 +198,17 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
                       "collinear): nothing to compare"), fit
     indices = [i for i, ok in zip(indices, seen.tolist()) if ok]
     coef = coef[seen]
-    expected = reference.clip_coefficients(ref[indices], c)
+    # DP-SGD's min(1, C/||g_i||) with the target's own epsilon in the denominator, if it is one the
+    # gate accepts (reference.MAX_CLIP_EPSILON); else the nearest accepted one, and the comparison fails
+    eps = fit_clip_epsilon(lambda e: reference.clip_coefficients(ref[indices], c, e), coef)
+    expected = reference.clip_coefficients(ref[indices], c, eps)
     err = float((coef - expected).abs().max())
     clipped = int((expected < 1).sum())
-    fit.update({"clip_coefficient_max_error": err, "clipped_samples": clipped})
+    fit.update({"clip_coefficient_max_error": err, "clipped_samples": clipped, "clip_epsilon": eps})
     if err <= tol:
         return None, (f"the clip coefficients recovered from the released gradient equal min(1, C/||g_i||) "
-                      f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g})"), fit
+                      f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g}; "
+                      f"epsilon in the denominator {eps:.3g})"), fit
     scale = float(coef @ expected / (expected @ expected))
     if float((coef - scale * expected).abs().max()) <= tol:
         fit["gradient_scale"] = scale
