@@ -157,7 +157,7 @@ def cmd_run(args) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if args.launcher == "torchrun":
-        from .torchrun import cmd_run_torchrun
+        from .torchrun_job import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
     return execute(RunPlan.from_args(args))
@@ -210,7 +210,7 @@ def _scale_parser(sub) -> None:
 def cmd_scale(args) -> int:
     import json
 
-    from .. import scale
+    from . import scale
     from ..targets import TargetLoadError, load_target
 
     if args.plot:

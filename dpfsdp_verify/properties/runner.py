@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..harness import Pool, default_pool
 from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
@@ -30,41 +30,27 @@ from .compare import (all_padding_note, data_problem, frozen_problem, non_finite
 from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
 
 
-def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz_examples: int = 0
+#: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``
+#: with the number of examples bound), handed in by the caller: the runner never imports the fuzzer
+Fuzzer = Callable[[Property, Options, Optional[Pool]], List[Verdict]]
+
+
+def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz: Optional[Fuzzer] = None
                  ) -> List[Verdict]:
-    """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz_examples``, its
-    fuzz runs' verdicts (``fuzz_property``) where it has a recipe and the modes suit it."""
+    """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz``, its fuzz
+    runs' verdicts where it has a recipe and the modes suit it."""
     opts = prop.with_defaults(opts)
     items = prop.plan(opts)
     cases = [c for c in items if isinstance(c, Case)]
     judged = iter(judge_cases(prop, cases, pool, opts.timeout))
     verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
-    if fuzz_examples and prop.fuzz is not None and not modes_problem(prop, opts.modes):
+    if fuzz is not None and prop.fuzz is not None and not modes_problem(prop, opts.modes):
         t0 = time.monotonic()
         try:
-            verdicts += fuzz_property(prop, opts, fuzz_examples, pool)
+            verdicts += fuzz(prop, opts, pool)
         except Exception as e:  # the fuzzer's bug: the matrix's verdicts above still stand
             verdicts.append(prop.internal_error(opts, "fuzzing", e, time.monotonic() - t0))
     return verdicts
-
-
-def fuzz_property(prop: Property, opts: Options, n_examples: int, pool: Optional[Pool] = None,
-                  settings=None) -> List[Verdict]:
-    """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
-    of the options' world sizes and mode groups, each run and judged by ``check_example``
-    (``fuzzing.fuzz_groups``); ``settings`` overrides the hypothesis profile's. ``pool=None``: a
-    private pool, closed at the end. Needs hypothesis (the ``fuzz`` extra)."""
-    from . import fuzzing
-
-    opts = prop.with_defaults(opts)
-    own = pool is None
-    pool = pool or Pool()
-    try:
-        check = lambda spec, world_size, modes: check_example(prop, opts, spec, world_size, pool, modes)  # noqa: E731
-        return fuzzing.fuzz_groups(prop, opts, n_examples, check, settings)
-    finally:
-        if own:
-            pool.close()
 
 
 def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
