@@ -53,13 +53,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import reference
+from ..defaults import RESUME_AT, RESUME_STEPS
 from ..verdict import Verdict
 from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
                       tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 
 #: K steps, resumed after k (options ``steps`` / ``resume_at``)
-STEPS, RESUME_AT = 4, 2
+STEPS = RESUME_STEPS
 #: SGD momentum of the trajectory check: its buffers are the optimizer state a checkpoint carries
 MOMENTUM = 0.9
 SIGMA, CLIP = 1.0, 1.0

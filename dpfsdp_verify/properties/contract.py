@@ -45,7 +45,8 @@ from .. import modes as modes_mod
 from ..harness import DEFAULT_TIMEOUT_S
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec
-from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, PRECISIONS, SAMPLINGS, SEEDINGS
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
+from ..targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ..verdict import INTERNAL_ERROR, Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
@@ -465,11 +466,6 @@ class Property:
     def _whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
         return {"world_size": world_size, "data_layout": None, "model": None, "mode": opts.modes[0].label,
                 "grad_sample_mode": opts.grad_sample_mode, **config}
-
-
-#: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
-#: DistributedSampler (opacus derives q = 1/4; expected batch 2 x world size)
-POISSON_DEFAULTS = (0.25, 8)
 
 
 def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:
