@@ -61,7 +61,9 @@ def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional
     own = pool is None
     pool = pool or Pool()
     try:
-        check = lambda spec, world_size, modes: runner.check_example(prop, opts, spec, world_size, pool, modes)  # noqa: E731
+        def check(spec, world_size, modes):
+            return runner.check_example(prop, opts, spec, world_size, pool, modes)
+
         return fuzz_groups(prop, opts, n_examples, check, settings)
     finally:
         if own:

@@ -173,3 +173,7 @@ def format_failure(v: Verdict) -> str:
         lines.append(f"blob: {v.evidence['reproduce_failure']}")
     lines.append(f"reproduce: {v.repro}")
     return "\n".join(lines)
+
+
+__all__ = ["fuzz_groups", "search", "spec_strategy", "format_failure", "Counterexample", "Check",
+           "DEFAULT_MODELS", "DEFAULT_DTYPES"]

@@ -30,7 +30,7 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, PHYSICAL_BATCH, POISSON_DEFAULTS, RESUME_AT, RESUME_STEPS
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     _environment_args(what, execution)
     reports.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     reports.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
-    reports.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")
+    reports.add_argument("--markdown", metavar="PATH",
+                         help="write a markdown summary here (plot beside it if matplotlib)")
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     matrix.add_argument("--world-sizes", default=None,
                         help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
@@ -113,11 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None, metavar="S",
                           help="the run's statistical seed (default: a fresh one, printed; --seed S replays a run)")
     loops.add_argument("--physical-batch-size", type=int, default=None, metavar="P",
-                       help=f"gradient accumulation in physical batches of at most P samples (default {PHYSICAL_BATCH}: "
-                            "the mode comparison's pair, unsplit vs P; docs/loops.md)")
+                       help="gradient accumulation in physical batches of at most P samples, for the properties "
+                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; docs/loops.md)")
     loops.add_argument("--resume-at", type=int, default=None, metavar="K",
-                       help=f"checkpoint after K of the {RESUME_STEPS} steps and resume in fresh ranks "
-                            f"(1..{RESUME_STEPS - 1}; default {RESUME_AT}; docs/resume.md)")
+                       help="checkpoint after K steps and resume in fresh ranks, for the properties with the option "
+                            "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
@@ -140,7 +141,8 @@ def cmd_list() -> int:
         print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
               f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
-              + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else ""))
+              + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else "")
+              + (f"; options {', '.join(f'{k}={v}' for k, v in prop.params)}" if prop.params else ""))
     print("targets:")
     print("  opacus             the installed opacus through its public API (FSDP2Wrapper + make_private)")
     try:

@@ -31,7 +31,7 @@ What keeps a bad case from hanging the job (as in the pytest plugin's torchrun m
   it.
 
 What a torchrun job cannot run is reported, one line each, never dropped: a case at another world
-size ("not run at this size") and a case that needs fresh rank processes (``Case.fresh_runs``).
+size ("not run at this size") and a case that needs fresh rank processes (``Case.fresh_groups``).
 """
 
 from __future__ import annotations

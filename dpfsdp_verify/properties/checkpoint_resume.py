@@ -10,7 +10,7 @@ two releases cancels the noise, no privacy at all for what it was meant to hide)
 sampler's state (replayed masks make the batches of steps k+j and j the same draw: the
 subsampling amplification the accountant assumes for independent draws does not hold).
 
-Each half runs in rank processes started for it (``Case.fresh``: the ``save`` halves in one set,
+Each half runs in rank processes started for it (``Case.fresh_groups``: the ``save`` halves in one set,
 the ``load`` halves in the next, then the uninterrupted runs), so nothing survives the resume but
 the checkpoint (``RunSpec.resume_at``; the runner gives each run a temporary checkpoint directory).
 One case per world size (mlp, split data, ``"mean"``), K = 4 steps resumed at k = 2 (options
@@ -53,14 +53,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import reference
-from ..defaults import RESUME_AT, RESUME_STEPS
 from ..verdict import Verdict
 from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
                       tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 
 #: K steps, resumed after k (options ``steps`` / ``resume_at``)
-STEPS = RESUME_STEPS
+STEPS, RESUME_AT = 4, 2
 #: SGD momentum of the trajectory check: its buffers are the optimizer state a checkpoint carries
 MOMENTUM = 0.9
 SIGMA, CLIP = 1.0, 1.0
@@ -120,7 +119,7 @@ def cases(point: Point):
                                                                      ("trajectory", "noise", "poisson")))
     ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
     specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(4, 6),
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 6),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 

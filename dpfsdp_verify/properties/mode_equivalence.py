@@ -41,7 +41,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..defaults import PHYSICAL_BATCH
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import Verdict
@@ -53,6 +52,8 @@ STEPS = 2
 #: steps per model in the gate's cases: a mode that goes wrong only after a warm-up (a cache filled
 #: over the first steps) is seen on the mlp (cheap) if it starts by step index 5
 CASE_STEPS = {"mlp": 6}
+#: the built-in pair's physical batch: local batches of 5 (``pair_local_batch``) run in passes [2, 2, 1]
+PHYSICAL_BATCH = 2
 #: |z| beyond which the two modes' noise variances differ (two-sided p ~ 1e-6)
 NOISE_Z = 4.89
 #: the built-in pair's Poisson case (once per world size): q, samples per rank, steps (one epoch).
