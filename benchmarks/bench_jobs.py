@@ -43,7 +43,7 @@ def fuzz_throughput(n_examples: int = 40, repeats: int = 5) -> dict:
     layouts, reductions) at world sizes 1 and 2, on warm groups: the group is started and every
     import done by a warm-up run first, so the rate is what a long fuzz session sustains. Opacus
     at 1 rank; at 2 ranks the specimen ``Correct`` -- opacus 1.6.0 crashes on every parameter with
-    dim 0 < world size (fuzz.py finds it in the first examples), and a run of crashes measures
+    dim 0 < world size (the fuzzer finds it in the first examples), and a run of crashes measures
     group restarts, not examples. Examples are generated only (no shrinking: nothing fails)."""
     import statistics
     import time

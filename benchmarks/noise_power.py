@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             # planned as the default gate plans them (world sizes 1, 2; every sampling and reduction),
             # so each verdict's per-test level and draws are the gate's; only the selected ones run
             opts = prop.options(args.target, world_sizes=(1, 2), seed=first + run, timeout=120)
-            cases = [c for c in prop.plan(opts) if not c.fresh and c.world_size in world_sizes
+            cases = [c for c in prop.plan(opts) if not c.fresh_groups and c.world_size in world_sizes
                      and c.spec.sampling in args.samplings.split(",") and c.spec.reduction in args.reductions.split(",")]
             verdicts = judge_cases(prop, cases, pool, opts.timeout)
             failed = [v for v in verdicts if v.status != "pass"]

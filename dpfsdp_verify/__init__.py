@@ -2,13 +2,19 @@
 
 Public modules (each lists its public names in ``__all__``; anything else is internal and may
 change): ``reference`` (single-process float64 ground truth), ``models`` (tiny seeded models),
-``harness`` (worker groups, watchdog, pool: ``run``, ``Pool``), ``targets`` and ``targets.base``
-(the target contract: ``Target``, ``RunSpec``, ``StepOutput``, ``RankOutput``), ``targets.util``
-and ``targets.progress`` (helpers for adapters), ``properties`` (``PROPERTIES``, ``Property``,
-``Options``) and ``properties.compare`` (helpers for a property's judge), ``strategies`` and
-``fuzz`` (hypothesis; the ``fuzz`` extra), ``hypothesis_profiles``. The pytest plugin
-(``plugin``) and the gate (``gate``: ``dpfsdp-verify``, ``python -m dpfsdp_verify``) are used through pytest and the
-command line. Importing this package imports nothing heavy (no torch).
+``verdict`` (``Verdict``: what a property returns, and the reports' vocabulary), ``errors``,
+``defaults`` (the run's defaults the CLI states), ``harness`` (worker groups, watchdog, pool:
+``run``, ``Pool``), ``targets`` and ``targets.base`` (the target contract: ``Target``,
+``RunSpec``, ``StepOutput``, ``RankOutput``), ``targets.util`` and ``targets.progress`` (helpers
+for adapters), ``properties`` (``PROPERTIES``, ``Property``, ``Options``) and
+``properties.compare`` (helpers for a property's judge), ``fuzz`` and ``strategies`` (hypothesis;
+the ``fuzz`` extra; ``strategies`` is ``fuzz.strategies``), ``hypothesis_profiles``.
+
+The layers, bottom up: ``reference``, ``models``, ``verdict``, ``harness``; ``targets`` (the
+rank side of a run); ``properties`` (cases, judges, the runner); ``fuzz`` (hypothesis over a
+property's cases); ``plugin`` (pytest: ``@pytest.mark.distributed``, on the harness) and ``gate``
+(``dpfsdp-verify``, ``python -m dpfsdp_verify``: cli -> plan -> run -> report; ``scale``; the gate
+in a torchrun job). Importing this package imports nothing heavy (no torch).
 """
 
 __version__ = "0.1.0"

@@ -108,3 +108,7 @@ def cli_args(modes: Sequence[Mode], always: bool = False) -> List[str]:
         if m.env or always:
             args += ["--mode-env", m.to_arg()]
     return args
+
+
+__all__ = ["Mode", "Env", "ModeSyntaxError", "DEFAULT_MODES", "TWO_MODES_EXAMPLE", "parse", "parse_all",
+           "from_mapping", "cli_args"]

@@ -1,6 +1,6 @@
 """Hypothesis strategies for the configurations FSDP2 + DP gets wrong (shard shapes, world sizes,
 batch sizes, per-rank batch splits, Poisson sampling): the public name of
-``dpfsdp_verify.properties.strategies``, where the fuzz recipes draw from them::
+``dpfsdp_verify.fuzz.strategies``, where the fuzz recipes draw from them::
 
     from hypothesis import given
     from dpfsdp_verify import strategies as dps
@@ -9,5 +9,5 @@ batch sizes, per-rank batch splits, Poisson sampling): the public name of
     def test_norms(spec): ...
 """
 
-from .properties.strategies import *  # noqa: F401,F403
-from .properties.strategies import __all__  # noqa: F401
+from .fuzz.strategies import *  # noqa: F401,F403
+from .fuzz.strategies import __all__  # noqa: F401

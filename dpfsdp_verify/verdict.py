@@ -124,4 +124,5 @@ def verdict_label(v: Verdict) -> str:
     return v.label
 
 
-
+__all__ = ["Verdict", "STATUSES", "FAILING", "RUN_DIAGNOSES", "DIAGNOSES", "INTERNAL_ERROR", "CONFIG_KEYS",
+           "config_label", "verdict_label"]

@@ -110,6 +110,27 @@ def test_list_and_version(capsys):
     assert e.value.code == 0 and "dpfsdp-verify 0.1.0" in capsys.readouterr().out
 
 
+def test_help_shows_groups_and_imports_no_torch():
+    # --help is what a newcomer runs first: it answers without importing torch (seconds), the
+    # run options grouped, the three options they need first at the top
+    for args in (["--help"], ["run", "--help"]):
+        res = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpfsdp_verify", *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        imported = [line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")]
+        assert "dpfsdp_verify.gate.cli" in imported
+        assert not [m for m in imported if m == "torch" or m.startswith("torch.")], args
+    out = res.stdout
+    groups = ["\nwhat to check:", "\nreports:", "\nmatrix (", "\nsampling (", "\nloop shapes:", "\nexecution:"]
+    assert all(g in out for g in groups) and [out.index(g) for g in groups] == sorted(out.index(g) for g in groups)
+    first = out.index("what to check:")
+    where = lambda opt: out.index("\n  " + opt, first)  # noqa: E731 - its line in the groups, not the usage
+    assert where("--target") < where("--expect") < where("--json") < out.index("\nmatrix (")
+    from dpfsdp_verify.defaults import POISSON_DEFAULTS
+
+    assert f"q in (0, 1] (default {POISSON_DEFAULTS[0]:g})" in out
+
+
 @pytest.mark.slow
 def test_upstream_opacus_verdicts(tmp_path):
     """Upstream opacus 1.6.0 ghost_fsdp: norms exact at 1 and 2 ranks on both layouts; the

@@ -167,7 +167,7 @@ def _dump(rank, ops):
 
 
 def test_outcomes_become_the_spawned_groups_verdicts():
-    from dpfsdp_verify.gate.torchrun import _group_result
+    from dpfsdp_verify.harness.torchrun_pool import _group_result
 
     ok = _group_result({0: _outcome(0), 1: _outcome(1)}, 2, "gloo", 9)
     assert ok.ok and ok.values() == ["v", "v"]

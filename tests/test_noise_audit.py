@@ -19,7 +19,7 @@ from verdict_helpers import assert_all_pass
 A = "fixtures.audit_noise_specimens:"
 PROP = PROPERTIES["noise_calibration"]
 #: without the fresh-process case (two new sets of rank processes; test_noise_breadth judges it)
-WARM = dataclasses.replace(PROP, cases=lambda point: [c for c in PROP.cases(point) if not c.fresh])
+WARM = dataclasses.replace(PROP, cases=lambda point: [c for c in PROP.cases(point) if not c.fresh_groups])
 
 
 def run(pool, target, **kw):

@@ -147,7 +147,7 @@ def test_draws_meet_the_power_target_per_shard_as_tested():
     opts = PROP.options("fixtures.specimens:Correct", world_sizes=(1, 2), samplings=("fixed", "poisson"),
                         reductions=("mean", "sum"))
     for case in PROP.plan(opts):
-        if case.fresh or case.facts.get("exact_only"):
+        if case.fresh_groups or case.facts.get("exact_only"):
             continue
         draws = sum(s.steps for s in case.specs[1:])
         alpha = case.facts["alpha_per_test"]
@@ -184,5 +184,5 @@ def test_pairwise_dependence_sees_any_lag():
 
 def test_fresh_case_option_is_a_case_field():
     opts = Options(target="x", world_sizes=(2, 3))
-    fresh = [c for c in PROP.plan(PROP.with_defaults(opts)) if c.fresh]
-    assert len(fresh) == 1 and fresh[0].world_size == 2 and fresh[0].fresh == 2 and len(fresh[0].specs) == 3
+    fresh = [c for c in PROP.plan(PROP.with_defaults(opts)) if c.fresh_groups]
+    assert len(fresh) == 1 and fresh[0].world_size == 2 and fresh[0].fresh_groups == 2 and len(fresh[0].specs) == 3

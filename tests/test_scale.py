@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dpfsdp_verify.gate import cli
-from dpfsdp_verify.scale import ScaleConfig, closed_forms, scale_report, wilson
+from dpfsdp_verify.gate.scale import ScaleConfig, closed_forms, scale_report, wilson
 from dpfsdp_verify.targets import load_target
 
 C = "fixtures.specimens:Correct"

@@ -14,7 +14,7 @@ from hypothesis.errors import InvalidArgument
 from dpfsdp_verify import hypothesis_profiles as profiles
 from dpfsdp_verify import models, reference
 from dpfsdp_verify import strategies as dps
-from dpfsdp_verify.properties.strategies import _relation_holds
+from dpfsdp_verify.fuzz.strategies import _relation_holds
 from dpfsdp_verify.fuzz import spec_from_json, spec_to_json
 from dpfsdp_verify.targets import RunSpec
 

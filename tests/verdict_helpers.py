@@ -30,7 +30,7 @@ def without_fresh_case(pid):
     from dpfsdp_verify.properties import PROPERTIES
 
     prop = PROPERTIES[pid]
-    return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point) if not c.fresh])
+    return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point) if not c.fresh_groups])
 
 
 def without_extra_noise_cases():
@@ -43,7 +43,7 @@ def without_extra_noise_cases():
 
     prop = PROPERTIES["noise_calibration"]
     return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point)
-                                                          if not c.fresh and not c.facts.get("exact_only")])
+                                                          if not c.fresh_groups and not c.facts.get("exact_only")])
 
 
 def run_gate(pool, monkeypatch, capsys, *args):

@@ -30,12 +30,12 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
 from .plan import (DEFAULT_WORLD_SIZES, RunPlan, UsageError, load_target_info, parse_modes, positive_world_size,
                    require_hypothesis)
-from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE
 from ..verdict import FAILING
 
 
@@ -45,81 +45,86 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, f"see '{self.prog} --help'")
 
 
-def _target_args(p: argparse.ArgumentParser) -> None:
-    """Arguments ``run`` and ``replay`` share: what to test, where, under which environments."""
-    p.add_argument("--target", default="opacus",
-                   help="'opacus' (the installed opacus, public API) or MODULE:ATTR of an adapter (default: opacus)")
-    p.add_argument("--mode-env", action="append", default=[], metavar="LABEL:VAR=VAL[,VAR=VAL]",
-                   help="run under this labelled environment; with two or more, properties that compare modes "
-                        "check the first against each other one (e.g. immediate:OPACUS_USE_DEFERRED_NORM=0 "
-                        "deferred:OPACUS_USE_DEFERRED_NORM=1)")
-    p.add_argument("--backend", default="gloo", choices=BACKEND_NAMES,
-                   help="; ".join(BACKENDS[n].description for n in BACKEND_NAMES) + " (default gloo)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"deadline per distributed job, seconds (default {DEFAULT_TIMEOUT_S:g})")
+def _target_arg(what) -> None:
+    """``--target``: what ``run`` and ``replay`` test (into an argument group or the parser)."""
+    what.add_argument("--target", default="opacus",
+                      help="'opacus' (the installed opacus) or MODULE:ATTR of an adapter (default: opacus)")
+
+
+def _environment_args(what, execution) -> None:
+    """Arguments ``run`` and ``replay`` share: under which environments (into ``what``), where and
+    how long (into ``execution``); each an argument group or the parser itself."""
+    what.add_argument("--mode-env", action="append", default=[], metavar="LABEL:VAR=VAL[,VAR=VAL]",
+                      help="run under this labelled environment; two or more: the properties that compare modes "
+                           "check the first against each other one")
+    execution.add_argument("--backend", default="gloo", choices=BACKEND_NAMES,
+                           help="; ".join(BACKENDS[n].description for n in BACKEND_NAMES) + " (default gloo)")
+    execution.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                           help=f"deadline per distributed job, seconds (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line; imports no torch, so ``--help`` answers at once."""
     p = _Parser(prog="dpfsdp-verify", description="Correctness and deadlock gate for DP training under FSDP.")
     p.add_argument("--version", action=VersionAction)  # + the opacus it would test
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    run = sub.add_parser("run", help="run the properties against a target and report verdicts")
-    _target_args(run)
-    run.add_argument("--grad-sample-mode", default=DEFAULT_GRAD_SAMPLE_MODE,
-                     help="grad_sample_mode passed to make_private (forks add e.g. ghost_fsdp_bk; "
-                          f"default {DEFAULT_GRAD_SAMPLE_MODE})")
-    run.add_argument("--world-sizes", default=None,
-                     help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's world size)")
-    run.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
-                     help="spawn: the gate starts its own ranks on this host (default); torchrun: run inside the "
-                          "ranks of 'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
-    run.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
-    run.add_argument("--models", default=None,
-                     help="comma list of mlp,conv,transformer (base), lora,tied (fine-tuning: docs/finetune.md), "
-                          "masked (padded variable-length sequences: docs/sequences.md) for every property "
-                          "(default: each property's own; see 'dpfsdp-verify list')")
-    run.add_argument("--loss-reductions", default=None,
-                     help="comma list of mean,sum for every property (default: each property's own)")
-    run.add_argument("--dtypes", default=None,
-                     help="comma list of float64,float32,bfloat16 for every property (default: each property's "
-                          "own: float64 everywhere, float32 too where the property runs it by default)")
-    run.add_argument("--precisions", default=None, metavar="fp32,bf16-fsdp,bf16-autocast",
-                     help="comma list of mixed-precision forms for the properties that judge them ('dpfsdp-verify "
-                          "list' names them): bf16-fsdp = FSDP2 MixedPrecisionPolicy(param_dtype=bf16, "
-                          "reduce_dtype=fp32), bf16-autocast = torch.autocast(bf16), both over float32 parameters "
-                          "(default: fp32 only; docs/precision.md)")
-    run.add_argument("--sampling", default=None, metavar="fixed,poisson",
-                     help="comma list: how each step's batch is formed for every property on the sampling axis "
-                          "(fixed given batches; poisson: DP-SGD's own sampling, make_private's default). "
-                          "Default: each property's own (both for the DP-step properties)")
-    run.add_argument("--seeding", default=None, metavar="same,per_rank,unseeded",
-                     help="comma list of Poisson seeding policies: every rank seeds its sampler alike, "
-                          "seed + rank, or not at all (default: each property's own)")
-    run.add_argument("--sample-rate", type=float, default=None, metavar="Q",
-                     help="Poisson sample rate q in (0, 1] (default 0.25)")
-    run.add_argument("--dataset-size", type=int, default=None, metavar="N",
-                     help="Poisson dataset size, all ranks together (default 8 x world size)")
-    run.add_argument("--seed", type=int, default=None, metavar="S",
-                     help="the run's statistical seed (noise and sampling draws); default: a fresh random seed, "
-                          "printed at the start and in every repro line, so a failing run replays with --seed")
-    run.add_argument("--fuzz", type=int, default=0, metavar="N",
-                     help="also run N hypothesis-fuzzed examples per fuzzable property")
-    run.add_argument("--expect", metavar="FILE|NAME",
-                     help="known failures (TOML, see docs/gate.md): exit 0 when exactly these fail; a bundled name "
-                          "such as opacus-1.6.0 also works")
-    run.add_argument("--physical-batch-size", type=int, default=None, metavar="P",  # gradient accumulation
-                     help="gradient accumulation: the properties with the option physical_batch_size compute their "
-                          "steps in physical batches of at most P samples (the mode comparison's built-in pair: "
-                          "unsplit vs P, default 2)")
-    run.add_argument("--resume-at", type=int, default=None, metavar="K",  # checkpoint/resume
-                     help="checkpoint/resume: the property with the option resume_at checkpoints its runs after K of their 4 steps and "
-                          "resumes them in fresh rank processes (1..3; default 2)")
-    run.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
-    run.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
-    run.add_argument("--markdown", metavar="PATH", help="write a markdown summary here (plot beside it if matplotlib)")
-    run.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    run = sub.add_parser("run", help="run the properties against a target and report verdicts",
+                         description="Run the properties against a target and report verdicts (docs/gate.md). "
+                                     "Start with --target, --expect and --json/--junit.")
+    what = run.add_argument_group("what to check")
+    reports = run.add_argument_group("reports")
+    matrix = run.add_argument_group("matrix (default: each property's own; see 'dpfsdp-verify list')")
+    sampling = run.add_argument_group("sampling (the properties on the sampling axis)")
+    loops = run.add_argument_group("loop shapes")
+    execution = run.add_argument_group("execution")
+    _target_arg(what)
+    what.add_argument("--expect", metavar="FILE|NAME",
+                      help="known failures (TOML, or a shipped name such as opacus-1.6.0): exit 0 when exactly "
+                           "these fail (docs/gate.md)")
+    what.add_argument("--properties", default=None, help="comma list of property ids (default: all)")
+    what.add_argument("--grad-sample-mode", default=DEFAULT_GRAD_SAMPLE_MODE,
+                      help=f"grad_sample_mode passed to make_private (default {DEFAULT_GRAD_SAMPLE_MODE})")
+    what.add_argument("--fuzz", type=int, default=0, metavar="N",
+                      help="also run N hypothesis-fuzzed examples per fuzzable property (default 0)")
+    _environment_args(what, execution)
+    reports.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
+    reports.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
+    reports.add_argument("--markdown", metavar="PATH",
+                         help="write a markdown summary here (plot beside it if matplotlib)")
+    reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    matrix.add_argument("--world-sizes", default=None,
+                        help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
+    matrix.add_argument("--models", default=None,
+                        help="comma list of mlp,conv,transformer, lora,tied (docs/finetune.md), masked "
+                             "(docs/sequences.md)")
+    matrix.add_argument("--loss-reductions", default=None, help="comma list of mean,sum")
+    matrix.add_argument("--dtypes", default=None, help="comma list of float64,float32,bfloat16")
+    matrix.add_argument("--precisions", default=None, metavar="fp32,bf16-fsdp,bf16-autocast",
+                        help="mixed-precision forms for the properties that judge them (default fp32; "
+                             "docs/precision.md)")
+    sampling.add_argument("--sampling", default=None, metavar="fixed,poisson",
+                          help="how each step's batch is formed: given batches, or DP-SGD's Poisson sampling "
+                               "(default: each property's own)")
+    sampling.add_argument("--seeding", default=None, metavar="same,per_rank,unseeded",
+                          help="Poisson seeding: every rank alike, seed + rank, or none (default: each property's own)")
+    sampling.add_argument("--sample-rate", type=float, default=None, metavar="Q",
+                          help=f"Poisson sample rate q in (0, 1] (default {POISSON_DEFAULTS[0]:g})")
+    sampling.add_argument("--dataset-size", type=int, default=None, metavar="N",
+                          help=f"Poisson dataset size, all ranks together (default {POISSON_DEFAULTS[1]} x world size)")
+    sampling.add_argument("--seed", type=int, default=None, metavar="S",
+                          help="the run's statistical seed (default: a fresh one, printed; --seed S replays a run)")
+    loops.add_argument("--physical-batch-size", type=int, default=None, metavar="P",
+                       help="gradient accumulation in physical batches of at most P samples, for the properties "
+                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; docs/loops.md)")
+    loops.add_argument("--resume-at", type=int, default=None, metavar="K",
+                       help="checkpoint after K steps and resume in fresh ranks, for the properties with the option "
+                            "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
+    execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
+                           help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
+                                "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
     replay = sub.add_parser("replay", help="re-run one fuzzed configuration (the repro line of a fuzz verdict)")
-    _target_args(replay)
+    _target_arg(replay)
+    _environment_args(replay, replay)
     replay.add_argument("--property", required=True, help="id of a property that can be fuzzed")
     replay.add_argument("--world-size", required=True, help="number of ranks")
     replay.add_argument("--spec", required=True, help="the JSON RunSpec of a fuzz verdict's repro line")
@@ -136,7 +141,8 @@ def cmd_list() -> int:
         print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
               f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
-              + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else ""))
+              + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else "")
+              + (f"; options {', '.join(f'{k}={v}' for k, v in prop.params)}" if prop.params else ""))
     print("targets:")
     print("  opacus             the installed opacus through its public API (FSDP2Wrapper + make_private)")
     try:
@@ -157,7 +163,7 @@ def cmd_run(args) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     if args.launcher == "torchrun":
-        from .torchrun import cmd_run_torchrun
+        from .torchrun_job import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
     return execute(RunPlan.from_args(args))
@@ -210,7 +216,7 @@ def _scale_parser(sub) -> None:
 def cmd_scale(args) -> int:
     import json
 
-    from .. import scale
+    from . import scale
     from ..targets import TargetLoadError, load_target
 
     if args.plot:

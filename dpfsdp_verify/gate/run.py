@@ -2,7 +2,7 @@
 lines on stderr, and hand the verdicts to ``report.finish``.
 
 Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
-of a torchrun job, ``torchrun.py``) call ``execute``; tests and the benchmark call ``run_plan``.
+of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 
 from ..harness import Pool
 from ..properties import PROPERTIES
-from ..properties.runner import run_property
+from ..properties.runner import Fuzzer, run_property
 from ..verdict import Verdict, config_label
 from . import report, target_info
 from .plan import RunPlan
@@ -64,6 +64,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     # one warm group per (world size, mode) so no property restarts ranks another one just used
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
+    fuzz = _fuzzer(plan.fuzz)
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(opts.world_sizes) * len(opts.modes)))
     verdicts: List[Verdict] = []
     try:
@@ -72,7 +73,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
                 progress.started(pid)
             t0 = time.monotonic()
             try:
-                found = run_property(PROPERTIES[pid], opts, pool, fuzz_examples=plan.fuzz)
+                found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
             except Exception as e:  # a bug in a check or an unloadable target: report, go on
                 found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
             for v in found:
@@ -83,3 +84,13 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
         if own_pool:
             pool.close()
     return verdicts
+
+
+def _fuzzer(n_examples: int) -> Optional[Fuzzer]:
+    """With ``--fuzz N``: each fuzzable property's N fuzzed examples (hypothesis, the ``fuzz``
+    extra: the plan checked it is installed)."""
+    if not n_examples:
+        return None
+    from ..fuzz import fuzz_examples
+
+    return lambda prop, opts, pool: fuzz_examples(prop, opts, n_examples, pool)

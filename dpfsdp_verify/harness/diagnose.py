@@ -40,12 +40,15 @@ class Divergence:
     last_seq: Dict[int, int] = field(default_factory=dict)  # rank -> its last seq id in that group
 
 
-def _describe(entry: dict) -> str:
+def describe_entry(entry: dict) -> str:
+    """One flight-recorder entry as the reports name it: ``gloo:all_reduce [[5]]``."""
     sizes = entry.get("input_sizes")
     return f"{entry.get('profiling_name', '?')} {sizes}" if sizes is not None else entry.get("profiling_name", "?")
 
 
-def _entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
+def entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
+    """A flight-recorder trace's collectives (point-to-point left out) as ``{process group:
+    {sequence id: entry}}``."""
     out: Dict[str, Dict[int, dict]] = {}
     for e in (fr or {}).get("entries", []):
         seq = e.get("collective_seq_id")
@@ -60,7 +63,7 @@ def _entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
 def find_divergence(dumps: Dict[int, RankDump]) -> Optional[Divergence]:
     """The first sequence id where ranks issued different collectives, or where some rank
     issued none. ``None`` when every rank issued the same collectives (or no traces exist)."""
-    per_rank = {r: _entries_by_group(d.flight_recorder) for r, d in dumps.items() if d.flight_recorder is not None}
+    per_rank = {r: entries_by_group(d.flight_recorder) for r, d in dumps.items() if d.flight_recorder is not None}
     if len(per_rank) < 2:
         return None
     groups = sorted({g for by_group in per_rank.values() for g in by_group})
@@ -71,7 +74,7 @@ def find_divergence(dumps: Dict[int, RankDump]) -> Optional[Divergence]:
         lo = max((min(s) for s in seqs.values() if s), default=0)
         hi = max((max(s) for s in seqs.values() if s), default=-1)
         for seq in range(lo, hi + 1):
-            issued = {r: _describe(s[seq]) for r, s in seqs.items() if seq in s}
+            issued = {r: describe_entry(s[seq]) for r, s in seqs.items() if seq in s}
             missing = [r for r, s in seqs.items() if seq not in s]
             if missing or len(set(issued.values())) > 1:
                 d = Divergence(seq, g, issued, missing, {r: max(s) if s else -1 for r, s in seqs.items()})
@@ -83,7 +86,13 @@ def find_divergence(dumps: Dict[int, RankDump]) -> Optional[Divergence]:
 
 def call_site(dump: RankDump) -> str:
     """The innermost frame of the main thread that is neither torch nor this harness."""
-    for filename, line, func in reversed(dump.main_frames):
+    return user_call_site(dump.main_frames)
+
+
+def user_call_site(frames: List[tuple]) -> str:
+    """The innermost of ``frames`` (``(file, line, function)``, innermost last) that is neither
+    torch nor this harness: where a rank was, in the target's terms."""
+    for filename, line, func in reversed(frames):
         if (os.sep + "torch" + os.sep) in filename or filename.startswith(_HARNESS_DIR):
             continue
         if "multiprocessing" in filename or filename.startswith("<"):
@@ -151,7 +160,7 @@ class Busy:
 
 
 def _default_group(d: RankDump) -> Dict[int, dict]:
-    return _entries_by_group(d.flight_recorder).get(DEFAULT_PG, {})
+    return entries_by_group(d.flight_recorder).get(DEFAULT_PG, {})
 
 
 def busy_ranks(dumps: Dict[int, RankDump], running: List[int]) -> Busy:
@@ -187,7 +196,7 @@ def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive
         site = f"at {call_site(dumps[r])}" if r in dumps else "did not answer the dump request"
         seen = idle_for[r][1] if r in idle_for else None
         if r in b.last:
-            coll = f"last collective #{b.last[r]} {_describe(_default_group(dumps[r])[b.last[r]])}"
+            coll = f"last collective #{b.last[r]} {describe_entry(_default_group(dumps[r])[b.last[r]])}"
         elif r in dumps and dumps[r].flight_recorder is not None:
             coll = "no collective issued yet"
         else:
@@ -217,7 +226,7 @@ def timeout_message(dumps: Dict[int, RankDump], running: List[int], unresponsive
         waits = []
         for seq, ranks in sorted(by_seq.items()):
             entry = _default_group(dumps[ranks[0]]).get(seq)
-            op = f" ({_describe(entry)})" if entry else ""
+            op = f" ({describe_entry(entry)})" if entry else ""
             waits.append(f"{ranks_phrase(ranks)} waited in collective #{seq}{op}")
         msg += f"; {'; '.join(waits)}, which {ranks_phrase(b.busy)} had not issued yet"
     finished = [r for r in sorted(dumps) if r not in running]
@@ -235,7 +244,7 @@ def _last_entry(d: RankDump) -> Optional[str]:
     if not entries:
         return None
     e = max(entries, key=lambda e: (e.get("record_id", 0)))
-    return f"#{e.get('collective_seq_id')} {_describe(e)}"
+    return f"#{e.get('collective_seq_id')} {describe_entry(e)}"
 
 
 def format_stacks(dumps: Dict[int, RankDump]) -> str:

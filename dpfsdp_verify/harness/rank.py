@@ -104,12 +104,25 @@ def _frames_of(frame) -> list:
     return out
 
 
-def _current_entries(fr: dict) -> dict:
+def current_entries(fr: dict) -> dict:
     """The trace without the entries of process groups aborted before (see ``_fr_floor``)."""
     if _fr_floor >= 0 and fr.get("entries"):
         fr = dict(fr)
         fr["entries"] = [e for e in fr["entries"] if e.get("record_id", 0) > _fr_floor]
     return fr
+
+
+def forget_aborted_entries() -> None:
+    """Leave every flight-recorder entry recorded so far out of later probes and dumps (see
+    ``_fr_floor``): called when a process group is aborted and renewed."""
+    global _fr_floor
+    try:
+        import torch
+
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
+        _fr_floor = max((e.get("record_id", 0) for e in entries), default=_fr_floor)
+    except Exception:
+        pass
 
 
 def dump_state(rank: int) -> RankDump:
@@ -128,7 +141,7 @@ def dump_state(rank: int) -> RankDump:
         import torch
 
         raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)
-        dump.flight_recorder = _current_entries(pickle.loads(raw))
+        dump.flight_recorder = current_entries(pickle.loads(raw))
     except Exception as e:  # older torch, or recorder off: degrade to stacks only
         dump.flight_recorder_error = f"{type(e).__name__}: {e}"
     return dump
@@ -142,7 +155,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
     try:
         import torch
 
-        fr = _current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
+        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
     except Exception as e:  # recorder off or older torch: the parent then waits for the deadline
         probe.error = f"{type(e).__name__}: {e}"
         return probe
@@ -195,8 +208,6 @@ def _renew_group(cfg: RankConfig, store, generation: int) -> None:
     """A fresh default process group after an abort, on its own store prefix (the aborted
     group's keys must not be read by the new one's rendezvous); its flight-recorder entries are
     told apart from the aborted group's by ``_fr_floor``."""
-    global _fr_floor
-    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -204,11 +215,7 @@ def _renew_group(cfg: RankConfig, store, generation: int) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
-    try:
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
-        _fr_floor = max((e.get("record_id", 0) for e in entries), default=_fr_floor)
-    except Exception:
-        pass
+    forget_aborted_entries()
     dist.init_process_group(cfg.backend, store=dist.PrefixStore(f"renew{generation}/", store), rank=cfg.rank,
                             world_size=cfg.world_size, timeout=timedelta(seconds=cfg.pg_timeout_s))
     dist.barrier()

@@ -43,7 +43,8 @@ PROPERTIES: Dict[str, Property] = by_id(REGISTRY)
 def run(prop: Union[str, Property], target_ref: str, *, pool=None, **options) -> List[Verdict]:
     """Run property ``prop`` (an id or a ``Property``) against ``target_ref``: one ``Verdict`` per
     configuration. ``options`` are ``Options``' keywords plus the property's own ``params``
-    (``TypeError`` for one it does not know); ``pool`` a ``harness.Pool`` (default: a private one).
+    (``TypeError`` for one it does not know); ``pool`` a ``harness.Pool`` (default: the
+    process-wide one, ``harness.default_pool``).
     ``ValueError`` for an unknown id."""
     if isinstance(prop, str):
         if prop not in PROPERTIES:

@@ -10,7 +10,7 @@ two releases cancels the noise, no privacy at all for what it was meant to hide)
 sampler's state (replayed masks make the batches of steps k+j and j the same draw: the
 subsampling amplification the accountant assumes for independent draws does not hold).
 
-Each half runs in rank processes started for it (``Case.fresh``: the ``save`` halves in one set,
+Each half runs in rank processes started for it (``Case.fresh_groups``: the ``save`` halves in one set,
 the ``load`` halves in the next, then the uninterrupted runs), so nothing survives the resume but
 the checkpoint (``RunSpec.resume_at``; the runner gives each run a temporary checkpoint directory).
 One case per world size (mlp, split data, ``"mean"``), K = 4 steps resumed at k = 2 (options
@@ -119,7 +119,7 @@ def cases(point: Point):
                                                                      ("trajectory", "noise", "poisson")))
     ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
     specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh=2, fresh_jobs=(4, 6),
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 6),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 

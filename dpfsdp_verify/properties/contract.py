@@ -45,7 +45,8 @@ from .. import modes as modes_mod
 from ..harness import DEFAULT_TIMEOUT_S
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec
-from ..targets.base import DEFAULT_GRAD_SAMPLE_MODE, PRECISIONS, SAMPLINGS, SEEDINGS
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
+from ..targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ..verdict import INTERNAL_ERROR, Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
@@ -134,9 +135,9 @@ class Case:
     #: it alone (not the warm pool) -- what separate training jobs are, for state a target keeps per
     #: process (a generator created once per process); the remaining specs run after the k-th, in
     #: its processes. Implies ``isolate``
-    fresh: int = 0
-    #: with ``fresh``: how many specs each of the fresh groups runs, in order (``()``: one each for
-    #: the first ``fresh - 1``, the rest in the last) -- e.g. the ``save`` halves of resumed runs in
+    fresh_groups: int = 0
+    #: with ``fresh_groups``: how many specs each of the fresh groups runs, in order (``()``: one
+    #: each for the first ``fresh_groups - 1``, the rest in the last) -- e.g. the ``save`` halves of resumed runs in
     #: one set of processes and the ``load`` halves in the next (``RunSpec.resume_at``)
     fresh_jobs: Tuple[int, ...] = ()
     #: a built-in watchdog deadline (seconds) for this case's job, stated for the default timeout;
@@ -153,8 +154,8 @@ class Case:
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
-        if self.fresh_jobs and (len(self.fresh_jobs) != self.fresh or sum(self.fresh_jobs) != len(self.specs)):
-            raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh} fresh groups its "
+        if self.fresh_jobs and (len(self.fresh_jobs) != self.fresh_groups or sum(self.fresh_jobs) != len(self.specs)):
+            raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh_groups} fresh groups its "
                              f"number of specs, {len(self.specs)} in all")
 
     @property
@@ -162,19 +163,20 @@ class Case:
         return self.modes[0]
 
     def config(self) -> dict:
-        sampling = {}  # fixed sampling adds nothing: configs of fixed runs are unchanged
+        # the keys only some runs have: fixed sampling adds nothing, so configs of fixed runs are unchanged
+        run_keys = {}
         if self.spec.poisson:
-            sampling = dict(sampling="poisson", sample_rate=round(self.spec.sample_rate, 6),
+            run_keys = dict(sampling="poisson", sample_rate=round(self.spec.sample_rate, 6),
                             dataset_size=self.spec.dataset_size, epochs=self.spec.epochs, seeding=self.spec.seeding)
         if self.spec.physical_batch_size:  # accumulation adds a key; configs of other runs are unchanged
-            sampling["physical_batch_size"] = self.spec.physical_batch_size
+            run_keys["physical_batch_size"] = self.spec.physical_batch_size
         if self.spec.precision != "fp32":  # so does mixed precision
-            sampling["precision"] = self.spec.precision
+            run_keys["precision"] = self.spec.precision
         if self.drawn is not None:  # a fuzzed shape is told apart by its layer sizes
-            sampling["model_kwargs"] = dict(self.spec.model_kwargs)
+            run_keys["model_kwargs"] = dict(self.spec.model_kwargs)
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
-                "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
+                "reduction": self.spec.reduction, "dtype": self.spec.dtype, **run_keys, **self.labels}
 
     def repro(self) -> str:
         """The CLI line that re-runs this property for this model, reduction, world size and modes
@@ -465,11 +467,6 @@ class Property:
     def _whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
         return {"world_size": world_size, "data_layout": None, "model": None, "mode": opts.modes[0].label,
                 "grad_sample_mode": opts.grad_sample_mode, **config}
-
-
-#: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
-#: DistributedSampler (opacus derives q = 1/4; expected batch 2 x world size)
-POISSON_DEFAULTS = (0.25, 8)
 
 
 def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:

@@ -200,7 +200,7 @@ def cases(point: Point):
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
         yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
                                one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
-                         doing="one DP step with noise in each of two fresh sets of rank processes", fresh=2)
+                         doing="one DP step with noise in each of two fresh sets of rank processes", fresh_groups=2)
 
 
 def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
@@ -320,7 +320,7 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
-    if case.fresh:
+    if case.fresh_groups:
         return _judge_fresh(case, outputs)
     if case.facts.get("exact_only"):
         return _judge_exact(case, outputs)

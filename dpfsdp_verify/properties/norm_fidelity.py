@@ -46,8 +46,8 @@ from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
 from .compare import (COEF_TOL, finetune_norms, fit_clip_epsilon, fmt, norm_ratios, omitted_layer_norms,
-                      precision_bound, precision_coefficient_bounds, precision_spec, processed_indices, recover_clip_coefficients,
-                      reference_norms, sequence_weights, tolerance, with_picked_clip)
+                      precision_bound, precision_coefficient_bounds, precision_spec, processed_indices,
+                      recover_clip_coefficients, reference_norms, sequence_weights, tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..harness import Pool, default_pool
 from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
@@ -30,41 +30,27 @@ from .compare import (all_padding_note, data_problem, device_facts, frozen_probl
 from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
 
 
-def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz_examples: int = 0
+#: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``
+#: with the number of examples bound), handed in by the caller: the runner never imports the fuzzer
+Fuzzer = Callable[[Property, Options, Optional[Pool]], List[Verdict]]
+
+
+def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz: Optional[Fuzzer] = None
                  ) -> List[Verdict]:
-    """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz_examples``, its
-    fuzz runs' verdicts (``fuzz_property``) where it has a recipe and the modes suit it."""
+    """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz``, its fuzz
+    runs' verdicts where it has a recipe and the modes suit it."""
     opts = prop.with_defaults(opts)
     items = prop.plan(opts)
     cases = [c for c in items if isinstance(c, Case)]
     judged = iter(judge_cases(prop, cases, pool, opts.timeout))
     verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
-    if fuzz_examples and prop.fuzz is not None and not modes_problem(prop, opts.modes):
+    if fuzz is not None and prop.fuzz is not None and not modes_problem(prop, opts.modes):
         t0 = time.monotonic()
         try:
-            verdicts += fuzz_property(prop, opts, fuzz_examples, pool)
+            verdicts += fuzz(prop, opts, pool)
         except Exception as e:  # the fuzzer's bug: the matrix's verdicts above still stand
             verdicts.append(prop.internal_error(opts, "fuzzing", e, time.monotonic() - t0))
     return verdicts
-
-
-def fuzz_property(prop: Property, opts: Options, n_examples: int, pool: Optional[Pool] = None,
-                  settings=None) -> List[Verdict]:
-    """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
-    of the options' world sizes and mode groups, each run and judged by ``check_example``
-    (``fuzzing.fuzz_groups``); ``settings`` overrides the hypothesis profile's. ``pool=None``: a
-    private pool, closed at the end. Needs hypothesis (the ``fuzz`` extra)."""
-    from . import fuzzing
-
-    opts = prop.with_defaults(opts)
-    own = pool is None
-    pool = pool or Pool()
-    try:
-        check = lambda spec, world_size, modes: check_example(prop, opts, spec, world_size, pool, modes)  # noqa: E731
-        return fuzzing.fuzz_groups(prop, opts, n_examples, check, settings)
-    finally:
-        if own:
-            pool.close()
 
 
 def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
@@ -186,14 +172,14 @@ class _Run:
     specs: Tuple[RunSpec, ...]
     isolate_key: Optional[int] = None
     deadline: Optional[float] = None
-    fresh: int = 0
+    fresh_groups: int = 0
     fresh_jobs: Tuple[int, ...] = ()
 
 
 @dataclass
 class _Failed:
     result: GroupResult
-    together: int  # how many other runs shared the job
+    others_in_job: int  # how many other runs shared the job
     seconds: float
     #: each rank's progress trail of its last run (``targets.progress``), read after the failure
     trails: Optional[list] = None
@@ -204,14 +190,15 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict.
 
     Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
-    for ``Case.isolate``; ``Case.fresh`` cases in groups of ranks started for them, ``_run_fresh``).
+    for ``Case.isolate``; ``Case.fresh_groups`` cases in groups of ranks started for them, ``_run_fresh``).
     A job that *errors* is re-run run by run so the crash lands on the right case; a job that
     *hangs* is not re-run (that would cost a full deadline per run): every case in it gets the hang
     verdict, which says the cases ran together.
     """
     pool = pool or default_pool()
     runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
-                     i if c.isolate or c.fresh else None, c.deadline, c.fresh, c.fresh_jobs) for m in c.modes]
+                     i if c.isolate or c.fresh_groups else None, c.deadline, c.fresh_groups, c.fresh_jobs)
+                for m in c.modes]
                for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
     jobs: Dict[tuple, List[_Run]] = {}
@@ -220,7 +207,7 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     done: Dict[_Run, object] = {}
     seconds: Dict[_Run, float] = {}
     for runs in jobs.values():
-        if runs[0].fresh:
+        if runs[0].fresh_groups:
             _run_fresh(runs[0], pool, timeout, done, seconds)
         else:
             _run_job(runs, pool, timeout, done, seconds, allow_split=True)
@@ -275,7 +262,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
 
 
 def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -> None:
-    """Each of the first ``r.fresh`` specs of ``r`` as the first job of a worker group started for
+    """Each of the first ``r.fresh_groups`` specs of ``r`` as the first job of a worker group started for
     it (the rest run with the last of them): every group is spawned first (their start-ups
     overlap), then each runs its job and is closed."""
     t0 = time.monotonic()
@@ -283,14 +270,14 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
     checkpoints = tempfile.mkdtemp(prefix="dpfsdp-checkpoints-")
     try:
         try:
-            for _ in range(r.fresh):
+            for _ in range(r.fresh_groups):
                 groups.append(pool.fresh_group(r.world_size, r.backend, r.mode.env_dict or None))
         except BackendUnavailable as e:
             done[r] = _unavailable(e)
             return
         outs = []
         specs = [with_checkpoint_dir(s, checkpoints) for s in r.specs]
-        counts = r.fresh_jobs or (1,) * (r.fresh - 1) + (len(specs) - r.fresh + 1,)
+        counts = r.fresh_jobs or (1,) * (r.fresh_groups - 1) + (len(specs) - r.fresh_groups + 1,)
         jobs = [specs[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
         for g, specs in zip(groups, jobs):
             trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
@@ -336,7 +323,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     status = "hang" if res.status == "hang" else "error"
     # a hang is a deadlock only when proven; without a diagnosis nothing was
     diagnosis = res.diagnosis or ("timeout" if status == "hang" else "rank_crash")
-    together = f" (ran as one job with {failed.together} other configuration(s))" if failed.together else ""
+    together = f" (ran as one job with {failed.others_in_job} other configuration(s))" if failed.others_in_job else ""
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}

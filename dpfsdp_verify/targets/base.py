@@ -135,6 +135,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import models
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE
 
 DATA_LAYOUTS = ("replicated", "split")
 #: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
@@ -157,8 +158,6 @@ FEATURE_BF16_FSDP = "bf16-fsdp"
 FEATURE_BF16_AUTOCAST = "bf16-autocast"
 #: the feature a target declares for each mixed-precision form
 PRECISION_FEATURES = {"bf16-fsdp": FEATURE_BF16_FSDP, "bf16-autocast": FEATURE_BF16_AUTOCAST}
-#: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
-DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 
 
 @dataclass(frozen=True)

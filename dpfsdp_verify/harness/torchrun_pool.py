@@ -1,16 +1,15 @@
-"""The gate inside a torchrun job: ``torchrun ... -m dpfsdp_verify run --launcher torchrun ...``.
+"""A torchrun job's own ranks as a pool: ``TorchrunPool`` has ``Pool``'s interface (``run``,
+``fresh_group``, ``close``), so the gate's runner drives it as it drives spawned worker groups
+(``gate/torchrun_job.py`` is the gate's side: rank 0 runs the gate on this pool).
 
-Every process of the job is a rank of one process group (the job's: gloo or NCCL, any number of
-nodes). Rank 0 is the gate exactly as when it spawns its own ranks -- it plans, runs every
-property through ``run_plan``, computes the float64 reference, judges and writes every report --
-except that its pool is ``TorchrunPool``: a job (``run_many_on_rank`` and the specs of a case) is
-not shipped to a spawned ``WorkerGroup`` but posted in the job's key-value store (the TCPStore
-torchrun's rendezvous made) and run by *every* rank of the job, rank 0 included, on the job's
-process group. The other ranks only serve jobs (``serve``) and stay quiet. So the properties,
-their judges and the reports are the spawned gate's, and the DP checks run on the real group at
-the job's world size (16 or 64 ranks across nodes, where a release is trained).
+A job (``run_many_on_rank`` and the specs of a case) is not shipped to a spawned ``WorkerGroup``
+but posted in the job's key-value store (the TCPStore torchrun's rendezvous made) and run by
+*every* rank of the job, rank 0 included, on the job's process group (``TorchrunSession``,
+``torchrun.py``). The other ranks only serve jobs (``serve``). So the properties, their judges
+and the reports are the spawned gate's, and the DP checks run on the real group at the job's
+world size (16 or 64 ranks across nodes, where a release is trained).
 
-What keeps a bad case from hanging the job (the pytest plugin's torchrun mode, ``torchrun_mode``):
+What keeps a bad case from hanging the job (as in the pytest plugin's torchrun mode, ``torchrun.py``):
 
 * Outcomes travel through the store, never a collective: a rank posts its ``JobResult`` (and its
   progress trail) under a per-job key; rank 0 waits for every rank's with a bound.
@@ -20,7 +19,7 @@ What keeps a bad case from hanging the job (the pytest plugin's torchrun mode, `
   raised in its main thread (``PyThreadState_SetAsyncExc``), which ends a Python loop outside any
   collective; its call site is kept for the verdict.
 * After a failed job every rank creates a fresh process group on a new store prefix
-  (``TorchrunSession._renew_group``): a rank whose collective timed out consumed a sequence number
+  (``TorchrunSession.renew_group``): a rank whose collective timed out consumed a sequence number
   its peers did not.
 * The verdict is the spawned gate's: ``hang`` / ``deadlock`` when proven (a rank finished the job
   while the others waited in a collective: it will never issue theirs), ``hang`` / ``timeout``
@@ -32,7 +31,7 @@ What keeps a bad case from hanging the job (the pytest plugin's torchrun mode, `
   it.
 
 What a torchrun job cannot run is reported, one line each, never dropped: a case at another world
-size ("not run at this size") and a case that needs fresh rank processes (``Case.fresh``).
+size ("not run at this size") and a case that needs fresh rank processes (``Case.fresh_groups``).
 """
 
 from __future__ import annotations
@@ -51,14 +50,12 @@ import traceback
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
-from ..errors import HintedError
-from ..harness import diagnose
-from ..harness.group import GroupResult, NotRunHere
-from ..harness.protocol import JobError, JobResult
-from ..harness.rank_groups import grouped, ranks_phrase, were
-from ..torchrun_mode import REPORT_GRACE_S, TorchrunSession, _is_pg_timeout, torchrun_env
-from .plan import UsageError
-from .report import EXIT_INTERNAL, EXIT_USAGE
+from . import diagnose
+from .group import GroupResult, NotRunHere
+from .protocol import JobError, JobResult
+from .rank import current_entries, dump_state, forget_aborted_entries
+from .torchrun import REPORT_GRACE_S, TorchrunSession, is_pg_timeout
+from .rank_groups import grouped, ranks_phrase, were
 
 #: the store keys of the gate's protocol start so (the plugin's torchrun mode uses dpfsdp/outcome/, dpfsdp/pg<n>)
 PREFIX = "dpfsdp/gate/"
@@ -66,86 +63,14 @@ PREFIX = "dpfsdp/gate/"
 POLL_S = 2.0
 #: how long rank 0 waits, at the end, for the other ranks to take the exit code
 BYE_S = 10.0
-#: how long rank 0 waits for every rank to load the target before the first job
+#: how long rank 0 waits for every rank to prepare (load the target) before the first job
 PREPARE_S = 600.0
 #: after the last bye, how long rank 0 waits before it exits (the ranks' own exits)
 BYE_EXIT_S = 1.0
-#: a rank's output when it is not rank 0: kept only with this variable set (debugging a target)
-RANK_OUTPUT_ENV = "DPFSDP_VERIFY_RANK_OUTPUT"
 
 
 class JobDeadline(Exception):
     """Raised in a rank's main thread by its watchdog when the job ran past its deadline."""
-
-
-def cmd_run_torchrun(args) -> int:
-    """``dpfsdp-verify run --launcher torchrun``: rank 0 runs the gate, the others serve its
-    jobs; every rank returns rank 0's exit code."""
-    env = torchrun_env()
-    if env is None:
-        raise UsageError("--launcher torchrun: this process is not a torchrun rank (RANK, WORLD_SIZE and LOCAL_RANK "
-                         "are not set)", "launch it as 'torchrun --nproc-per-node N -m dpfsdp_verify run --launcher "
-                         "torchrun ...', or drop --launcher torchrun to let the gate start its own ranks")
-    rank, world_size = env
-    # the flight recorder must be on before the process group exists (as in spawned ranks): a
-    # rank's trace at the deadline shows which collective it waits in
-    from ..harness.group import FR_BUFFER_SIZE
-
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
-    if rank != 0 and not os.environ.get(RANK_OUTPUT_ENV):
-        _silence()
-    # like `python -m`: an adapter MODULE:ATTR may live in the current directory
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    session = TorchrunSession(rank, world_size, timeout=float(args.timeout), backend=args.backend)
-    try:
-        if rank != 0:
-            code = serve(session)
-            session.close()
-            # taken only now: rank 0 exits once every rank has, so the launcher sees one exit code
-            session.store.set(f"{PREFIX}bye/{rank}", "1")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        pool = TorchrunPool(session)
-        code = EXIT_INTERNAL
-        # everything rank 0 says is said before the exit code is posted: once a rank exits non-zero,
-        # torchrun's agent may end the other ranks of its node, rank 0 included
-        try:
-            code = _run_gate(args, pool)
-        except HintedError as e:  # as cli.main says it, one line
-            print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
-            code = EXIT_USAGE
-        except Exception:
-            traceback.print_exc()
-            print("dpfsdp-verify: internal error (a bug in dpfsdp-verify, not a verdict on the target)",
-                  file=sys.stderr)
-            code = EXIT_INTERNAL
-        finally:
-            # torchrun itself exits 1 for any non-zero code of a rank: the gate's own is said here
-            print(f"dpfsdp-verify: exit code {code} on every rank of this torchrun job", file=sys.stderr, flush=True)
-            pool.stop(code)
-        return code
-    finally:
-        session.close()
-
-
-def _run_gate(args, pool: "TorchrunPool") -> int:
-    """Rank 0: the spawned gate's ``execute`` on ``pool``."""
-    from .plan import RunPlan
-    from .run import execute
-
-    plan = RunPlan.from_args(args, job_world_size=pool.world_size)
-    pool.prepare(plan.options.target)
-    return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks")
-
-
-def _silence() -> None:
-    """A rank other than 0 writes nothing (Python and C++ output alike): rank 0 reports."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        os.dup2(devnull, fd)
-    os.close(devnull)
 
 
 # -- rank 0: the pool the gate's runner drives ------------------------------------------------
@@ -216,13 +141,15 @@ class TorchrunPool:
                         break
         return out
 
-    def prepare(self, target_ref: str, timeout: float = PREPARE_S) -> None:
-        """Every rank loads the target (imports opacus, the adapter...) before the first job, outside
-        any deadline: a spawned group's ranks import torch before they are ready, and a case's
-        deadline is for the case, not for a rank's first import on a loaded node."""
+    def prepare(self, load: Callable, *args, timeout: float = PREPARE_S) -> None:
+        """Every rank runs ``load(*args)`` (e.g. ``targets.load_target``: imports opacus, the
+        adapter...) and FSDP's lazy imports before the first job, outside any deadline: a spawned
+        group's ranks import torch before they are ready, and a case's deadline is for the case,
+        not for a rank's first import on a loaded node."""
         self.job += 1
-        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "target": target_ref}))
-        _load(target_ref)
+        payload = pickle.dumps((load, args))
+        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "payload": payload}))
+        _prepare(payload)
         until = time.monotonic() + timeout
         for r in range(1, self.world_size):
             key = f"{PREFIX}res/{self.job}/{r}"
@@ -273,7 +200,7 @@ def serve(session: TorchrunSession) -> int:
         if msg["kind"] == "stop":
             return int(msg["code"])
         if msg["kind"] == "prepare":
-            _load(msg["target"])
+            _prepare(msg["payload"])
             store.set(f"{PREFIX}res/{job}/{session.rank}", b"ready")
             continue
         if msg.get("renew"):
@@ -287,12 +214,10 @@ def serve(session: TorchrunSession) -> int:
 WARM_MODULES = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
-def _load(target_ref: str) -> None:
-    """Import what the jobs will (the target, FSDP's lazy imports); a failure is left to the first
-    job, which reports it on every rank."""
+def _prepare(payload: bytes) -> None:
+    """Import what the jobs will (FSDP's lazy imports, then ``TorchrunPool.prepare``'s ``load``:
+    the target); a failure is left to the first job, which reports it on every rank."""
     import importlib
-
-    from ..targets import load_target
 
     for name in WARM_MODULES:
         try:
@@ -300,9 +225,20 @@ def _load(target_ref: str) -> None:
         except Exception:
             pass
     try:
-        load_target(target_ref)
+        load, args = pickle.loads(payload)
+        load(*args)
     except Exception:
         pass
+
+
+def leave(session: TorchrunSession, code: int) -> None:
+    """A serving rank's end: close its process group, say it took the exit code, exit with it.
+    The bye is said only now: rank 0 exits once every rank has, so the launcher sees one exit code."""
+    session.close()
+    session.store.set(f"{PREFIX}bye/{session.rank}", "1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _Running:
@@ -378,27 +314,14 @@ def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
     return {"result": result, "newest": newest, "trail": trail, "overran": running.site is not None,
             "site": running.site,
             "in_collective": running.in_collective, "dump": running.dump,
-            "pg_timeout": result.error is not None and _is_pg_timeout(Exception(result.error.message))}
+            "pg_timeout": result.error is not None and is_pg_timeout(Exception(result.error.message))}
 
 
 def _renew(session: TorchrunSession) -> None:
-    """A fresh process group (``TorchrunSession._renew_group``); flight-recorder entries of the
+    """A fresh process group (``TorchrunSession.renew_group``); flight-recorder entries of the
     old one are left out of later dumps (the new group restarts its sequence ids)."""
-    import torch
-    from ..harness import rank as rank_mod
-
-    session._renew_group()
-    try:
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
-        rank_mod._fr_floor = max((e.get("record_id", 0) for e in entries), default=rank_mod._fr_floor)
-    except Exception:
-        pass
-
-
-def dump_state(rank: int):
-    from ..harness.rank import dump_state as dump
-
-    return dump(rank)
+    session.renew_group()
+    forget_aborted_entries()
 
 
 def _watch(session: TorchrunSession, running: _Running, job: int, deadline: float) -> None:
@@ -426,7 +349,7 @@ def _watch(session: TorchrunSession, running: _Running, job: int, deadline: floa
             return
         innermost = stack[-1] if stack else None
         running.in_collective = bool(innermost and "torch/distributed" in innermost.filename.replace(os.sep, "/"))
-        running.site = _call_site(stack)
+        running.site = diagnose.user_call_site([(fs.filename, fs.lineno, fs.name) for fs in stack])
         try:
             running.dump = dump_state(session.rank)  # stacks + the flight recorder's collectives
         except Exception:
@@ -465,12 +388,12 @@ def _proof(outcomes: Dict[int, Optional[dict]], finished: List[int]) -> Optional
         # two ranks issued different collectives under one sequence id: neither can complete
         return diagnose.describe_divergence(div)
     for r, d in sorted(dumps.items()):
-        mine = diagnose._entries_by_group(d.flight_recorder)
+        mine = diagnose.entries_by_group(d.flight_recorder)
         for p in finished:
             theirs = outcomes[p].get("newest") or {}
             for group, seqs in mine.items():
                 if seqs and group in theirs and max(seqs) > theirs[group]:
-                    entry = diagnose._describe(seqs[max(seqs)])
+                    entry = diagnose.describe_entry(seqs[max(seqs)])
                     return (f"rank {r} waits in collective #{max(seqs)} ({entry}) of process group {group}, which "
                             f"rank {p} never issues: it finished the job after #{theirs[group]}")
     return None
@@ -481,22 +404,11 @@ def _newest_collectives() -> Dict[str, int]:
     recorded when it finishes a job: what a peer stuck at the deadline is compared with."""
     try:
         import torch
-        from ..harness import rank as rank_mod
 
-        fr = rank_mod._current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
-        return {g: max(seqs) for g, seqs in diagnose._entries_by_group(fr).items() if seqs}
+        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
+        return {g: max(seqs) for g, seqs in diagnose.entries_by_group(fr).items() if seqs}
     except Exception:
         return {}
-
-
-def _call_site(stack) -> str:
-    """The innermost frame outside torch and this package: where the job was, in the target's
-    terms (the innermost frame when there is none)."""
-    for fs in reversed(stack):
-        path = fs.filename.replace(os.sep, "/")
-        if "/torch/" not in path and "/dpfsdp_verify/" not in path and "threading.py" not in path:
-            return f"{fs.filename}:{fs.lineno} in {fs.name}"
-    return f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "unknown"
 
 
 def _save_state() -> tuple:
@@ -581,4 +493,4 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     return out
 
 
-__all__ = ["cmd_run_torchrun", "TorchrunPool", "serve", "JobDeadline"]
+__all__ = ["TorchrunPool", "serve", "leave", "JobDeadline", "PREFIX"]

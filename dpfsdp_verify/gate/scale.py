@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .errors import HintedError
-from .targets.base import RunSpec, Target
+from ..errors import HintedError
+from ..targets.base import RunSpec, Target
 
 #: trials use sampling seeds this far apart, so ``seed + rank`` (per_rank seeding) never repeats
 TRIAL_SEED_STRIDE = 1_000_003

@@ -1,5 +1,8 @@
-"""The pytest plugin's torchrun mode (``torchrun --nproc-per-node N -m pytest ...``): every pytest
-process is a rank; a distributed test's body runs on all of them at once, in-process.
+"""A torchrun job's ranks as the harness' group: ``TorchrunSession`` is this rank's process group,
+the job's store and the outcome agreement of a body every rank runs at once, in-process. The
+pytest plugin's torchrun mode (``torchrun --nproc-per-node N -m pytest ...``: every pytest process
+is a rank) runs each distributed test's body through ``run_test``; the gate in a torchrun job runs
+its cases through ``TorchrunPool`` (``torchrun_pool.py``) on the same session.
 
 What makes a failing or hanging rank end *that test* instead of the session:
 
@@ -48,7 +51,7 @@ class TorchrunSession:
     """This rank's process group, its store, and the outcome agreement of each test."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, backend: Optional[str] = None):
-        from .harness.backends import get_backend, preferred_backend
+        from .backends import get_backend, preferred_backend
 
         self.rank, self.world_size = rank, world_size
         self.backend = backend or preferred_backend()
@@ -84,7 +87,7 @@ class TorchrunSession:
         except BaseException as e:  # noqa: B902 - incl. pytest.fail/skip: reported collectively
             outcome = {"ok": False, "type": type(e).__name__, "message": str(e),
                        "traceback": traceback.format_exc(), "seconds": time.monotonic() - t0,
-                       "timeout": _is_pg_timeout(e), "skipped": type(e).__name__ == "Skipped"}
+                       "timeout": is_pg_timeout(e), "skipped": type(e).__name__ == "Skipped"}
         outcomes = self._agree(nodeid, outcome, max(0.0, deadline - (time.monotonic() - t0)) + REPORT_GRACE_S)
         failed = {r: o for r, o in outcomes.items() if o is not None and not o["ok"]}
         silent = sorted(r for r, o in outcomes.items() if o is None)
@@ -92,7 +95,7 @@ class TorchrunSession:
             self.broken = (f"{ranks_phrase(silent)} never reported an outcome of {nodeid} (stuck outside any "
                            "collective?); the process group cannot be renewed without them")
         elif failed:
-            self._renew_group()
+            self.renew_group()
         if not failed and not silent:
             return None
         if not silent and len(failed) == self.world_size and all(o.get("skipped") for o in failed.values()):
@@ -114,7 +117,7 @@ class TorchrunSession:
                 out[r] = None
         return out
 
-    def _renew_group(self) -> None:
+    def renew_group(self) -> None:
         """A fresh process group on a new store prefix (see the module docstring)."""
         import torch.distributed as dist
 
@@ -132,7 +135,9 @@ class TorchrunSession:
             dist.destroy_process_group()
 
 
-def _is_pg_timeout(e: BaseException) -> bool:
+def is_pg_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that gave up at the process group's timeout (the rank waited
+    for a peer), rather than a rank's own failure."""
     text = str(e)
     return "Timed out" in text or "timed out" in text or type(e).__name__ == "DistBackendError" and "timeout" in text
 
@@ -154,3 +159,6 @@ def _failure_text(failed: Dict[int, dict], silent: List[int], deadline: float, o
     head = "; ".join(parts)
     tb = "\n".join(f"--- rank {r} traceback ---\n{o['traceback']}" for r, o in sorted(failed.items()))
     return head + ("\n\n" + tb if tb else "")
+
+
+__all__ = ["TorchrunSession", "torchrun_env", "is_pg_timeout", "REPORT_GRACE_S"]

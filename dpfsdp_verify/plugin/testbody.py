@@ -81,3 +81,6 @@ def run_test_body(ref: FunctionRef, kwargs: dict, cls_ref: Optional[FunctionRef]
     if cls_ref is not None:
         return fn(cls_ref.resolve()(), **call)
     return fn(**call)
+
+
+__all__ = ["FunctionRef", "run_test_body"]

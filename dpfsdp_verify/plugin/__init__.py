@@ -12,7 +12,7 @@ Two ways a distributed test runs:
 * **torchrun mode** (``torchrun --nproc-per-node N -m pytest ...``): the plugin sees it already
   is a rank (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set by torchrun), initialises the process group
   with the deadline as its timeout, runs distributed tests collectively in-process, agrees on each
-  outcome through the store (``torchrun_mode.py``), skips those that need another world size, and
+  outcome through the store (``harness/torchrun.py``), skips those that need another world size, and
   lets only rank 0 report (terminal output, JUnit XML).
 
 Deadlines: the marker's ``timeout=`` (else ``--dpfsdp-timeout`` / ini ``dpfsdp_timeout``). When
@@ -37,10 +37,10 @@ from typing import Optional
 
 import pytest
 
-from .harness import BackendUnavailable, GroupStartError, JobPicklingError, Pool
-from .harness.pool import DEFAULT_TIMEOUT_S
+from ..harness import BackendUnavailable, GroupStartError, JobPicklingError, Pool
+from ..harness.pool import DEFAULT_TIMEOUT_S
 from .testbody import FunctionRef, run_test_body  # noqa: F401 - run_test_body: the job ranks import
-from .torchrun_mode import TorchrunSession, torchrun_env
+from ..harness.torchrun import TorchrunSession, torchrun_env
 
 MARKER_HELP = (
     "distributed(world_size=2, backend='gloo', timeout=None, env=None): run the test body on every rank of a "
@@ -281,7 +281,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def _run_collectively(item, world: int, timeout: float) -> bool:
     """torchrun mode: run the body here, on every rank at once, and agree on the outcome
-    through the store (``torchrun_mode.TorchrunSession.run_test``)."""
+    through the store (``harness.torchrun.TorchrunSession.run_test``)."""
     if world != _torchrun.world_size:
         pytest.skip(f"needs world_size={world}; this torchrun job has {_torchrun.world_size} ranks")
     kwargs = _test_kwargs(item)
@@ -306,7 +306,7 @@ def _hypothesis_addoption(group) -> None:
 
 
 def _hypothesis_configure(config) -> None:
-    from .hypothesis_profiles import PROFILE_ENV, load_profile, register_profiles
+    from ..hypothesis_profiles import PROFILE_ENV, load_profile, register_profiles
 
     name = config.getoption("dpfsdp_hypothesis_profile", None) or os.environ.get(PROFILE_ENV)
     register_profiles(str(config.rootpath))

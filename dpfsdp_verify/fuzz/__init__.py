@@ -1,7 +1,8 @@
 """Fuzzing from Python (the ``fuzz`` extra): any property with a fuzz recipe on hypothesis-drawn
 ``RunSpec``s, one spec per example, each a job on an already running worker group judged by the
-property's own ``judge`` against the float64 reference. ``properties/fuzzing.py`` says how examples
-are drawn, shrunk and reported; this module takes property ids and keywords::
+property's own ``judge`` against the float64 reference. ``search.py`` says how examples are drawn,
+shrunk and reported, ``strategies.py`` what they are drawn from; this module takes property ids
+and keywords, and runs the search with the runner's ``check_example``::
 
     from dpfsdp_verify import fuzz
     verdicts = fuzz.fuzz_property(property_id, "opacus", 20, world_sizes=(1, 2))
@@ -17,15 +18,15 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
-from . import modes as modes_mod
-from .harness import Pool
-from .modes import Mode
-from .properties import PROPERTIES, Property, fuzzable
-from .properties import runner
-from .properties.contract import Case, Options
-from .properties.fuzzing import DEFAULT_DTYPES, DEFAULT_MODELS, Counterexample, format_failure
-from .targets import RunSpec
-from .verdict import Verdict
+from .. import modes as modes_mod
+from ..harness import Pool
+from ..modes import Mode
+from ..properties import PROPERTIES, Property, fuzzable
+from ..properties import runner
+from ..properties.contract import Case, Options
+from ..targets import RunSpec
+from ..verdict import Verdict
+from .search import DEFAULT_DTYPES, DEFAULT_MODELS, Counterexample, format_failure, fuzz_groups
 
 #: modes as the Python API gives them (``{label: {VAR: value}}``) or as ``Mode``s
 ModesLike = Union[dict, Sequence[Mode]]
@@ -47,7 +48,26 @@ def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: O
     for one the property does not know); ``settings`` overrides the hypothesis profile's;
     ``pool=None`` uses a private pool. ``ValueError`` for a property that cannot be fuzzed."""
     prop = fuzzable_property(property_id)
-    return runner.fuzz_property(prop, prop.options(target_ref, **options), n_examples, pool, settings)
+    return fuzz_examples(prop, prop.options(target_ref, **options), n_examples, pool, settings)
+
+
+def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional[Pool] = None,
+                  settings=None) -> List[Verdict]:
+    """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
+    of the options' world sizes and mode groups, each run and judged by ``runner.check_example``
+    (``search.fuzz_groups``); ``settings`` overrides the hypothesis profile's. ``pool=None``: a
+    private pool, closed at the end. What ``dpfsdp-verify run --fuzz N`` hands the runner."""
+    opts = prop.with_defaults(opts)
+    own = pool is None
+    pool = pool or Pool()
+    try:
+        def check(spec, world_size, modes):
+            return runner.check_example(prop, opts, spec, world_size, pool, modes)
+
+        return fuzz_groups(prop, opts, n_examples, check, settings)
+    finally:
+        if own:
+            pool.close()
 
 
 def check_example(property_id: str, opts: Options, spec: RunSpec, world_size: int, *, pool: Pool,
@@ -71,5 +91,5 @@ def replay_command(property_id: str, target_ref: str, spec: RunSpec, world_size:
                 drawn=spec).repro()
 
 
-__all__ = ["fuzz_property", "check_example", "fuzzable_property", "spec_to_json", "spec_from_json",
+__all__ = ["fuzz_property", "fuzz_examples", "check_example", "fuzzable_property", "spec_to_json", "spec_from_json",
            "replay_command", "format_failure", "Counterexample", "DEFAULT_MODELS", "DEFAULT_DTYPES"]

@@ -1,7 +1,7 @@
 """Fuzzing a property: hypothesis draws ``RunSpec``s from the property's recipe
 (``Property.fuzz``: which ``strategies.run_specs``, and its ``prepare``), the contract turns each
-into a ``Case`` (``Property.fuzz_case``), and ``check`` -- the runner's, ``runner.check_example``
--- runs and judges it. Nothing here runs ranks or knows a property by name.
+into a ``Case`` (``Property.fuzz_case``), and ``check`` -- the runner's, ``runner.check_example``,
+handed in by ``fuzz_examples`` -- runs and judges it. Nothing here runs ranks or knows a property by name.
 
 One hypothesis run per world size (ascending) and mode group, so a pool keeps the same worker
 group warm for a whole run and the first world size that fails is the smallest. When an example
@@ -30,8 +30,8 @@ from ..hypothesis_profiles import profile_settings
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
+from ..properties.contract import Options, Property, modes_problem
 from . import strategies
-from .contract import Options, Property, modes_problem
 
 DEFAULT_MODELS = ("mlp", "transformer")
 #: float64 unless asked (``--dtypes``): fuzzed shapes include degenerate layers (a LayerNorm over one
@@ -173,3 +173,7 @@ def format_failure(v: Verdict) -> str:
         lines.append(f"blob: {v.evidence['reproduce_failure']}")
     lines.append(f"reproduce: {v.repro}")
     return "\n".join(lines)
+
+
+__all__ = ["fuzz_groups", "search", "spec_strategy", "format_failure", "Counterexample", "Check",
+           "DEFAULT_MODELS", "DEFAULT_DTYPES"]
