@@ -33,7 +33,7 @@ import traceback
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-from .harness.rank_groups import grouped, ranks_phrase, were
+from .rank_groups import grouped, ranks_phrase, were
 
 #: Extra time a rank waits for its peers' outcomes beyond the test's deadline (a peer stuck in a
 #: collective reports only once the process-group timeout has fired).
