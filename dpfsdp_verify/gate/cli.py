@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                           f"default {DEFAULT_GRAD_SAMPLE_MODE})")
     run.add_argument("--world-sizes", default=None,
                      help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's world size)")
+    run.add_argument("--wide-world-size", type=int, default=None, metavar="W",
+                     help="a world size >= 3 where a few cheap cases run that bugs keyed on the rank index hit "
+                          "(rank %% 2, LOCAL_RANK, rank ^ 1, a shard offset); 0: none; one of --world-sizes: the "
+                          "whole matrix runs there instead (default 3; docs/horizon.md)")
+    run.add_argument("--horizon", type=int, default=None, metavar="STEPS",
+                     help="steps of the long Poisson run per check family (clip cap, noise per step, step "
+                          "agreement and hangs), every step judged; 0: none (default 48; docs/horizon.md)")
     run.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                      help="spawn: the gate starts its own ranks on this host (default); torchrun: run inside the "
                           "ranks of 'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")

@@ -142,6 +142,12 @@ def accum_cases(point: Point, only):
                          doing=f"{what}, gradient accumulation in physical batches of {ACCUM_P}")
 
 
+def wide(point: Point):
+    """At the wide world size (``horizon.py``): the ``uneven_accum`` scenario, where ranks that agree
+    on the physical pass count with some peers only (``rank ^ 1``) diverge from the third rank on."""
+    yield from accum_cases(point, ("uneven_accum",))
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
     if case.spec.physical_batch_size:
         outputs = runs[0][0]
@@ -166,4 +172,4 @@ PROPERTY = Property(
     meaning=("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
-    params=(("local_batches", None),))
+    params=(("local_batches", None),), wide=wide)

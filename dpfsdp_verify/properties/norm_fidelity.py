@@ -77,6 +77,15 @@ def cases(point: Point):
     yield point.case(spec, specs=(spec, large), doing=f"per-sample norms (local batches of 4 and {LARGE_LOCAL_BATCH})")
 
 
+def wide(point: Point):
+    """At the wide world size (``horizon.py``): one step of the first model on split data, so that a rank
+    clipping with another rank's norms (gathered and read at ``LOCAL_RANK`` or ``rank % 2``) shows
+    from the third rank on."""
+    if point.sampling == "fixed":
+        spec = point.spec(global_batch_size=4 * point.world_size).with_(data_layout="split")
+        yield point.case(prepare(spec), doing="per-sample norms")
+
+
 def large_point(point: Point) -> bool:
     """Whether ``point`` also runs the large local batch (``LARGE_LOCAL_BATCH``): once per world size
     and mode, on the cheap point -- the mlp, split data, float64, fp32, fixed batches, the first
@@ -363,6 +372,6 @@ PROPERTY = Property(
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
-    precisions=PRECISIONS,
+    precisions=PRECISIONS, wide=wide,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))
