@@ -35,6 +35,7 @@ is judged on the norms it clips with.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -221,6 +222,14 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
             fit["gradient_scale"] = k
             message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
         return diagnosis, message, fit
+    borrowed = _borrowed_clip(case, want, steps, indices, coef, tol)
+    if borrowed:
+        pairs = "; ".join(f"rank {r} with rank {j}'s" for r, j in borrowed.items())
+        return "sample_mixing", (
+            f"it clips with another rank's norms {where}: {pairs} (the true norms of the samples that rank "
+            "processed), the other ranks with their own: norms gathered across ranks and read back at the wrong "
+            "index (LOCAL_RANK or rank % 2 where the global rank is meant). A sample clipped with another "
+            "sample's norm can contribute more than C: a privacy violation."), fit
     changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
@@ -248,6 +257,33 @@ def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, to
         if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
             return diagnosis, message, k
     return None
+
+
+#: ranks up to which every assignment of another rank's norms is tried (``_borrowed_clip``: ws^ws fits)
+BORROWED_MAX_RANKS = 4
+
+
+def _borrowed_clip(case: Case, want, steps, indices, coef: torch.Tensor, tol: float) -> dict:
+    """``{rank: other rank}`` when the recovered coefficients ``coef`` are those of some ranks clipping
+    with another rank's true norms (up to one overall factor, as ``_matched_hypothesis``); ``{}``."""
+    ws, c = case.world_size, case.spec.max_grad_norm
+    if not 1 < ws <= BORROWED_MAX_RANKS:
+        return {}
+    pos = {i: j for j, i in enumerate(indices)}
+    for mapping in itertools.product(range(ws), repeat=ws):
+        if all(j == r for r, j in enumerate(mapping)) or any(len(want[j]) != len(want[r])
+                                                               for r, j in enumerate(mapping)):
+            continue
+        shape = torch.ones(len(indices), dtype=torch.float64)
+        for r, (s, j) in enumerate(zip(steps, mapping)):
+            for i, value in zip(s.indices, want[j].tolist()):
+                if i in pos:
+                    shape[pos[i]] = float(reference.clip_coefficients(torch.tensor([value]), c)[0])
+        k = float(coef @ shape / (shape @ shape))
+        # a cause is named at the hypotheses' looser tolerance (the clip form's epsilon is not the point)
+        if float((coef - k * shape).abs().max()) <= max(tol, HYPOTHESIS_RTOL) * max(1.0, abs(k)):
+            return {r: j for r, j in enumerate(mapping) if j != r}
+    return {}
 
 
 def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
@@ -326,6 +362,14 @@ def diagnose(case: Case, got, want, steps, ratios):
     for diagnosis, norms, message, _ in hypotheses(case, want, steps, subject="per-sample norms"):
         if all(_close(g, n) for g, n in zip(got, norms)):
             return diagnosis, message
+    borrowed = borrowed_norms(got, want)
+    if borrowed:
+        pairs = "; ".join(f"rank {r} reports rank {j}'s" for r, j in borrowed.items())
+        return "sample_mixing", (
+            f"per-sample norms are another rank's {where}: {pairs} (the true norms of the samples that rank "
+            "processed), the other ranks their own. Norms gathered across ranks and read back at the wrong index "
+            "-- LOCAL_RANK or rank % 2 where the global rank is meant -- are right on the first node or at 2 ranks "
+            "only. A sample clipped with another sample's norm can contribute more than C: a privacy violation.")
     if bool((ratios < 1).all()):
         note = ""
         if layout == "replicated" and ws > 1 and len({len(g) for g in got}) == 1:
@@ -350,6 +394,20 @@ def diagnose(case: Case, got, want, steps, ratios):
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
                         f"some above and some below the truth.{prefix}")
+
+
+def borrowed_norms(got, want) -> dict:
+    """``{rank: other rank}`` when every rank whose norms are wrong reports exactly the true norms
+    of another rank's samples (a gather read at the wrong index); else ``{}``."""
+    out = {}
+    for r, g in enumerate(got):
+        if len(g) == len(want[r]) and _close(g, want[r]):
+            continue
+        j = next((j for j, w in enumerate(want) if j != r and len(w) == len(g) and len(g) and _close(g, w)), None)
+        if j is None:
+            return {}
+        out[r] = j
+    return out
 
 
 def right_prefix(got, want) -> int:
