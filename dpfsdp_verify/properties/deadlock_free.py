@@ -53,6 +53,7 @@ from typing import Dict
 
 from ..verdict import Verdict
 from .contract import Case, Outputs, Point, Property
+from .horizon import horizon_labels, horizon_point, horizon_spec
 
 STEPS = 2
 EPOCHS = 4
@@ -121,6 +122,14 @@ def cases(point: Point):
                 f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
                 f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
         yield from accum_cases(point, only)
+    if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes) and (
+            only is None or "poisson_horizon" in only):
+        # the long run (horizon.py): a collective only some ranks issue every k steps, or a sampler that
+        # changes after some epochs, hangs here and nowhere in the short scenarios
+        spec = horizon_spec(point, noise_multiplier=1.0)
+        yield point.case(spec, labels={"local_batches": "poisson_horizon", **horizon_labels(spec)}, doing=(
+            f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
+            f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)
     yield from last
 
 

@@ -76,7 +76,7 @@ from ..targets import RunSpec
 from ..verdict import Verdict
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
-from .horizon import HORIZON_DEADLINE_S, horizon_labels, horizon_point, horizon_spec
+from .horizon import horizon_labels, horizon_point, horizon_spec
 from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
@@ -185,7 +185,7 @@ def cases(point: Point):
                          noise_seed=point.seed(point.param("noise_seed") + 5))
         yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
                          facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
-                         labels=horizon_labels(h), isolate=True, deadline=HORIZON_DEADLINE_S)
+                         labels=horizon_labels(h), isolate=True)
     if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
