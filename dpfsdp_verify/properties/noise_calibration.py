@@ -546,6 +546,14 @@ def _judge_horizon(case: Case, outputs: Outputs) -> Verdict:
     late = _late_scale_change(scales, alpha, from_first=True)
     if late is not None:
         return case.verdict("fail", "mismatch", _late_message(late, where, alpha), evidence)
+    level = alpha / len(scales)
+    odd = [(k, r) for _, k, r, p in scales if not p >= level]
+    if odd:
+        return case.verdict("fail", "mismatch", (
+            f"the noise std is wrong at {len(odd)} of the {len(scales)} steps {where}: "
+            + ", ".join(f"step {k}: {r:.3f} x sigma*C/D" for k, r in odd[:6])
+            + f" (each step's two-sided chi-square p < {level:.2g}). Every release needs noise of std sigma*C/D "
+            "(less: a privacy violation; more: utility lost)."), evidence)
     ratios = [r for _, _, r, _ in scales]
     return case.verdict("pass", None, (
         f"noise of std sigma*C/D at every one of the {len(scales)} steps {where}: std ratio per step "
@@ -599,7 +607,7 @@ def _late_scale_change(scales, alpha: float, from_first: bool = False):
     low = [x for x in failed if x[2] < 1]
     high = [x for x in failed if x[2] >= 1]
     side = low if len(low) >= len(high) else high
-    if len(side) < 0.75 * len(later):
+    if len(side) < max(2, 0.75 * len(later)):  # one release alone is a tail, not a change
         return None
     return k, side, later, [x[2] for x in scales if x[1] < k]
 
