@@ -24,6 +24,11 @@ constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normali
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
 ``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
+
+The long run (``horizon.py``, once per run at the largest world size): ``Options.horizon`` steps of
+Poisson sampling at noise 0 and lr 0, each step's released gradient against the reference step on
+its realised batch (each sample's gradient computed once: the parameters never move); a failure
+names the first wrong step ("from step k (epoch e) on"), how many followed, and step k's fit.
 """
 
 from __future__ import annotations

@@ -35,6 +35,12 @@ timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-i
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.
 
 
+Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the ``uneven_accum`` scenario
+alone (pass counts agreed with some ranks only, ``rank ^ 1``, diverge there); and one long run
+at the largest world size, ``poisson_horizon``: ``Options.horizon`` steps of Poisson sampling
+(``per_rank`` seeding, an expected local batch of 16, noise on), where a collective that some
+ranks issue every k steps, or a sampler that changes after some epochs, hangs.
+
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
 local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical

@@ -39,11 +39,24 @@ Deterministic checks first (no statistics needed):
   and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
   zero-noise and repeat checks only.
 
+Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the exact checks on one step
+of the mlp, whose tensors FSDP shards unevenly there (``wide``): noise seeded from ``LOCAL_RANK``
+or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
+noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
+shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
+beside its noise-0 twin): the exact checks at every lag, then each step's noise std on its own
+(two-sided chi-square over all its coordinates, Bonferroni over the steps): "too little noise
+from step k".
+
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
 Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
 ``FAMILY_ALPHA`` shared out over the verdicts of the run, so a correct target raises a false
 alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
 
+* scale per release, first: each draw's ``sum(noise^2) / s^2 ~ chi^2(coordinates)`` at ``alpha``
+  over the draws; draws failing from some step k > 0 on (>= 3/4 of them, on one side) are "too
+  little (much) noise from step k" -- a change part-way through a run, which the shape test would
+  read as heavy tails (a mixture of two scales);
 * scale, per parameter tensor and per rank-owned shard (FSDP's dim-0 chunks):
   ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D`` (D = the batch size under ``mean``;
   Poisson: opacus' expected batch size ``int(q N)``);

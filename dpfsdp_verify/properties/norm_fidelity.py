@@ -18,7 +18,9 @@ explained by testing the known bug shapes against the numbers, in this order:
   of norm^2) across N ranks that each already held the whole sample;
 * ``sample_mixing`` -- on split data, each reported norm is the root-sum-square of the true norms
   of the samples at the same position on every rank: norm^2 all-reduced across ranks holding
-  *different* samples;
+  *different* samples; or some rank reports (clips with) exactly another rank's true norms: norms
+  gathered across ranks and read back at the wrong index (``LOCAL_RANK``, ``rank % 2``), which
+  shows from the third rank on (the wide case, ``horizon.py``: one split step at 3 ranks);
 * ``undercount`` -- every reported norm is below the truth (e.g. computed over the local parameter
   shard only; the message says when the ranks' squares add up to the truth);
 * ``mismatch`` -- anything else (wrong samples, wrong shapes, unexplained values).
