@@ -39,8 +39,8 @@ Deterministic checks first (no statistics needed):
   and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
   zero-noise and repeat checks only.
 
-Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the exact checks on one step
-of the mlp, whose tensors FSDP shards unevenly there (``wide``): noise seeded from ``LOCAL_RANK``
+Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the two exact-only cases
+(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from ``LOCAL_RANK``
 or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
 noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
 shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
@@ -208,16 +208,21 @@ def cases(point: Point):
 
 
 def wide(point: Point):
-    """At the wide world size (``horizon.py``): the exact checks on one step of the statistical mlp,
-    whose 64/32/16-row tensors FSDP shards unevenly at 3 ranks. Noise seeded from ``rank % 2`` or
-    ``LOCAL_RANK`` repeats on two shards; replicated noise sliced at ``rank * local_rows`` gives a
-    short last shard rows another shard already carries."""
+    """At the wide world size (``horizon.py``): the two exact-only cases of the smallest world size,
+    one step each beside its noise-0 twin -- the transformer, and the wide mlp, whose 64- and
+    16-row tensors FSDP shards unevenly at 3 ranks (22/22/20, 6/6/4). Noise seeded from
+    ``rank % 2`` or ``LOCAL_RANK`` repeats on two shards; replicated noise sliced at
+    ``rank * local_rows`` gives the short last shard rows another shard already carries."""
     if point.sampling != "fixed":
         return
-    spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-                      noise_seed=point.seed(point.param("noise_seed") + 6), lr=0.0, steps=1, model_kwargs=MLP_DIMS)
-    yield point.case(spec, [spec.with_(noise_multiplier=0.0), spec], doing="one DP step with noise (exact checks)",
+    spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
+                      steps=1, noise_seed=point.seed(point.param("noise_seed") + 6))
+    t = spec.with_(model="transformer", model_kwargs=())
+    yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                      facts={"exact_only": True})
+    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS, noise_seed=point.seed(point.param("noise_seed") + 7))
+    yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
+                     "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 
 
 def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
