@@ -94,7 +94,9 @@ def test_reach_options_are_checked_and_can_be_turned_off(capsys):
         assert bad[0] in err and err.count("\n") <= 2
     assert beyond_matrix("noise_calibration", "fixtures.specimens:Correct", wide_world_size=0, horizon=0) == []
     # a wide world size already in the matrix adds nothing: the whole matrix runs there
-    assert beyond_matrix("norm_fidelity", "fixtures.specimens:Correct", world_sizes=(1, 3), horizon=0) == []
+    prop = PROPERTIES["norm_fidelity"]
+    assert prop.wide_plan(prop.with_defaults(default_options("fixtures.specimens:Correct", world_sizes=(1, 3)))) == []
+    assert len(prop.wide_plan(prop.with_defaults(default_options("fixtures.specimens:Correct")))) == 1
 
 
 def test_ranks_get_a_torchrun_node_layout(pool):
