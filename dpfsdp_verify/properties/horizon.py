@@ -8,7 +8,7 @@ cannot show there:
   replicated noise sliced at ``rank * local_rows`` (right only while every earlier shard has as
   many rows as this one) -- are right at 1 and 2 ranks. At the *wide world size*
   (``Options.wide_world_size``, the gate's default ``WIDE_WORLD_SIZE`` = 3: ``rank % 2`` repeats,
-  ``rank ^ 1`` has no partner, FSDP's dim-0 shards of the 16/32/64-row mlp are uneven, and the
+  ``rank ^ 1`` has no partner, FSDP's dim-0 shards of the 64- and 16-row tensors are uneven, and the
   harness gives each rank a node of its own, so ``LOCAL_RANK`` is 0 everywhere:
   ``harness.node_env``) each property with a ``Property.wide`` runs the few cheap cases such a bug
   hits: noise (exact checks), norms, pass-count agreement;
@@ -39,13 +39,19 @@ HORIZON_STEPS = 48
 #: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
 #: opacus' does) takes every step, and the long runs judge the late steps, not that finding
 HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
+
+
 def horizon_point(point: Point, models: Iterable[str], reductions: Iterable[str], dtypes: Iterable[str]) -> bool:
     """Whether ``point`` runs its property's long run: the options ask for one, this is the
-    largest world size (>= 2) and the first point along the other axes (fixed sampling where the
-    property has it: the long run brings its own Poisson sampling)."""
+    largest world size (>= 2) and the first point along the other axes: the fixed-sampling point
+    where fixed sampling is selected (the long run brings its own Poisson sampling), else the
+    first seeding's Poisson point."""
     o = point.options
+    first = "fixed" if o.samplings is None or "fixed" in o.samplings else "poisson"
+    first_seeding = point.seeding is None or o.seedings is None or point.seeding == o.seedings[0]
     return (o.horizon > 0 and point.world_size == max(o.world_sizes) >= 2 and point.precision == "fp32"
-            and point.sampling == "fixed" and point.first_of_axes(tuple(models), tuple(reductions), tuple(dtypes)))
+            and point.sampling == first and first_seeding
+            and point.first_of_axes(tuple(models), tuple(reductions), tuple(dtypes)))
 
 
 def horizon_spec(point: Point, **fields) -> RunSpec:
