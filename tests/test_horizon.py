@@ -136,7 +136,8 @@ def test_replicated_noise_sliced_at_rank_rows_is_named_a_shard_offset(pool):
 
 def test_norms_read_at_local_rank_name_the_rank_borrowed_from(pool):
     one_failure(judged(pool, "norm_fidelity", H + "NormsReadAtLocalRank", wide_only), "fail", "sample_mixing",
-                "rank 1 reports rank 0's", "rank 2 reports rank 0's", "wrong index")
+                "it reports another rank's per-sample norms", "rank 1 uses rank 0's", "rank 2 uses rank 0's",
+                "wrong index")
 
 
 def test_passes_agreed_with_a_neighbour_diverge_at_three_ranks(pool):

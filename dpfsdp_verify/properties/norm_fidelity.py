@@ -226,12 +226,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         return diagnosis, message, fit
     borrowed = _borrowed_clip(case, want, steps, indices, coef, tol)
     if borrowed:
-        pairs = "; ".join(f"rank {r} with rank {j}'s" for r, j in borrowed.items())
-        return "sample_mixing", (
-            f"it clips with another rank's norms {where}: {pairs} (the true norms of the samples that rank "
-            "processed), the other ranks with their own: norms gathered across ranks and read back at the wrong "
-            "index (LOCAL_RANK or rank % 2 where the global rank is meant). A sample clipped with another "
-            "sample's norm can contribute more than C: a privacy violation."), fit
+        return "sample_mixing", _borrowed_message("it clips with", borrowed, where), fit
     changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
@@ -366,12 +361,7 @@ def diagnose(case: Case, got, want, steps, ratios):
             return diagnosis, message
     borrowed = borrowed_norms(got, want)
     if borrowed:
-        pairs = "; ".join(f"rank {r} reports rank {j}'s" for r, j in borrowed.items())
-        return "sample_mixing", (
-            f"per-sample norms are another rank's {where}: {pairs} (the true norms of the samples that rank "
-            "processed), the other ranks their own. Norms gathered across ranks and read back at the wrong index "
-            "-- LOCAL_RANK or rank % 2 where the global rank is meant -- are right on the first node or at 2 ranks "
-            "only. A sample clipped with another sample's norm can contribute more than C: a privacy violation.")
+        return "sample_mixing", _borrowed_message("it reports", borrowed, where)
     if bool((ratios < 1).all()):
         note = ""
         if layout == "replicated" and ws > 1 and len({len(g) for g in got}) == 1:
@@ -396,6 +386,16 @@ def diagnose(case: Case, got, want, steps, ratios):
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
                         f"some above and some below the truth.{prefix}")
+
+
+def _borrowed_message(what: str, borrowed: dict, where: str) -> str:
+    """``what`` ("it reports" / "it clips with") another rank's norms on the ranks of ``borrowed``."""
+    pairs = "; ".join(f"rank {r} uses rank {j}'s" for r, j in borrowed.items())
+    return (f"{what} another rank's per-sample norms {where}: {pairs} (the true norms of the samples that "
+            "rank processed), the other ranks their own. Norms gathered across ranks and read back at the wrong "
+            "index -- LOCAL_RANK or rank % 2 where the global rank is meant -- are right on the first node or at 2 "
+            "ranks only. A sample clipped with another sample's norm can contribute more than C: a privacy "
+            "violation.")
 
 
 def borrowed_norms(got, want) -> dict:
