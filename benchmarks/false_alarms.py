@@ -13,13 +13,18 @@ Two kinds of verdicts, counted apart:
   run), so the expected number of false alarms is <= runs x rate, printed next to the count.
 
     python benchmarks/false_alarms.py [--runs 20] [--seed S] [--models lora,tied] [--properties noise_calibration]
-        [--precisions bf16-fsdp,bf16-autocast]
+        [--precisions bf16-fsdp,bf16-autocast] [--wide-world-size 3] [--horizon 48] [--reach-only]
     (run i uses run seed S + i)
 
 ``--accountant N`` (no ranks, seconds): N verdicts of ``noise_calibration``'s accountant check
 alone (``properties/accountant.py``) on exactly Gaussian noise of the right std, an RDP accountant
 told the configured (sigma, q, steps) and reporting its epsilon: the check's own false alarms
 (expected <= N x 2 x its per-test level), far more draws than gate runs give it.
+
+The gate's wide world size and long runs (``docs/horizon.md``) are included as the gate runs them
+(``--wide-world-size 3 --horizon 48``; 0 leaves them out); ``--reach-only`` runs only those cases
+(each property's wide and long-run cases, not its matrix): their false alarms over many runs in a
+fraction of the time.
 
 ``--models`` runs every property on those models instead of each property's own (e.g. the
 fine-tuning models, ``docs/finetune.md``); ``--properties`` runs only those properties;
@@ -40,6 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpfsdp_verify.harness import Pool  # noqa: E402
 from dpfsdp_verify.properties import REGISTRY  # noqa: E402
 import dpfsdp_verify.properties as props  # noqa: E402
+from dpfsdp_verify.properties.contract import Case  # noqa: E402
+from dpfsdp_verify.properties.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE  # noqa: E402
+from dpfsdp_verify.properties.runner import judge_cases  # noqa: E402
 
 TARGET = "fixtures.specimens:Correct"
 MODES = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
@@ -82,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default=None, help="comma list of precisions (default: fp32 only)")
     ap.add_argument("--accountant", type=int, default=0, metavar="N",
                     help="simulate N verdicts of the accountant check alone (no ranks) and stop")
+    ap.add_argument("--wide-world-size", type=int, default=WIDE_WORLD_SIZE, help="as the gate's (0: none)")
+    ap.add_argument("--horizon", type=int, default=HORIZON_STEPS, help="as the gate's (0: none)")
+    ap.add_argument("--reach-only", action="store_true", help="only the wide world size's and the long runs' cases")
     args = ap.parse_args(argv)
     if args.accountant:
         t0 = time.perf_counter()
@@ -105,8 +116,10 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for prop in registry:
                 failed = False
-                for v in props.run(prop, TARGET, pool=pool, world_sizes=(1, 2), modes=MODES, seed=args.seed + run,
-                                **axes):
+                kw = dict(world_sizes=(1, 2), modes=MODES, seed=args.seed + run, wide_world_size=args.wide_world_size,
+                          horizon=args.horizon, **axes)
+                found = reach_verdicts(prop, pool, kw) if args.reach_only else props.run(prop, TARGET, pool=pool, **kw)
+                for v in found:
                     counts[(prop.id, v.status)] += 1
                     if v.status not in ("pass", "skip"):
                         failed = True
@@ -131,6 +144,14 @@ def main(argv=None) -> int:
     for _, a in alarms:
         print("  " + a)
     return 1 if alarms else 0
+
+
+def reach_verdicts(prop, pool, kw):
+    """The verdicts of ``prop``'s cases beyond the matrix only: at the wide world size, and its long run."""
+    opts = prop.options(TARGET, **kw)
+    cases = [c for c in prop.plan(opts) if isinstance(c, Case)
+             and (c.world_size == opts.wide_world_size or "horizon" in c.labels)]
+    return judge_cases(prop, cases, pool, opts.timeout) if cases else []
 
 
 if __name__ == "__main__":

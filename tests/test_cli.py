@@ -153,8 +153,12 @@ def test_upstream_opacus_verdicts(tmp_path):
                  v["config"]["reduction"], v["config"]["dtype"], v["config"].get("sampling", "fixed")):
                 (v["status"], v["diagnosis"]) for v in report["results"]}
     # float64 and float32 by default for these two; clipped_step under fixed and Poisson sampling; the
-    # layer zoo once per world size
-    assert len(verdicts) == len(report["results"]) == 34
+    # layer zoo once per world size; beyond the matrix (docs/horizon.md) norm_fidelity at the third rank
+    # and clipped_step's long run
+    assert len(verdicts) == len(report["results"]) == 36
+    assert verdicts[("norm_fidelity", "mlp", 3, "split", "mean", "float64", "fixed")] == ("pass", None)
+    long_run, = [v for v in report["results"] if v["config"].get("horizon")]
+    assert (long_run["property"], long_run["status"], long_run["config"]["world_size"]) == ("clipped_step", "pass", 2)
     for dtype in ("float64", "float32"):
         for ws in (1, 2):
             for layout in ("replicated", "split"):
@@ -167,12 +171,12 @@ def test_upstream_opacus_verdicts(tmp_path):
             assert verdicts[("clipped_step", "mlp", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
     assert verdicts[("norm_fidelity", "zoo", 1, "split", "mean", "float64", "fixed")] == ("pass", None)
     assert verdicts[("norm_fidelity", "zoo", 2, "split", "mean", "float64", "fixed")] == ("pass", None)
-    assert report["summary"] == {"pass": 30, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
+    assert report["summary"] == {"pass": 32, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
     assert "4 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
     suite = ET.parse(x).getroot().find("testsuite")
-    assert suite.get("tests") == "32" and suite.get("failures") == "4"
+    assert suite.get("tests") == "34" and suite.get("failures") == "4"
     assert "1/world_size" in suite.find("testcase/failure").text
     assert "clipped_step" in md.read_text()
 

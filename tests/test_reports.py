@@ -44,20 +44,22 @@ def test_deadlock_free_scenarios_have_unique_labels_in_every_report(tmp_path):
     rep = json.loads(r.stdout)  # --json -: stdout is the JSON report and nothing else
     validate(rep)
     results = rep["results"]
-    assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "poisson_per_rank",
-                                                                     "poisson_per_rank_accum", "poisson_same",
-                                                                     "single", "uneven", "uneven_accum"]
+    # the 8 scenarios at 2 ranks, the long run (poisson_horizon) and uneven_accum at the third rank
+    assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "poisson_horizon",
+                                                                     "poisson_per_rank", "poisson_per_rank_accum",
+                                                                     "poisson_same", "single", "uneven",
+                                                                     "uneven_accum", "uneven_accum"]
     labels = [v["label"] for v in results]
-    assert len(set(labels)) == 8 and all("local_batches=" in lab and "None" not in lab for lab in labels)
+    assert len(set(labels)) == 10 and all("local_batches=" in lab and "None" not in lab for lab in labels)
     assert all(set(v["config"]) <= set(CONFIG_KEYS) for v in results)
     # the terminal table went to stderr, one row per verdict, each with its own label
-    assert "8 pass" in r.stderr and all(lab in r.stderr for lab in labels)
+    assert "10 pass" in r.stderr and all(lab in r.stderr for lab in labels)
     cases = ET.parse(x).getroot().findall("testsuite/testcase")
     names = [(c.get("classname"), c.get("name")) for c in cases]
-    assert len(names) == 8 and len(set(names)) == 8 and {n for _, n in names} == set(labels)
+    assert len(names) == 10 and len(set(names)) == 10 and {n for _, n in names} == set(labels)
     page = md.read_text()
     rows = [line for line in page.splitlines() if line.startswith("| `deadlock_free`")]
-    assert len(rows) == 8 and len(set(rows)) == 8
+    assert len(rows) == 10 and len(set(rows)) == 10
     assert "![" not in page and ".png" not in page  # nothing a GitHub step summary cannot show
 
 
@@ -125,7 +127,8 @@ def test_a_bug_in_fuzzing_keeps_the_property_verdicts(pool, tmp_path, capsys, mo
         prop, fuzz=dataclasses.replace(prop.fuzz, prepare=_raising_prepare)))
     j = tmp_path / "r.json"
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.specimens:Correct", "--properties",
-                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--fuzz", "2", "-q", "--json", str(j))
+                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--wide-world-size", "0", "--fuzz", "2", "-q",
+                 "--json", str(j))
     assert r.returncode == 3, r.stderr
     rep = json.loads(j.read_text())
     validate(rep)

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     matrix.add_argument("--world-sizes", default=None,
                         help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
+    matrix.add_argument("--wide-world-size", type=int, default=None, metavar="W",
+                        help="a world size >= 3 for a few cheap cases that rank-index bugs hit (rank %% 2, "
+                             "LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default 3; docs/horizon.md)")
     matrix.add_argument("--models", default=None,
                         help="comma list of mlp,conv,transformer, lora,tied (docs/finetune.md), masked "
                              "(docs/sequences.md)")
@@ -119,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     loops.add_argument("--resume-at", type=int, default=None, metavar="K",
                        help="checkpoint after K steps and resume in fresh ranks, for the properties with the option "
                             "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
+    loops.add_argument("--horizon", type=int, default=None, metavar="STEPS",
+                       help="steps of the long Poisson run per check family, every step judged; 0: none "
+                            "(default 48; docs/horizon.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")

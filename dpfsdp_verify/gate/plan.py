@@ -86,6 +86,7 @@ class RunPlan:
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
+        wide, horizon = parse_reach(args, world_sizes, job_world_size)
         resume_at = getattr(args, "resume_at", None)  # checkpoint/resume: the option of the property that takes it
         if resume_at is not None:
             for prop in PROPERTIES.values():
@@ -108,11 +109,36 @@ class RunPlan:
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
+                          wide_world_size=wide, horizon=horizon,
                           **parse_axes(args), **parse_sampling(args, world_sizes[-1]),
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    expectations=expectations, reports=reports, quiet=args.quiet)
+
+
+def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int]:
+    """``(wide world size, horizon steps)`` from ``--wide-world-size`` / ``--horizon`` (defaults:
+    ``properties.horizon``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
+    ranks are the job's: no wide world size unless it is the job's own (then it is in the matrix)."""
+    from ..properties.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
+
+    wide = getattr(args, "wide_world_size", None)
+    horizon = getattr(args, "horizon", None)
+    if horizon is not None and horizon < 0:
+        raise UsageError(f"--horizon {horizon}: must be >= 0 steps", "e.g. --horizon 48, or 0 for no long runs")
+    if wide is not None and (wide < 0 or 0 < wide < 3):
+        raise UsageError(f"--wide-world-size {wide}: must be >= 3 (or 0: none)", "e.g. --wide-world-size 3")
+    if job_world_size is not None:
+        if wide:
+            raise UsageError("--wide-world-size: a torchrun job runs at its own world size only",
+                             f"relaunch with {wide} ranks, or omit --wide-world-size")
+        wide = 0
+    elif wide is None:
+        wide = WIDE_WORLD_SIZE
+    if wide and wide not in world_sizes:
+        parse_world_sizes(str(wide), args.backend)  # the backend must be able to run it
+    return wide, HORIZON_STEPS if horizon is None else horizon
 
 
 def parse_world_sizes(text: str, backend: str) -> List[int]:

@@ -65,7 +65,8 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
     fuzz = _fuzzer(plan.fuzz)
-    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(opts.world_sizes) * len(opts.modes)))
+    sizes = len(opts.world_sizes) + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0)
+    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
     try:
         for pid in plan.properties:

@@ -12,7 +12,7 @@ told by state, as ranges). Rank side: ``rank.py``. The messages between them: ``
 """
 
 from .group import (BackendUnavailable, GroupResult, GroupStartError, JobFailed, JobPicklingError,
-                    NotRunHere, WorkerGroup, check_backend)
+                    NotRunHere, WorkerGroup, check_backend, local_world_size, node_env)
 from .pool import DEFAULT_TIMEOUT_S, Pool, default_pool, pid_gone, wait_gone
 from .protocol import JobError, JobResult
 
@@ -25,4 +25,4 @@ def run(fn, *args, world_size: int = 2, backend: str = "gloo", env=None, timeout
 
 __all__ = ["run", "Pool", "default_pool", "WorkerGroup", "GroupResult", "JobResult", "JobError", "JobFailed",
            "BackendUnavailable", "NotRunHere", "GroupStartError", "JobPicklingError", "check_backend",
-           "DEFAULT_TIMEOUT_S", "pid_gone", "wait_gone"]
+           "DEFAULT_TIMEOUT_S", "pid_gone", "wait_gone", "local_world_size", "node_env"]

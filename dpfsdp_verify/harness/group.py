@@ -90,6 +90,29 @@ class JobPicklingError(TypeError):
     """The job function or its arguments cannot be sent to the ranks (a config mistake)."""
 
 
+def local_world_size(world_size: int) -> int:
+    """Ranks per "node" of the layout a group of ``world_size`` ranks is given (``node_env``): one
+    node at 1 and 2 ranks (a 2-GPU machine), nodes of 2 at an even world size >= 4, one rank per
+    node at an odd world size >= 3 (torchrun gives every node the same number of ranks). From 3
+    ranks on, ``LOCAL_RANK`` differs from ``RANK`` on some rank and repeats across nodes, so
+    code that uses the local rank where the global one is meant (a noise or sampler seed) shows."""
+    if world_size <= 2:
+        return world_size
+    return 2 if world_size % 2 == 0 else 1
+
+
+def node_env(rank: int, world_size: int) -> Dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of ``world_size`` on the node layout of
+    ``local_world_size``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK`` (the node's index), ``GROUP_WORLD_SIZE`` (nodes), ``ROLE_RANK``,
+    ``ROLE_WORLD_SIZE``. The ranks still rendezvous through the group's store, not through these."""
+    local = local_world_size(world_size)
+    values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank % local, "LOCAL_WORLD_SIZE": local,
+              "GROUP_RANK": rank // local, "GROUP_WORLD_SIZE": world_size // local, "ROLE_RANK": rank,
+              "ROLE_WORLD_SIZE": world_size}
+    return {k: str(v) for k, v in values.items()}
+
+
 @dataclass
 class GroupResult:
     """The outcome of one job on one group.
@@ -228,6 +251,7 @@ class WorkerGroup:
             env.pop(var, None)  # a harness group inside a torchrun job must not pick those up
         try:
             for r in range(self.world_size):
+                env.update(node_env(r, self.world_size))
                 parent_job, child_job = socket.socketpair()
                 parent_diag, child_diag = socket.socketpair()
                 cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,

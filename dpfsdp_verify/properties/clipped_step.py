@@ -25,6 +25,11 @@ constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normali
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
 ``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
+
+The long run (``horizon.py``, once per run at the largest world size): ``Options.horizon`` steps of
+Poisson sampling at noise 0 and lr 0, each step's released gradient against the reference step on
+its realised batch (each sample's gradient computed once: the parameters never move); a failure
+names the first wrong step ("from step k (epoch e) on"), how many followed, and step k's fit.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_cl
                       processed_indices, recover_clip_coefficients, reference_batch, reference_model,
                       reference_norms, sequence_weights, smallest_norm, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from .horizon import horizon_labels, horizon_point, horizon_spec
 
 FIT_RTOL = 1e-6
 
@@ -91,6 +97,13 @@ def cases(point: Point):
         specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
     yield point.case(ready, specs, doing="one DP step with noise 0"
                      + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
+    if horizon_point(point, MODELS, REDUCTIONS, DTYPES):
+        # the long run (horizon.py): every step of a long Poisson run against the reference step on its
+        # batch (lr 0: the same parameters at every step), so a clip changed from step k shows at step k
+        long = horizon_spec(point, noise_multiplier=0.0, lr=0.0)
+        long = long.with_(max_grad_norm=pick_clip_bound(long) or 1.0)
+        yield point.case(long, doing=f"{long.steps} DP steps with noise 0 (long run)", labels=horizon_labels(long),
+                         isolate=True)
 
 
 def reference_step(spec: RunSpec, indices: List[int], clip_epsilon: float = reference.CLIP_EPSILON):
@@ -113,6 +126,8 @@ def reference_step(spec: RunSpec, indices: List[int], clip_epsilon: float = refe
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
+    if "horizon" in case.labels:
+        return judge_horizon(case, runs[0][0])
     ws = case.world_size
     evidence: Dict[str, object] = {}
     passed = []
@@ -137,6 +152,55 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     return case.verdict("pass", None, (
         f"DP step equals the reference at world_size={ws} ({'; '.join(passed)}; max relative error "
         f"{fmt(max(errs))})"), evidence)
+
+
+def judge_horizon(case: Case, outputs) -> Verdict:
+    """The long run: each step's released gradient (noise 0, lr 0) against the reference DP-SGD step
+    on that step's realised batch; a failure names the first wrong step and how many followed."""
+    spec, ws = case.spec, case.world_size
+    rtol, atol = tolerance(spec.dtype)
+    steps = min(len(o.steps) for o in outputs)
+    per_epoch = spec.steps_per_epoch
+    wrong = []  # (step, rank, error, tensor, reference step, indices)
+    # lr 0: every step's parameters are the initial ones, so each sample's gradient is computed once
+    grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec), spec.reduction)
+    norms = reference.per_sample_norms(grads)
+    for k in range(steps):
+        indices = processed_indices(outputs, k, spec)
+        step = _dataset_step(spec, grads, norms, indices)
+        for r, o in enumerate(outputs):
+            if not tensors_close(o.steps[k].gradient, step.gradient, rtol, atol):
+                err, name = max_rel_diff(o.steps[k].gradient, step.gradient)
+                wrong.append((k, r, err, name, step, indices))
+                break
+    evidence = {"steps": steps, "max_grad_norm": spec.max_grad_norm, "wrong_steps": [w[0] for w in wrong],
+                "steps_per_epoch": per_epoch}
+    where = (f"{steps}-step run of Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size} "
+             f"({spec.epochs} epochs of {per_epoch}) at world_size={ws}, C={spec.max_grad_norm:.4g}")
+    if wrong:
+        k, r, err, name, step, indices = wrong[0]
+        why = explain(case, spec, outputs[r].steps[k], step, indices, r, err, name)
+        return case.verdict("fail", "mismatch", (
+            f"from step {k} (counted from 0; epoch {k // per_epoch + 1}) on, the DP step differs from the reference "
+            f"in a {where}: {len(wrong)} of the {steps - k} steps from step {k} differ"
+            + (f", the {k} before it equal the reference" if k else "")
+            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after a "
+            "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
+    return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "
+                        f"on its realised batch in a {where}", evidence)
+
+
+def _dataset_step(spec: RunSpec, grads, norms: torch.Tensor, indices: List[int]) -> reference.DPStep:
+    """The reference DP-SGD step (noise 0) on the samples ``indices`` of the dataset whose per-sample
+    gradients ``grads`` and norms ``norms`` are given (``reference.dp_sgd_gradient``'s arithmetic)."""
+    idx = torch.tensor(indices, dtype=torch.long)
+    mine = {n: g[idx] for n, g in grads.items()}
+    coef = reference.clip_coefficients(norms[idx], spec.max_grad_norm)
+    summed = reference.clipped_sum(mine, coef)
+    divisor = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
+    zero = {n: torch.zeros_like(g) for n, g in summed.items()}
+    return reference.DPStep(norms[idx], coef, summed, zero, {n: g / divisor for n, g in summed.items()},
+                            float("nan"))
 
 
 def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):

@@ -82,15 +82,28 @@ class Options:
     #: mixed-precision forms (``targets.base.PRECISIONS``; ``None``: ``fp32`` only); a property runs
     #: those it declares in ``Property.precisions``
     precisions: Optional[Tuple[str, ...]] = None
+    #: a world size >= 3 where each property with ``Property.wide`` runs those few cases (bugs keyed on
+    #: the rank index: ``rank % 2``, ``LOCAL_RANK``, ``rank ^ 1``, a shard offset) when it is not
+    #: among ``world_sizes`` (there the whole matrix runs); 0: none. The gate's default is
+    #: ``horizon.WIDE_WORLD_SIZE``; the Python API's is 0
+    wide_world_size: int = 0
+    #: steps of the long-horizon run each property with one runs (``horizon.py``: bugs that start
+    #: late); 0: none. The gate's default is ``horizon.HORIZON_STEPS``; the Python API's is 0
+    horizon: int = 0
 
     def __post_init__(self):
         problem = precision_problem(self.precisions, self.dtypes)
         if problem:
             raise ValueError(problem)
         problem = sampling_problem(self.samplings, self.seedings, self.sample_rate, self.dataset_size,
-                                   max(self.world_sizes or (1,)))
+                                   max(self.world_sizes + (self.wide_world_size,) if self.world_sizes else (1,)))
         if problem:
             raise ValueError(problem)
+        if self.wide_world_size and self.wide_world_size < 3:
+            raise ValueError(f"wide world size {self.wide_world_size}: must be >= 3 (or 0: none); 1 and 2 ranks "
+                             "are the matrix's own")
+        if self.horizon < 0:
+            raise ValueError(f"horizon {self.horizon}: must be >= 0 steps (0: none)")
 
     @classmethod
     def build(cls, target: str, **kw) -> "Options":
@@ -360,6 +373,9 @@ class Property:
     #: raises ``ValueError`` for values of its own ``params`` it cannot run (given them with their
     #: defaults filled in); ``options`` calls it, and the gate turns it into exit 2
     check_params: Optional[Callable[[Dict[str, Any]], None]] = None
+    #: the cases it runs at the options' ``wide_world_size`` (``horizon.py``), given the first point of
+    #: each sampling of its matrix at that world size: the checks a bug keyed on the rank index hits
+    wide: Optional[Callable[[Point], Iterable[Union[Case, Verdict]]]] = None
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
@@ -433,7 +449,20 @@ class Property:
             return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
-        return [item for point in self.points(opts) for item in self.cases(point)]
+        items = [item for point in self.points(opts) for item in self.cases(point)]
+        return items + self.wide_plan(opts)
+
+    def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
+        """The ``wide`` cases at ``opts.wide_world_size`` (none when it is 0, is one of the
+        ``world_sizes`` -- the whole matrix runs there -- or the property has none): ``wide`` is
+        given the first point of each sampling (and seeding) of the matrix at that world size."""
+        w = opts.wide_world_size
+        if self.wide is None or not w or w in opts.world_sizes:
+            return []
+        firsts: Dict[Tuple[str, Optional[str]], Point] = {}
+        for point in self.points(opts.with_(world_sizes=(w,))):
+            firsts.setdefault((point.sampling, point.seeding), point)
+        return [item for point in firsts.values() for item in self.wide(point)]
 
     def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's

@@ -35,6 +35,12 @@ timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-i
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.
 
 
+Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the ``uneven_accum`` scenario
+alone (pass counts agreed with some ranks only, ``rank ^ 1``, diverge there); and one long run
+at the largest world size, ``poisson_horizon``: ``Options.horizon`` steps of Poisson sampling
+(``per_rank`` seeding, an expected local batch of 16, noise on), where a collective that some
+ranks issue every k steps, or a sampler that changes after some epochs, hangs.
+
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
 local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
@@ -53,6 +59,7 @@ from typing import Dict
 
 from ..verdict import Verdict
 from .contract import Case, Outputs, Point, Property
+from .horizon import horizon_labels, horizon_point, horizon_spec
 
 STEPS = 2
 EPOCHS = 4
@@ -121,6 +128,14 @@ def cases(point: Point):
                 f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {EPOCHS} epochs "
                 f"of {spec.steps_per_epoch} steps, seeding {seeding!r}"), isolate=True, deadline=POISSON_DEADLINE_S)
         yield from accum_cases(point, only)
+    if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes) and (
+            only is None or "poisson_horizon" in only):
+        # the long run (horizon.py): a collective only some ranks issue every k steps, or a sampler that
+        # changes after some epochs, hangs here and nowhere in the short scenarios
+        spec = horizon_spec(point, noise_multiplier=1.0)
+        yield point.case(spec, labels={"local_batches": "poisson_horizon", **horizon_labels(spec)}, doing=(
+            f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
+            f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)
     yield from last
 
 
@@ -140,6 +155,16 @@ def accum_cases(point: Point, only):
                     f"epoch(s), seeding 'per_rank'")
         yield point.case(spec, labels={"local_batches": name}, isolate=True, deadline=ACCUM_DEADLINE_S,
                          doing=f"{what}, gradient accumulation in physical batches of {ACCUM_P}")
+
+
+def wide(point: Point):
+    """At the wide world size (``horizon.py``): the ``uneven_accum`` scenario, where ranks that agree
+    on the physical pass count with some peers only (``rank ^ 1``) diverge from the third rank on.
+    It may be the first job of the gate's 3-rank group, which imports the target first: it gets the
+    whole timeout, not the scenario's short deadline (a deadlock is still proven in seconds)."""
+    for case in accum_cases(point, ("uneven_accum",)):
+        case.deadline = None
+        yield case
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
@@ -166,4 +191,4 @@ PROPERTY = Property(
     meaning=("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
-    params=(("local_batches", None),))
+    params=(("local_batches", None),), wide=wide)

@@ -44,11 +44,24 @@ Deterministic checks first (no statistics needed):
   and one of a wide mlp (a 32768-coordinate layer: a bounded noise buffer tiled over large shards),
   zero-noise and repeat checks only.
 
+Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the two exact-only cases
+(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from ``LOCAL_RANK``
+or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
+noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
+shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
+beside its noise-0 twin): the exact checks at every lag, then each step's noise std on its own
+(two-sided chi-square over all its coordinates, Bonferroni over the steps): "too little noise
+from step k".
+
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
 Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
 ``FAMILY_ALPHA`` shared out over the verdicts of the run, so a correct target raises a false
 alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
 
+* scale per release, first: each draw's ``sum(noise^2) / s^2 ~ chi^2(coordinates)`` at ``alpha``
+  over the draws; draws failing from some step k > 0 on (>= 3/4 of them, on one side) are "too
+  little (much) noise from step k" -- a change part-way through a run, which the shape test would
+  read as heavy tails (a mixture of two scales);
 * scale, per parameter tensor and per rank-owned shard (FSDP's dim-0 chunks):
   ``sum(noise^2) / s^2 ~ chi^2(n)`` for ``s = sigma*C/D`` (D = the batch size under ``mean``;
   Poisson: opacus' expected batch size ``int(q N)``);
@@ -86,6 +99,7 @@ from .accountant import describe as describe_accountant
 from .compare import reference_model, trainable_names
 from .contract import Case, Outputs, Point, Property
 from . import noise_stats
+from .horizon import horizon_labels, horizon_point, horizon_spec
 from .stats import (chi2_cdf, chi2_two_sided_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
 
@@ -140,14 +154,15 @@ def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
     mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
-    accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval)."""
+    accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval) +
+    the per-release scale (Bonferroni over the releases: one test's share)."""
     sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
     multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
     pairs = 1 if len(set(multi)) < len(multi) else 0
     matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
     return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
-            + pairs + matrices + 1)
+            + pairs + matrices + 1 + 1)
 
 
 def cases(point: Point):
@@ -161,7 +176,9 @@ def cases(point: Point):
         spec = spec.with_(epochs=-(-STEPS_PER_RUN // spec.steps_per_epoch))
     # frozen parameters are not released (the runner checks they get no noise at all)
     shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
-    alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, point.world_size)
+    # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
+    verdicts = point.matrix_size + (1 if point.options.horizon else 0)
+    alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, point.world_size)
     big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
@@ -195,12 +212,37 @@ def cases(point: Point):
         w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed(point.param("noise_seed") + 4))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
+    if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
+        h = horizon_spec(point, model_kwargs=MLP_DIMS, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
+                         noise_seed=point.seed(point.param("noise_seed") + 5))
+        yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
+                         facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
+                         labels=horizon_labels(h), isolate=True)
     if once:
         one = spec.with_(steps=1)
         seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
         yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
                                one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
                          doing="one DP step with noise in each of two fresh sets of rank processes", fresh_groups=2)
+
+
+def wide(point: Point):
+    """At the wide world size (``horizon.py``): the two exact-only cases of the smallest world size,
+    one step each beside its noise-0 twin -- the transformer, and the wide mlp, whose 64- and
+    16-row tensors FSDP shards unevenly at 3 ranks (22/22/20, 6/6/4). Noise seeded from
+    ``rank % 2`` or ``LOCAL_RANK`` repeats on two shards; replicated noise sliced at
+    ``rank * local_rows`` gives the short last shard rows another shard already carries."""
+    if point.sampling != "fixed":
+        return
+    spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
+                      steps=1, noise_seed=point.seed(point.param("noise_seed") + 6))
+    t = spec.with_(model="transformer", model_kwargs=())
+    yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
+                     facts={"exact_only": True})
+    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS, noise_seed=point.seed(point.param("noise_seed") + 7))
+    yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
+                     "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 
 
 def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
@@ -271,13 +313,30 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
             acc += size
         return max(r for r, s0 in enumerate(starts) if row >= s0)
 
+    def in_shard(name, offset):
+        """``(rank, row within its shard, offset within its shard)`` of a flat offset of ``name``."""
+        shape = shapes[name]
+        width = max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
+        r = shard_of(name, offset)
+        start = sum(_shard_sizes(shape[:1], ws)[:r]) * width
+        return r, (offset - start) // width, offset - start
+
     def describe(a, b):
         (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
         na, nb = names[ti], names[tj]
         if (ri, si, ti) == (rj, sj, tj):
             if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
-                return 0, (f"rank {shard_of(na, oi)}'s and rank {shard_of(na, oj)}'s shards of {na!r} get the same "
-                           f"noise (run {ri}, step {si})", "ranks seeded alike add the same noise to every shard")
+                (ra, row_a, at_a), (rb, row_b, at_b) = in_shard(na, oi), in_shard(na, oj)
+                if at_a != at_b:  # the same values at different places of the two shards
+                    return 0, (f"rank {rb}'s shard of {na!r} carries, from its row {row_b}, the noise rank {ra}'s "
+                               f"shard carries from its row {row_a} (run {ri}, step {si})",
+                               "a shard offset: one noise tensor drawn whole on every rank (replicated) and sliced "
+                               "at the wrong rows -- e.g. at rank * local_rows, right only while every earlier "
+                               "shard has as many rows as this one (FSDP's last dim-0 shards are shorter) -- so two "
+                               "shards release the same noise rows and some rows of the full tensor none")
+                return 0, (f"rank {ra}'s and rank {rb}'s shards of {na!r} get the same noise (run {ri}, step {si})",
+                           "ranks seeded alike (a seed from LOCAL_RANK, which repeats on every node, or from rank % "
+                           "2) add the same noise to several shards")
             return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "
                        f"{abs(oj - oi)} apart)",
                        "a short noise buffer tiled over the tensor")
@@ -324,6 +383,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         return _judge_fresh(case, outputs)
     if case.facts.get("exact_only"):
         return _judge_exact(case, outputs)
+    if case.facts.get("horizon"):
+        return _judge_horizon(case, outputs)
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
@@ -499,6 +560,11 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
     # shape first: the scale test's chi^2 assumes Gaussian noise (Laplace's sum of squares varies
     # 2.5x more), so non-Gaussian noise must be named as such, never as too little or too much noise.
+    # a change part-way through a run (noise reduced from step k) is named before the shape test,
+    # which reads a mixture of two scales as heavy tails
+    late = _late_scale_change(_step_scales(noise, names, s), alpha)
+    if late is not None:
+        return case.verdict("fail", "mismatch", _late_message(late, where, alpha), evidence)
     excess, z_kurt, p_kurt, kurt_power, values = _shape_stats(stacked, names, ws, alpha)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
@@ -531,7 +597,96 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
                                                     where, alpha), evidence)
 
 
+def _judge_horizon(case: Case, outputs: Outputs) -> Verdict:
+    """The long run (``horizon.py``): the exact checks, then every step's noise scale on its own."""
+    spec, ws, runs = case.spec, case.world_size, outputs[0]
+    s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
+    alpha = case.facts["alpha_per_test"]
+    where = (f"at world_size={ws}, {spec.steps}-step run of Poisson sampling q={spec.sample_rate:g} over "
+             f"N={spec.dataset_size} ({spec.epochs} epochs), {spec.dtype} (sigma={spec.noise_multiplier}, "
+             f"C={spec.max_grad_norm}, D={spec.divisor:g})")
+    resampled = _resampled_run(runs)
+    if resampled is not None:
+        return case.verdict("fail", None, (
+            f"not checkable on this target: with the same sampling seed, the noisy run sampled other batches than "
+            f"the noise-0 run {where}. The noise is measured as gradient(sigma) - gradient(0) on the same batches."))
+    noise = _noise(runs)
+    names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
+    scales = _step_scales(noise, names, s)
+    evidence: Dict = {"expected_std": s, "steps": len(scales), "alpha_per_test": alpha,
+                      "step_std_ratios": [round(r, 4) for _, _, r, _ in scales]}
+    exact = _exact_failure(case, runs, noise, names, s, where, evidence)
+    if exact is not None:
+        return exact
+    late = _late_scale_change(scales, alpha, from_first=True)
+    if late is not None:
+        return case.verdict("fail", "mismatch", _late_message(late, where, alpha), evidence)
+    level = alpha / len(scales)
+    odd = [(k, r) for _, k, r, p in scales if not p >= level]
+    if odd:
+        return case.verdict("fail", "mismatch", (
+            f"the noise std is wrong at {len(odd)} of the {len(scales)} steps {where}: "
+            + ", ".join(f"step {k}: {r:.3f} x sigma*C/D" for k, r in odd[:6])
+            + f" (each step's two-sided chi-square p < {level:.2g}). Every release needs noise of std sigma*C/D "
+            "(less: a privacy violation; more: utility lost)."), evidence)
+    ratios = [r for _, _, r, _ in scales]
+    return case.verdict("pass", None, (
+        f"noise of std sigma*C/D at every one of the {len(scales)} steps {where}: std ratio per step "
+        f"{min(ratios):.3f}..{max(ratios):.3f} (each step's two-sided chi-square at {alpha / len(scales):.2g}), no "
+        f"value repeated at any lag up to {len(scales) - 1}"), evidence)
+
+
+def _late_message(late, where: str, alpha: float) -> str:
+    k, side, later, before = late
+    low = side[0][2] < 1
+    ratios = [r for _, _, r, _ in side]
+    lead = "PRIVACY VIOLATION: too little noise" if low else "UTILITY LOSS: too much noise"
+    after = f"; std ratio {sum(before) / len(before):.3f} on average before step {k}" if before else ""
+    return (f"{lead} from step {k} (counted from 0) on {where}: the noise std is {min(ratios):.3f}..{max(ratios):.3f} "
+            f"x sigma*C/D at {len(side)} of the {len(later)} releases from step {k} on (each step's two-sided "
+            f"chi-square over all its coordinates, p < {alpha / (len(later) + len(before)):.2g}){after}. The first "
+            "steps are calibrated; a change part-way through training (a schedule, a flag flipped after a warm-up, "
+            "an epoch counter) " + ("releases the later steps with less noise than the accountant charges for."
+                                    if low else "adds more noise than the guarantee needs."))
+
+
 # -- statistics (no wording) ------------------------------------------------------------------
+
+
+def _step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:
+    """``(run, step, std ratio, two-sided chi-square p)`` of each release's noise over all its
+    coordinates: ``sum(noise^2) / s^2 ~ chi^2(coordinates)``."""
+    out = []
+    for i, run in enumerate(noise):
+        for k, step in enumerate(run):
+            t = sum(float((step[n] / s).pow(2).sum()) for n in names)
+            m = sum(step[n].numel() for n in names)
+            out.append((i, k, math.sqrt(t / m), chi2_two_sided_p(t, m)))
+    return out
+
+
+def _late_scale_change(scales, alpha: float, from_first: bool = False):
+    """A scale that changes part-way through the runs, as ``(first step k, failing releases from k on,
+    releases from k on, std ratios before k)``, or ``None``: releases failing their per-step test (at
+    ``alpha`` over all releases, Bonferroni) start at step k > 0, and >= 3/4 of the releases from k
+    on fail on one side. A scale wrong from step 0 is the scale tests' to name (``from_first``: the
+    long run names it here, as from step 0)."""
+    level = alpha / len(scales)
+    failed = [x for x in scales if not x[3] >= level]
+    if not failed:
+        return None
+    k = min(x[1] for x in failed)
+    if k == 0 and not from_first:
+        return None
+    later = [x for x in scales if x[1] >= k]
+    low = [x for x in failed if x[2] < 1]
+    high = [x for x in failed if x[2] >= 1]
+    side = low if len(low) >= len(high) else high
+    if len(side) < max(2, 0.75 * len(later)):  # one release alone is a tail, not a change
+        return None
+    return k, side, later, [x[2] for x in scales if x[1] < k]
+
+
 
 
 def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
@@ -735,5 +890,5 @@ PROPERTY = Property(
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
-    samplings=("fixed", "poisson"),
+    samplings=("fixed", "poisson"), wide=wide,
     params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA)

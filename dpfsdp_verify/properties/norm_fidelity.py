@@ -18,7 +18,9 @@ explained by testing the known bug shapes against the numbers, in this order:
   of norm^2) across N ranks that each already held the whole sample;
 * ``sample_mixing`` -- on split data, each reported norm is the root-sum-square of the true norms
   of the samples at the same position on every rank: norm^2 all-reduced across ranks holding
-  *different* samples;
+  *different* samples; or some rank reports (clips with) exactly another rank's true norms: norms
+  gathered across ranks and read back at the wrong index (``LOCAL_RANK``, ``rank % 2``), which
+  shows from the third rank on (the wide case, ``horizon.py``: one split step at 3 ranks);
 * ``undercount`` -- every reported norm is below the truth (e.g. computed over the local parameter
   shard only; the message says when the ranks' squares add up to the truth);
 * ``mismatch`` -- anything else (wrong samples, wrong shapes, unexplained values).
@@ -36,6 +38,7 @@ is judged on the norms it clips with.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -81,6 +84,15 @@ def cases(point: Point):
         # target's norm registry shows, named (models.LayerZoo; docs/properties.md)
         zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()))
         yield point.case(zoo, doing="per-sample norms of every layer type (the layer zoo)")
+
+
+def wide(point: Point):
+    """At the wide world size (``horizon.py``): one step of the first model on split data, so that a rank
+    clipping with another rank's norms (gathered and read at ``LOCAL_RANK`` or ``rank % 2``) shows
+    from the third rank on."""
+    if point.sampling == "fixed":
+        spec = point.spec(global_batch_size=4 * point.world_size).with_(data_layout="split")
+        yield point.case(prepare(spec), doing="per-sample norms")
 
 
 def large_point(point: Point) -> bool:
@@ -222,6 +234,9 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
             fit["gradient_scale"] = k
             message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
         return diagnosis, message, fit
+    borrowed = _borrowed_clip(case, want, steps, indices, coef, tol)
+    if borrowed:
+        return "sample_mixing", _borrowed_message("it clips with", borrowed, where), fit
     changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
@@ -249,6 +264,33 @@ def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, to
         if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
             return diagnosis, message, k
     return None
+
+
+#: ranks up to which every assignment of another rank's norms is tried (``_borrowed_clip``: ws^ws fits)
+BORROWED_MAX_RANKS = 4
+
+
+def _borrowed_clip(case: Case, want, steps, indices, coef: torch.Tensor, tol: float) -> dict:
+    """``{rank: other rank}`` when the recovered coefficients ``coef`` are those of some ranks clipping
+    with another rank's true norms (up to one overall factor, as ``_matched_hypothesis``); ``{}``."""
+    ws, c = case.world_size, case.spec.max_grad_norm
+    if not 1 < ws <= BORROWED_MAX_RANKS:
+        return {}
+    pos = {i: j for j, i in enumerate(indices)}
+    for mapping in itertools.product(range(ws), repeat=ws):
+        if all(j == r for r, j in enumerate(mapping)) or any(len(want[j]) != len(want[r])
+                                                               for r, j in enumerate(mapping)):
+            continue
+        shape = torch.ones(len(indices), dtype=torch.float64)
+        for r, (s, j) in enumerate(zip(steps, mapping)):
+            for i, value in zip(s.indices, want[j].tolist()):
+                if i in pos:
+                    shape[pos[i]] = float(reference.clip_coefficients(torch.tensor([value]), c)[0])
+        k = float(coef @ shape / (shape @ shape))
+        # a cause is named at the hypotheses' looser tolerance (the clip form's epsilon is not the point)
+        if float((coef - k * shape).abs().max()) <= max(tol, HYPOTHESIS_RTOL) * max(1.0, abs(k)):
+            return {r: j for r, j in enumerate(mapping) if j != r}
+    return {}
 
 
 def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
@@ -333,6 +375,9 @@ def diagnose(case: Case, got, want, steps, ratios):
     for diagnosis, norms, message, _ in hypotheses(case, want, steps, subject="per-sample norms"):
         if all(_close(g, n) for g, n in zip(got, norms)):
             return diagnosis, message
+    borrowed = borrowed_norms(got, want)
+    if borrowed:
+        return "sample_mixing", _borrowed_message("it reports", borrowed, where)
     if bool((ratios < 1).all()):
         note = ""
         if layout == "replicated" and ws > 1 and len({len(g) for g in got}) == 1:
@@ -359,6 +404,30 @@ def diagnose(case: Case, got, want, steps, ratios):
                         f"some above and some below the truth.{prefix}")
 
 
+def _borrowed_message(what: str, borrowed: dict, where: str) -> str:
+    """``what`` ("it reports" / "it clips with") another rank's norms on the ranks of ``borrowed``."""
+    pairs = "; ".join(f"rank {r} uses rank {j}'s" for r, j in borrowed.items())
+    return (f"{what} another rank's per-sample norms {where}: {pairs} (the true norms of the samples that "
+            "rank processed), the other ranks their own. Norms gathered across ranks and read back at the wrong "
+            "index -- LOCAL_RANK or rank % 2 where the global rank is meant -- are right on the first node or at 2 "
+            "ranks only. A sample clipped with another sample's norm can contribute more than C: a privacy "
+            "violation.")
+
+
+def borrowed_norms(got, want) -> dict:
+    """``{rank: other rank}`` when every rank whose norms are wrong reports exactly the true norms
+    of another rank's samples (a gather read at the wrong index); else ``{}``."""
+    out = {}
+    for r, g in enumerate(got):
+        if len(g) == len(want[r]) and _close(g, want[r]):
+            continue
+        j = next((j for j, w in enumerate(want) if j != r and len(w) == len(g) and len(g) and _close(g, w)), None)
+        if j is None:
+            return {}
+        out[r] = j
+    return out
+
+
 def right_prefix(got, want) -> int:
     """``k > 0`` when on every rank exactly the first ``k`` reported norms are right (the same ``k``,
     and every later one is wrong: the shape of a chunked per-sample computation whose first chunk is
@@ -379,6 +448,6 @@ PROPERTY = Property(
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
-    precisions=PRECISIONS,
+    precisions=PRECISIONS, wide=wide,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))

@@ -1,0 +1,71 @@
+"""The gate's reach beyond its matrix: a third rank and a long run (docs/horizon.md).
+
+The matrix runs at 1 and 2 ranks and for 1-12 steps (36 in one noise run). Two classes of bugs
+cannot show there:
+
+* **bugs keyed on the rank index** -- a noise or sampler seed from ``rank % 2`` or ``LOCAL_RANK``,
+  norms all-gathered and read at ``[rank % 2]``, pass counts agreed pairwise with ``rank ^ 1``,
+  replicated noise sliced at ``rank * local_rows`` (right only while every earlier shard has as
+  many rows as this one) -- are right at 1 and 2 ranks. At the *wide world size*
+  (``Options.wide_world_size``, the gate's default ``WIDE_WORLD_SIZE`` = 3: ``rank % 2`` repeats,
+  ``rank ^ 1`` has no partner, FSDP's dim-0 shards of the 64- and 16-row tensors are uneven, and the
+  harness gives each rank a node of its own, so ``LOCAL_RANK`` is 0 everywhere:
+  ``harness.node_env``) each property with a ``Property.wide`` runs the few cheap cases such a bug
+  hits: noise (exact checks), norms, pass-count agreement;
+* **bugs that start late** -- a clip cap dropped from step 6, noise reduced from step 40, a change
+  from the third Poisson epoch, a log-metric collective on rank 0 every 16 steps -- are right for
+  the first steps. Each property with a long run runs one (``horizon_point``): ``Options.horizon``
+  steps (the gate's default ``HORIZON_STEPS``) of DP-SGD's Poisson sampling (``horizon_spec``:
+  q = 1/4, so ``HORIZON_STEPS / 4`` epochs) at the largest world size of the run (>= 2, so a
+  collective only some ranks issue hangs and the harness proves it, in ~2 s), every step judged.
+  A long run's job has the whole ``--timeout`` (default 60 s): a correct one takes a few seconds,
+  but tens of steps on a loaded runner must not read as a hang.
+
+What lies beyond both is stated in docs/horizon.md.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..targets import RunSpec
+from .contract import Point
+
+#: the gate's wide world size (``--wide-world-size``)
+WIDE_WORLD_SIZE = 3
+#: the gate's long-run length in steps (``--horizon``): 12 Poisson epochs of 4 steps, past step 40
+HORIZON_STEPS = 48
+#: q of the long runs, and samples per rank: an expected local batch of 16, so an empty local batch
+#: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
+#: opacus' does) takes every step, and the long runs judge the late steps, not that finding
+HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
+
+
+def horizon_point(point: Point, models: Iterable[str], reductions: Iterable[str], dtypes: Iterable[str]) -> bool:
+    """Whether ``point`` runs its property's long run: the options ask for one, this is the
+    largest world size (>= 2) and the first point along the other axes: the fixed-sampling point
+    where fixed sampling is selected (the long run brings its own Poisson sampling), else the
+    first seeding's Poisson point."""
+    o = point.options
+    first = "fixed" if o.samplings is None or "fixed" in o.samplings else "poisson"
+    first_seeding = point.seeding is None or o.seedings is None or point.seeding == o.seedings[0]
+    return (o.horizon > 0 and point.world_size == max(o.world_sizes) >= 2 and point.precision == "fp32"
+            and point.sampling == first and first_seeding
+            and point.first_of_axes(tuple(models), tuple(reductions), tuple(dtypes)))
+
+
+def horizon_spec(point: Point, **fields) -> RunSpec:
+    """The long run's spec at ``point``: ``Options.horizon`` steps of Poisson sampling with
+    ``per_rank`` seeding (each rank its own stream, as DP-SGD under FSDP runs), the sampling seed
+    from the run's seed, plus ``fields``."""
+    steps = point.options.horizon
+    per_epoch = int(1 / HORIZON_SAMPLE_RATE)
+    base = dict(sampling="poisson", sample_rate=HORIZON_SAMPLE_RATE,
+                dataset_size=HORIZON_SAMPLES_PER_RANK * point.world_size, epochs=-(-steps // per_epoch),
+                steps=steps, seeding="per_rank", sampling_seed=point.seed(4_481))
+    return point.spec(**{**base, **fields})
+
+
+def horizon_labels(spec: RunSpec) -> dict:
+    """The config key that tells a long run's verdict from the matrix's: its length in steps."""
+    return {"horizon": spec.steps}
