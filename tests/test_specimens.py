@@ -78,7 +78,7 @@ def test_allreduce_norms_is_sqrt_n_inflation_on_replicated_and_mixing_on_split(p
     rep, = by(vs, world_size=2, data_layout="replicated")
     assert (rep.status, rep.diagnosis) == ("fail", "sqrt_n_inflation")
     assert "inflated by sqrt(2)" in rep.message and "already complete" in rep.message
-    spl, = by(vs, world_size=2, data_layout="split")
+    spl, = by(vs, world_size=2, data_layout="split", model="mlp")
     assert (spl.status, spl.diagnosis) == ("fail", "sample_mixing")
     assert "root-sum-square" in spl.message
 
@@ -144,7 +144,7 @@ def test_clipping_with_other_norms_than_reported_is_caught(pool):
              reductions=("mean",), dtypes=("float64",))
     assert_all_pass(by(vs, world_size=1))
     rep, = by(vs, world_size=2, data_layout="replicated")
-    spl, = by(vs, world_size=2, data_layout="split")
+    spl, = by(vs, world_size=2, data_layout="split", model="mlp")
     assert (rep.status, rep.diagnosis, spl.status, spl.diagnosis) == ("fail", "sqrt_n_inflation", "fail",
                                                                       "sample_mixing")
     for v in (rep, spl):
