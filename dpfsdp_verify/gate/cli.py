@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"default {DEFAULT_GRAD_SAMPLE_MODE})")
     run.add_argument("--world-sizes", default=None,
                      help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's world size)")
+    run.add_argument("--meshes", default=None, metavar="hsdp:RxS,tp:DxT",
+                     help="2-D meshes to run the properties that support them on (HSDP replicas x shard, data x "
+                          "tensor parallel; docs/meshes.md); without --world-sizes only the meshes run")
     run.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                      help="spawn: the gate starts its own ranks on this host (default); torchrun: run inside the "
                           "ranks of 'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")

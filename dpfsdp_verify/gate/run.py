@@ -49,7 +49,7 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
     target = target_info.describe_target(plan.options.target, plan.info)
     opts = plan.options
     if not plan.quiet:
-        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties) + where, file=sys.stderr,
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
@@ -64,7 +64,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     # one warm group per (world size, mode) so no property restarts ranks another one just used
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
-    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, len(opts.world_sizes) * len(opts.modes)))
+    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, (len(opts.world_sizes) + len(opts.meshes)) * len(opts.modes)))
     verdicts: List[Verdict] = []
     try:
         for pid in plan.properties:

@@ -284,6 +284,6 @@ PROPERTY = Property(
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=MODELS, layouts=("split",), reductions=REDUCTIONS,
     dtypes=DTYPES, samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
-    precisions=PRECISIONS,
+    precisions=PRECISIONS, meshes=True,
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

@@ -81,6 +81,9 @@ class Options:
     #: mixed-precision forms (``targets.base.PRECISIONS``; ``None``: ``fp32`` only); a property runs
     #: those it declares in ``Property.precisions``
     precisions: Optional[Tuple[str, ...]] = None
+    #: 2-D meshes (``dpfsdp_verify.mesh`` names, e.g. ``"hsdp:2x2"``) each property that runs on
+    #: meshes runs at, besides ``world_sizes`` (``()``: none)
+    meshes: Tuple[str, ...] = ()
 
     def __post_init__(self):
         problem = precision_problem(self.precisions, self.dtypes)
@@ -98,7 +101,7 @@ class Options:
         known = {f.name for f in fields(cls)}
         params = {k: kw.pop(k) for k in list(kw) if k not in known}
         for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes", "samplings", "seedings",
-                    "precisions"):
+                    "precisions", "meshes"):
             if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
@@ -172,6 +175,8 @@ class Case:
             sampling["precision"] = self.spec.precision
         if self.drawn is not None:  # a fuzzed shape is told apart by its layer sizes
             sampling["model_kwargs"] = dict(self.spec.model_kwargs)
+        if self.spec.mesh:  # a 2-D mesh adds a key; 1-D configs are unchanged
+            sampling["mesh"] = self.spec.mesh
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **sampling, **self.labels}
@@ -182,8 +187,9 @@ class Case:
         case the ``replay`` line of its drawn spec."""
         if self.drawn is not None:
             return self._replay_line()
+        where = ["--meshes", self.spec.mesh] if self.spec.mesh else ["--world-sizes", str(self.world_size)]
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
-                 "--world-sizes", str(self.world_size), "--grad-sample-mode", self.spec.grad_sample_mode,
+                 *where, "--grad-sample-mode", self.spec.grad_sample_mode,
                  "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
@@ -252,6 +258,8 @@ class Point:
     seeding: Optional[str] = None
     #: the mixed-precision form (``targets.base.PRECISIONS``)
     precision: str = "fp32"
+    #: the 2-D mesh of a mesh point (``Options.meshes``), ``""`` for a 1-D one
+    mesh: str = ""
 
     def spec(self, **fields_) -> RunSpec:
         """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``.
@@ -266,6 +274,8 @@ class Point:
                        "sample_rate": self.options.sample_rate or q,
                        "dataset_size": self.options.dataset_size or per_rank * self.world_size,
                        "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.seed(0)}
+        if self.mesh:
+            fields_ = {"mesh": self.mesh, **fields_}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
                        dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, precision=self.precision,
                        **fields_)
@@ -358,6 +368,9 @@ class Property:
     #: raises ``ValueError`` for values of its own ``params`` it cannot run (given them with their
     #: defaults filled in); ``options`` calls it, and the gate turns it into exit 2
     check_params: Optional[Callable[[Dict[str, Any]], None]] = None
+    #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
+    #: a property that does not is told so in one ``skip`` verdict per mesh
+    meshes: bool = False
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
@@ -415,8 +428,22 @@ class Property:
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
                 for red in opts.reductions or self.reductions for prec in self.precision_points(opts)
                 for dtype in ((opts.dtypes or self.dtypes) if prec == "fp32" else ("float32",))]
-        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding, prec)
-                for ws, modes, (sampling, seeding), model, layout, red, prec, dtype in axes]
+        points = [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding, prec)
+                  for ws, modes, (sampling, seeding), model, layout, red, prec, dtype in axes]
+        return points + self.mesh_points(opts, groups)
+
+    def mesh_points(self, opts: Options, groups) -> List[Point]:
+        """The points of the options' 2-D meshes: fixed split batches in fp32, per mesh, mode(s),
+        model, reduction and dtype (none for a property that does not run on meshes)."""
+        if not self.meshes or not opts.meshes:
+            return []
+        from ..mesh import Mesh
+
+        axes = [(mesh, modes, model, red, dtype) for mesh in opts.meshes for modes in groups
+                for model in opts.models or self.models for red in opts.reductions or self.reductions
+                for dtype in opts.dtypes or self.dtypes]
+        return [Point(self.id, opts, modes, Mesh.parse(mesh).world_size, model, "split", red, dtype, len(axes),
+                      mesh=mesh) for mesh, modes, model, red, dtype in axes]
 
     def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """Every case (or ready verdict) for ``opts``, in report order."""
@@ -431,7 +458,10 @@ class Property:
             return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
-        return [item for point in self.points(opts) for item in self.cases(point)]
+        unmeshed = [] if self.meshes else [
+            self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
+                      world_size=None, mesh=mesh) for mesh in opts.meshes]
+        return [item for point in self.points(opts) for item in self.cases(point)] + unmeshed
 
     def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's

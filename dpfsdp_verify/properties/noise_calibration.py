@@ -74,7 +74,7 @@ import torch
 
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import reference_model, trainable_names
+from .compare import reference_model, replica_problem, shard_divisor, trainable_names
 from .contract import Case, Outputs, Point, Property
 from .stats import (chi2_cdf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis, detectable_std_ratios,
                     kurtosis_z, normal_two_sided_p, pairwise_dependence)
@@ -145,8 +145,9 @@ def cases(point: Point):
         spec = spec.with_(epochs=-(-STEPS_PER_RUN // spec.steps_per_epoch))
     # frozen parameters are not released (the runner checks they get no noise at all)
     shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
-    alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, point.world_size)
-    big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
+    shards = shard_divisor(spec, point.world_size)
+    alpha = FAMILY_ALPHA / point.matrix_size / _tests_per_verdict(shapes, shards)
+    big = [k for s in shapes.values() for k in _shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
@@ -154,7 +155,8 @@ def cases(point: Point):
     runs = [spec.with_(noise_seed=(base_seed + i) % 2 ** 31) for i in range(repeats)]
     clean = spec.with_(noise_multiplier=0.0)
     o = point.options
-    once = (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
+    # a 2-D mesh runs the statistical case alone (its extra exact cases are 1-D checks)
+    once = (not point.mesh and point.world_size == min(o.world_sizes) and point.sampling == "fixed"
             and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes))
     if once:  # one run (and its noise-0 twin) long enough that repeats at lags up to LONG_RUN - 1 show
         clean, runs[0] = clean.with_(steps=LONG_RUN), runs[0].with_(steps=LONG_RUN)
@@ -289,9 +291,18 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         return _judge_fresh(case, outputs)
     if case.facts.get("exact_only"):
         return _judge_exact(case, outputs)
-    spec, ws, runs = case.spec, case.world_size, outputs[0]
+    spec, runs = case.spec, outputs[0]
+    ws = shard_divisor(spec, case.world_size)  # the shards each tensor is cut into (the world on a 1-D mesh)
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
+    for i, run in enumerate(runs[1:], start=1):
+        drift = replica_problem(spec, run, "gradient")
+        if drift is not None:
+            return case.verdict("fail", "replica_divergence", (
+                f"the noisy gradient of run {i} differs between replicas on {spec.mesh}: {drift[0]}. The "
+                "replicas of one shard hold the same parameters, so they must add the IDENTICAL noise (one "
+                "noise draw per coordinate, the same on every replica): noise drawn from a per-rank stream makes "
+                "the replicas drift apart, and the released model is not one model."), drift[1])
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
     resampled = _resampled_run(runs) if spec.poisson else None
@@ -305,7 +316,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     stacked = {n: torch.stack([step[n] for run in noise for step in run]) for n in names}  # [draws, *shape]
-    where = (f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
+    at = f"mesh {spec.mesh} (world_size={case.world_size})" if spec.mesh else f"world_size={ws}"
+    where = (f"at {at}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
     silent = _silent_shard(stacked, names, ws)
@@ -372,7 +384,7 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     """The exact checks every noisy verdict makes first: no coordinate released with exactly zero
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
-    spec, ws = case.spec, case.world_size
+    spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
     unnoised = _unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
@@ -440,7 +452,7 @@ def _silent_shard(stacked, names, ws: int) -> Optional[Tuple[str, int, int, int]
 
 def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) -> Verdict:
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
-    ws = case.world_size
+    ws = shard_divisor(case.spec, case.world_size)
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
     tensors, failures, shard_power, pooled = _scale_stats(stacked, names, ws, s, alpha, n_draws)
     evidence.update(tensors=tensors, vectors_pooled=pooled)
@@ -454,7 +466,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         return case.verdict("fail", "non_gaussian_noise", _shape_message(excess, z_kurt, p_kurt, values, where, alpha),
                             evidence)
     if failures:
-        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
+        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha, case.spec.mesh),
+                            evidence)
     for test, (r_corr, p_corr, pairs) in _independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr
         if not p_corr >= alpha:
@@ -636,7 +649,7 @@ def _shards(x: torch.Tensor, ws: int):
     return torch.chunk(x, ws, dim=1) if x.dim() > 1 else [x]
 
 
-def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
+def _scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: str = "") -> str:
     test, name, rank, value, p = failure[:5]
     shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
     if test == "sum":
@@ -658,11 +671,12 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
                 "weight matrices'." + (" The released gradient is less private than the accounting states."
                                        if value < 1 else ""))
     hint = ""
-    for k, what in ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
+    for k, what in _mesh_ratios(mesh) + ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
                     (1 / ws, "1/N: noise divided by N once too often"),
                     (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")):
         if ws > 1 and abs(value - k) < 0.15 * k:
             hint = f" The ratio is close to {what}."
+            break  # the first cause that fits (a mesh's own first; the 1-D ratios' windows do not overlap)
     if value < 1:
         return (f"PRIVACY VIOLATION: too little noise on {name!r}{shard} {where}: measured std {value * s:.4g} = "
                 f"{value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g})."
@@ -670,6 +684,21 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
     return (f"UTILITY LOSS: too much noise on {name!r}{shard} {where}: measured std {value * s:.4g} = {value:.3f} x "
             f"sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g}).{hint} Privacy holds, but the model "
             "trains on more noise than the guarantee needs.")
+
+
+def _mesh_ratios(name: str):
+    """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.mesh``)."""
+    if not name:
+        return ()
+    from ..mesh import Mesh
+
+    mesh = Mesh.parse(name)
+    a, b = mesh.shape
+    if mesh.tensor_parallel:
+        return ((1 / b, f"1/{b} = D/W: noise divided by the world size W={a * b} where only the D={a} data replicas "
+                        "average their gradients (the TP peers hold slices of one gradient and average nothing)"),)
+    return ((float(a), f"{a} = W/S: noise divided by the shard group's {b} ranks instead of the world's {a * b}: the "
+                       f"{a} replicas average the gradient too"),)
 
 
 def _independence(noise, names, ws):
@@ -707,7 +736,8 @@ def _independence(noise, names, ws):
 
 
 PROPERTY = Property(
-    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise"),
+    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise", "replica_divergence"),
+    meshes=True,
     meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),

@@ -61,7 +61,7 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices,
+from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices, replica_problem,
                       reference_batch, reference_model, tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p
@@ -108,6 +108,9 @@ def cases(point: Point):
         spec = spec.with_(epochs=-(-steps // spec.steps_per_epoch))
     yield point.case(with_picked_clip(spec), doing=f"{steps} DP steps")
     o = point.options
+    if point.mesh:  # the noisy-update case, on a mesh: the replicas must stay bit-identical with noise too
+        yield update_case(point)
+        return
     # once per world size: the update rule does not depend on the model, reduction or dtype ("mean":
     # the shipped opacus expectation for "sum" at 2 ranks must not select a verdict that passes)
     if (point.sampling == "fixed" and point.reduction == "mean" and point.model == (o.models or PROPERTY.models)[0]
@@ -146,6 +149,12 @@ def accum_cases(point: Point, steps: int, p: int):
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
+    drift = replica_problem(case.spec, runs[0][0], "parameters")
+    if drift is not None:
+        return case.verdict("fail", "replica_divergence", (
+            f"the replicas drift apart over {case.spec.steps} DP step(s) on {case.spec.mesh}: {drift[0]}. Replicas of "
+            "one shard hold one model: the same clipped sum and the same noise must reach each of them, every "
+            "step; drifted replicas release several models (and each one's noise was drawn apart)."), drift[1])
     if len(case.specs) > 1:
         return judge_empty(case, runs)
     if case.spec.noise_multiplier:
@@ -384,6 +393,6 @@ PROPERTY = Property(
     meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
              "on one process: the model the DP analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    diagnoses=("mismatch", "noise_bypassed"),
+    diagnoses=("mismatch", "noise_bypassed", "replica_divergence"), meshes=True,
     params=(("steps", None), ("physical_batch_size", 0), ("update_momentum", UPDATE_MOMENTUM)),
     samplings=("fixed", "poisson"), check_params=check_params)

@@ -149,6 +149,26 @@ __all__ = ["world", "full_tensor", "full_tensors", "strip_prefixes", "gather_nam
            "dataset_index", "step_indices", "local_batch"]
 
 
+def device_mesh(spec: RunSpec):
+    """The ``DeviceMesh`` of a 2-D ``spec.mesh`` (``mesh.Mesh.build``) on this backend's device:
+    ``"cpu"`` for gloo ranks, ``"cuda"`` otherwise. A collective: every rank calls it alike."""
+    return spec.layout.build("cpu" if dist.get_backend() == "gloo" else "cuda")
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict:
+    """The suite's tensor-parallel plan for ``parallelize_module``: every ``nn.Linear``
+    column-parallel (weight and bias sharded on the output dim) with its output all-gathered
+    (``output_layouts=Replicate()``), so every layer after it sees whole activations; every other
+    parameter (norms, embeddings) is held whole by each TP peer. Column-parallel everywhere, not the
+    colwise/rowwise pairs of a production plan: a row-parallel bias is a *replicated* DTensor, which
+    opacus 1.6.0's ghost_tp refuses (docs/meshes.md)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {name: ColwiseParallel(output_layouts=Replicate()) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)}
+
+
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Save an FSDP2 model's and its optimizer's state the way a user does under FSDP2:
     ``torch.distributed.checkpoint`` (each rank writes its own shards; a collective, so every rank
