@@ -152,20 +152,19 @@ def replica_positions(mesh: Mesh, rows: Sequence[Sequence[int]]) -> List[List[in
 
 
 def world_summed_norms(mesh: Mesh, sharded_sq: torch.Tensor, whole_sq: torch.Tensor,
-                       rows: Sequence[Sequence[int]], whole_from_rank0: bool = False,
-                       sharded_times: int = 1) -> torch.Tensor:
-    """``[local batch]``: the norm every rank clips the sample at each position with when the
-    squared norms are all-reduced over *every* rank (data replicas included), the wrong rule
-    (``sample_mixing``): the TP shards' squares of the samples at that position on all replicas,
-    plus their whole parameters' squares -- or, ``whole_from_rank0``, only rank 0's sample's (opacus'
-    ``merge_flag=False`` parameters count on global rank 0 alone). ``sharded_times``: each TP
-    peer contributes the *whole* layer's squares instead of its shard's (hooks that see the
-    all-gathered activations), so the sharded part is counted that many times."""
-    out = []
-    for p in replica_positions(mesh, rows):
-        whole = whole_sq[p[0]] if whole_from_rank0 else whole_sq[p].sum()
-        out.append(sharded_times * sharded_sq[p].sum() + whole)
-    return torch.stack(out).sqrt()
+                       rows: Sequence[Sequence[int]], whole_from: str = "own",
+                       sharded_times: int = 1) -> List[torch.Tensor]:
+    """Per rank, ``[local batch]``: the norms a rank clips its samples with when the squared norms of
+    the TP-sharded parameters are all-reduced over *every* rank, data replicas included (the wrong
+    rule, ``sample_mixing``): at each position, the sharded squares of the samples at that position
+    on all replicas, plus the whole parameters' squares of the rank's ``own`` sample, or of global
+    ``rank0``'s sample alone (opacus' ``merge_flag=False`` parameters count on rank 0 only).
+    ``sharded_times``: each TP peer contributes the *whole* TP-sharded layers' squares instead of
+    its shard's (hooks that see the all-gathered activations), counted that many times."""
+    positions = replica_positions(mesh, rows)
+    mixed = torch.stack([sharded_sq[p].sum() for p in positions]) * sharded_times
+    first = rows[mesh.data_ranks()[0]]
+    return [(mixed + whole_sq[list(first if whole_from == "rank0" else own)]).sqrt() for own in rows]
 
 
 __all__ = ["Mesh", "MeshError", "MESH_KINDS", "parse_optional", "rank_samples", "split_norm_sq", "replica_positions",

@@ -314,7 +314,7 @@ def hypotheses(case: Case, want, steps, subject: str):
 
 
 def tensor_parallel_hypotheses(case: Case, steps, subject: str):
-    """The aggregation bugs of a data x tensor-parallel mesh (``mesh.mixed_norms``), from the
+    """The aggregation bugs of a data x tensor-parallel mesh (``mesh.world_summed_norms``), from the
     reference's squared norms of each sample's TP-sharded parameters (every ``nn.Linear``:
     ``targets.util.tensor_parallel_plan``) and of the parameters every TP peer holds whole."""
     spec = case.spec
@@ -328,15 +328,13 @@ def tensor_parallel_hypotheses(case: Case, steps, subject: str):
     pairs = replica_positions(layout, rows)
     where = f"on mesh {spec.mesh} (data x tensor parallel)"
     t = layout.shape[1]
-    mixed_all = world_summed_norms(layout, sharded, whole, rows)
-    mixed_opacus = world_summed_norms(layout, sharded, whole, rows, whole_from_rank0=True, sharded_times=t)
     told = ", ".join(str(tuple(p)) for p in pairs[:4]) + (" ..." if len(pairs) > 4 else "")
-    mix = (f"{subject} mix the samples of different data replicas {where}: the squared norms are all-reduced over "
-           f"the whole world, so the samples at one position on the {layout.shape[0]} data replicas -- {told} -- "
-           "are clipped with one norm between them. Tensor-parallel peers must sum their shards' squares; data "
-           "replicas hold other samples and must not.")
-    yield "sample_mixing", [mixed_all] * len(steps), mix, None
-    yield "sample_mixing", [mixed_opacus] * len(steps), (
+    mix = (f"{subject} mix the samples of different data replicas {where}: the squared norms of the TP-sharded "
+           f"parameters are all-reduced over the whole world, so the samples at one position on the {layout.shape[0]} "
+           f"data replicas -- {told} -- are clipped with one norm between them. Tensor-parallel peers must sum "
+           "their shards' squares; data replicas hold other samples and must not.")
+    yield "sample_mixing", world_summed_norms(layout, sharded, whole, rows), mix, None
+    yield "sample_mixing", world_summed_norms(layout, sharded, whole, rows, "rank0", t), (
         mix + f" Besides, each of the {t} TP peers adds the squares of the whole TP-sharded layers (not of its "
         f"shard: its hooks see the all-gathered activations and gradients), counted {t} times; and the parameters "
         "every TP peer holds whole (not DTensors: norms, embeddings) are counted from global rank 0's sample "
