@@ -143,7 +143,9 @@ def test_correct_passes_on_meshes(pool, mesh):
     ("NormsSummedOverWorld", TP, "norm_fidelity", "sample_mixing", "-- (0, 1), (2, 3)"),
     ("ReplicatedCountedOnEveryPeer", TP, "norm_fidelity", "replicated_counted", "counted once"),
     ("NoiseDividedByWorld", TP, "noise_calibration", "mismatch", "1/2 = D/W: noise divided by the world size"),
-    ("SamplerSplitOverPeers", TP, "clipped_step", "mismatch", "rank 1, step 0: processed samples"),
+    ("SamplerSplitOverPeers", TP, "clipped_step", "mismatch", "processed samples [0, 4, 8, 12] but was given [0, 2, 4, "
+     "6, 8, 10, 12, 14] (missing [2, 6, 10, 14]): the data path does not feed each rank the samples it was given (on "
+     "tp:2x2 the 2 tensor-parallel peers of a data replica share its samples"),
 ])
 def test_mesh_specimen_fails_with_its_diagnosis(pool, target, mesh, prop, diagnosis, says):
     vs = run(pool, prop, M + target, mesh)

@@ -397,8 +397,13 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
                 dup = sorted({i for i in got if got.count(i) > 1})
                 parts = [f"{label} {v}" for label, v in (("missing", missing), ("foreign", foreign),
                                                          ("duplicated", dup)) if v]
+                peers = ""
+                if spec.mesh and spec.layout.tensor_parallel:
+                    layout = spec.layout
+                    peers = (f" (on {layout.label} the {layout.shape[1]} tensor-parallel peers of a data replica share "
+                             f"its samples: the batch is split over the {layout.data_degree} data replicas only)")
                 return (f"rank {r}, step {k}: processed samples {got} but was given {want} ({'; '.join(parts)}): "
-                        "the data path does not feed each rank the samples it was given")
+                        f"the data path does not feed each rank the samples it was given{peers}")
     return None
 
 
