@@ -336,12 +336,7 @@ class OpacusTarget(Target):
                 progress.pass_begun(k, len(losses), len(index))
             optimizer.zero_grad()
             with precision_autocast(spec):
-                logits = module(x)
-                if data.loss == "token_cross_entropy":
-                    # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
-                    loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
-                else:
-                    loss = criterion(logits, y)
+                loss = dp_loss(criterion, module(x), y, data.loss)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
             norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).clone())
@@ -394,11 +389,7 @@ class OpacusTarget(Target):
         for k in range(spec.steps):
             indices, batch = local_batch(spec, k, rank, world_size)
             optimizer.zero_grad()
-            logits = module(batch.inputs)
-            if batch.loss == "token_cross_entropy":
-                loss = criterion(logits.reshape(-1, logits.shape[-1]), batch.targets.reshape(-1), shape=logits.shape)
-            else:
-                loss = criterion(logits, batch.targets)
+            loss = dp_loss(criterion, module(batch.inputs), batch.targets, batch.loss)
             loss.backward()
             with torch.no_grad():  # the data replicas' average, as DDP/FSDP reduce (module docstring)
                 for p in module.parameters():
@@ -452,6 +443,14 @@ class OpacusTarget(Target):
                     return
                 yield batch
                 k += 1
+
+
+def dp_loss(criterion, logits: torch.Tensor, targets: torch.Tensor, loss: str) -> torch.Tensor:
+    """The batch loss through opacus' DP criterion; for ``token_cross_entropy`` the privacy unit is
+    the sequence: opacus needs the ``[B, T, V]`` shape (``shape=``) to regroup the token losses."""
+    if loss == "token_cross_entropy":
+        return criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=logits.shape)
+    return criterion(logits, targets)
 
 
 @contextlib.contextmanager
