@@ -83,6 +83,11 @@ def test_mesh_points_keep_1d_configs_unchanged():
     assert all("mesh" not in c.config() for c in one_d)
     meshed = both[len(one_d):]
     assert [(c.config()["mesh"], c.world_size) for c in meshed] == [(HSDP, 4), (TP, 4)]
+    # options a mesh does not run (accumulation) leave its cases as they are, never a spec it refuses
+    for pid in ("clipped_step", "trajectory"):
+        p = props.PROPERTIES[pid]
+        opts = p.with_defaults(Options(world_sizes=(), meshes=(HSDP,), params=(("physical_batch_size", 2),), **axes))
+        assert all(c.spec.physical_batch_size == 0 and c.spec.mesh == HSDP for c in p.plan(opts))
     assert "--meshes hsdp:2x2" in meshed[0].repro() and "--world-sizes" not in meshed[0].repro()
     # a property that does not run on meshes says so, once per mesh
     dl = props.PROPERTIES["deadlock_free"]

@@ -71,7 +71,7 @@ def poisson_dataset_size(world_size: int) -> int:
 
 
 def cases(point: Point):
-    p = point.param("physical_batch_size")
+    p = 0 if point.mesh else point.param("physical_batch_size")  # a 2-D mesh runs without accumulation
     # under accumulation, local batches of p + 1: two passes, the last shorter than p (p >= 2)
     spec = precision_spec(point.spec(global_batch_size=(p + 1 if p else 4) * point.world_size))
     if spec.poisson and point.options.dataset_size is None and point.options.sample_rate is None:

@@ -98,7 +98,7 @@ def check_params(params) -> None:
 
 def cases(point: Point):
     steps = point.param("steps") or STEPS.get(point.model, DEFAULT_STEPS)
-    p = point.param("physical_batch_size")
+    p = 0 if point.mesh else point.param("physical_batch_size")  # a 2-D mesh runs without accumulation
     if p:
         yield from accum_cases(point, steps, p)
         return
