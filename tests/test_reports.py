@@ -83,11 +83,11 @@ def test_every_config_key_a_property_can_emit_is_known():
     modes = {"immediate": {}, "deferred": {"SOME_SWITCH": "1"}}
     seen = set()
     for prop in REGISTRY:
-        for item in prop.plan(prop.options("opacus", world_sizes=(1, 2), modes=modes)):
+        for item in prop.plan(prop.options("opacus", world_sizes=(1, 2), modes=modes, meshes=("hsdp:2x2", "tp:2x2"))):
             cfg = item.config() if isinstance(item, Case) else item.config
             seen |= set(cfg)
     assert seen <= set(CONFIG_KEYS), seen - set(CONFIG_KEYS)
-    assert "local_batches" in seen
+    assert "local_batches" in seen and "mesh" in seen
     assert set(CONFIG_KEYS) <= set(SCHEMA["$defs"]["result"]["properties"]["config"]["properties"])
 
 

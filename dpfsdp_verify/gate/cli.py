@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     matrix.add_argument("--world-sizes", default=None,
                         help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
+    matrix.add_argument("--meshes", default=None, metavar="hsdp:RxS,tp:DxT",
+                        help="2-D meshes for the properties that support them (HSDP replicas x shard, data x "
+                             "tensor parallel; docs/meshes.md); without --world-sizes only the meshes run")
     matrix.add_argument("--wide-world-size", type=int, default=None, metavar="W",
                         help="a world size >= 3 for a few cheap cases that rank-index bugs hit (rank %% 2, "
                              "LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default 3; docs/horizon.md)")

@@ -69,7 +69,10 @@ class RunPlan:
         torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``)."""
         from ..properties import PROPERTIES, Options, modes_problem
 
-        if job_world_size is None:
+        meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
+        if meshes and args.world_sizes is None:
+            world_sizes = []  # --meshes alone: only the meshes run
+        elif job_world_size is None:
             world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
@@ -109,8 +112,8 @@ class RunPlan:
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
-                          wide_world_size=wide, horizon=horizon,
-                          **parse_axes(args), **parse_sampling(args, world_sizes[-1]),
+                          wide_world_size=wide, horizon=horizon, meshes=tuple(meshes),
+                          **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
@@ -160,6 +163,35 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
     except (BackendUnavailable, ValueError) as e:
         raise UsageError(f"--backend {backend}: {e}", "use --backend gloo on CPU runners") from None
     return world_sizes
+
+
+def parse_meshes(text: Optional[str], backend: str, job_world_size: Optional[int] = None) -> List[str]:
+    """``--meshes`` as canonical mesh names (``dpfsdp_verify.mesh``), each runnable here: ``UsageError``
+    for a malformed name, an unknown kind, more gloo ranks than one host runs, or (inside a torchrun
+    job) a mesh whose world size is not the job's."""
+    from ..mesh import Mesh, MeshError
+
+    if text is None:
+        return []
+    hint = "e.g. --meshes hsdp:2x2,tp:2x2 (hsdp: replicas x shard; tp: data x tensor parallel)"
+    names = csv(text)
+    if not names:
+        raise UsageError(f"--meshes {text!r}: no mesh named", hint)
+    meshes = []
+    for name in names:
+        try:
+            mesh = Mesh.parse(name)
+        except MeshError as e:
+            raise UsageError(f"--meshes: {e}", hint) from None
+        if job_world_size is not None and mesh.world_size != job_world_size:
+            raise UsageError(f"--meshes {mesh.label}: world size {mesh.world_size} (R*S) is not this torchrun job's "
+                             f"{job_world_size} ranks", f"relaunch with {mesh.world_size} ranks or name a mesh of "
+                             f"{job_world_size}")
+        if job_world_size is None and backend == "gloo" and mesh.world_size > MAX_GLOO_WORLD_SIZE:
+            raise UsageError(f"--meshes {mesh.label}: {mesh.world_size} gloo ranks is more than this gate runs on one "
+                             f"host (max {MAX_GLOO_WORLD_SIZE})", hint)
+        meshes.append(mesh.label)
+    return list(dict.fromkeys(meshes))
 
 
 def launched_world_sizes(text: Optional[str], job_world_size: int) -> List[int]:

@@ -49,7 +49,7 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
     target = target_info.describe_target(plan.options.target, plan.info)
     opts = plan.options
     if not plan.quiet:
-        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties) + where, file=sys.stderr,
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
@@ -65,7 +65,8 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
     fuzz = _fuzzer(plan.fuzz)
-    sizes = len(opts.world_sizes) + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0)
+    sizes = (len(opts.world_sizes) + len(opts.meshes)
+             + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0))
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
     try:

@@ -91,8 +91,9 @@ def describe_target(ref: str, info: Dict[str, Any]) -> Dict[str, Any]:
     return {**info, "ref": ref, "opacus": opacus_info()}
 
 
-def banner(target: Dict[str, Any], backend: str, world_sizes, properties) -> str:
+def banner(target: Dict[str, Any], backend: str, world_sizes, properties, meshes=()) -> str:
     op = target.get("opacus")
+    meshes = f", meshes {', '.join(meshes)}" if meshes else ""
     where = f" [opacus {op['version']} from {op['path']}]" if op else ""
     return (f"dpfsdp-verify {__version__}: target {target['name']} {target['version']}{where}, {backend}, "
-            f"world sizes {list(world_sizes)}, properties {', '.join(properties)}")
+            f"world sizes {list(world_sizes)}{meshes}, properties {', '.join(properties)}")

@@ -78,7 +78,7 @@ def poisson_dataset_size(world_size: int) -> int:
 
 
 def cases(point: Point):
-    p = point.param("physical_batch_size")
+    p = 0 if point.mesh else point.param("physical_batch_size")  # a 2-D mesh runs without accumulation
     # under accumulation, local batches of p + 1: two passes, the last shorter than p (p >= 2)
     spec = precision_spec(point.spec(global_batch_size=(p + 1 if p else 4) * point.world_size))
     if spec.poisson and point.options.dataset_size is None and point.options.sample_rate is None:
@@ -372,6 +372,6 @@ PROPERTY = Property(
              "accounting assumes, neither scaled nor with unclipped samples"),
     cases=cases, judge=judge, models=MODELS, layouts=("split",), reductions=REDUCTIONS,
     dtypes=DTYPES, samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
-    precisions=PRECISIONS,
+    precisions=PRECISIONS, meshes=True,
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))

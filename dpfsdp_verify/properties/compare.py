@@ -270,13 +270,58 @@ def norm_ratios(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return got[keep] / want[keep]
 
 
+def data_outputs(outputs: Sequence[RankOutput], spec: RunSpec) -> Sequence[RankOutput]:
+    """The ranks whose samples make up the batch: every rank, or on a 2-D mesh one rank per data
+    slice (tensor-parallel peers hold the same samples: ``mesh.Mesh.data_ranks``)."""
+    if not spec.mesh:
+        return outputs
+    return [outputs[r] for r in spec.layout.data_ranks()]
+
+
+def shard_divisor(spec: RunSpec, world_size: int) -> int:
+    """How many dim-0 shards each parameter is cut into: the world size on a 1-D mesh, the mesh's
+    second dim (the FSDP shard or TP group) on a 2-D one."""
+    return spec.layout.shape[1] if spec.mesh else world_size
+
+
+def replica_problem(spec: RunSpec, outputs: Sequence[RankOutput], what: str) -> Optional[Tuple[str, dict]]:
+    """On a 2-D mesh, the first step and tensor where a rank's reported ``what`` (``"gradient"`` or
+    ``"parameters"``) is not bit-identical to rank 0's, as ``(message, evidence)``; ``None`` if every
+    rank holds the same. Each rank reports the full tensor as its own replica holds it, so ranks
+    of different replicas differ exactly when the replicas drifted apart: the released model is
+    then not one model, and replicas of one shard added different noise."""
+    if not spec.mesh:
+        return None
+    layout = spec.layout
+    first = outputs[0]
+    for k, step in enumerate(first.steps):
+        for name in sorted(getattr(step, what)):
+            want = getattr(step, what)[name]
+            for r, o in enumerate(outputs[1:], start=1):
+                got = getattr(o.steps[k], what).get(name)
+                if got is not None and got.shape == want.shape and torch.equal(got, want):
+                    continue
+                diff = ((got - want).abs() if got is not None and got.shape == want.shape else None)
+                at = int(diff.reshape(-1).argmax()) if diff is not None else 0
+                rows = want.shape[0] if want.dim() else 1
+                row = at // max(1, want.numel() // max(1, rows))
+                shard = next(j for j, c in enumerate(torch.arange(rows).chunk(layout.shape[1])) if row in c.tolist())
+                size = f"max |difference| {float(diff.max()):.3g}" if diff is not None else "a different shape"
+                return (f"rank {r} (row {layout.row(r)} of {layout.label}) and rank 0 hold different {what} of "
+                        f"{name!r} after step {spec.first_step + k} ({size}, first in dim-0 shard {shard}, held by "
+                        f"ranks {layout.replica_groups()[shard]}): replicas of one shard must stay bit-identical",
+                        {"replica_divergence": {"step": spec.first_step + k, "tensor": name, "ranks": [0, r],
+                                                "shard": shard}})
+    return None
+
+
 def processed_indices(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> List[int]:
     """The global indices that make up the step's batch: every rank's for split data, one copy for
     replicated data (each rank holds all of them)."""
     if spec.data_layout == "replicated" and spec.rank_batches is None:
         return list(range(spec.global_batch_size))
     idx: List[int] = []
-    for o in outputs:
+    for o in data_outputs(outputs, spec):
         idx += list(o.steps[step].indices)
     return sorted(idx)
 
@@ -287,7 +332,7 @@ def global_loss(outputs: Sequence[RankOutput], step: int, spec: RunSpec) -> floa
     if spec.data_layout == "replicated" and spec.rank_batches is None:
         return float(outputs[0].steps[step].loss)
     total, n = 0.0, 0
-    for o in outputs:
+    for o in data_outputs(outputs, spec):
         s = o.steps[step]
         k = len(s.indices)
         if k == 0:
@@ -436,8 +481,13 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
                 dup = sorted({i for i in got if got.count(i) > 1})
                 parts = [f"{label} {v}" for label, v in (("missing", missing), ("foreign", foreign),
                                                          ("duplicated", dup)) if v]
+                peers = ""
+                if spec.mesh and spec.layout.tensor_parallel:
+                    layout = spec.layout
+                    peers = (f" (on {layout.label} the {layout.shape[1]} tensor-parallel peers of a data replica share "
+                             f"its samples: the batch is split over the {layout.data_degree} data replicas only)")
                 return (f"rank {r}, step {k}: processed samples {got} but was given {want} ({'; '.join(parts)}): "
-                        "the data path does not feed each rank the samples it was given")
+                        f"the data path does not feed each rank the samples it was given{peers}")
     return None
 
 

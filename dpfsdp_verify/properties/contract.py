@@ -90,6 +90,9 @@ class Options:
     #: steps of the long-horizon run each property with one runs (``horizon.py``: bugs that start
     #: late); 0: none. The gate's default is ``horizon.HORIZON_STEPS``; the Python API's is 0
     horizon: int = 0
+    #: 2-D meshes (``dpfsdp_verify.mesh`` names, e.g. ``"hsdp:2x2"``) each property that runs on
+    #: meshes runs at, besides ``world_sizes`` (``()``: none)
+    meshes: Tuple[str, ...] = ()
 
     def __post_init__(self):
         problem = precision_problem(self.precisions, self.dtypes)
@@ -112,7 +115,7 @@ class Options:
         known = {f.name for f in fields(cls)}
         params = {k: kw.pop(k) for k in list(kw) if k not in known}
         for key in ("world_sizes", "models", "data_layouts", "reductions", "dtypes", "samplings", "seedings",
-                    "precisions"):
+                    "precisions", "meshes"):
             if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         kw["modes"] = modes_mod.from_mapping(kw.get("modes"))
@@ -187,6 +190,8 @@ class Case:
             run_keys["precision"] = self.spec.precision
         if self.drawn is not None:  # a fuzzed shape is told apart by its layer sizes
             run_keys["model_kwargs"] = dict(self.spec.model_kwargs)
+        if self.spec.mesh:  # a 2-D mesh adds a key; 1-D configs are unchanged
+            run_keys["mesh"] = self.spec.mesh
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **run_keys, **self.labels}
@@ -197,8 +202,9 @@ class Case:
         case the ``replay`` line of its drawn spec."""
         if self.drawn is not None:
             return self._replay_line()
+        where = ["--meshes", self.spec.mesh] if self.spec.mesh else ["--world-sizes", str(self.world_size)]
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
-                 "--world-sizes", str(self.world_size), "--grad-sample-mode", self.spec.grad_sample_mode,
+                 *where, "--grad-sample-mode", self.spec.grad_sample_mode,
                  "--models", self.spec.model, "--loss-reductions", self.spec.reduction, "--dtypes", self.spec.dtype]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
@@ -267,6 +273,8 @@ class Point:
     seeding: Optional[str] = None
     #: the mixed-precision form (``targets.base.PRECISIONS``)
     precision: str = "fp32"
+    #: the 2-D mesh of a mesh point (``Options.meshes``), ``""`` for a 1-D one
+    mesh: str = ""
 
     def spec(self, **fields_) -> RunSpec:
         """The point's ``RunSpec`` (model, layout, reduction, dtype, grad_sample_mode) plus ``fields_``.
@@ -281,6 +289,8 @@ class Point:
                        "sample_rate": self.options.sample_rate or q,
                        "dataset_size": self.options.dataset_size or per_rank * self.world_size,
                        "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.seed(0)}
+        if self.mesh:
+            fields_ = {"mesh": self.mesh, **fields_}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
                        dtype=self.dtype, grad_sample_mode=self.options.grad_sample_mode, precision=self.precision,
                        **fields_)
@@ -376,6 +386,9 @@ class Property:
     #: the cases it runs at the options' ``wide_world_size`` (``horizon.py``), given the first point of
     #: each sampling of its matrix at that world size: the checks a bug keyed on the rank index hits
     wide: Optional[Callable[[Point], Iterable[Union[Case, Verdict]]]] = None
+    #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
+    #: a property that does not is told so in one ``skip`` verdict per mesh
+    meshes: bool = False
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
@@ -433,8 +446,22 @@ class Property:
                 for model in opts.models or self.models for layout in opts.data_layouts or self.layouts
                 for red in opts.reductions or self.reductions for prec in self.precision_points(opts)
                 for dtype in ((opts.dtypes or self.dtypes) if prec == "fp32" else ("float32",))]
-        return [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding, prec)
-                for ws, modes, (sampling, seeding), model, layout, red, prec, dtype in axes]
+        points = [Point(self.id, opts, modes, ws, model, layout, red, dtype, len(axes), sampling, seeding, prec)
+                  for ws, modes, (sampling, seeding), model, layout, red, prec, dtype in axes]
+        return points + self.mesh_points(opts, groups)
+
+    def mesh_points(self, opts: Options, groups) -> List[Point]:
+        """The points of the options' 2-D meshes: fixed split batches in fp32, per mesh, mode(s),
+        model, reduction and dtype (none for a property that does not run on meshes)."""
+        if not self.meshes or not opts.meshes:
+            return []
+        from ..mesh import Mesh
+
+        axes = [(mesh, modes, model, red, dtype) for mesh in opts.meshes for modes in groups
+                for model in opts.models or self.models for red in opts.reductions or self.reductions
+                for dtype in opts.dtypes or self.dtypes]
+        return [Point(self.id, opts, modes, Mesh.parse(mesh).world_size, model, "split", red, dtype, len(axes),
+                      mesh=mesh) for mesh, modes, model, red, dtype in axes]
 
     def plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """Every case (or ready verdict) for ``opts``, in report order."""
@@ -449,8 +476,11 @@ class Property:
             return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
+        unmeshed = [] if self.meshes else [
+            self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
+                      world_size=None, mesh=mesh) for mesh in opts.meshes]
         items = [item for point in self.points(opts) for item in self.cases(point)]
-        return items + self.wide_plan(opts)
+        return items + self.wide_plan(opts) + unmeshed
 
     def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """The ``wide`` cases at ``opts.wide_world_size`` (none when it is 0, is one of the

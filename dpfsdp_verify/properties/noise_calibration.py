@@ -96,7 +96,7 @@ from ..verdict import Verdict
 from .accountant import DELTA as ACCOUNTANT_DELTA
 from .accountant import accountant_problem
 from .accountant import describe as describe_accountant
-from .compare import reference_model, trainable_names
+from .compare import reference_model, replica_problem, shard_divisor, trainable_names
 from .contract import Case, Outputs, Point, Property
 from . import noise_stats
 from .horizon import horizon_labels, horizon_point, horizon_spec
@@ -178,8 +178,9 @@ def cases(point: Point):
     shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
     # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
     verdicts = point.matrix_size + (1 if point.options.horizon else 0)
-    alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, point.world_size)
-    big = [k for s in shapes.values() for k in _shard_sizes(s, point.world_size) if k >= POWER_MIN_NUMEL]
+    shards = shard_divisor(spec, point.world_size)
+    alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
+    big = [k for s in shapes.values() for k in _shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
@@ -187,7 +188,8 @@ def cases(point: Point):
     runs = [spec.with_(noise_seed=(base_seed + i) % 2 ** 31) for i in range(repeats)]
     clean = spec.with_(noise_multiplier=0.0)
     o = point.options
-    once = (point.world_size == min(o.world_sizes) and point.sampling == "fixed"
+    # a 2-D mesh runs the statistical case alone (its extra exact cases are 1-D checks)
+    once = (not point.mesh and point.world_size == min(o.world_sizes) and point.sampling == "fixed"
             and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes))
     if spec.poisson and point.reduction == (point.options.reductions or PROPERTY.reductions)[0]:
         # the accountant's epsilon (accountant.py): asked of one run per world size, where q is a sampling
@@ -385,9 +387,18 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         return _judge_exact(case, outputs)
     if case.facts.get("horizon"):
         return _judge_horizon(case, outputs)
-    spec, ws, runs = case.spec, case.world_size, outputs[0]
+    spec, runs = case.spec, outputs[0]
+    ws = shard_divisor(spec, case.world_size)  # the shards each tensor is cut into (the world on a 1-D mesh)
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
+    for i, run in enumerate(runs[1:], start=1):
+        drift = replica_problem(spec, run, "gradient")
+        if drift is not None:
+            return case.verdict("fail", "replica_divergence", (
+                f"the noisy gradient of run {i} differs between replicas on {spec.mesh}: {drift[0]}. The "
+                "replicas of one shard hold the same parameters, so they must add the IDENTICAL noise (one "
+                "noise draw per coordinate, the same on every replica): noise drawn from a per-rank stream makes "
+                "the replicas drift apart, and the released model is not one model."), drift[1])
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
     resampled = _resampled_run(runs) if spec.poisson else None
@@ -401,7 +412,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     stacked = {n: torch.stack([step[n] for run in noise for step in run]) for n in names}  # [draws, *shape]
-    where = (f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
+    at = f"mesh {spec.mesh} (world_size={case.world_size})" if spec.mesh else f"world_size={ws}"
+    where = (f"at {at}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
     silent = _silent_shard(stacked, names, ws)
@@ -484,7 +496,7 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     """The exact checks every noisy verdict makes first: no coordinate released with exactly zero
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
-    spec, ws = case.spec, case.world_size
+    spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
     unnoised = _unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
@@ -552,7 +564,7 @@ def _silent_shard(stacked, names, ws: int) -> Optional[Tuple[str, int, int, int]
 
 def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) -> Verdict:
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
-    ws = case.world_size
+    ws = shard_divisor(case.spec, case.world_size)
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
     tensors, failures, shard_power, pooled = _scale_stats(stacked, names, ws, s, alpha, n_draws)
     evidence.update(tensors=tensors, vectors_pooled=pooled)
@@ -571,7 +583,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         return case.verdict("fail", "non_gaussian_noise", _shape_message(excess, z_kurt, p_kurt, values, where, alpha),
                             evidence)
     if failures:
-        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha), evidence)
+        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha, case.spec.mesh),
+                            evidence)
     for test, (r_corr, p_corr, pairs) in noise_stats.independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr
         if not p_corr >= alpha:
@@ -848,7 +861,7 @@ def _shards(x: torch.Tensor, ws: int):
     return torch.chunk(x, ws, dim=1) if x.dim() > 1 else [x]
 
 
-def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
+def _scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: str = "") -> str:
     test, name, rank, value, p = failure[:5]
     shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
     if test == "sum":
@@ -870,11 +883,12 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
                 "weight matrices'." + (" The released gradient is less private than the accounting states."
                                        if value < 1 else ""))
     hint = ""
-    for k, what in ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
+    for k, what in _mesh_ratios(mesh) + ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
                     (1 / ws, "1/N: noise divided by N once too often"),
                     (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")):
         if ws > 1 and abs(value - k) < 0.15 * k:
             hint = f" The ratio is close to {what}."
+            break  # the first cause that fits (a mesh's own first; the 1-D ratios' windows do not overlap)
     if value < 1:
         return (f"PRIVACY VIOLATION: too little noise on {name!r}{shard} {where}: measured std {value * s:.4g} = "
                 f"{value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g})."
@@ -884,8 +898,25 @@ def _scale_message(failure, ws: int, s: float, where: str, alpha: float) -> str:
             "trains on more noise than the guarantee needs.")
 
 
+def _mesh_ratios(name: str):
+    """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.mesh``)."""
+    if not name:
+        return ()
+    from ..mesh import Mesh
+
+    mesh = Mesh.parse(name)
+    a, b = mesh.shape
+    if mesh.tensor_parallel:
+        return ((1 / b, f"1/{b} = D/W: noise divided by the world size W={a * b} where only the D={a} data replicas "
+                        "average their gradients (the TP peers hold slices of one gradient and average nothing)"),)
+    return ((float(a), f"{a} = W/S: noise divided by the shard group's {b} ranks instead of the world's {a * b}: the "
+                       f"{a} replicas average the gradient too"),)
+
+
 PROPERTY = Property(
-    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise", "accountant_mismatch"),
+    id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise", "accountant_mismatch",
+               "replica_divergence"),
+    meshes=True,
     meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),

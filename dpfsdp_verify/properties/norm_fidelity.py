@@ -45,12 +45,14 @@ from dataclasses import replace
 import torch
 
 from .. import reference
+from ..mesh import replica_positions, split_norm_sq, world_summed_norms
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
 from .compare import (COEF_TOL, finetune_norms, fit_clip_epsilon, fmt, norm_ratios, omitted_layer_norms,
                       precision_bound, precision_coefficient_bounds, precision_spec, processed_indices,
-                      recover_clip_coefficients, reference_norms, sequence_weights, tolerance, with_picked_clip)
+                      recover_clip_coefficients, reference_grads, reference_model, reference_norms, sequence_weights,
+                      tolerance, with_picked_clip)
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
@@ -100,7 +102,7 @@ def large_point(point: Point) -> bool:
     and mode, on the cheap point -- the mlp, split data, float64, fp32, fixed batches, the first
     reduction -- where a chunking bug shows as plainly as anywhere (it is in the per-sample gradient
     code, not in the model, the layout or the dtype)."""
-    return (point.sampling == "fixed" and point.precision == "fp32" and point.model == "mlp"
+    return (not point.mesh and point.sampling == "fixed" and point.precision == "fp32" and point.model == "mlp"
             and point.data_layout == "split" and point.dtype == "float64"
             and point.reduction == (point.options.reductions or PROPERTY.reductions)[0])
 
@@ -331,6 +333,11 @@ def hypotheses(case: Case, want, steps, subject: str):
     normalised wrongly): the target's per-sample gradient is ``w_i g_i``, so it also clips that."""
     ws, layout = case.world_size, case.spec.data_layout
     where = f"at world_size={ws} ({layout} data)"
+    if case.spec.mesh and case.spec.layout.tensor_parallel:
+        yield from tensor_parallel_hypotheses(case, steps, subject)
+        return
+    if case.spec.mesh:
+        where = f"on mesh {case.spec.mesh} ({layout} data)"
     sq = math.sqrt(ws)
     if ws > 1:
         yield "sqrt_n_inflation", [w * sq for w in want], (
@@ -362,6 +369,38 @@ def hypotheses(case: Case, want, steps, subject: str):
     for diagnosis, weights, what in sequence_weights(case.spec):
         w = [weights[list(s.indices)] for s in steps]
         yield diagnosis, [a * b for a, b in zip(want, w)], f"{subject} {where} {what}.", w
+
+
+def tensor_parallel_hypotheses(case: Case, steps, subject: str):
+    """The aggregation bugs of a data x tensor-parallel mesh (``mesh.world_summed_norms``), from the
+    reference's squared norms of each sample's TP-sharded parameters (every ``nn.Linear``:
+    ``targets.util.tensor_parallel_plan``) and of the parameters every TP peer holds whole."""
+    spec = case.spec
+    layout = spec.layout
+    linear = {name for name, m in reference_model(spec).named_modules() if isinstance(m, torch.nn.Linear)}
+    grads = reference_grads(spec)
+    sharded, whole = split_norm_sq(grads, [n for n in grads if n.rsplit(".", 1)[0] in linear])
+    rows = [list(s.indices) for s in steps]
+    if len({len(r) for r in rows}) != 1:
+        return
+    pairs = replica_positions(layout, rows)
+    where = f"on mesh {spec.mesh} (data x tensor parallel)"
+    t = layout.shape[1]
+    told = ", ".join(str(tuple(p)) for p in pairs[:4]) + (" ..." if len(pairs) > 4 else "")
+    mix = (f"{subject} mix the samples of different data replicas {where}: the squared norms of the TP-sharded "
+           f"parameters are all-reduced over the whole world, so the samples at one position on the {layout.shape[0]} "
+           f"data replicas -- {told} -- are clipped with one norm between them. Tensor-parallel peers must sum "
+           "their shards' squares; data replicas hold other samples and must not.")
+    yield "sample_mixing", world_summed_norms(layout, sharded, whole, rows), mix, None
+    yield "sample_mixing", world_summed_norms(layout, sharded, whole, rows, "rank0", t), (
+        mix + f" Besides, each of the {t} TP peers adds the squares of the whole TP-sharded layers (not of its "
+        f"shard: its hooks see the all-gathered activations and gradients), counted {t} times; and the parameters "
+        "every TP peer holds whole (not DTensors: norms, embeddings) are counted from global rank 0's sample "
+        "alone: every other replica's samples lose them (opacus' merge_flag=False)."), None
+    yield "replicated_counted", [(sharded[r] + t * whole[r]).sqrt() for r in rows], (
+        f"{subject} count the parameters every TP peer holds whole {t} times {where}: each of the {t} tensor-parallel "
+        "peers adds the squares of its whole (replicated) parameters before the sum over the TP group; a "
+        "replicated parameter is one parameter and must be counted once. Every sample is over-clipped."), None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -443,7 +482,8 @@ def right_prefix(got, want) -> int:
 
 
 PROPERTY = Property(
-    id="norm_fidelity", diagnoses=("mismatch", "sqrt_n_inflation", "sample_mixing", "undercount"),
+    id="norm_fidelity", diagnoses=("mismatch", "sqrt_n_inflation", "sample_mixing", "undercount",
+                                   "replicated_counted"), meshes=True,
     meaning=("the per-sample norms the target clips with are the true per-sample gradient norms; if not, "
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),

@@ -63,7 +63,7 @@ import torch
 from .. import reference
 from ..verdict import Verdict
 from .compare import (at_own_clip_epsilon, close, fmt, global_loss, max_rel_diff, processed_indices,
-                      reference_batch, reference_model, tensors_close, tolerance, trainable_names, with_picked_clip)
+                      reference_batch, replica_problem, reference_model, tensors_close, tolerance, trainable_names, with_picked_clip)
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p
 
@@ -106,7 +106,7 @@ def check_params(params) -> None:
 
 def cases(point: Point):
     steps = point.param("steps") or STEPS.get(point.model, DEFAULT_STEPS)
-    p = point.param("physical_batch_size")
+    p = 0 if point.mesh else point.param("physical_batch_size")  # a 2-D mesh runs without accumulation
     if p:
         yield from accum_cases(point, steps, p)
         return
@@ -116,8 +116,14 @@ def cases(point: Point):
     if spec.poisson:
         # as many epochs as the steps need (int(1/q) steps each): all ``steps`` are taken
         spec = spec.with_(epochs=-(-steps // spec.steps_per_epoch))
-    yield point.case(with_picked_clip(spec), doing=f"{steps} DP steps")
+    # on a mesh both cases say their noise (mesh configs are new: an expectation can tell them apart)
+    yield point.case(with_picked_clip(spec), doing=f"{steps} DP steps",
+                     labels={"noise_multiplier": 0.0} if point.mesh else {})
     o = point.options
+    if point.mesh:  # the noisy-update case, once per mesh: the replicas must stay bit-identical with noise too
+        if point.reduction == "mean" and point.model == (o.models or PROPERTY.models)[0]:
+            yield update_case(point)
+        return
     # once per world size: the update rule does not depend on the model, reduction or dtype ("mean":
     # the shipped opacus expectation for "sum" at 2 ranks must not select a verdict that passes)
     if (point.sampling == "fixed" and point.reduction == "mean" and point.model == (o.models or PROPERTY.models)[0]
@@ -156,6 +162,12 @@ def accum_cases(point: Point, steps: int, p: int):
 
 
 def judge(case: Case, runs: Outputs) -> Verdict:
+    drift = replica_problem(case.spec, runs[0][0], "parameters")
+    if drift is not None:
+        return case.verdict("fail", "replica_divergence", (
+            f"the replicas drift apart over {case.spec.steps} DP step(s) on {case.spec.mesh}: {drift[0]}. Replicas of "
+            "one shard hold one model: the same clipped sum and the same noise must reach each of them, every "
+            "step; drifted replicas release several models (and each one's noise was drawn apart)."), drift[1])
     if len(case.specs) > 1:
         return judge_empty(case, runs)
     if case.spec.noise_multiplier:
@@ -409,6 +421,6 @@ PROPERTY = Property(
     meaning=("K DP-SGD steps under FSDP at N ranks release the same model (losses, parameters) as K steps "
              "on one process: the model the DP analysis describes"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean", "sum"),
-    diagnoses=("mismatch", "noise_bypassed"),
+    diagnoses=("mismatch", "noise_bypassed", "replica_divergence"), meshes=True,
     params=(("steps", None), ("physical_batch_size", 0), ("update_momentum", UPDATE_MOMENTUM)),
     samplings=("fixed", "poisson"), check_params=check_params)

@@ -85,6 +85,16 @@ the mechanism it measured (docs/properties.md). A target that reports none is no
 Momentum (``spec.momentum`` mu > 0; 0 = plain SGD): SGD with torch's momentum (dampening 0, no
 Nesterov), the state a checkpoint must carry; declared with ``"momentum"`` in ``Target.features``.
 
+2-D meshes (``spec.mesh``, e.g. ``"hsdp:2x2"`` or ``"tp:2x2"``; ``""`` for the 1-D mesh of every
+rank): the target builds the ``DeviceMesh`` itself, ``spec.layout.build("cpu")`` under gloo
+(``init_device_mesh(device, (A, B), mesh_dim_names=...)``: ``("replicate", "shard")`` for HSDP,
+``("data", "tensor")`` for data x tensor parallel; ``dpfsdp_verify.mesh``). HSDP shards with
+``fully_shard(mesh=<the 2-D mesh>)``; ``tp`` applies ``targets.util.tensor_parallel_plan(model)``
+on the ``"tensor"`` sub-mesh and keeps the ``"data"`` replicas in sync itself.
+``spec.rank_indices`` splits the batch over the data-parallel ranks only (TP peers get the same
+samples); every rank reports the full gradient and parameters *as it holds them* (its replica's),
+so replicas that drift apart are seen. A target that cannot run a mesh raises ``Refused``.
+
 Progress (for hang reports): a target calls ``progress.step_begun(k, local_batch_size)`` and
 ``progress.step_finished(k)`` (``dpfsdp_verify.targets.progress``) around each step, and
 ``progress.pass_begun(k, j, size)`` before each physical pass; the calls append one line to a
@@ -214,8 +224,18 @@ class RunSpec:
     #: delta at which the target reports its accountant's epsilon (``RankOutput.epsilon``); 0: not
     #: asked (an epsilon can cost a target's accountant a second per run: only some runs ask)
     accountant_delta: float = 0.0
+    #: a 2-D mesh ``KIND:AxB`` (``dpfsdp_verify.mesh``: ``hsdp:RxS``, ``tp:DxT``); ``""``: the 1-D
+    #: mesh of every rank (module docstring)
+    mesh: str = ""
 
     def __post_init__(self):
+        if self.mesh:
+            from ..mesh import Mesh
+
+            Mesh.parse(self.mesh)  # MeshError (a ValueError) for a malformed name
+            if self.sampling != "fixed" or self.physical_batch_size or self.resume_at or self.data_layout != "split":
+                raise ValueError(f"mesh {self.mesh!r}: 2-D meshes run fixed, split batches only (no Poisson, "
+                                 "accumulation, resume or replicated data)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.precision != "fp32" and self.dtype != "float32":
@@ -289,9 +309,18 @@ class RunSpec:
     def check_world_size(self, world_size: int) -> None:
         """``ValueError`` if this spec cannot run at ``world_size`` (a Poisson dataset smaller than
         the world size leaves a rank without a single sample to draw from)."""
+        if self.mesh and self.layout.world_size != world_size:
+            raise ValueError(f"mesh {self.mesh} has {self.layout.world_size} ranks, not {world_size}")
         if self.sampling == "poisson" and self.dataset_size < world_size:
             raise ValueError(f"dataset_size {self.dataset_size} is smaller than the world size {world_size}: "
                              "some rank would own no sample")
+
+    @property
+    def layout(self):
+        """The ``mesh.Mesh`` of a 2-D run, ``None`` for a 1-D one."""
+        from ..mesh import parse_optional
+
+        return parse_optional(self.mesh)
 
     @property
     def poisson(self) -> bool:
@@ -360,6 +389,10 @@ class RunSpec:
             return list(self.rank_batches[step][rank])
         if self.data_layout == "replicated":
             return list(range(self.global_batch_size))
+        if self.mesh:  # split over the data-parallel ranks only: TP peers see the same samples
+            from ..mesh import rank_samples
+
+            return rank_samples(self.layout, self.global_batch_size, rank)
         # DistributedSampler(shuffle=False, drop_last=False) on a divisible batch
         return list(range(rank, self.global_batch_size, world_size))
 
@@ -368,7 +401,10 @@ class RunSpec:
 
     def to_json(self) -> str:
         """One line of JSON (what a fuzzed verdict's replay line carries); ``from_json`` reads it."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        d = asdict(self)
+        if not d["mesh"]:  # a 1-D spec's line is what it was before meshes existed
+            del d["mesh"]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":

@@ -72,6 +72,22 @@ Accounting: ``RankOutput.accountant`` / ``accountant_history`` are opacus' own a
 ``mechanism()`` and ``history`` at the end of the run (what its optimizer step hook told it), and
 ``RankOutput.epsilon`` its ``get_epsilon(spec.accountant_delta)`` where the spec asks.
 
+2-D meshes (``spec.mesh``, ``docs/meshes.md``). HSDP (``hsdp:RxS``) is ``FSDP2Wrapper`` on the
+2-D mesh: opacus 1.6.0's ``FSDP2Wrapper`` takes no ``mesh`` (it reads only ``mp_policy`` and
+``opacus_high_precision_layers`` and calls ``fully_shard(module, mp_policy=...)``), so while it
+runs its module's ``fully_shard`` is the same function with ``mesh=`` the
+``("replicate", "shard")`` mesh: the same layers wrapped the same way, on the 2-D mesh; the rest
+(``make_private``, the data path) is the 1-D path. Data x tensor parallel (``tp:DxT``) is what
+opacus' own ``examples/tensor_parallelism_toy.py`` does, on the ``"tensor"`` sub-mesh:
+``parallelize_module(model, mesh["tensor"], util.tensor_parallel_plan(model))`` ->
+``GradSampleModuleFastGradientClippingTP`` -> ``FSDPOptimizerFastGradientClipping`` (the expected
+batch of one data replica, B/D, and the seeded noise generator) -> ``DPLossFastGradientClipping``.
+ghost_tp has no data-parallel reduction of its own and cannot be combined with ``fully_shard``
+(its ``GradSampleModule`` deep-copies the module, which FSDP2 forbids), so the adapter averages
+each gradient over the ``"data"`` sub-mesh after the backward, as DDP/FSDP average, before
+``optimizer.step()`` adds the noise. What ghost_tp refuses (``NotImplementedError``: replicated
+DTensor parameters) is a ``Refused``.
+
 Fork switches (``OPACUS_USE_DEFERRED_NORM``...) are environment variables of the worker group, not
 arguments here.
 """
@@ -89,8 +105,9 @@ from .. import models
 from . import progress
 from .base import (FEATURE_BF16_AUTOCAST, FEATURE_BF16_FSDP, FEATURE_MOMENTUM, FEATURE_PHYSICAL_BATCHES, FEATURE_RESUME,
                    RankOutput, Refused, RunSpec, StepOutput, Target)
-from .util import (dataset_index, device, gather_named, global_dataset, load_sharded, precision_autocast,
-                   precision_policy, rank_and_world, save_sharded, step_indices, world)
+from .util import (dataset_index, device, device_mesh, gather_named, global_dataset, load_sharded, local_batch,
+                   precision_autocast, precision_policy, rank_and_world, save_sharded, step_indices,
+                   tensor_parallel_plan, world)
 
 #: opacus' own state in a resumed run's checkpoint directory (written by rank 0)
 OPACUS_STATE = "opacus_state.pt"
@@ -273,9 +290,12 @@ class OpacusTarget(Target):
         from torch.utils.data import TensorDataset
 
         rank, world_size = world()
+        if spec.mesh and spec.layout.tensor_parallel:
+            return self._run_tensor_parallel(spec, rank, world_size)
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
         policy = precision_policy(spec)
-        fsdp = FSDP2Wrapper(model) if policy is None else FSDP2Wrapper(model, mp_policy=policy)
+        with _fully_shard_on(device_mesh(spec) if spec.mesh else None):
+            fsdp = FSDP2Wrapper(model) if policy is None else FSDP2Wrapper(model, mp_policy=policy)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=spec.lr, momentum=spec.momentum)
         if spec.poisson:
             data, dataset = self._poisson_dataset(spec)
@@ -338,12 +358,7 @@ class OpacusTarget(Target):
             optimizer.zero_grad()
             x, y = x.to(on), y.to(on)
             with precision_autocast(spec):
-                logits = module(x)
-                if data.loss == "token_cross_entropy":
-                    # privacy unit = the sequence: opacus needs the [B, T, V] shape to regroup tokens
-                    loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), shape=logits.shape)
-                else:
-                    loss = criterion(logits, y)
+                loss = dp_loss(criterion, module(x), y, data.loss)
             loss.backward()
             norms = getattr(module, "per_sample_gradient_norms", None)
             norm_parts.append(None if norms is None else norms.detach().to(torch.float64).reshape(-1).cpu().clone())
@@ -375,6 +390,50 @@ class OpacusTarget(Target):
         out.accountant_history = [(float(s), float(q), int(n)) for s, q, n in acc.history]
         if spec.accountant_delta > 0 and acc.history and all(s > 0 for s, _, _ in acc.history):
             out.epsilon = float(acc.get_epsilon(delta=spec.accountant_delta))
+
+    def _run_tensor_parallel(self, spec: RunSpec, rank: int, world_size: int) -> RankOutput:
+        """Data x tensor parallel as opacus' TP example builds it (module docstring)."""
+        import torch.distributed as dist
+        from opacus.grad_sample import GradSampleModuleFastGradientClippingTP
+        from opacus.optimizers import FSDPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        layout = spec.layout
+        mesh = device_mesh(spec)
+        model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
+        model = parallelize_module(model, mesh["tensor"], tensor_parallel_plan(model))
+        try:
+            module = GradSampleModuleFastGradientClippingTP(model, loss_reduction=spec.reduction, batch_first=True,
+                                                            max_grad_norm=spec.max_grad_norm)
+        except NotImplementedError as e:
+            raise Refused(f"opacus {self.version()} ghost_tp: NotImplementedError: {e}") from e
+        optimizer = FSDPOptimizerFastGradientClipping(
+            torch.optim.SGD(module.parameters(), lr=spec.lr, momentum=spec.momentum),
+            noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
+            expected_batch_size=spec.expected_batch_size // layout.data_degree, loss_reduction=spec.reduction,
+            generator=torch.Generator().manual_seed(spec.noise_seed))
+        criterion = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(reduction=spec.reduction),
+                                               loss_reduction=spec.reduction)
+        data_group, data_degree = mesh["data"].get_group(), layout.data_degree
+        out = RankOutput(rank=rank, world_size=world_size)
+        for k in range(spec.steps):
+            indices, batch = local_batch(spec, k, rank, world_size)
+            optimizer.zero_grad()
+            loss = dp_loss(criterion, module(batch.inputs), batch.targets, batch.loss)
+            loss.backward()
+            with torch.no_grad():  # the data replicas' average, as DDP/FSDP reduce (module docstring)
+                for p in module.parameters():
+                    if p.grad is not None:
+                        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        dist.all_reduce(local, group=data_group)
+                        local.div_(data_degree)
+            norms = module.per_sample_gradient_norms.detach().to(torch.float64).reshape(-1).clone()
+            optimizer.step()
+            named = list(module.named_parameters())
+            out.steps.append(StepOutput(indices=indices, norms=norms, loss=float(loss.item()),
+                                        gradient=gather_named(named, "grad"), parameters=gather_named(named, "param")))
+        return out
 
     @staticmethod
     def _step_loss(spec: RunSpec, losses) -> float:
@@ -415,6 +474,31 @@ class OpacusTarget(Target):
                     return
                 yield batch
                 k += 1
+
+
+def dp_loss(criterion, logits: torch.Tensor, targets: torch.Tensor, loss: str) -> torch.Tensor:
+    """The batch loss through opacus' DP criterion; for ``token_cross_entropy`` the privacy unit is
+    the sequence: opacus needs the ``[B, T, V]`` shape (``shape=``) to regroup the token losses."""
+    if loss == "token_cross_entropy":
+        return criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=logits.shape)
+    return criterion(logits, targets)
+
+
+@contextlib.contextmanager
+def _fully_shard_on(mesh):
+    """While ``FSDP2Wrapper`` runs, its ``fully_shard`` shards on ``mesh`` (``None``: unchanged):
+    opacus 1.6.0's wrapper does not forward a ``mesh`` (module docstring)."""
+    if mesh is None:
+        yield
+        return
+    from opacus.utils import fsdp_utils
+
+    saved = fsdp_utils.fully_shard
+    fsdp_utils.fully_shard = functools.partial(saved, mesh=mesh)
+    try:
+        yield
+    finally:
+        fsdp_utils.fully_shard = saved
 
 
 class _Collate:

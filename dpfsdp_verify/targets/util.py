@@ -57,10 +57,13 @@ def float32_numerics() -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def device_mesh():
-    """The 1-D mesh over every rank on ``device()``: what an adapter passes as ``fully_shard(...,
-    mesh=device_mesh())`` so that FSDP2 shards on the backend's device, never on the accelerator
-    torch was built for (``harness.backends`` docstring)."""
+def device_mesh(spec: Optional[RunSpec] = None):
+    """The mesh an adapter passes as ``fully_shard(..., mesh=device_mesh(spec))``, on ``device()``
+    so that FSDP2 shards on the backend's device, never on the accelerator torch was built for
+    (``harness.backends`` docstring): the 1-D mesh over every rank, or the ``DeviceMesh`` of a 2-D
+    ``spec.mesh`` (``mesh.Mesh.build``). A collective: every rank calls it alike."""
+    if spec is not None and spec.mesh:
+        return spec.layout.build(device().type)
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device().type, (world()[1],))
@@ -191,6 +194,20 @@ def local_batch(spec: RunSpec, step: int, rank: int, world_size: int) -> Tuple[L
 
 __all__ = ["world", "device", "device_mesh", "numerics", "float32_numerics", "full_tensor", "full_tensors",
            "strip_prefixes", "gather_named", "global_dataset", "dataset_index", "step_indices", "local_batch"]
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict:
+    """The suite's tensor-parallel plan for ``parallelize_module``: every ``nn.Linear``
+    column-parallel (weight and bias sharded on the output dim) with its output all-gathered
+    (``output_layouts=Replicate()``), so every layer after it sees whole activations; every other
+    parameter (norms, embeddings) is held whole by each TP peer. Column-parallel everywhere, not the
+    colwise/rowwise pairs of a production plan: a row-parallel bias is a *replicated* DTensor, which
+    opacus 1.6.0's ghost_tp refuses (docs/meshes.md)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {name: ColwiseParallel(output_layouts=Replicate()) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)}
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
