@@ -59,6 +59,12 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 #: least 100 C, so a clip coefficient floored at f >= 0.01 (or any other error that only shows far
 #: above C) changes every sample's weight
 WIDE_CLIP = 0.01
+#: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world
+#: size > 1. Every default model's dim 0 is at least 8 (``models``), so this case alone holds a
+#: parameter with fewer rows than ranks: FSDP2 leaves all but one rank an empty shard of it, where
+#: opacus 1.6.0 releases a gradient whose placement differs from its parameter's
+#: (``placement_mismatch``, docs/findings.md, finding 3)
+SHORT_LAYER_MODEL, SHORT_LAYER_DIMS = "transformer", (("d_ff", 1),)
 
 
 def poisson_dataset_size(world_size: int) -> int:
@@ -90,6 +96,21 @@ def cases(point: Point):
         specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
     yield point.case(ready, specs, doing="one DP step with noise 0"
                      + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
+    if _runs_short_layer(point, spec):
+        short = prepare(spec.with_(model_kwargs=SHORT_LAYER_DIMS))
+        if not isinstance(short, str):
+            # a job of its own: a crash re-runs every run of a shared job one by one
+            yield point.case(short, doing="one DP step with noise 0 on a layer with fewer rows than ranks",
+                             labels={"model_kwargs": dict(SHORT_LAYER_DIMS)}, isolate=True)
+
+
+def _runs_short_layer(point: Point, spec: RunSpec) -> bool:
+    """Whether ``point`` runs the short-layer case: at world sizes > 1, on the transformer's first
+    point (fixed sampling, the first reduction and dtype, fp32, no accumulation)."""
+    o = point.options
+    return (point.world_size > 1 and point.model == SHORT_LAYER_MODEL and point.sampling == "fixed"
+            and point.reduction == (o.reductions or REDUCTIONS)[0] and point.dtype == (o.dtypes or DTYPES)[0]
+            and spec.precision == "fp32" and not spec.physical_batch_size)
 
 
 def reference_step(spec: RunSpec, indices: List[int], coefficients=None):
