@@ -23,7 +23,11 @@ cannot be made to draw one). A failure tests simple explanations against the num
 constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
-``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
+``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
+size > 1 the transformer also runs with a 1-row ``mlp_in`` (``d_ff = 1``, the short-layer case,
+``SHORT_LAYER_DIMS``): a parameter with fewer rows than ranks, which every default model avoids;
+a target that releases its gradient in another placement than the parameter's crashes there,
+``error`` / ``placement_mismatch`` (upstream opacus 1.6.0 does: docs/findings.md, finding 3).
 """
 
 from __future__ import annotations
