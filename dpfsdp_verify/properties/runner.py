@@ -340,6 +340,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    placement_rank = placement_crash(res) if status == "error" else None
     if status == "hang" and diagnosis == "timeout":
         # unproven: step counts that differ now may be a rank mid-step, never a divergence claim
         msg = (f"{lead}the target did not finish under the watchdog, and no deadlock was proven ({res.message}).")
@@ -378,15 +379,15 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
         if trails and all(t is not None for t in trails):
             msg += f" Progress: {progress.describe(trails)}."
-    elif placement_crash(res) is not None:
-        # a named cause, not a bare crash: which tensors disagree is in the rank's error
+    elif placement_rank is not None:
+        # a named cause, not a bare crash: which tensors disagree is in the rank's error (one line here)
         diagnosis = "placement_mismatch"
-        msg = (f"{lead}rank {placement_crash(res)} was refused an in-place update across DTensor placements "
-               f"({' '.join(res.message.split())}). FSDP2 shards every parameter on dim 0 (Shard(0)); a gradient released in another "
-               "placement (e.g. Replicate, as DTensor's propagation gives an op mixing a parameter with fewer "
-               "rows than ranks and a full-shape tensor) cannot be applied in place by the optimizer. The "
-               "released gradient must have its parameter's placement (redistribute it).")
-        evidence["placement_error_rank"] = placement_crash(res)
+        msg = (f"{lead}rank {placement_rank} was refused an in-place update across DTensor placements "
+               f"({' '.join(res.message.split())}). FSDP2 shards every parameter on dim 0 (Shard(0)); a gradient "
+               "released in another placement (e.g. Replicate, as DTensor's propagation gives an op mixing a "
+               "parameter with fewer rows than ranks and a full-shape tensor) cannot be applied in place by the "
+               "optimizer. The released gradient must have its parameter's placement (redistribute it).")
+        evidence["placement_error_rank"] = placement_rank
     else:
         msg = f"{lead}a rank failed ({res.message})."
     if len(case.modes) > 1:
