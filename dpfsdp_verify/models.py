@@ -36,12 +36,12 @@ MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS
 #: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds. Every
 #: sharded dim (dim 0) is at least 8, so every rank up to 8 holds rows of every parameter's
 #: dim-0 range or an empty shard past its end, never a parameter shorter than the world size
-#: (opacus 1.6.0 crashes on those: docs/findings.md, finding 3; clipped_step keeps one such case);
+#: (opacus 1.6.0 crashes on those: docs/findings.md, finding 3; the DP-step check keeps one such case);
 #: and none is divisible by 3, 4 or 8 (10, 11, 19 and 29), so at 2, 3, 4 and 8 ranks FSDP2's
 #: ``ceil(dim0 / world_size)`` shards leave a short last shard or empty ones somewhere in each
 #: model -- a shard-offset bug that holds only for full shards must show. The vocabulary (29) is
 #: larger than a batch of 4 sequences of ``SEQ_LEN`` 10 tokens can cover, so some embedding rows
-#: get no gradient (noise must still reach them: noise_calibration's sparse-embedding check).
+#: get no gradient (noise must still reach them: the noise check on unused embedding rows).
 MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 11, 10
 CONV_CHANNELS, CONV_SIZE, CONV_CLASSES = 2, 6, 10
 CONV_WIDTH, CONV_GROUPS, CONV_MIXER = 10, 2, 11
