@@ -42,10 +42,19 @@ MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXT
 #: overflows float32 (largest finite 3.4e38)
 EXTREME_SCALES = (1.0, 1.0, 1e2, 1.0, 1e6, 1e20)
 
-#: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds.
-MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 8, 3
-CONV_CHANNELS, CONV_SIZE, CONV_CLASSES = 2, 6, 3
-VOCAB, SEQ_LEN, D_MODEL, N_HEADS = 11, 5, 8, 2
+#: Sizes kept tiny on purpose: a 2-rank FSDP step on 2 CPU cores must cost milliseconds. Every
+#: sharded dim (dim 0) is at least 8, so every rank up to 8 holds rows of every parameter's
+#: dim-0 range or an empty shard past its end, never a parameter shorter than the world size
+#: (opacus 1.6.0 crashes on those: docs/findings.md, finding 3; the DP-step check keeps one such case);
+#: and none is divisible by 3, 4 or 8 (10, 11, 19 and 29), so at 2, 3, 4 and 8 ranks FSDP2's
+#: ``ceil(dim0 / world_size)`` shards leave a short last shard or empty ones somewhere in each
+#: model -- a shard-offset bug that holds only for full shards must show. The vocabulary (29) is
+#: larger than a batch of 4 sequences of ``SEQ_LEN`` 10 tokens can cover, so some embedding rows
+#: get no gradient (noise must still reach them: the noise check on unused embedding rows).
+MLP_IN, MLP_HIDDEN, MLP_CLASSES = 6, 11, 10
+CONV_CHANNELS, CONV_SIZE, CONV_CLASSES = 2, 6, 10
+CONV_WIDTH, CONV_GROUPS, CONV_MIXER = 10, 2, 11
+VOCAB, SEQ_LEN, D_MODEL, N_HEADS = 29, 10, 10, 2
 LORA_RANK = 2
 TIES = ("head", "none")
 IGNORE_INDEX = -100
@@ -74,7 +83,7 @@ class ConvNet(nn.Module):
     """
 
     def __init__(self, channels: int = CONV_CHANNELS, size: int = CONV_SIZE, classes: int = CONV_CLASSES,
-                 width: int = 4, groups: int = 2, mixer: int = 3):
+                 width: int = CONV_WIDTH, groups: int = CONV_GROUPS, mixer: int = CONV_MIXER):
         super().__init__()
         if width % groups:
             raise ValueError(f"width={width} must be a multiple of groups={groups} (GroupNorm)")
@@ -132,7 +141,7 @@ class TinyGPT(nn.Module):
     ``norm="layernorm"`` or ``"rmsnorm"`` picks the normalisation layer. Positions use an
     ``nn.Embedding`` (not a bare ``nn.Parameter``) so every parameter has an opacus sampler.
     ``d_model`` must be a multiple of ``n_heads``; ``d_ff`` (the MLP's width) defaults to
-    ``2 * d_model``.
+    ``2 * d_model - 1`` (19 by default: odd, so its shards are uneven at 2, 4 and 8 ranks too).
     """
 
     def __init__(self, vocab=VOCAB, seq_len=SEQ_LEN, d_model=D_MODEL, n_heads=N_HEADS, norm="rmsnorm",
@@ -140,7 +149,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
-        d_ff = 2 * d_model if d_ff is None else d_ff
+        d_ff = 2 * d_model - 1 if d_ff is None else d_ff
         norm_cls = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}[norm]
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)

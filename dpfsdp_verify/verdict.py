@@ -24,9 +24,10 @@ STATUSES = ("pass", "fail", "hang", "error", "skip")
 FAILING = ("fail", "hang", "error")
 #: what the runner and the harness say of a case of any property (a hang, a crash, a refusal, data
 #: that is not what was asked, non-finite or frozen values released, a privacy step count that is not
-#: one per DP step, a bug in a check)
+#: one per DP step, a bug in a check, a rank refused by DTensor for a tensor whose placement differs
+#: from its parameter's)
 RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
-                 "frozen_updated", "step_count_wrong", "internal_error")
+                 "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch")
 #: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
 #: (``Property.diagnoses``); the report schema's enum is this list (tests/test_contract.py ties them)
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",

@@ -86,31 +86,30 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
     exp = expectations.load("opacus-1.6.0")
     assert exp.file == SHIPPED
     got = {(e.property, e.status, tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
-            tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in e.config.items())))
+            tuple(sorted((k, tuple(v) if isinstance(v, list) else tuple(v.items()) if isinstance(v, dict) else v)
+                         for k, v in e.config.items())))
            for e in exp.entries}
     measured_on = ("model", ("mlp", "conv", "transformer", "lora", "masked"))  # the tied model is refused instead
     tied = (("model", "tied"),)
-    assert got == {("clipped_step", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", 2))),
-                   ("trajectory", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", 2))),
+    assert got == {("clipped_step", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
+                   ("trajectory", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
+                   ("clipped_step", "error", "placement_mismatch", (("model_kwargs", (("d_ff", 1),)),)),
                    ("deadlock_free", "error", "rank_crash", (("local_batches", "empty"),
                                                              ("model", ("mlp", "conv", "transformer", "masked")))),
                    ("deadlock_free", "fail", "non_finite", (("local_batches", "empty"), ("model", "lora"))),
                    ("deadlock_free", "hang", "step_divergence", (("local_batches", "poisson_per_rank"),
-                                                                 ("world_size", 2))),
+                                                                 ("world_size", ">= 2"))),
                    ("sampling_accounting", "fail", "wrong_sample_rate", (("dataset", "divisible"), ("world_size", 1))),
                    ("sampling_accounting", "fail", "refused", (("dataset", "fractional_rate"), ("world_size", 1))),
                    ("sampling_accounting", "fail", "correlated_sampling", (("dataset", "divisible"),
-                                                                           ("seeding", "same"), ("world_size", 2))),
+                                                                           ("seeding", "same"), ("world_size", ">= 2"))),
                    ("sampling_accounting", "fail", ("step_divergence", "wrong_sample_rate"),
-                    (("dataset", "divisible"), ("seeding", ("per_rank", "unseeded")), ("world_size", 2))),
+                    (("dataset", "divisible"), ("seeding", ("per_rank", "unseeded")), ("world_size", ">= 2"))),
                    ("sampling_accounting", "fail", ("step_divergence", "wrong_sample_rate"),
-                    (("dataset", "indivisible"), ("world_size", 2))),
+                    (("dataset", "indivisible"), ("world_size", ">= 2"))),
                    ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
                                                                                      "poisson_per_rank_accum")),
-                                                                  ("world_size", 2))),
-                   ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
-                                                                                     "poisson_per_rank_accum")),
-                                                                  ("world_size", 3))),
+                                                                  ("world_size", ">= 2"))),
                    ("trajectory", "fail", "mismatch", (("physical_batch_size", tuple(range(1, 9))),
                                                        ("sampling", "poisson"))),
                    ("checkpoint_resume", "fail", "noise_replayed", ()),
@@ -192,6 +191,50 @@ def test_parse_accepts_lists_status_and_link():
     assert (e.status, e.diagnosis, e.config["world_size"], e.link) == ("hang", "deadlock", [2, 4], "https://example.org/1")
     with pytest.raises(ExpectationsError):
         parse("version = 1\nexpect = 3\n", "f.toml")
+
+
+def test_a_comparison_matches_every_world_size_it_names_and_stays_strict():
+    """An expectation names a bug, not the world size it was measured at: ``world_size = ">= 2"``
+    holds at 2, 3, 4 and 8 ranks; a verdict it selects that passes still breaks it."""
+    exp = parse("version = 1\n[[expect]]\nproperty='clipped_step'\nconfig={world_size='>= 2', reduction='sum'}\n"
+                "diagnosis='mismatch'\nreason='1/N'\n", "f.toml")
+    failing = [_v("clipped_step", "fail", "mismatch", world_size=n, reduction="sum") for n in (2, 3, 4, 8)]
+    one_rank = _v("clipped_step", "pass", world_size=1, reduction="sum")
+    out = apply(exp, failing + [one_rank])
+    assert all(out.is_expected(v) for v in failing) and out.holds and not out.is_expected(one_rank)
+    fixed_at_8 = _v("clipped_step", "pass", world_size=8, reduction="sum")
+    out = apply(exp, failing[:3] + [fixed_at_8])
+    assert [u.verdicts for u in out.unmet] == [[fixed_at_8]] and not out.holds
+    assert "ws=8" in out.unmet[0].message and "passed" in out.unmet[0].message
+    # a new bug at a world size the entry does not name is news
+    out = apply(exp, [_v("clipped_step", "fail", "undercount", world_size=4, reduction="sum")])
+    assert out.unexpected and out.unmet
+
+
+@pytest.mark.parametrize("want, matched", [
+    (">= 4", [4, 8]), ("> 1", [2, 3, 4, 8]), ("< 4", [1, 2, 3]), ("<= 2", [1, 2]), ("!= 3", [1, 2, 4, 8]),
+    ([1, ">= 8"], [1, 8]), ("  >=  2 ", [2, 3, 4, 8]),
+])
+def test_comparison_operators(want, matched):
+    e = Entry(1, "clipped_step", {"world_size": want}, "mismatch", "r")
+    assert [n for n in (1, 2, 3, 4, 8) if e.selects(_v("clipped_step", "fail", "mismatch", world_size=n))] == matched
+
+
+def test_a_comparison_matches_numbers_only():
+    e = Entry(1, "clipped_step", {"world_size": ">= 2", "model": "> 1"}, "mismatch", "r")
+    assert not e.selects(_v("clipped_step", "fail", "mismatch", world_size=4, model="mlp"))
+    assert not Entry(1, "clipped_step", {"fuzz": "> 0"}, "mismatch", "r").selects(
+        _v("clipped_step", "fail", "mismatch", fuzz=True))
+
+
+@pytest.mark.parametrize("value", ["'>= two'", "'=> 2'", "'>'", "'>= 2 and < 8'", "['>= 2', '<<3']"])
+def test_a_malformed_comparison_is_a_usage_error(tmp_path, capsys, value):
+    path = tmp_path / "known.toml"
+    path.write_text(f"version = 1\n[[expect]]\nproperty='clipped_step'\nconfig={{world_size={value}}}\n"
+                    "diagnosis='mismatch'\nreason='r'\n")
+    assert cli.main(["run", "--expect", str(path)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "is not a comparison" in err and "hint:" in err and len(err.splitlines()) == 1, err
 
 
 # -- the gate on upstream opacus --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 import dpfsdp_verify.properties as props
+from dpfsdp_verify import models
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.compare import UNIT_ROUNDOFF, precision_bound
@@ -74,9 +75,9 @@ def test_bound_is_derived_from_the_unit_roundoff_and_the_model():
     b = precision_bound(spec)
     u = 2.0 ** -8
     assert UNIT_ROUNDOFF["bfloat16"] == u and b.u == u
-    # fc1, norm, fc2 at the precision case's sizes (d_in=128, hidden=128, 3 classes)
-    assert (b.layers, b.roundings) == (3, 11)
-    assert b.terms == 128 * 128 + 128 + 2 * 128 + 3 * 128 + 3
+    # fc1, norm, fc2 at the precision case's sizes (d_in=128, hidden=128, the default 10 classes)
+    assert (b.layers, b.roundings) == (3, 11) and models.MLP_CLASSES == 10
+    assert b.terms == 128 * 128 + 128 + 2 * 128 + 10 * 128 + 10
     assert b.norm_rtol == pytest.approx(11 * u + b.terms * 2.0 ** -24, rel=1e-12)
     assert "K = 3L + 2 = 11" in b.describe() and "2^-8" in b.describe()
     assert precision_bound(RunSpec()) is None

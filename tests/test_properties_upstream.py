@@ -10,7 +10,8 @@ import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import KnownUpstreamFailure, assert_all_pass
+from dpfsdp_verify.properties.clipped_step import SHORT_LAYER_DIMS
+from verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 
 pytest.importorskip("opacus")
 
@@ -38,11 +39,21 @@ def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(p
     assert_all_pass(vs)
 
 
+def but_the_short_layer(verdicts):
+    """clipped_step's verdicts but its short-layer case, which upstream fails as finding 3 (a
+    parameter with fewer rows than ranks: ``error`` / ``placement_mismatch``, asserted here for the
+    one world size > 1 the callers select)."""
+    short = by(verdicts, model_kwargs=dict(SHORT_LAYER_DIMS))
+    assert [(v.status, v.diagnosis) for v in short] == [("error", "placement_mismatch")]  # one world size > 1
+    return [v for v in verdicts if v not in short]
+
+
 def test_float32_norms_and_step(pool):
     """What users train in: the float32 tolerances (compare.TOLERANCES, norm_fidelity.COEF_TOL)."""
     assert_all_pass(run(pool, "norm_fidelity", world_sizes=(1, 2), models=("mlp", "transformer"),
                         reductions=("mean",), dtypes=("float32",)))
-    assert_all_pass(run(pool, "clipped_step", world_sizes=(2,), reductions=("mean",), dtypes=("float32",)))
+    assert_all_pass(but_the_short_layer(run(pool, "clipped_step", world_sizes=(2,), reductions=("mean",),
+                                            dtypes=("float32",))))
 
 
 def test_three_ranks(pool):
@@ -51,7 +62,7 @@ def test_three_ranks(pool):
 
 
 def test_clipped_step_and_trajectory_mean(pool):
-    assert_all_pass(run(pool, "clipped_step", world_sizes=(1, 2), reductions=("mean",)))
+    assert_all_pass(but_the_short_layer(run(pool, "clipped_step", world_sizes=(1, 2), reductions=("mean",))))
     assert_all_pass(run(pool, "trajectory", world_sizes=(2,), reductions=("mean",)))
 
 
@@ -70,7 +81,8 @@ def expect_known_sum_bug(verdicts, words):
 
 @pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=SUM_BUG)
 def test_clipped_step_sum_reduction_two_ranks(pool):
-    vs = run(pool, "clipped_step", world_sizes=(2,), models=("mlp", "transformer"), reductions=("sum",))
+    vs = but_the_short_layer(run(pool, "clipped_step", world_sizes=(2,), models=("mlp", "transformer"),
+                                 reductions=("sum",)))
     expect_known_sum_bug(vs, "exactly 0.5 x the reference = 1/world_size")
 
 

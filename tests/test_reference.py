@@ -67,7 +67,7 @@ def test_ghost_backward_coefficients_equal_reference():
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     model, batch = build_model("conv", 2, torch.float64), make_batch("conv", 4, 3, torch.float64)
-    c = 2.2
+    c = 4.35  # between the 2nd and 3rd of the default conv's norms here (4.23, 4.30, 4.41, 4.79)
     ref = R.dp_sgd_gradient(model, batch, max_grad_norm=c)
     assert (ref.coefficients < 1).any() and (ref.coefficients == 1).any(), "test needs clipped and unclipped samples"
     gsm = GradSampleModuleFastGradientClipping(copy.deepcopy(model), loss_reduction="mean", max_grad_norm=c)

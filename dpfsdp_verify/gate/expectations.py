@@ -24,7 +24,8 @@ File format (``version = 1``)::
     [[expect]]
     property = "PROPERTY_ID"               # a property id (dpfsdp-verify list)
     config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
-                                           # a list means any of: world_size = [2, 3]
+                                           # a list means any of: world_size = [2, 3]; a
+                                           # comparison matches numbers: world_size = ">= 2"
     status = "fail"                        # optional: fail (default), hang or error
     diagnosis = "mismatch"                 # required: the verdict's diagnosis; a list means any
                                            # of (one bug whose symptom depends on the draws)
@@ -38,7 +39,9 @@ beside the properties because they name them).
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -90,7 +93,23 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+#: a comparison a config value may be matched with instead of equality: ``">= 2"``, ``"> 1"``,
+#: ``"< 8"``, ``"<= 4"``, ``"!= 3"`` (an operator, a number); it matches numbers only
+_COMPARISON = re.compile(r"^\s*(>=|<=|!=|>|<)\s*(-?\d+(?:\.\d+)?)\s*$")
+_COMPARE = {">=": operator.ge, "<=": operator.le, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
+
+
+def _comparison(want: Any):
+    """``(operator, number)`` when ``want`` is a comparison string, else ``None``."""
+    m = _COMPARISON.match(want) if isinstance(want, str) else None
+    return None if m is None else (_COMPARE[m.group(1)], float(m.group(2)))
+
+
 def _matches(want: Any, got: Any) -> bool:
+    compare = _comparison(want)
+    if compare is not None:
+        # a world size is a number: a comparison never matches a string or a boolean
+        return isinstance(got, (int, float)) and not isinstance(got, bool) and compare[0](got, compare[1])
     if isinstance(want, list):
         return any(_matches(w, got) for w in want)
     if isinstance(want, dict):
@@ -145,6 +164,9 @@ class Expectations:
 
 
 def _check_value(where: str, key: str, v: Any, depth: int = 0) -> None:
+    if isinstance(v, str) and v.strip()[:1] in ("<", ">", "=", "!") and _comparison(v) is None:
+        raise ExpectationsError(f"{where}: config.{key} = {v!r} is not a comparison",
+                                "write an operator (>=, >, <=, <, !=) and a number, e.g. world_size = \">= 2\"")
     if isinstance(v, _SCALARS):
         return
     if isinstance(v, list) and v and depth == 0 and all(isinstance(x, _SCALARS + (dict,)) for x in v):

@@ -24,7 +24,11 @@ cannot be made to draw one). A failure tests simple explanations against the num
 constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
-``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``.
+``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
+size > 1 the transformer also runs with a 1-row ``mlp_in`` (``d_ff = 1``, the short-layer case,
+``SHORT_LAYER_DIMS``): a parameter with fewer rows than ranks, which every default model avoids;
+a target that releases its gradient in another placement than the parameter's crashes there,
+``error`` / ``placement_mismatch`` (upstream opacus 1.6.0 does: docs/findings.md, finding 3).
 
 The long run (``horizon.py``, once per run at the largest world size): ``Options.horizon`` steps of
 Poisson sampling at noise 0 and lr 0, each step's released gradient against the reference step on
@@ -66,6 +70,12 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 #: least 100 C, so a clip coefficient floored at f >= 0.01 (or any other error that only shows far
 #: above C) changes every sample's weight
 WIDE_CLIP = 0.01
+#: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world
+#: size > 1. Every default model's dim 0 is at least 8 (``models``), so this case alone holds a
+#: parameter with fewer rows than ranks: FSDP2 leaves all but one rank an empty shard of it, where
+#: opacus 1.6.0 releases a gradient whose placement differs from its parameter's
+#: (``placement_mismatch``, docs/findings.md, finding 3)
+SHORT_LAYER_MODEL, SHORT_LAYER_DIMS = "transformer", (("d_ff", 1),)
 
 
 def poisson_dataset_size(world_size: int) -> int:
@@ -104,6 +114,21 @@ def cases(point: Point):
         long = long.with_(max_grad_norm=pick_clip_bound(long) or 1.0)
         yield point.case(long, doing=f"{long.steps} DP steps with noise 0 (long run)", labels=horizon_labels(long),
                          isolate=True)
+    if _runs_short_layer(point, spec):
+        short = prepare(spec.with_(model_kwargs=SHORT_LAYER_DIMS))
+        if not isinstance(short, str):
+            # a job of its own: a crash re-runs every run of a shared job one by one
+            yield point.case(short, doing="one DP step with noise 0 on a layer with fewer rows than ranks",
+                             labels={"model_kwargs": dict(SHORT_LAYER_DIMS)}, isolate=True)
+
+
+def _runs_short_layer(point: Point, spec: RunSpec) -> bool:
+    """Whether ``point`` runs the short-layer case: at world sizes > 1, on the transformer's first
+    point (fixed sampling, the first reduction and dtype, fp32, no accumulation)."""
+    o = point.options
+    return (point.world_size > 1 and point.model == SHORT_LAYER_MODEL and point.sampling == "fixed"
+            and point.reduction == (o.reductions or REDUCTIONS)[0] and point.dtype == (o.dtypes or DTYPES)[0]
+            and spec.precision == "fp32" and not spec.physical_batch_size and not spec.mesh)
 
 
 def reference_step(spec: RunSpec, indices: List[int], clip_epsilon: float = reference.CLIP_EPSILON):

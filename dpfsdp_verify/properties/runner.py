@@ -316,9 +316,23 @@ def with_checkpoint_dir(spec: RunSpec, root: str) -> RunSpec:
     return spec.with_(checkpoint_dir=path)
 
 
+#: what torch's DTensor says when an in-place op (SGD's ``param.add_(grad)``) meets an operand in a
+#: placement it cannot take without changing the parameter's (torch 2.13: "aten.add_.Tensor: in-place
+#: operations that require placement changes are not supported. The input has placement ...")
+PLACEMENT_ERRORS = ("in-place operations that require placement changes are not supported",)
+
+
+def placement_crash(res: GroupResult) -> Optional[int]:
+    """The first rank whose job raised DTensor's refusal of an in-place op across placements
+    (``PLACEMENT_ERRORS``), or ``None``."""
+    return next((r for r in res.failed_ranks() if res.results[r].error is not None
+                 and any(m in res.results[r].error.message for m in PLACEMENT_ERRORS)), None)
+
+
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
-    """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout`` or
-    ``error``/``rank_crash``)."""
+    """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout``,
+    ``error``/``rank_crash``, or ``error``/``placement_mismatch`` when a rank's error is DTensor's
+    refusal of an in-place op across placements, ``placement_crash``)."""
     res = failed.result
     status = "hang" if res.status == "hang" else "error"
     # a hang is a deadlock only when proven; without a diagnosis nothing was
@@ -327,6 +341,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    placement_rank = placement_crash(res) if status == "error" else None
     if status == "hang" and diagnosis == "timeout":
         # unproven: step counts that differ now may be a rank mid-step, never a divergence claim
         msg = (f"{lead}the target did not finish under the watchdog, and no deadlock was proven ({res.message}).")
@@ -365,6 +380,15 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
         if trails and all(t is not None for t in trails):
             msg += f" Progress: {progress.describe(trails)}."
+    elif placement_rank is not None:
+        # a named cause, not a bare crash: which tensors disagree is in the rank's error (one line here)
+        diagnosis = "placement_mismatch"
+        msg = (f"{lead}rank {placement_rank} was refused an in-place update across DTensor placements "
+               f"({' '.join(res.message.split())}). FSDP2 shards every parameter on dim 0 (Shard(0)); a gradient "
+               "released in another placement (e.g. Replicate, as DTensor's propagation gives an op mixing a "
+               "parameter with fewer rows than ranks and a full-shape tensor) cannot be applied in place by the "
+               "optimizer. The released gradient must have its parameter's placement (redistribute it).")
+        evidence["placement_error_rank"] = placement_rank
     else:
         msg = f"{lead}a rank failed ({res.message})."
     details = res.details
