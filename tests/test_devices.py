@@ -135,7 +135,7 @@ def test_simulated_gpu_box_the_pin_is_what_keeps_gloo_on_the_cpu():
             # as torchrun does: torch.cuda.set_device or the device query)
             assert status in ("AssertionError: Torch not compiled with CUDA enabled",
                               "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'")
-            assert "FSDP2Wrapper" in trace and "_get_device_from_mesh" in trace
+            assert "FSDP2Wrapper" in trace and ("_get_device_from_mesh" in trace or "set_device" in trace)
             assert correct == ["cpu"]  # an adapter that passes the backend's mesh needs no pin
     finally:
         pool.close()

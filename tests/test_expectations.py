@@ -113,6 +113,7 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                    ("trajectory", "fail", "mismatch", (("physical_batch_size", tuple(range(1, 9))),
                                                        ("sampling", "poisson"))),
                    ("checkpoint_resume", "fail", "noise_replayed", ()),
+                   ("sensitivity_bound", "fail", "non_finite", (("dtype", "float32"), ("model", "extreme"))),
                    # 2-D meshes (docs/findings.md M1-M3)
                    ("clipped_step", "fail", "mismatch", (("mesh", "hsdp:2x2"), ("reduction", "sum"))),
                    ("trajectory", "fail", "mismatch", (("mesh", "hsdp:2x2"), ("reduction", "sum"))),
@@ -270,7 +271,7 @@ def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
 
 def test_gate_without_the_entry_exits_1(tmp_path, pool, monkeypatch, capsys):
     f, j = tmp_path / "known.toml", tmp_path / "r.json"
-    f.write_text(without_entry(shipped_text(), "clipped_step", 'world_size = 2, reduction = "sum"'))
+    f.write_text(without_entry(shipped_text(), "clipped_step", 'world_size = ">= 2", reduction = "sum"'))
     r = run_gate(pool, monkeypatch, capsys, *SELECTION, "--expect", str(f), "--json", str(j))
     assert r.returncode == 1, r.stdout + r.stderr
     report, by_red = _results(j)

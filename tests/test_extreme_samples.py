@@ -41,7 +41,7 @@ def _extreme_case():
 
 
 def _run(pool, target, ws=2):
-    return props.run(_extreme_case(), target, pool=pool, world_sizes=(ws,), models=("mlp",), timeout=180)
+    return props.run(_extreme_case(), target, pool=pool, world_sizes=(ws,), timeout=180)
 
 
 @pytest.mark.parametrize("name, diagnosis, words", [

@@ -75,7 +75,7 @@ def _zoo_case():
 
 
 def _run(pool, target, ws=2):
-    return props.run(_zoo_case(), target, pool=pool, world_sizes=(ws,), models=("mlp",), data_layouts=("split",),
+    return props.run(_zoo_case(), target, pool=pool, world_sizes=(ws,), data_layouts=("split",),
                      reductions=("mean",), dtypes=("float64",), timeout=180)
 
 

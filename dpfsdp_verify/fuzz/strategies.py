@@ -160,8 +160,14 @@ def masked_dims(draw, world_size: int) -> Dict[str, object]:
             "seq_len": draw(seq_lens()), "n_heads": n_heads, "d_model": d_model}
 
 
+def fixed_dims(world_size: int) -> st.SearchStrategy[Dict[str, object]]:
+    """No dims: the models whose shape is their point (the layer zoo's layer types, the extreme
+    model's norm scales) are built at their own sizes. Always ``{}``; nothing to shrink."""
+    return st.just({})
+
+
 MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
-                        "tied": tied_dims, "masked": masked_dims}
+                        "tied": tied_dims, "masked": masked_dims, "zoo": fixed_dims, "extreme": fixed_dims}
 
 
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:

@@ -248,8 +248,8 @@ def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[
 
 
 def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Optional[tuple]:
-    """After the resume, equal-shaped shards of one tensor (dim-0 chunks: different ranks' draws) must
-    not carry equal noise at the same step -- a pair is flagged only if it was distinct at every
+    """After the resume, shards of one tensor (dim-0 chunks: different ranks' draws; uneven ones
+    compared over the shorter one's length) must not carry equal noise at the same step -- a pair is flagged only if it was distinct at every
     step before the resume (equal before is noise_calibration's finding, not the resume's). Equal
     as in ``_noise`` (every coordinate within ``NOISE_EQUAL`` s, >= ``NOISE_MIN_NUMEL``
     coordinates): false alarm < 1e-12 per pair."""
@@ -268,8 +268,11 @@ def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Opti
             chunks = torch.chunk(noise[t][n], ws, dim=0)
             for i in range(len(chunks)):
                 for j in range(i + 1, len(chunks)):
-                    a, b = chunks[i], chunks[j]
-                    if a.shape != b.shape or a.numel() < NOISE_MIN_NUMEL or a.abs().max() <= eps:
+                    # uneven shards (rows not divisible by the world size): two ranks drawing from one
+                    # restored state share the shorter draw's length, a prefix of the longer
+                    m = min(chunks[i].numel(), chunks[j].numel())
+                    a, b = chunks[i].reshape(-1)[:m], chunks[j].reshape(-1)[:m]
+                    if m < NOISE_MIN_NUMEL or a.abs().max() <= eps:
                         continue
                     if (a - b).abs().max() <= eps:
                         out.add((n, i, j))
@@ -286,7 +289,7 @@ def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Opti
         f"at step {t0}, " + ", ".join(f"{n!r} shards {i} and {j}" for n, i, j in first[:4])
         + f" ({len(hits)} equal shard pair(s) over steps {sorted({t for t, _ in hits})}, none equal before the resume; "
         f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
-        "0's): shards of the same shape then carry the same noise, so a coordinate's noise is known from another's "
+        "0's): the shards then carry the same noise (the shorter one a prefix of the longer), so a coordinate's noise is known from another's "
         "and the noise is not independent across the update (a correct run shows this with probability < 1e-12 "
         "per pair)."), {"cross_rank_equal_noise": [[t, *x] for t, x in hits[:20]]})
 

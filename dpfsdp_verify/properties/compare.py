@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import models, reference
-from ..harness.rank_groups import grouped, ranks_phrase
+from ..harness.rank_groups import grouped
 from ..targets import RankOutput, RunSpec
 
 #: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
@@ -467,11 +467,10 @@ def data_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput]) 
     # a resumed run's half takes steps first_step..end_step-1 (``RunSpec.resume_at``), numbered so
     asked = spec.end_step - spec.first_step
     if any(c != asked for c in counts):
-        short = [r for r, c in enumerate(counts) if c != asked]
         half = f" ({spec.phase} half of a run resumed at step {spec.resume_at})" if spec.phase else ""
-        took = grouped({r: str(c) for r, c in enumerate(counts)}, between=": ", sep=", ")
-        return (f"the ranks took {took} step(s) where {asked} were asked for{half} ({ranks_phrase(short)}): a rank "
-                "that returns early, or takes extra steps, trains on other data than its peers")
+        took = grouped({r: str(c) for r, c in enumerate(counts)}, between=" took ", sep=", ")
+        return (f"{took} step(s) where {asked} were asked for{half}: a rank that returns early, or takes extra "
+                "steps, trains on other data than its peers")
     for k in range(spec.first_step, spec.end_step):
         for r, o in enumerate(outputs):
             got, want = sorted(o.steps[k - spec.first_step].indices), sorted(spec.rank_indices(k, r, world_size))

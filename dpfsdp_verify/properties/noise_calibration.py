@@ -336,7 +336,9 @@ def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tupl
                                "at the wrong rows -- e.g. at rank * local_rows, right only while every earlier "
                                "shard has as many rows as this one (FSDP's last dim-0 shards are shorter) -- so two "
                                "shards release the same noise rows and some rows of the full tensor none")
-                return 0, (f"rank {ra}'s and rank {rb}'s shards of {na!r} get the same noise (run {ri}, step {si})",
+                # after a shard offset (a tensor whose short shard repeats another shard's rows at the
+                # same place looks seeded alike; one at another place says which it is)
+                return 0.5, (f"rank {ra}'s and rank {rb}'s shards of {na!r} get the same noise (run {ri}, step {si})",
                            "ranks seeded alike (a seed from LOCAL_RANK, which repeats on every node, or from rank % "
                            "2) add the same noise to several shards")
             return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "

@@ -81,9 +81,10 @@ def cases(point: Point):
     # the large batch rides in the same case (one job, one verdict): judged after the small one passes
     large = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
     yield point.case(spec, specs=(spec, large), doing=f"per-sample norms (local batches of 4 and {LARGE_LOCAL_BATCH})")
-    if "zoo" not in (point.options.models or PROPERTY.models):
-        # every layer type ghost clipping samples, once per world size: a layer type missing from a
-        # target's norm registry shows, named (models.LayerZoo; docs/properties.md)
+    if point.options.models is None:
+        # every layer type ghost clipping samples, once per world size, beside the property's own models
+        # (a --models selection runs just those): a layer type missing from a target's norm registry
+        # shows, named (models.LayerZoo; docs/properties.md)
         zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()))
         yield point.case(zoo, doing="per-sample norms of every layer type (the layer zoo)")
 
@@ -186,6 +187,12 @@ def judge_spec(case: Case, outputs) -> Verdict:
                         f"Clips with: {clips_msg}", evidence)
 
 
+def _scaled_to(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """``expected`` times the factor that brings it nearest to ``got`` (least squares)."""
+    den = float(expected @ expected)
+    return expected * (float(got @ expected) / den if den else 1.0)
+
+
 def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     """``(diagnosis or None, message, evidence)`` for the norms the target *clips with*: each
     sample's ``c_i`` recovered from the released gradient (``compare.recover_clip_coefficients``),
@@ -214,7 +221,9 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     coef = coef[seen]
     # DP-SGD's min(1, C/||g_i||) with the target's own epsilon in the denominator, if it is one the
     # gate accepts (reference.MAX_CLIP_EPSILON); else the nearest accepted one, and the comparison fails
-    eps = fit_clip_epsilon(lambda e: reference.clip_coefficients(ref[indices], c, e), coef)
+    # fitted up to the gradient's overall scale (clipped_step's business, below), so that a scale is
+    # never read as an epsilon
+    eps = fit_clip_epsilon(lambda e: _scaled_to(coef, reference.clip_coefficients(ref[indices], c, e)), coef)
     expected = reference.clip_coefficients(ref[indices], c, eps)
     err = float((coef - expected).abs().max())
     clipped = int((expected < 1).sum())

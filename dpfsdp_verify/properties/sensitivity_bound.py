@@ -64,10 +64,12 @@ def cases(point: Point):
     spec = spec.with_(max_grad_norm=CLIP_FRACTION * smallest_norm(reference_norms(spec)))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
-    if point.sampling == "fixed" and point.data_layout == "split" and point.first_of_axes(
-            PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
-        yield point.case(extreme_spec(point.spec(), point.world_size), doing="extreme and rare samples (norms ~1 to ~1e20 C, local "
-                         "batches of 1 and 3)", facts={"extreme": True})
+    # beside the property's own models only (a --models selection runs just those)
+    if point.options.models is None and point.sampling == "fixed" and point.data_layout == "split" and \
+            point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        yield point.case(extreme_spec(point.spec(), point.world_size),
+                         doing="extreme and rare samples (norms ~1 to ~1e20 C, local batches of 1 and 3)",
+                         facts={"extreme": True})
 
 
 #: the extreme case's steps: each rank's positions in its block of the global batch (``EXTREME_SCALES``
