@@ -106,6 +106,7 @@ def test_correct_counts_one_per_step(pool):
                      "check compares equal places only (docs/resume.md)"))),
     ("ResumeSamplerFromRankZero", "correlated_sampling", "draw the same Poisson mask over their shards"),
 ])
+@pytest.mark.slow
 def test_resume_from_rank_zero_fails(pool, name, diagnosis, words):
     [v] = props.run("checkpoint_resume", A + name, pool=pool, world_sizes=(2,), timeout=120)
     assert (v.status, v.diagnosis) == ("fail", diagnosis), v.message
@@ -122,6 +123,7 @@ def test_sampler_saved_at_epoch_start_fails_the_mid_epoch_resume(pool):
     assert v.evidence["mid_epoch"]["mask_false_alarm_bound"] < 1e-11
 
 
+@pytest.mark.slow
 def test_correct_passes_both_resumes_and_cross_rank_checks(pool):
     [v] = props.run("checkpoint_resume", CORRECT, pool=pool, world_sizes=(2,), timeout=120)
     assert v.status == "pass", v.message

@@ -121,6 +121,7 @@ def test_trails_with_passes(tmp_path):
 
 
 # -- Correct and the specimens --------------------------------------------------------------------
+@pytest.mark.slow
 def test_correct_passes_the_accumulation_scenarios_and_the_pair(pool):
     vs = run(pool, "deadlock_free", CORRECT, world_sizes=(2,), local_batches=ACCUM)
     assert_all_pass(vs)
@@ -135,6 +136,7 @@ def test_correct_passes_the_accumulation_scenarios_and_the_pair(pool):
     assert_all_pass(run(pool, "clipped_step", CORRECT, world_sizes=(1, 2), models=("mlp",), physical_batch_size=3))
 
 
+@pytest.mark.slow
 def test_noise_at_every_pass_fails_mode_equivalence(pool):
     both = run(pool, "mode_equivalence", A + "NoiseEveryPass", world_sizes=(1, 2), models=("transformer",))
     assert_all_pass(by(both, sampling="poisson"))  # the pair's Poisson case runs at noise 0 only
@@ -172,6 +174,7 @@ def test_clipping_the_summed_pass_fails_mode_equivalence_and_clipped_step(pool):
     assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
 
 
+@pytest.mark.slow
 def test_no_pass_agreement_diverges_with_pass_counts_in_the_message(pool):
     vs = run(pool, "deadlock_free", A + "NoPassAgreement", world_sizes=(2,), local_batches=ACCUM, timeout=30)
     assert len(vs) == 2
@@ -223,6 +226,7 @@ def test_upstream_accumulation_diverges(pool):
         raise KnownUpstreamFailure(uneven.message)
 
 
+@pytest.mark.slow
 def test_upstream_mode_equivalence_default_pair_and_accumulated_step(pool):
     pytest.importorskip("opacus")
     vs = run(pool, "mode_equivalence", "opacus", world_sizes=(1, 2))

@@ -145,6 +145,7 @@ def named_ranks(message: str) -> set:
     return out
 
 
+@pytest.mark.slow
 def test_accumulation_scenarios_at_three_ranks(pool):
     assert_all_pass(run(pool, "deadlock_free", CORRECT, world_sizes=(3,), local_batches=ACCUM))
     vs = run(pool, "deadlock_free", A + "NoPassAgreement", world_sizes=(3,), local_batches=ACCUM, timeout=60)
@@ -170,6 +171,7 @@ SKIPS_EMPTY_ROUNDS = ("upstream opacus 1.6.0: an empty Poisson round under Batch
                       "(its distributed sampler skips the empty batch), so fewer steps than rounds are taken")
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=SKIPS_EMPTY_ROUNDS)
 def test_upstream_skips_empty_rounds_under_accumulation(pool):
     pytest.importorskip("opacus")

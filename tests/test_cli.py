@@ -179,6 +179,7 @@ def test_upstream_opacus_verdicts(tmp_path):
     assert "clipped_step" in md.read_text()
 
 
+@pytest.mark.slow
 def test_fork_with_planted_sqrt_n_bug(tmp_path, pool, monkeypatch, capsys):
     j, md = tmp_path / "r.json", tmp_path / "r.md"
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
@@ -197,6 +198,7 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path, pool, monkeypatch, capsys):
     assert "| 1 | replicated | mlp | mean | float64 | 1.000000 | 1.000000 | pass  |" in md.read_text()
 
 
+@pytest.mark.slow
 def test_crashing_mode_is_an_error_not_a_hang(tmp_path, pool, monkeypatch, capsys):
     j = tmp_path / "r.json"
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1", "--properties",

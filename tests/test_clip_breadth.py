@@ -77,6 +77,7 @@ def test_floored_clip_coefficient_is_a_privacy_violation(pool):
 
 
 # -- a bound of 1.01 C: named, not "no simple explanation" ----------------------------------------
+@pytest.mark.slow
 def test_clip_at_1_01_C_is_named(pool):
     vs = leave_one_out(run(pool, "sensitivity_bound", C + "ClipAt101C", world_sizes=(2,)))
     fails(vs, "PRIVACY VIOLATION", "C' = 1.01 x C")

@@ -118,6 +118,7 @@ def _correct_devices():
     return sorted({str(p.device) for p in target.sharded.parameters()})
 
 
+@pytest.mark.slow
 def test_simulated_gpu_box_the_pin_is_what_keeps_gloo_on_the_cpu():
     pool = Pool()
     try:
@@ -173,6 +174,7 @@ def _gate_simulated_and_not(tmp_path, pool, monkeypatch, capsys, *args):
     return plain, simulated
 
 
+@pytest.mark.slow
 def test_simulated_gpu_box_gives_the_cpu_verdicts(tmp_path, pool, monkeypatch, capsys):
     args = ("--properties", "clipped_step", "--world-sizes", "2", "--models", "mlp,conv", "--seed", "1",
             "--expect", "opacus-1.6.0")

@@ -246,6 +246,7 @@ def _results(path):
     return report, by_reduction
 
 
+@pytest.mark.slow
 def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
     j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
     r = run_cli(*SELECTION, "--expect", "opacus-1.6.0", "--json", str(j), "--junit", str(x), "--markdown", str(md))

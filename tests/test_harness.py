@@ -211,6 +211,7 @@ def test_a_recovered_group_diagnoses_its_next_deadlock_from_its_new_process_grou
     assert elapsed < VERDICT_BOUND
 
 
+@pytest.mark.slow
 def test_slow_but_progressing_job_is_not_a_deadlock(pool):
     # rank 0 waits ~2.5 s in each all_reduce, longer than the probes' quiet period, while
     # rank 1 sleeps outside any collective: slow, not stuck
@@ -237,6 +238,7 @@ class _Interrupt(BaseException):
     """Stands in for what pytest-timeout or Ctrl-C raise in the middle of a wait."""
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_ends_the_group_and_the_next_job_is_clean(pool):
     g = pool.group(2)
     pids = g.pids()
@@ -277,6 +279,7 @@ def test_a_dying_rank_is_a_rank_crash_naming_exit_code_or_signal(pool, job, says
     assert elapsed < VERDICT_BOUND, "survivors must not wait for the deadline"
 
 
+@pytest.mark.slow
 def test_infinite_python_loop_is_located(pool):
     res, elapsed = run_fault(pool, job_spin)
     # a loop that never ends looks like a slow rank: a timeout naming it, not a proven deadlock
@@ -294,6 +297,7 @@ def test_all_gather_with_different_sizes(pool):
     assert "rank" in res.message and ("size" in text or "all_gather" in text)
 
 
+@pytest.mark.slow
 def test_pool_recovers_after_faults(pool):
     res = pool.run(job_sum, world_size=2)
     assert res.ok and [v[1] for v in res.values()] == [3.0, 3.0]
@@ -308,6 +312,7 @@ def test_job_state_does_not_leak_between_jobs(pool):
     assert first[0] != draw
 
 
+@pytest.mark.slow
 def test_env_jobs_get_their_own_ranks(pool):
     res = pool.run(job_env, "OPACUS_USE_DEFERRED_NORM", world_size=2, env={"OPACUS_USE_DEFERRED_NORM": "1"})
     assert res.values() == ["1", "1"]

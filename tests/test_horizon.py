@@ -149,6 +149,7 @@ def test_passes_agreed_with_a_neighbour_diverge_at_three_ranks(pool):
 # -- the long runs (a shorter horizon where the bug starts early: the same code, fewer steps) -----
 
 
+@pytest.mark.slow
 def test_correct_passes_every_long_run(pool):
     for pid in ("clipped_step", "noise_calibration", "deadlock_free"):
         assert_all_pass(judged(pool, pid, "fixtures.specimens:Correct", long_only))

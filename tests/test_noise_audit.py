@@ -60,6 +60,7 @@ def test_correct_passes_the_new_verdicts_and_the_long_run_is_made(pool):
     assert vs["wide"][0].evidence["coordinates"] > 32_000
 
 
+@pytest.mark.slow
 def test_centred_noise_fails_the_shard_sum_test(pool):
     main = kinds(run(pool, A + "CentredNoise", world_sizes=(2,)))["main"]
     assert_fails(main, "mismatch", ["PRIVACY VIOLATION", "sums to ~0 in every release", "released with no noise",
@@ -77,6 +78,7 @@ def test_pool_of_16_repeats_at_lag_16_in_the_long_run(pool):
     assert_fails(main, "dependent_noise", ["PRIVACY VIOLATION", "lag 16", "pool of 16 noise vectors"])
 
 
+@pytest.mark.slow
 def test_noise_only_on_used_embedding_rows_is_no_noise_not_a_repeat(pool):
     vs = kinds(run(pool, A + "SparseEmbeddingNoise"))
     assert_all_pass(vs["main"] + vs["wide"])  # the mlp has no embedding
@@ -103,6 +105,7 @@ def test_bf16_noise_in_float32_fails_the_resolution_check(pool):
     assert correct[0].evidence["bf16_representable_fraction"] < 1e-3  # ~2^-16
 
 
+@pytest.mark.slow
 def test_deficit_on_every_vector_fails_the_pooled_scale_test(pool):
     # a statistical test at a fixed run seed (power ~0.6-1 per verdict: docs/noise.md); this seed's draws fail
     main = kinds(run(pool, A + "NoiseDeficitOnVectors", world_sizes=(2,), reductions=("sum",), seed=5))["main"]

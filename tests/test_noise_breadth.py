@@ -51,6 +51,7 @@ def test_new_diagnoses_are_registered():
     assert "processes" in CONFIG_KEYS and "processes" in schema["$defs"]["result"]["properties"]["config"]["properties"]
 
 
+@pytest.mark.slow
 def test_correct_passes_every_check_with_its_stated_power(pool):
     vs = run(pool, "fixtures.specimens:Correct", world_sizes=(1, 2), samplings=("fixed", "poisson"))
     assert_all_pass(vs)
@@ -80,6 +81,7 @@ def test_correct_passes_every_check_with_its_stated_power(pool):
     ("OneBufferForAllTensors", "dependent_noise", ["PRIVACY VIOLATION", "same noise values",
                                                    "one noise buffer sliced for every tensor"]),
 ])
+@pytest.mark.slow
 def test_wrong_noise_fails_in_one_process(pool, target, diagnosis, words):
     main, fresh = split(run(pool, N + target, world_sizes=(1,)))
     assert [(v.status, v.diagnosis) for v in main] == [("fail", diagnosis)]
@@ -98,6 +100,7 @@ def test_wrong_noise_fails_at_two_ranks(pool, target):
     assert "PRIVACY VIOLATION" in main[0].message
 
 
+@pytest.mark.slow
 def test_process_constant_generator_fails_only_across_fresh_processes(pool):
     main, fresh = split(run(pool, N + "ProcessConstantNoise", world_sizes=(1,)))
     # in one warm process successive runs draw successive parts of the stream: they look fresh
@@ -108,6 +111,7 @@ def test_process_constant_generator_fails_only_across_fresh_processes(pool):
         assert w in fresh[0].message, fresh[0].message
 
 
+@pytest.mark.slow
 def test_unnoised_poisson_path_fails_under_poisson_only(pool):
     vs = run(pool, N + "PoissonPathUnnoised", world_sizes=(1,), samplings=("fixed", "poisson"))
     fixed = [v for v in vs if v.config.get("sampling") != "poisson"]

@@ -253,6 +253,7 @@ def test_given(rank, x):
 '''
 
 
+@pytest.mark.slow
 def test_pool_mode_ergonomics(pytester, tagged):
     pytester.makepyfile(test_user=ERGONOMICS_TESTS)
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-rA")

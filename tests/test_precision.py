@@ -93,6 +93,7 @@ def test_a_target_without_the_form_is_not_checkable_not_run_in_fp32(pool):
 
 
 # -- Correct, upstream, and the bf16-accumulating specimen ----------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [CORRECT, "opacus"])
 def test_correct_and_upstream_pass_norm_fidelity_under_both_forms(pool, target):
     vs = props.run("norm_fidelity", target, pool=pool, world_sizes=(1, 2), precisions=FORMS)

@@ -32,6 +32,7 @@ def run(pool, prop, **kw):
     return out
 
 
+@pytest.mark.slow
 def test_norm_fidelity_world_sizes_1_2_both_layouts_both_reductions_two_models(pool):
     vs = run(pool, "norm_fidelity", world_sizes=(1, 2))
     assert len(vs) == 2 * 2 * 2 * 2 + 2  # + the layer zoo once per world size (every layer type)
@@ -56,6 +57,7 @@ def test_float32_norms_and_step(pool):
                                             dtypes=("float32",))))
 
 
+@pytest.mark.slow
 def test_three_ranks(pool):
     assert_all_pass(run(pool, "norm_fidelity", world_sizes=(3,), models=("mlp",), reductions=("mean",)))
     assert_all_pass(run(pool, "clipped_step", world_sizes=(3,), models=("mlp",), reductions=("mean",)))
@@ -104,7 +106,7 @@ NORM_OVERFLOW = ("upstream opacus 1.6.0 ghost_fsdp, float32: a per-sample gradie
 
 @pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=NORM_OVERFLOW)
 def test_float32_norm_overflow_drops_the_sample(pool):
-    vs = run(pool, "sensitivity_bound", world_sizes=(1,), models=("mlp",))
+    vs = run(pool, "sensitivity_bound", world_sizes=(1,), models=None)
     [extreme] = [v for v in vs if v.config["model"] == "extreme"]
     if (extreme.status, extreme.diagnosis) == ("fail", "non_finite") and "per-sample norms has 0 NaN and 1 inf" in \
             extreme.message:
@@ -140,11 +142,13 @@ def test_empty_local_batch_crashes_upstream(pool):
         raise KnownUpstreamFailure(empty.message)
 
 
+@pytest.mark.slow
 def test_mode_equivalence_between_env_labels(pool):
     modes = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
     assert_all_pass(run(pool, "mode_equivalence", world_sizes=(2,), modes=modes, models=("mlp",)))
 
 
+@pytest.mark.slow
 def test_mode_equivalence_without_labels_compares_unsplit_and_physical_batches(pool):
     vs = run(pool, "mode_equivalence", world_sizes=(2,), models=("mlp",))
     assert [(v.status, v.config["mode"], v.config.get("sampling")) for v in vs] == [

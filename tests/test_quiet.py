@@ -51,6 +51,7 @@ def test_hangs(rank):
 '''
 
 
+@pytest.mark.slow
 def test_plugin_hang_report_carries_the_analyser_once(pytester, tagged):  # noqa: F811
     pytester.makepyfile(test_user=PLUGIN_HANG)
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")

@@ -77,6 +77,7 @@ def test_labels_leave_out_absent_values_and_keep_fuzz_settings():
     assert report.config_label(other) != report.config_label(fuzz_pass)
 
 
+@pytest.mark.slow
 def test_every_config_key_a_property_can_emit_is_known():
     """Expectation files are checked against ``verdict.CONFIG_KEYS`` and the schema lists the same
     keys: every case of every property (its plan; nothing runs) must stay within them."""

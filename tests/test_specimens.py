@@ -37,6 +37,7 @@ def run(pool, prop, target, **kw):
 
 
 # -- the correct specimen passes everything, both norm modes ------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [IMMEDIATE, DEFERRED], ids=["immediate", "deferred"])
 def test_correct_specimen_norms_both_layouts(pool, env):
     vs = run(pool, "norm_fidelity", "Correct", world_sizes=(1, 2), modes={"m": env}, reductions=("mean",),
@@ -118,6 +119,7 @@ def test_no_clip_min_fails_the_step_but_not_sensitivity(pool):
     ("NoiseReusedAcrossSteps", "dependent_noise", ["PRIVACY VIOLATION", "identical at steps 0 and 1",
                                                    "re-seeded every step"]),
 ])
+@pytest.mark.slow
 def test_noise_bugs(pool, target, diagnosis, words):
     # the warm ranks' verdict only: the fresh-process case is judged in test_noise_breadth.py
     main = run(pool, without_extra_noise_cases(), target, world_sizes=(2,), models=("mlp",),
@@ -165,6 +167,7 @@ def test_a_target_reporting_no_norms_is_judged_on_what_it_clips_with(pool):
     ("deadlock_free", {"local_batches": ("even",)}),
     ("mode_equivalence", {"modes": {"immediate": IMMEDIATE, "deferred": DEFERRED}}),
 ])
+@pytest.mark.slow
 def test_nan_is_a_non_finite_failure_everywhere(pool, prop, extra):
     vs = run(pool, prop, "NaNClipCoefficients", world_sizes=(2,), models=("mlp",), reductions=("mean",),
              dtypes=("float64",), **extra)
