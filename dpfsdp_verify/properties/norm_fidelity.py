@@ -223,8 +223,15 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     # gate accepts (reference.MAX_CLIP_EPSILON); else the nearest accepted one, and the comparison fails
     # fitted up to the gradient's overall scale (clipped_step's business, below), so that a scale is
     # never read as an epsilon
-    eps = fit_clip_epsilon(lambda e: _scaled_to(coef, reference.clip_coefficients(ref[indices], c, e)), coef)
-    expected = reference.clip_coefficients(ref[indices], c, eps)
+    def coefficients(e):
+        return reference.clip_coefficients(ref[indices], c, e)
+
+    # opacus' epsilon first, then the nearest accepted one as it stands and up to a scale: the one
+    # whose coefficients are nearest (a fit over few, ill-conditioned coefficients can stray)
+    candidates = (reference.CLIP_EPSILON, fit_clip_epsilon(coefficients, coef),
+                  fit_clip_epsilon(lambda e: _scaled_to(coef, coefficients(e)), coef))
+    eps = min(candidates, key=lambda e: float((coef - coefficients(e)).abs().max()))
+    expected = coefficients(eps)
     err = float((coef - expected).abs().max())
     clipped = int((expected < 1).sum())
     fit.update({"clip_coefficient_max_error": err, "clipped_samples": clipped, "clip_epsilon": eps})
@@ -232,8 +239,10 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
         return None, (f"the clip coefficients recovered from the released gradient equal min(1, C/||g_i||) "
                       f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g}; "
                       f"epsilon in the denominator {eps:.3g})"), fit
-    scale = float(coef @ expected / (expected @ expected))
-    if float((coef - scale * expected).abs().max()) <= tol:
+    # the overall scale at the epsilon that fits best up to a scale
+    eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
+    scale = float(coef @ coefficients(eps_scaled) / (coefficients(eps_scaled) @ coefficients(eps_scaled)))
+    if float((coef - scale * coefficients(eps_scaled)).abs().max()) <= tol:
         fit["gradient_scale"] = scale
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
