@@ -97,6 +97,9 @@ def gate_wall_time(properties: tuple = ()) -> dict:
     out["total_s"] = time.perf_counter() - t0
     out["verdicts"] = len(verdicts)
     out["not_pass"] = sum(v.status != "pass" for v in verdicts)
+    # which (upstream's known findings, e.g. the extreme case's float32 overflow: docs/findings.md 15)
+    out["not_pass_cases"] = sorted({(v.property, v.config.get("model"), v.status, v.diagnosis)
+                                    for v in verdicts if v.status != "pass"})
     return out
 
 

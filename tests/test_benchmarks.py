@@ -37,7 +37,10 @@ def test_benchmark_script_quick_form_runs_every_section(tmp_path):
         for section in results:
             assert f"[{section}]" in proc.stdout
         assert results["harness"]["warm_pool_ms_per_test"] > 0
-        assert results["gate"]["verdicts"] > 0 and results["gate"]["not_pass"] == 0
+        # upstream's only non-passing verdicts there: its pinned float32 overflow (docs/findings.md, finding 15)
+        assert results["gate"]["verdicts"] > 0
+        assert {tuple(c) for c in results["gate"]["not_pass_cases"]} <= {
+            ("sensitivity_bound", "extreme", "fail", "non_finite")}
         hang = results["hang_gate"]
         # HookCollective hangs in every 2-rank job: each deadlock_free case is a proven deadlock, exit 1
         assert hang["gate_hook_collective_exit_code"] == 1

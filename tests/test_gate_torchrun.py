@@ -105,13 +105,15 @@ def test_world_sizes_in_a_torchrun_job():
 @pytest.mark.slow
 def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     spawned = tmp_path / "spawned.json"
+    # the matrix alike at both sizes: no long runs (at the largest size only) and no wide size
+    reach = ["--horizon", "0", "--wide-world-size", "0"]
     assert main(["run", "--target", "fixtures.specimens:Correct", "--world-sizes", "4", "-q",
-                 "--json", str(spawned), *SELECTION]) == 0
+                 "--json", str(spawned), *reach, *SELECTION]) == 0
     report = tmp_path / "torchrun.json"
     junit = tmp_path / "torchrun.xml"
     codes, outs, ranks, seconds = two_agents(
         tmp_path, ["--target", "fixtures.specimens:Correct", "--world-sizes", "2,4", "--json", str(report),
-                   "--junit", str(junit), *SELECTION])
+                   "--junit", str(junit), *reach, *SELECTION])
     both = "\n".join(outs)
     assert codes == [0, 0], both[-3000:]
     assert len(ranks) >= 4, f"saw rank processes {sorted(ranks)}"
