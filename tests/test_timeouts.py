@@ -71,6 +71,9 @@ def _assert_group_gone(pool, before):
 
 @pytest.mark.slow
 def test_slow_correct_target_under_a_short_timeout_is_a_timeout_naming_the_busy_rank(pool):
+    # warm: the ranks import the target (and opacus) once under a long deadline, so the short one
+    # below times the target's own slowness, not a cold group's imports
+    props.run("deadlock_free", SLOW, pool=pool, world_sizes=(2,), local_batches=("single",), timeout=120)
     before = set(pool.group(2).pids())
     t0 = time.monotonic()
     # the Poisson scenarios (12 steps of ~1 s; built-in deadline 30 s): the user's 4 s is honoured
