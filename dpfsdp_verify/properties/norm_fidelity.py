@@ -241,8 +241,9 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
                       f"epsilon in the denominator {eps:.3g})"), fit
     # the overall scale at the epsilon that fits best up to a scale
     eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
-    scale = float(coef @ coefficients(eps_scaled) / (coefficients(eps_scaled) @ coefficients(eps_scaled)))
-    if float((coef - scale * coefficients(eps_scaled)).abs().max()) <= tol:
+    at_scaled = coefficients(eps_scaled)
+    scale = float(coef @ at_scaled / (at_scaled @ at_scaled))
+    if float((coef - scale * at_scaled).abs().max()) <= tol:
         fit["gradient_scale"] = scale
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
