@@ -297,13 +297,14 @@ class LayerZoo(nn.Module):
     classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
     Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
     bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
-    as a 2 x 4 image, then as a 2 x 2 x 2 volume. Not in ``BASE_MODELS``: the norm property runs it once
+    as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
+    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in ``BASE_MODELS``: the norm property runs it once
     per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
     runs it everywhere."""
 
     SEQ_LEN = 8
 
-    def __init__(self, vocab: int = VOCAB, classes: int = MLP_CLASSES, width: int = 4):
+    def __init__(self, vocab: int = VOCAB, classes: int = MLP_CLASSES, width: int = 10):
         super().__init__()
         if width % 2:
             raise ValueError(f"width={width} must be even (GroupNorm of 2 groups)")
@@ -315,9 +316,9 @@ class LayerZoo(nn.Module):
         self.conv2d = nn.Conv2d(width, width, kernel_size=3, padding=1)
         self.gn = nn.GroupNorm(2, width)
         self.in2d = nn.InstanceNorm2d(width, affine=True)
-        self.conv3d = nn.Conv3d(width, 2, kernel_size=3, padding=1)
-        self.in3d = nn.InstanceNorm3d(2, affine=True)
-        self.fc = nn.Linear(2 * self.SEQ_LEN, classes)
+        self.conv3d = nn.Conv3d(width, width, kernel_size=3, padding=1)
+        self.in3d = nn.InstanceNorm3d(width, affine=True)
+        self.fc = nn.Linear(width * self.SEQ_LEN, classes)
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
             for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
                 norm.weight.uniform_(0.5, 1.5)
@@ -331,7 +332,7 @@ class LayerZoo(nn.Module):
         x = t(self.rms(t(self.ln(self.tok(idx)))))                         # [B, 8, w]
         x = t(self.in1d(t(self.conv1d(x.transpose(1, 2)))))               # [B, w, 8]
         x = t(self.in2d(t(self.gn(t(self.conv2d(x.reshape(b, -1, 2, 4)))))))  # [B, w, 2, 4]
-        x = t(self.in3d(t(self.conv3d(x.reshape(b, -1, 2, 2, 2)))))       # [B, 2, 2, 2, 2]
+        x = t(self.in3d(t(self.conv3d(x.reshape(b, -1, 2, 2, 2)))))       # [B, w, 2, 2, 2]
         return self.fc(x.flatten(1))
 
 
