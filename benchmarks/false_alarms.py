@@ -59,7 +59,7 @@ def accountant_false_alarms(n: int, seed: int, alpha: float = 3.4e-6) -> int:
     per-test level ``alpha``."""
     import torch
 
-    from dpfsdp_verify import accounting
+    from dpfsdp_verify.targets import accounting
     from dpfsdp_verify.properties.accountant import accountant_problem
     from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 

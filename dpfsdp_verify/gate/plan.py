@@ -166,10 +166,10 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
 
 
 def parse_meshes(text: Optional[str], backend: str, job_world_size: Optional[int] = None) -> List[str]:
-    """``--meshes`` as canonical mesh names (``dpfsdp_verify.mesh``), each runnable here: ``UsageError``
+    """``--meshes`` as canonical mesh names (``dpfsdp_verify.targets.mesh``), each runnable here: ``UsageError``
     for a malformed name, an unknown kind, more gloo ranks than one host runs, or (inside a torchrun
     job) a mesh whose world size is not the job's."""
-    from ..mesh import Mesh, MeshError
+    from ..targets.mesh import Mesh, MeshError
 
     if text is None:
         return []

@@ -17,7 +17,7 @@ for a target that reports its accountant (``RankOutput.accountant_history``; doc
 * q (Poisson runs): each entry's sampling rate is the configured q (relative 1e-9), the rate
   ``sampling_accounting`` measures the sampler at (2000 draws per case); the rate seen in the run's
   own draws is stated beside it. Fixed batches have no sampling rate to measure: q is not judged;
-* epsilon (the runs that ask, ``RunSpec.accountant_delta`` > 0): ``dpfsdp_verify.accounting``'s
+* epsilon (the runs that ask, ``RunSpec.accountant_delta`` > 0): ``dpfsdp_verify.targets.accounting``'s
   RDP epsilon of the measured mechanism -- sigma's confidence interval at the case's level, the
   configured q (fixed batches: the told q), the steps taken -- is an interval; an ``"rdp"``
   accountant's epsilon must lie in it (relative 1e-6 for rounding), any other (PRV, GDP: tighter
@@ -34,8 +34,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import accounting
-from ..targets import RunSpec
+from ..targets import RunSpec, accounting
 from .stats import chi2_quantile, chi2_two_sided_p
 
 #: the delta the runs that ask for an epsilon ask it at

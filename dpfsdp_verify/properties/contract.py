@@ -90,7 +90,7 @@ class Options:
     #: steps of the long-horizon run each property with one runs (``horizon.py``: bugs that start
     #: late); 0: none. The gate's default is ``horizon.HORIZON_STEPS``; the Python API's is 0
     horizon: int = 0
-    #: 2-D meshes (``dpfsdp_verify.mesh`` names, e.g. ``"hsdp:2x2"``) each property that runs on
+    #: 2-D meshes (``dpfsdp_verify.targets.mesh`` names, e.g. ``"hsdp:2x2"``) each property that runs on
     #: meshes runs at, besides ``world_sizes`` (``()``: none)
     meshes: Tuple[str, ...] = ()
 
@@ -455,7 +455,7 @@ class Property:
         model, reduction and dtype (none for a property that does not run on meshes)."""
         if not self.meshes or not opts.meshes:
             return []
-        from ..mesh import Mesh
+        from ..targets.mesh import Mesh
 
         axes = [(mesh, modes, model, red, dtype) for mesh in opts.meshes for modes in groups
                 for model in opts.models or self.models for red in opts.reductions or self.reductions

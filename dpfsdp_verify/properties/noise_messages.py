@@ -89,10 +89,10 @@ def scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: st
 
 
 def mesh_ratios(name: str):
-    """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.mesh``)."""
+    """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.targets.mesh``)."""
     if not name:
         return ()
-    from ..mesh import Mesh
+    from ..targets.mesh import Mesh
 
     mesh = Mesh.parse(name)
     a, b = mesh.shape

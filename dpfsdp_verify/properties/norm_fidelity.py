@@ -45,7 +45,7 @@ from dataclasses import replace
 import torch
 
 from .. import reference
-from ..mesh import replica_positions, split_norm_sq, world_summed_norms
+from ..targets.mesh import replica_positions, split_norm_sq, world_summed_norms
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict

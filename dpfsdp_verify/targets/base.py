@@ -88,7 +88,7 @@ Nesterov), the state a checkpoint must carry; declared with ``"momentum"`` in ``
 2-D meshes (``spec.mesh``, e.g. ``"hsdp:2x2"`` or ``"tp:2x2"``; ``""`` for the 1-D mesh of every
 rank): the target builds the ``DeviceMesh`` itself, ``spec.layout.build("cpu")`` under gloo
 (``init_device_mesh(device, (A, B), mesh_dim_names=...)``: ``("replicate", "shard")`` for HSDP,
-``("data", "tensor")`` for data x tensor parallel; ``dpfsdp_verify.mesh``). HSDP shards with
+``("data", "tensor")`` for data x tensor parallel; ``dpfsdp_verify.targets.mesh``). HSDP shards with
 ``fully_shard(mesh=<the 2-D mesh>)``; ``tp`` applies ``targets.util.tensor_parallel_plan(model)``
 on the ``"tensor"`` sub-mesh and keeps the ``"data"`` replicas in sync itself.
 ``spec.rank_indices`` splits the batch over the data-parallel ranks only (TP peers get the same
@@ -224,13 +224,13 @@ class RunSpec:
     #: delta at which the target reports its accountant's epsilon (``RankOutput.epsilon``); 0: not
     #: asked (an epsilon can cost a target's accountant a second per run: only some runs ask)
     accountant_delta: float = 0.0
-    #: a 2-D mesh ``KIND:AxB`` (``dpfsdp_verify.mesh``: ``hsdp:RxS``, ``tp:DxT``); ``""``: the 1-D
+    #: a 2-D mesh ``KIND:AxB`` (``dpfsdp_verify.targets.mesh``: ``hsdp:RxS``, ``tp:DxT``); ``""``: the 1-D
     #: mesh of every rank (module docstring)
     mesh: str = ""
 
     def __post_init__(self):
         if self.mesh:
-            from ..mesh import Mesh
+            from .mesh import Mesh
 
             Mesh.parse(self.mesh)  # MeshError (a ValueError) for a malformed name
             if self.sampling != "fixed" or self.physical_batch_size or self.resume_at or self.data_layout != "split":
@@ -318,7 +318,7 @@ class RunSpec:
     @property
     def layout(self):
         """The ``mesh.Mesh`` of a 2-D run, ``None`` for a 1-D one."""
-        from ..mesh import parse_optional
+        from .mesh import parse_optional
 
         return parse_optional(self.mesh)
 
@@ -390,7 +390,7 @@ class RunSpec:
         if self.data_layout == "replicated":
             return list(range(self.global_batch_size))
         if self.mesh:  # split over the data-parallel ranks only: TP peers see the same samples
-            from ..mesh import rank_samples
+            from .mesh import rank_samples
 
             return rank_samples(self.layout, self.global_batch_size, rank)
         # DistributedSampler(shuffle=False, drop_last=False) on a divisible batch

@@ -7,7 +7,10 @@ Mironov, Talwar and Zhang, "Renyi Differential Privacy of the Sampled Gaussian M
 (arXiv:1908.10530, section 3.3) -- the same one opacus' ``RDPAccountant`` and TF Privacy run --
 with the RDP -> (epsilon, delta) conversion of Balle et al. 2020 (arXiv:1905.09982, theorem 21)
 over opacus' default orders, so that on one history the two agree to rounding
-(``tests/test_accounting.py`` checks it against opacus' own).
+(``tests/test_accounting.py`` checks it against opacus' own). It sits with the targets as a
+helper for adapters: a target without an accountant of its own can use it
+(``fixtures.specimens:Correct`` does); ``properties/accountant.py`` computes the suite's epsilon
+with it.
 
 An accountant *history* is opacus' format: ``[(noise_multiplier, sample_rate, steps), ...]``,
 one entry per run of steps with the same parameters; the RDP of a history is the sum over its

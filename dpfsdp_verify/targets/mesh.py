@@ -1,5 +1,6 @@
 """2-D device meshes: which ranks hold which samples and which parameter shards, and the
-reference's aggregation rules on them.
+reference's aggregation rules on them. A ``RunSpec``'s layout (``RunSpec.layout``), so it sits
+with the targets; the properties judge with its rules.
 
 A 2-D run names its mesh ``KIND:AxB`` (``RunSpec.mesh``, the gate's ``--meshes``). Rank
 ``r = i * B + j`` sits at row ``i`` (dim 0) and column ``j`` (dim 1), torch's own layout
