@@ -7,3 +7,5 @@ computes the exit code; ``target_info`` says which target and opacus were checke
 ``expectations`` reads ``--expect`` files (known failures of a target) and judges verdicts
 against them. Data flows down: cli -> plan -> run -> report.
 """
+
+__all__: list = []  # the stages are its modules (above); the package itself exports nothing

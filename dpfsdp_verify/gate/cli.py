@@ -284,3 +284,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["build_parser", "cmd_list", "cmd_run", "cmd_replay", "cmd_scale", "main"]

@@ -331,3 +331,7 @@ def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
             out.unmet.append(Unmet(e, other, f"expectation {e.label()} no longer holds: {what}. Remove or narrow the "
                                              f"entry in {os.path.basename(exp.file)}"))
     return out
+
+
+__all__ = ["FORMAT_VERSION", "BUNDLED_DIR", "EXPECTABLE_STATUSES", "ExpectationsError", "bundled", "resolve", "Entry",
+           "Expectations", "parse", "load", "Unmet", "Outcome", "apply"]

@@ -334,3 +334,8 @@ def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
         with open(reports.markdown, "w") as f:
             f.write(to_markdown(verdicts, target, outcome))
     return code
+
+
+__all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERNAL", "SCHEMA_VERSION", "summary", "is_internal_error",
+           "result_json", "to_json", "dumps_json", "write_json", "junit_names", "write_junit", "norm_ratio_rows",
+           "to_markdown", "plot_norm_ratios", "terminal_table", "exit_code", "finish"]

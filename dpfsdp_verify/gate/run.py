@@ -96,3 +96,6 @@ def _fuzzer(n_examples: int) -> Optional[Fuzzer]:
     from ..fuzz import fuzz_examples
 
     return lambda prop, opts, pool: fuzz_examples(prop, opts, n_examples, pool)
+
+
+__all__ = ["MAX_WARM_GROUPS", "Progress", "execute", "run_plan"]

@@ -97,3 +97,6 @@ def banner(target: Dict[str, Any], backend: str, world_sizes, properties, meshes
     where = f" [opacus {op['version']} from {op['path']}]" if op else ""
     return (f"dpfsdp-verify {__version__}: target {target['name']} {target['version']}{where}, {backend}, "
             f"world sizes {list(world_sizes)}{meshes}, properties {', '.join(properties)}")
+
+
+__all__ = ["opacus_info", "version_text", "VersionAction", "describe_target", "banner"]

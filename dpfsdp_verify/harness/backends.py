@@ -185,3 +185,7 @@ def preferred_backend() -> str:
         if BACKENDS[name].unavailable(1) is None:
             return name
     return "gloo"
+
+
+__all__ = ["SIMULATED_ACCELERATOR_ENV", "pin_accelerator", "simulate_accelerator_from_env", "Backend", "BACKENDS",
+           "NAMES", "get_backend", "rank_device", "preferred_backend"]

@@ -324,3 +324,8 @@ def torch_analysis(dumps: Dict[int, RankDump], world_size: Optional[int] = None)
         logger.handlers, logger.propagate = saved
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip() and "tabulate is not installed" not in ln]
     return "\n".join(lines) if lines else None
+
+
+__all__ = ["Divergence", "describe_entry", "entries_by_group", "find_divergence", "call_site", "user_call_site",
+           "describe_divergence", "hang_report", "DEFAULT_PG", "Busy", "busy_ranks", "timeout_message", "format_stacks",
+           "write_fr_dumps", "torch_analysis"]

@@ -150,3 +150,7 @@ def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
                     return (f"ranks {r} and {q} issued different collectives as #{seq} "
                             f"(rank {r}: {_text(mine[seq])}; rank {q}: {_text(theirs[seq])}): neither can complete")
     return None
+
+
+__all__ = ["PROBE_AFTER_S", "PROBE_EVERY_S", "QUIET_S", "DEFAULT_PG", "SIZE_MATCHED_OPS", "same_collective",
+           "DeadlockWatch", "stuck_reason"]

@@ -210,3 +210,7 @@ def send(conn, obj) -> None:
 
 def recv(conn):
     return pickle.loads(conn.recv_bytes())
+
+
+__all__ = ["RANK_MODULE", "RankConfig", "JobError", "JobResult", "RankDump", "Job", "Stop", "Ready", "Result", "Renew",
+           "Abort", "DumpRequest", "Dump", "ProbeRequest", "Probe", "send", "recv"]

@@ -375,3 +375,7 @@ def _serve_jobs(cfg: RankConfig, job_conn: Connection, store, env_snapshot: dict
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["JOB_SEED", "CAPTURE_LIMIT", "PROBE_ENTRIES", "installed_modules", "current_entries",
+           "forget_aborted_entries", "dump_state", "probe_state", "main"]

@@ -86,3 +86,7 @@ def hang_details(report: str, analysis: Optional[str], dumps: Dict[int, RankDump
     if analysis:
         report += "\n--- torch flight_recorder analyser (fr_trace) ---\n" + analysis
     return report + "\n" + diagnose.format_stacks(dumps)
+
+
+__all__ = ["RECOVERED", "exit_text", "raised", "left_waiting", "where_others_were", "crashed", "deadlock",
+           "hang_details"]

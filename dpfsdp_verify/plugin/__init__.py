@@ -315,3 +315,8 @@ def _hypothesis_configure(config) -> None:
             load_profile(name, str(config.rootpath))
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+
+
+__all__ = ["MARKER_HELP", "WS_PARAM", "pytest_addoption", "pytest_configure", "pytest_sessionstart",
+           "pytest_unconfigure", "MARKER_KWARGS", "pytest_generate_tests", "timeout_margin", "outer_timeout_of",
+           "world_size", "rank", "GIVEN_REFUSED", "pytest_runtest_setup", "pytest_pyfunc_call"]

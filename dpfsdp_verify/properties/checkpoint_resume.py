@@ -421,3 +421,8 @@ PROPERTY = Property(
                "correlated_sampling"),
     params=(("steps", STEPS), ("resume_at", RESUME_AT)), samplings=None, check_params=check_params,
     false_alarm_rate=1e-9)
+
+
+__all__ = ["STEPS", "RESUME_AT", "MOMENTUM", "SIGMA", "CLIP", "POISSON_RATE", "POISSON_PER_RANK", "MID_EPOCH_RATE",
+           "MID_EPOCH_PER_RANK", "NOISE_EQUAL", "NOISE_MIN_NUMEL", "MASK_REPLAYS", "check_params", "cases",
+           "mask_false_alarm", "judge", "PROPERTY"]

@@ -402,3 +402,8 @@ PROPERTY = Property(
     precisions=PRECISIONS, meshes=True,
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))
+
+
+__all__ = ["FIT_RTOL", "prepare", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "SHORT_LAYER_MODEL",
+           "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge", "judge_horizon",
+           "judge_spec", "own_epsilon_step", "judge_precision", "explain", "PROPERTY"]

@@ -580,3 +580,6 @@ def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
         out[p.id] = p
     return out
 
+
+__all__ = ["Outputs", "Options", "Case", "case_deadline", "Point", "Prepared", "unchanged", "FuzzRecipe", "Property",
+           "sampling_problem", "precision_problem", "modes_problem", "by_id"]

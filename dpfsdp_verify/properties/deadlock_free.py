@@ -192,3 +192,8 @@ PROPERTY = Property(
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
     params=(("local_batches", None),), wide=wide)
+
+
+__all__ = ["STEPS", "EPOCHS", "POISSON_DEADLINE_S", "POISSON_SEEDINGS", "POISSON_DEFAULT", "ACCUM_P", "ACCUM_EPOCHS",
+           "ACCUM_DEADLINE_S", "ACCUM_SCENARIOS", "ACCUM_DEFAULT", "scenarios", "poisson_spec", "cases", "accum_cases",
+           "wide", "judge", "PROPERTY"]

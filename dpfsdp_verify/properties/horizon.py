@@ -69,3 +69,7 @@ def horizon_spec(point: Point, **fields) -> RunSpec:
 def horizon_labels(spec: RunSpec) -> dict:
     """The config key that tells a long run's verdict from the matrix's: its length in steps."""
     return {"horizon": spec.steps}
+
+
+__all__ = ["WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK", "horizon_point",
+           "horizon_spec", "horizon_labels"]

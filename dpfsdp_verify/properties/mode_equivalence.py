@@ -262,3 +262,7 @@ PROPERTY = Property(
     # like clipped_step, over 2 steps (state carried between steps is compared too)
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2), ("steps", STEPS),
                           ("reduction_values", ("mean",))), prepare=prepare))
+
+
+__all__ = ["STEPS", "CASE_STEPS", "PHYSICAL_BATCH", "NOISE_Z", "POISSON_PAIR", "default_pair", "pair_local_batch",
+           "prepare", "poisson_pair_spec", "cases", "judge", "PROPERTY"]

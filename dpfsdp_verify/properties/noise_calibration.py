@@ -511,3 +511,7 @@ PROPERTY = Property(
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
     samplings=("fixed", "poisson"), wide=wide,
     params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA)
+
+
+__all__ = ["FAMILY_ALPHA", "SIGMA", "CLIP", "POWER_STD_ERROR", "POWER_MIN_NUMEL", "POWER", "MLP_DIMS", "WIDE_MLP_DIMS",
+           "STEPS_PER_RUN", "LONG_RUN", "draws_for", "cases", "wide", "judge", "PROPERTY"]

@@ -510,3 +510,8 @@ PROPERTY = Property(
     precisions=PRECISIONS, wide=wide,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))
+
+
+__all__ = ["HYPOTHESIS_RTOL", "prepare", "LARGE_LOCAL_BATCH", "cases", "wide", "large_point", "judge", "judge_spec",
+           "clipped_with", "BORROWED_MAX_RANKS", "hypotheses", "tensor_parallel_hypotheses", "diagnose",
+           "borrowed_norms", "right_prefix", "PROPERTY"]

@@ -401,3 +401,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
         msg = f"mode {mode.label!r} ({mode.describe_env()}) did not complete: {msg}"
         evidence["failed_mode"] = mode.label
     return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
+
+
+__all__ = ["Fuzzer", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
+           "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "failure_verdict"]

@@ -346,3 +346,7 @@ PROPERTY = Property(
     false_alarm_rate=10 * ALPHA,
     fuzz=FuzzRecipe(draw=(("sampling_values", ("poisson",)), ("models", ("mlp",)), ("layouts", ("split",)),
                           ("reduction_values", ("mean",))), prepare=prepare))
+
+
+__all__ = ["DRAWS", "ALPHA", "SEEDINGS", "PORTMANTEAU_LAGS", "FRACTIONAL", "datasets", "case_datasets", "prepare",
+           "cases", "across_steps", "ACROSS_STEPS", "Sampled", "statistics", "judge", "PROPERTY"]

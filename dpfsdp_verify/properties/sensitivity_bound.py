@@ -233,3 +233,7 @@ PROPERTY = Property(
     meaning=("no single sample moves the summed gradient by more than C: the sensitivity the noise is "
              "calibrated to; a violation voids the privacy guarantee"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("split",), reductions=("mean",))
+
+
+__all__ = ["leave_one_out_specs", "CLIP_FRACTION", "NAME_TOL", "cases", "EXTREME_STEPS", "EXTREME_NEAR_C",
+           "extreme_spec", "judge", "EXTREME_RTOL", "contributions", "judge_extreme", "PROPERTY"]

@@ -208,3 +208,8 @@ def _norm_quantile(p: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+__all__ = ["chi2_cdf", "chi2_sf", "norm_sf", "chi2_two_sided_p", "normal_two_sided_p", "chi2_quantile",
+           "detectable_std_ratios", "correlation_p", "skewed_normal_two_sided_p", "lag_autocovariance_z", "kurtosis_z",
+           "pairwise_dependence", "detectable_excess_kurtosis"]

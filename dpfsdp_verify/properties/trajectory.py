@@ -425,3 +425,9 @@ PROPERTY = Property(
     diagnoses=("mismatch", "noise_bypassed", "replica_divergence"), meshes=True,
     params=(("steps", None), ("physical_batch_size", 0), ("update_momentum", UPDATE_MOMENTUM)),
     samplings=("fixed", "poisson"), check_params=check_params)
+
+
+__all__ = ["STEPS", "DEFAULT_STEPS", "POISSON_PER_RANK", "EMPTY_Q", "EMPTY_PER_RANK", "EMPTY_EPOCHS", "EMPTY_ALPHA",
+           "UPDATE_STEPS", "UPDATE_SIGMA", "UPDATE_MOMENTUM", "UPDATE_CAUSE_RTOL", "check_params", "cases",
+           "update_case", "accum_cases", "judge", "short_of_rounds", "judge_empty", "judge_run", "judge_update",
+           "PROPERTY"]

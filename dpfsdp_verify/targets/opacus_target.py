@@ -512,3 +512,6 @@ class _Collate:
         if not samples:
             return tuple(t[:0] for t in self.dataset.tensors)
         return tuple(torch.stack([s[j] for s in samples]) for j in range(len(samples[0])))
+
+
+__all__ = ["OPACUS_STATE", "opacus_local_batch_size", "InexpressibleRate", "TYING_REFUSALS", "OpacusTarget", "dp_loss"]
