@@ -1,6 +1,6 @@
 """Deadlines: a deadline that passes with no deadlock proven is ``hang`` / ``timeout`` naming the
 busy rank(s), never ``deadlock`` or ``step_divergence``; a case's built-in deadline never exceeds the
-user's timeout and is raised by a longer one (``contract.case_deadline``). The slow specimen
+user's timeout and is raised by a longer one (``runner.case_deadline``). The slow specimen
 (``fixtures/slow_specimens.py``: correct, ~1 s per step) is the false alarm this guards against."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from dpfsdp_verify.harness import DEFAULT_TIMEOUT_S, wait_gone
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.contract import case_deadline
 from dpfsdp_verify.properties.deadlock_free import POISSON_DEADLINE_S
+from dpfsdp_verify.properties.runner import case_deadline
 from dpfsdp_verify.targets import progress
 from dpfsdp_verify.verdict import DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402

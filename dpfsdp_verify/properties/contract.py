@@ -241,19 +241,6 @@ class Case:
                        seconds=round(seconds or self.seconds, 3), details=details)
 
 
-def case_deadline(deadline: Optional[float], timeout: float) -> float:
-    """The watchdog deadline of a job whose case states ``deadline`` (``None``: none), under the
-    user's ``timeout``: ``min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))``.
-
-    A built-in deadline is a share of the default timeout (``DEFAULT_TIMEOUT_S``): at the
-    default it is what the case states; a longer timeout raises it in proportion (a target slow
-    enough to need twice the timeout gets twice the deadline in every case); a shorter one caps
-    it -- no job ever runs longer than the timeout the user gave."""
-    if deadline is None:
-        return timeout
-    return min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))
-
-
 @dataclass(frozen=True)
 class Point:
     """One point of the options' matrix, handed to ``Property.cases``."""
@@ -581,5 +568,5 @@ def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
     return out
 
 
-__all__ = ["Outputs", "Options", "Case", "case_deadline", "Point", "Prepared", "unchanged", "FuzzRecipe", "Property",
+__all__ = ["Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "FuzzRecipe", "Property",
            "sampling_problem", "precision_problem", "modes_problem", "by_id"]

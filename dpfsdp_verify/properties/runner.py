@@ -7,7 +7,7 @@ crashed gets that as its verdict here (``hang``/``deadlock``, ``hang``/``timeout
 ``error``/``rank_crash``), never an exception; a backend that cannot give the ranks is a ``skip``
 with the reason. Only a deadlock the harness *proved* is ``deadlock`` (``step_divergence`` when the
 ranks' progress trails show different step counts); a deadline that passed unproven is
-``timeout``, naming the busy rank(s). A case's deadline is ``contract.case_deadline``.
+``timeout``, naming the busy rank(s). A case's deadline is ``case_deadline``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..harness import Pool, default_pool
+from ..harness import DEFAULT_TIMEOUT_S, Pool, default_pool
 from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict
-from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
+from .contract import Case, Options, Outputs, Property, modes_problem
 from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
                         poisson_problem, privacy_steps_problem, tf32_problem)
 
@@ -33,6 +33,19 @@ from .prechecks import (all_padding_note, data_problem, device_facts, frozen_pro
 #: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``
 #: with the number of examples bound), handed in by the caller: the runner never imports the fuzzer
 Fuzzer = Callable[[Property, Options, Optional[Pool]], List[Verdict]]
+
+
+def case_deadline(deadline: Optional[float], timeout: float) -> float:
+    """The watchdog deadline of a job whose case states ``deadline`` (``None``: none), under the
+    user's ``timeout``: ``min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))``.
+
+    A built-in deadline is a share of the default timeout (``DEFAULT_TIMEOUT_S``): at the
+    default it is what the case states; a longer timeout raises it in proportion (a target slow
+    enough to need twice the timeout gets twice the deadline in every case); a shorter one caps
+    it -- no job ever runs longer than the timeout the user gave."""
+    if deadline is None:
+        return timeout
+    return min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))
 
 
 def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz: Optional[Fuzzer] = None
@@ -403,5 +416,5 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
 
 
-__all__ = ["Fuzzer", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
+__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "failure_verdict"]
