@@ -16,7 +16,7 @@ Definitions (they follow opacus 1.6.0, so that a correct opacus matches to float
   1e-6`` (opacus' ``get_clipping_coef``; the epsilon keeps a zero gradient finite and makes a
   sample exactly at the bound scale by ``C/(C+1e-6)``, not 1). DP-SGD's own coefficient is
   ``min(1, C/||g_i||)``; an epsilon only clips harder, so the checks accept any epsilon from 0 to
-  ``MAX_CLIP_EPSILON`` (``clip_epsilon=`` below; ``compare.fit_clip_epsilon``);
+  ``MAX_CLIP_EPSILON`` (``clip_epsilon=`` below; ``clipfit.fit_clip_epsilon``);
 * the *DP-SGD gradient* ``(sum_i c_i g_i + sigma * C * z) / D`` with ``z`` standard normal per
   coordinate drawn from an explicit generator and ``D`` the expected batch size under
   ``"mean"`` (1 under ``"sum"``).

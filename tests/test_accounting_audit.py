@@ -1,6 +1,6 @@
 """Privacy step accounting and resume, as the audit found them escaping (specimens:
 ``fixtures/audit_loop_specimens.py``): the runner's generic step-count check
-(``compare.privacy_steps_problem``, ``step_count_wrong``) on every run that reports
+(``prechecks.privacy_steps_problem``, ``step_count_wrong``) on every run that reports
 ``StepOutput.privacy_steps``, and checkpoint_resume's cross-rank noise / sampler checks and its
 mid-epoch mask run -- each specimen fails with its property and diagnosis, ``Correct`` passes.
 """
@@ -11,7 +11,7 @@ import pytest
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.properties.checkpoint_resume import _count_error
-from dpfsdp_verify.properties.compare import privacy_steps_problem
+from dpfsdp_verify.properties.prechecks import privacy_steps_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from verdict_helpers import assert_all_pass
 

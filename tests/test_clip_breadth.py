@@ -1,7 +1,7 @@
 """Clipping and multi-step checks see bugs outside a mid-norm, few-step window: a clip coefficient
 floored far above C, a bound of 1.01 C, a bug that starts at the 4th step, a Poisson step normalised
 by its realised batch (``fixtures/clip_specimens.py``: one bug each), and the correct specimen
-passes the same cases. Plus the shared coefficient fit (``compare.fit_clip_coefficients``) on
+passes the same cases. Plus the shared coefficient fit (``clipfit.fit_clip_coefficients``) on
 synthetic coefficients, and the reference's empty Poisson step."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from dpfsdp_verify import models, reference
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.compare import fit_clip_coefficients, reference_norms
+from dpfsdp_verify.properties.clipfit import fit_clip_coefficients
+from dpfsdp_verify.properties.compare import reference_norms
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
 import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by

@@ -2,7 +2,7 @@
 ``C/max(||g||, C)``, with a tiny epsilon, or as opacus' ``+ 1e-6`` with an explicit min passes every
 check that compares with the reference; an epsilon of the wrong sign (a looser clip: privacy) and
 one far beyond ``reference.MAX_CLIP_EPSILON`` (over-clipping: utility) still fail, named as such.
-Plus ``compare.fit_clip_epsilon`` on synthetic coefficients."""
+Plus ``clipfit.fit_clip_epsilon`` on synthetic coefficients."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from dpfsdp_verify import reference
 from dpfsdp_verify.properties import run as run_property
-from dpfsdp_verify.properties.compare import fit_clip_epsilon
+from dpfsdp_verify.properties.clipfit import fit_clip_epsilon
 from verdict_helpers import assert_all_pass
 
 F = "fixtures.clip_form_specimens:"

@@ -21,7 +21,7 @@ from dpfsdp_verify import models
 from dpfsdp_verify.gate import expectations
 from dpfsdp_verify import reference as R
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.compare import frozen_problem
+from dpfsdp_verify.properties.prechecks import frozen_problem
 from dpfsdp_verify.properties.contract import Case
 from dpfsdp_verify.properties.runner import judge_case
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput

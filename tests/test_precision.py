@@ -21,7 +21,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify import models
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.compare import UNIT_ROUNDOFF, precision_bound
+from dpfsdp_verify.properties.precision_bounds import precision_bound, UNIT_ROUNDOFF
 from dpfsdp_verify.properties.contract import Options
 from dpfsdp_verify.properties.norm_fidelity import prepare
 from dpfsdp_verify.targets import RunSpec

@@ -54,8 +54,9 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (at_own_clip_epsilon, fmt, max_rel_diff, processed_indices, reference_batch, reference_model,
-                      tensors_close, tolerance, trainable_names, with_picked_clip)
+from .clipfit import at_own_clip_epsilon, with_picked_clip
+from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close, tolerance,
+                      trainable_names)
 from .contract import Case, Outputs, Point, Property
 
 #: K steps, resumed after k (options ``steps`` / ``resume_at``)
@@ -131,7 +132,7 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
     rtol, atol = tolerance(spec.dtype)
     steps = spec.steps
     batches = [reference_batch(spec, t).select(processed_indices(full, t, spec)) for t in range(steps)]
-    # the reference at the target's own clip epsilon where it is one DP-SGD allows (compare.at_own_clip_epsilon)
+    # the reference at the target's own clip epsilon where it is one DP-SGD allows (clipfit.at_own_clip_epsilon)
     ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
         reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
         expected_batch_size=spec.expected_batch_size, momentum=spec.momentum, clip_epsilon=e),

@@ -24,7 +24,7 @@ cannot be made to draw one). A failure tests simple explanations against the num
 constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
-``compare.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
+``clipfit.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
 size > 1 the transformer also runs with a 1-row ``mlp_in`` (``d_ff = 1``, the short-layer case,
 ``SHORT_LAYER_DIMS``): a parameter with fewer rows than ranks, which every default model avoids;
 a target that releases its gradient in another placement than the parameter's crashes there,
@@ -46,12 +46,14 @@ from .. import reference
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, fmt, max_rel_diff, pick_clip_bound,
-                      precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec,
-                      processed_indices, recover_clip_coefficients, reference_batch, reference_model,
-                      reference_norms, sequence_weights, smallest_norm, tensors_close, tolerance)
+from .clipfit import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
+                      recover_clip_coefficients)
+from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
+                      smallest_norm, tensors_close, tolerance)
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 from .horizon import horizon_labels, horizon_point, horizon_spec
+from .norm_hypotheses import sequence_weights
+from .precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
 
 FIT_RTOL = 1e-6
 
@@ -267,7 +269,7 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
 def own_epsilon_step(spec: RunSpec, indices: List[int], gradient, step):
     """``(DPStep, parameters, epsilon)``: the reference step at the clip epsilon in
     ``[0, reference.MAX_CLIP_EPSILON]`` nearest to the released ``gradient``
-    (``compare.fit_clip_epsilon``); ``None`` if the gradient lacks a parameter."""
+    (``clipfit.fit_clip_epsilon``); ``None`` if the gradient lacks a parameter."""
     names = sorted(step.gradient)
     if any(n not in gradient or gradient[n].shape != step.gradient[n].shape for n in names):
         return None
@@ -278,7 +280,7 @@ def own_epsilon_step(spec: RunSpec, indices: List[int], gradient, step):
 
 def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str, bound, step, params, indices):
     """``judge_spec`` under mixed precision: the released gradient within its derived norm-wise
-    bound (``compare.precision_gradient_bound``), the parameters within ``lr`` times it plus
+    bound (``precision_bounds.precision_gradient_bound``), the parameters within ``lr`` times it plus
     their float32 rounding."""
     if not indices:  # an empty (Poisson) batch releases exactly zero at noise 0, in any precision
         for r, o in enumerate(outputs):
@@ -327,8 +329,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
     1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
     coefficient error fitted to the coefficients recovered from the gradient
-    (``compare.fit_clip_coefficients``), a per-sequence loss normalised over padding
-    (``compare.sequence_weights``), or wrong norms."""
+    (``clipfit.fit_clip_coefficients``), a per-sequence loss normalised over padding
+    (``norm_hypotheses.sequence_weights``), or wrong norms."""
     ws = case.world_size
     head = (f"rank {rank}: the DP gradient (noise 0) differs from the reference by up to {fmt(err)} relative "
             f"(worst {name!r}) at world_size={ws}, reduction={spec.reduction}")

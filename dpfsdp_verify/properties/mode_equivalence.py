@@ -44,8 +44,8 @@ import torch
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (COEF_TOL, fmt, max_rel_diff, norm_ratios, processed_indices, recover_clip_coefficients,
-                      reference_norms, tensors_close, tolerance, with_picked_clip)
+from .clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
+from .compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
 from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 STEPS = 2

@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
@@ -100,8 +100,12 @@ from .compare import reference_model, replica_problem, shard_divisor, trainable_
 from .contract import Case, Outputs, Point, Property
 from . import noise_stats
 from .horizon import horizon_labels, horizon_point, horizon_spec
-from .stats import (chi2_cdf, chi2_two_sided_p, detectable_excess_kurtosis, detectable_std_ratios,
-                    kurtosis_z, normal_two_sided_p, pairwise_dependence)
+from .noise_exact import (bf16_fraction, noise_differences, repeat_quantum, repeated_noise, resampled_run,
+                          silent_shard, unnoised_in_some_draw, unnoised_message)
+from .noise_messages import (independence_message, late_message, low_rank_message, pairs_message, scale_message,
+                             shape_message, tensor_pair_message)
+from .noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
+from .stats import detectable_std_ratios, pairwise_dependence
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3
@@ -122,8 +126,6 @@ STEPS_PER_RUN = 12
 #: exact repeat check then covers lags 1..LONG_RUN-1 within a run (a pool of up to 35 noise vectors
 #: reused in turn); the other runs are STEPS_PER_RUN steps
 LONG_RUN = 36
-#: consecutive values that make a repetition (a chance match of 4 quantised Gaussians is ~1e-25)
-WINDOW = 4
 
 
 def draws_for(numel: int, alpha: float) -> int:
@@ -144,19 +146,13 @@ def draws_for(numel: int, alpha: float) -> int:
     return hi
 
 
-def _shard_sizes(shape: torch.Size, ws: int) -> List[int]:
-    if not len(shape):
-        return [1]
-    return [c.numel() for c in torch.chunk(torch.empty(shape), ws, dim=0)]
-
-
 def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
     mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
     accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval) +
     the per-release scale (Bonferroni over the releases: one test's share)."""
-    sizes = [k for s in shapes.values() for k in _shard_sizes(s, ws)]
+    sizes = [k for s in shapes.values() for k in shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
     multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
     pairs = 1 if len(set(multi)) < len(multi) else 0
@@ -180,7 +176,7 @@ def cases(point: Point):
     verdicts = point.matrix_size + (1 if point.options.horizon else 0)
     shards = shard_divisor(spec, point.world_size)
     alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
-    big = [k for s in shapes.values() for k in _shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
+    big = [k for s in shapes.values() for k in shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
     draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
@@ -247,141 +243,6 @@ def wide(point: Point):
                      "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 
 
-def _noise(outputs) -> List[List[Dict[str, torch.Tensor]]]:
-    """``noise[run][step][name]``: each noisy run's released gradient minus the noise-0 run's."""
-    clean = outputs[0][0].steps
-    return [[{n: (s.gradient[n] - c.gradient[n]).to(torch.float64) for n in c.gradient}
-             for s, c in zip(run[0].steps, clean)] for run in outputs[1:]]
-
-
-def _quantum(spec: RunSpec, s: float) -> float:
-    """Noise values closer than this are "the same value": far above the rounding of
-    gradient(sigma) - gradient(0) in the spec's dtype, far below the noise's scale ``s``."""
-    return s * max(2.0 ** -20, 2.0 ** 10 * torch.finfo(spec.torch_dtype).eps)
-
-
-def _windows(noise, names, quantum: float):
-    """Every ``WINDOW`` consecutive quantised values of every (run, step, tensor)'s noise:
-    ``(keys [M, WINDOW] int64, owners [M, 4] = (run, step, tensor index, offset))``."""
-    keys, owners = [], []
-    for i, run in enumerate(noise):
-        for k, step in enumerate(run):
-            for t, n in enumerate(names):
-                q = torch.round(step[n].reshape(-1) / quantum).to(torch.int64)
-                w = min(WINDOW, q.numel())
-                if w < 2:
-                    continue
-                win = q.unfold(0, w, 1)
-                # a sign flip is a repeat: each window keyed with its first nonzero value made positive,
-                # so a negated copy (cancelling in the *sum* of two releases) has the same key
-                lead = torch.gather(win, 1, (win != 0).to(torch.int8).argmax(dim=1, keepdim=True))
-                win = win * torch.where(lead < 0, -1, 1)
-                if w < WINDOW:  # short tensors: pad with a value no window of a long one holds
-                    win = torch.cat([win, torch.full((win.shape[0], WINDOW - w), -2 ** 62 - w)], dim=1)
-                keys.append(win)
-                off = torch.arange(win.shape[0])
-                owners.append(torch.stack([torch.full_like(off, i), torch.full_like(off, k), torch.full_like(off, t),
-                                           off], dim=1))
-    return torch.cat(keys), torch.cat(owners)
-
-
-def _repeats(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tuple[str, str]]:
-    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none.
-    ``seeds``: each noisy run's noise seed."""
-    keys, owners = _windows(noise, names, quantum)
-    _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
-    dup = counts[inverse] > 1
-    if not bool(dup.any()):
-        return None
-    # pair each repeated window with the first window of its group
-    idx = dup.nonzero().reshape(-1)
-    # the windows of each repeated group in order (stable sort by group): each window after its
-    # group's first is paired with that first; a repeating target repeats everywhere, so the first
-    # 20,000 pairs name it
-    order = idx[torch.sort(inverse[idx], stable=True).indices]
-    groups = inverse[order]
-    later = (groups[1:] == groups[:-1]).nonzero().reshape(-1) + 1
-    later = later[torch.argsort(order[later])][:20_000]  # earliest repeats first (run, step, tensor, offset)
-    starts = torch.searchsorted(groups, groups[later])
-    found = [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
-    shapes = {n: noise[0][0][n].shape for n in names}
-
-    def shard_of(name, offset):
-        shape = shapes[name]
-        row = offset // max(1, math.prod(shape[1:])) if len(shape) > 1 else offset
-        starts, acc = [], 0
-        for size in _shard_sizes(shape[:1], ws):
-            starts.append(acc)
-            acc += size
-        return max(r for r, s0 in enumerate(starts) if row >= s0)
-
-    def in_shard(name, offset):
-        """``(rank, row within its shard, offset within its shard)`` of a flat offset of ``name``."""
-        shape = shapes[name]
-        width = max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
-        r = shard_of(name, offset)
-        start = sum(_shard_sizes(shape[:1], ws)[:r]) * width
-        return r, (offset - start) // width, offset - start
-
-    def describe(a, b):
-        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
-        na, nb = names[ti], names[tj]
-        if (ri, si, ti) == (rj, sj, tj):
-            if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
-                (ra, row_a, at_a), (rb, row_b, at_b) = in_shard(na, oi), in_shard(na, oj)
-                if at_a != at_b:  # the same values at different places of the two shards
-                    return 0, (f"rank {rb}'s shard of {na!r} carries, from its row {row_b}, the noise rank {ra}'s "
-                               f"shard carries from its row {row_a} (run {ri}, step {si})",
-                               "a shard offset: one noise tensor drawn whole on every rank (replicated) and sliced "
-                               "at the wrong rows -- e.g. at rank * local_rows, right only while every earlier "
-                               "shard has as many rows as this one (FSDP's last dim-0 shards are shorter) -- so two "
-                               "shards release the same noise rows and some rows of the full tensor none")
-                # after a shard offset (a tensor whose short shard repeats another shard's rows at the
-                # same place looks seeded alike; one at another place says which it is)
-                return 0.5, (f"rank {ra}'s and rank {rb}'s shards of {na!r} get the same noise (run {ri}, step {si})",
-                           "ranks seeded alike (a seed from LOCAL_RANK, which repeats on every node, or from rank % "
-                           "2) add the same noise to several shards")
-            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "
-                       f"{abs(oj - oi)} apart)",
-                       "a short noise buffer tiled over the tensor")
-        if (ri, si) == (rj, sj):
-            return 1, (f"{na!r} and {nb!r} get the same noise values at step {si} (run {ri}): one noise buffer "
-                       f"sliced for every tensor", "different tensors must get independent noise")
-        if ri == rj and ti == tj:
-            lag = abs(sj - si)
-            cause = ("the generator is re-seeded every step, so each release repeats the last one's noise"
-                     if lag == 1 else f"a pool of {lag} noise vectors reused in turn: the releases at steps k "
-                     f"and k+{lag} carry the same noise")
-            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
-                       cause)
-        if ri != rj and si != sj and ti == tj and seeds is not None:
-            d_seed, d_step = seeds[rj] - seeds[ri], si - sj
-            shifted = (f"the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
-                       f"the same noise d steps apart" if d_seed == d_step else
-                       "noise reused across training jobs with different noise seeds, shifted in steps")
-            return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
-                       f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
-        if ri != rj:
-            return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
-                       f"different noise seeds (runs {ri} and {rj})",
-                       "the target ignores the noise seed and draws the same noise every time")
-        return 4, (f"the noise of {na!r} at step {si} reappears on {nb!r} at step {sj} (run {ri})",
-                   "noise values reused across releases")
-
-    def negated(a, b) -> bool:
-        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
-        x = noise[ri][si][names[ti]].reshape(-1)[oi:oi + WINDOW]
-        y = noise[rj][sj][names[tj]].reshape(-1)[oj:oj + WINDOW]
-        return bool((x * y).sum() < 0)
-
-    (_, (what, cause)), flipped = min(((describe(a, b), negated(a, b)) for a, b in found), key=lambda d: d[0][0])
-    if flipped:
-        what = (what.replace("the same noise values", "the same noise values, one negated,")
-                .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
-        cause += " (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their difference)"
-    return what, cause
-
-
 def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.fresh_groups:
         return _judge_fresh(case, outputs)
@@ -403,14 +264,14 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                 "the replicas drift apart, and the released model is not one model."), drift[1])
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
-    resampled = _resampled_run(runs) if spec.poisson else None
+    resampled = resampled_run(runs) if spec.poisson else None
     if resampled is not None:
         return case.verdict("fail", None, (
             f"not checkable on this target: with the same sampling seed, the noisy run {resampled} sampled other "
             f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
             "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
             "the sampler's random stream changes its batches with the noise setting."))
-    noise = _noise(runs)
+    noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     stacked = {n: torch.stack([step[n] for run in noise for step in run]) for n in names}  # [draws, *shape]
@@ -418,7 +279,7 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     where = (f"at {at}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
-    silent = _silent_shard(stacked, names, ws)
+    silent = silent_shard(stacked, names, ws)
     if silent:
         n, r, k, numel = silent
         return case.verdict("fail", "mismatch", (
@@ -431,12 +292,12 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     flat = noise_stats.low_rank(stacked, names, case.facts["alpha_per_test"])
     if flat is not None:
         evidence.update(low_rank_tensor=flat.name, top_singular_over_rms=flat.ratio, low_rank_bound=flat.bound)
-        return case.verdict("fail", "dependent_noise", noise_stats.low_rank_message(flat, where, case.facts["alpha_per_test"]),
+        return case.verdict("fail", "dependent_noise", low_rank_message(flat, where, case.facts["alpha_per_test"]),
                             evidence)
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
         return exact
-    coarse = _bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
+    coarse = bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
     if coarse is not None:
         evidence["bf16_representable_fraction"] = coarse
         if coarse > 0.5:
@@ -458,27 +319,12 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                    evidence={**verdict.evidence, **accounted})
 
 
-def _bf16_fraction(runs, names) -> Optional[float]:
-    """The fraction of the float32 noise values (computed in float32, as released) that
-    bfloat16 represents exactly (low 16 bits of the float32 pattern zero); ``None`` if no value."""
-    clean = runs[0][0].steps
-    hits = total = 0
-    for run in runs[1:]:
-        for st, c in zip(run[0].steps, clean):
-            for n in names:
-                d = (st.gradient[n] - c.gradient[n]).to(torch.float32).reshape(-1)
-                d = d[d != 0]
-                hits += int(((d.view(torch.int32) & 0xFFFF) == 0).sum())
-                total += d.numel()
-    return hits / total if total else None
-
-
 def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
     """One noisy step beside a noise-0 step: the checks that need no statistics (no coordinate
     left without noise, no noise value repeated within or across tensors)."""
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
-    noise = _noise(runs)
+    noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     coords = sum(noise[0][0][n].numel() for n in names)
@@ -499,10 +345,10 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
     spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
-    unnoised = _unnoised_in_some_draw(runs, names, spec)
+    unnoised = unnoised_in_some_draw(runs, names, spec)
     if unnoised:
-        return case.verdict("fail", "mismatch", _unnoised_message(unnoised, ws, where), evidence)
-    repeated = _repeats(noise, names, ws, _quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
+        return case.verdict("fail", "mismatch", unnoised_message(unnoised, ws, where), evidence)
+    repeated = repeated_noise(noise, names, ws, repeat_quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
         what, cause = repeated
         return case.verdict("fail", "dependent_noise", (
@@ -511,64 +357,11 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     return None
 
 
-def _unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
-    """The first tensor with coordinates released with exactly zero noise in some draw, as
-    ``(tensor, unnoised coordinates, coordinates, draws with any, run, step)`` of the first such
-    draw; ``None`` if none. Exact zero noise has probability 0 under a Gaussian: counted where the
-    noise-0 gradient is 0 (the noisy value is then the noise itself, in any dtype) and everywhere
-    in float64 (where rounding the noise away next to a gradient value is out of reach)."""
-    clean = runs[0][0].steps
-    exact_everywhere = spec.torch_dtype == torch.float64
-    for n in names:
-        hit, draws, first = None, 0, None
-        for i, run in enumerate(runs[1:]):
-            for k, (st, c) in enumerate(zip(run[0].steps, clean)):
-                zero = st.gradient[n] == c.gradient[n]
-                if not exact_everywhere:
-                    zero &= c.gradient[n] == 0
-                if bool(zero.any()):
-                    hit = zero if hit is None else hit | zero
-                    draws += 1
-                    first = first or (i, k)
-        if hit is not None:
-            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
-    return None
-
-
-def _unnoised_message(unnoised, ws: int, where: str) -> str:
-    name, k, numel, draws, run, step = unnoised
-    return (f"PRIVACY VIOLATION: no noise on {k} of {numel} coordinates of {name!r} in {draws} release(s) (first: "
-            f"step {step} of run {run}) {where}: those coordinates are released exactly (equal to the noise-0 "
-            "run's gradient), which Gaussian noise does with probability 0. Noise only where the gradient is "
-            "nonzero (e.g. only on the embedding rows of the tokens a batch used) reveals which rows the batch "
-            "touched: membership released without noise.")
-
-
-def _resampled_run(runs) -> Optional[int]:
-    """The first noisy run whose batches differ from the noise-0 run's (Poisson), or ``None``."""
-    clean = [[st.indices for st in rank.steps] for rank in runs[0]]
-    for i, run in enumerate(runs[1:]):
-        if [[st.indices for st in rank.steps] for rank in run] != clean:
-            return i
-    return None
-
-
-def _silent_shard(stacked, names, ws: int) -> Optional[Tuple[str, int, int, int]]:
-    """The first shard with coordinates whose noise is exactly 0 in every draw, as ``(tensor,
-    rank, silent coordinates, coordinates)``; ``None`` if every coordinate got noise."""
-    for n in names:
-        for r, shard in enumerate(_shards(stacked[n], ws)):
-            silent = (shard == 0).reshape(shard.shape[0], -1).all(dim=0)
-            if bool(silent.any()):
-                return n, r, int(silent.sum()), silent.numel()
-    return None
-
-
 def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) -> Verdict:
     """The statistical tests, in order: shape, scale and mean, independence, all-pairs dependence."""
     ws = shard_divisor(case.spec, case.world_size)
     s, n_draws, alpha = evidence["expected_std"], evidence["draws"], case.facts["alpha_per_test"]
-    tensors, failures, shard_power, pooled = _scale_stats(stacked, names, ws, s, alpha, n_draws)
+    tensors, failures, shard_power, pooled = scale_stats(stacked, names, ws, s, alpha, n_draws, POWER)
     evidence.update(tensors=tensors, vectors_pooled=pooled)
     pooled = torch.cat([stacked[n].reshape(-1) for n in names])
     evidence["std_ratio"] = float(pooled.pow(2).mean().sqrt()) / s
@@ -576,34 +369,34 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     # 2.5x more), so non-Gaussian noise must be named as such, never as too little or too much noise.
     # a change part-way through a run (noise reduced from step k) is named before the shape test,
     # which reads a mixture of two scales as heavy tails
-    late = _late_scale_change(_step_scales(noise, names, s), alpha)
+    late = late_scale_change(step_scales(noise, names, s), alpha)
     if late is not None:
-        return case.verdict("fail", "mismatch", _late_message(late, where, alpha), evidence)
-    excess, z_kurt, p_kurt, kurt_power, values = _shape_stats(stacked, names, ws, alpha)
+        return case.verdict("fail", "mismatch", late_message(late, where, alpha), evidence)
+    excess, z_kurt, p_kurt, kurt_power, values = shape_stats(stacked, names, ws, alpha, POWER)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
-        return case.verdict("fail", "non_gaussian_noise", _shape_message(excess, z_kurt, p_kurt, values, where, alpha),
+        return case.verdict("fail", "non_gaussian_noise", shape_message(excess, z_kurt, p_kurt, values, where, alpha),
                             evidence)
     if failures:
-        return case.verdict("fail", "mismatch", _scale_message(failures[0], ws, s, where, alpha, case.spec.mesh),
+        return case.verdict("fail", "mismatch", scale_message(failures[0], ws, s, where, alpha, case.spec.mesh),
                             evidence)
     for test, (r_corr, p_corr, pairs) in noise_stats.independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr
         if not p_corr >= alpha:
-            return case.verdict("fail", "dependent_noise", _independence_message(test, r_corr, p_corr, pairs, where,
+            return case.verdict("fail", "dependent_noise", independence_message(test, r_corr, p_corr, pairs, where,
                                                                                  alpha), evidence)
     pair = noise_stats.tensor_pair_dependence(stacked, names)
     if pair is not None:
         evidence.update(tensor_pair_p=pair.p, tensor_pair=[pair.a, pair.b], tensor_pair_mean_r=pair.mean_r)
         if not pair.p >= alpha:
             at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))][pair.worst_draw]
-            return case.verdict("fail", "dependent_noise", noise_stats.tensor_pair_message(pair, at, where, alpha), evidence)
+            return case.verdict("fail", "dependent_noise", tensor_pair_message(pair, at, where, alpha), evidence)
     draws = torch.cat([stacked[n].reshape(n_draws, -1) for n in names], dim=1)
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
     if not p_pairs >= alpha:
         at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
-        return case.verdict("fail", "dependent_noise", _pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
+        return case.verdict("fail", "dependent_noise", pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
                                                                       where, alpha), evidence)
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
     evidence["detects_std_error_big_shards"] = max(big)[0] if big else None
@@ -620,22 +413,22 @@ def _judge_horizon(case: Case, outputs: Outputs) -> Verdict:
     where = (f"at world_size={ws}, {spec.steps}-step run of Poisson sampling q={spec.sample_rate:g} over "
              f"N={spec.dataset_size} ({spec.epochs} epochs), {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={spec.divisor:g})")
-    resampled = _resampled_run(runs)
+    resampled = resampled_run(runs)
     if resampled is not None:
         return case.verdict("fail", None, (
             f"not checkable on this target: with the same sampling seed, the noisy run sampled other batches than "
             f"the noise-0 run {where}. The noise is measured as gradient(sigma) - gradient(0) on the same batches."))
-    noise = _noise(runs)
+    noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
-    scales = _step_scales(noise, names, s)
+    scales = step_scales(noise, names, s)
     evidence: Dict = {"expected_std": s, "steps": len(scales), "alpha_per_test": alpha,
                       "step_std_ratios": [round(r, 4) for _, _, r, _ in scales]}
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
         return exact
-    late = _late_scale_change(scales, alpha, from_first=True)
+    late = late_scale_change(scales, alpha, from_first=True)
     if late is not None:
-        return case.verdict("fail", "mismatch", _late_message(late, where, alpha), evidence)
+        return case.verdict("fail", "mismatch", late_message(late, where, alpha), evidence)
     level = alpha / len(scales)
     odd = [(k, r) for _, k, r, p in scales if not p >= level]
     if odd:
@@ -649,156 +442,6 @@ def _judge_horizon(case: Case, outputs: Outputs) -> Verdict:
         f"noise of std sigma*C/D at every one of the {len(scales)} steps {where}: std ratio per step "
         f"{min(ratios):.3f}..{max(ratios):.3f} (each step's two-sided chi-square at {alpha / len(scales):.2g}), no "
         f"value repeated at any lag up to {len(scales) - 1}"), evidence)
-
-
-def _late_message(late, where: str, alpha: float) -> str:
-    k, side, later, before = late
-    low = side[0][2] < 1
-    ratios = [r for _, _, r, _ in side]
-    lead = "PRIVACY VIOLATION: too little noise" if low else "UTILITY LOSS: too much noise"
-    after = f"; std ratio {sum(before) / len(before):.3f} on average before step {k}" if before else ""
-    return (f"{lead} from step {k} (counted from 0) on {where}: the noise std is {min(ratios):.3f}..{max(ratios):.3f} "
-            f"x sigma*C/D at {len(side)} of the {len(later)} releases from step {k} on (each step's two-sided "
-            f"chi-square over all its coordinates, p < {alpha / (len(later) + len(before)):.2g}){after}. The first "
-            "steps are calibrated; a change part-way through training (a schedule, a flag flipped after a warm-up, "
-            "an epoch counter) " + ("releases the later steps with less noise than the accountant charges for."
-                                    if low else "adds more noise than the guarantee needs."))
-
-
-# -- statistics (no wording) ------------------------------------------------------------------
-
-
-def _step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:
-    """``(run, step, std ratio, two-sided chi-square p)`` of each release's noise over all its
-    coordinates: ``sum(noise^2) / s^2 ~ chi^2(coordinates)``."""
-    out = []
-    for i, run in enumerate(noise):
-        for k, step in enumerate(run):
-            t = sum(float((step[n] / s).pow(2).sum()) for n in names)
-            m = sum(step[n].numel() for n in names)
-            out.append((i, k, math.sqrt(t / m), chi2_two_sided_p(t, m)))
-    return out
-
-
-def _late_scale_change(scales, alpha: float, from_first: bool = False):
-    """A scale that changes part-way through the runs, as ``(first step k, failing releases from k on,
-    releases from k on, std ratios before k)``, or ``None``: releases failing their per-step test (at
-    ``alpha`` over all releases, Bonferroni) start at step k > 0, and >= 3/4 of the releases from k
-    on fail on one side. A scale wrong from step 0 is the scale tests' to name (``from_first``: the
-    long run names it here, as from step 0)."""
-    level = alpha / len(scales)
-    failed = [x for x in scales if not x[3] >= level]
-    if not failed:
-        return None
-    k = min(x[1] for x in failed)
-    if k == 0 and not from_first:
-        return None
-    later = [x for x in scales if x[1] >= k]
-    low = [x for x in failed if x[2] < 1]
-    high = [x for x in failed if x[2] >= 1]
-    side = low if len(low) >= len(high) else high
-    if len(side) < max(2, 0.75 * len(later)):  # one release alone is a tail, not a change
-        return None
-    return k, side, later, [x[2] for x in scales if x[1] < k]
-
-
-
-
-def _scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int):
-    """``(tensors, failures, shard_power, pooled)``: each tensor's scale and mean statistics (the
-    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
-    shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
-    test pooled over the 1-D tensors (``None`` without any)."""
-    tensors, failures, shard_power, sum_failures = {}, [], [], []
-    for n in names:
-        x = stacked[n]
-        shard_stats, sum_ps = [], []
-        for r, shard in enumerate(_shards(x, ws)):
-            t, k = float((shard / s).pow(2).sum()), shard.numel()
-            shard_stats.append((r, math.sqrt(t / k), chi2_two_sided_p(t, k), k))
-            low, high = detectable_std_ratios(k, alpha, POWER)
-            shard_power.append((max(1 - low, high - 1), n, r, k // n_draws))
-            width = k // n_draws
-            if width >= 2:
-                # each draw's shard sum is N(0, width s^2): sum_draws sum^2 / (width s^2) ~ chi^2(draws)
-                # exactly; noise centred per shard (its mean subtracted) sums to 0: t ~ 0, lower tail
-                sums = shard.reshape(n_draws, -1).sum(dim=1)
-                t_sum = float(sums.pow(2).sum()) / (width * s * s)
-                p_sum = chi2_cdf(t_sum, n_draws) if math.isfinite(t_sum) else 0.0
-                sum_ps.append(p_sum)
-                if not p_sum >= alpha:
-                    sum_failures.append(("sum", n, r, t_sum, p_sum, width, n_draws))
-        t_all, k_all = float((x / s).pow(2).sum()), x.numel()
-        z_mean = float(x.sum()) / (s * math.sqrt(k_all))
-        weakest = max(p for p in shard_power if p[1] == n)
-        tensors[n] = {"coordinates": k_all // n_draws, "std_ratio": math.sqrt(t_all / k_all),
-                      "shard_std_ratios": [round(ratio, 4) for _, ratio, _, _ in shard_stats],
-                      "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
-                      "p_shard_sum_min": min(sum_ps, default=None),
-                      "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
-        for r, ratio, p, k in shard_stats:
-            if not p >= alpha:
-                failures.append(("scale", n, r, ratio, p))
-        p_mean = normal_two_sided_p(z_mean)
-        if not p_mean >= alpha:
-            failures.append(("mean", n, None, z_mean, p_mean))
-    # every 1-D tensor (bias, norm weight) pooled: one formula for all vectors' noise, a few % off,
-    # is out of reach of each small vector's own test
-    vectors = [n for n in names if stacked[n].dim() == 2]
-    if vectors:
-        t_vec = sum(float((stacked[n] / s).pow(2).sum()) for n in vectors)
-        k_vec = sum(stacked[n].numel() for n in vectors)
-        p_vec = chi2_two_sided_p(t_vec, k_vec)
-        pooled = {"tensors": vectors, "values": k_vec, "std_ratio": math.sqrt(t_vec / k_vec), "p_scale": p_vec}
-        if not p_vec >= alpha:
-            failures.append(("vectors", ", ".join(repr(n) for n in vectors), None, math.sqrt(t_vec / k_vec), p_vec))
-    else:
-        pooled = None
-    # the shard-sum statistic is divided by the required s^2, so a scale error moves it too: scale
-    # failures are named first; a shard-sum failure alone (right scale) is noise that sums to ~0
-    return tensors, failures + sum_failures, shard_power, pooled
-
-
-def _shape_stats(stacked, names, ws: int, alpha: float) -> Tuple[float, float, float, float, int]:
-    """``(excess kurtosis, z, p, detectable excess kurtosis, values)`` of every coordinate's noise,
-    each shard scaled by its own RMS, so only the distribution's shape is left to judge."""
-    standard = torch.cat([(sh / sh.pow(2).mean().sqrt()).reshape(-1) for n in names for sh in _shards(stacked[n], ws)])
-    excess, z_kurt = kurtosis_z(standard)
-    return (excess, z_kurt, normal_two_sided_p(z_kurt), detectable_excess_kurtosis(standard.numel(), alpha, POWER),
-            standard.numel())
-
-
-# -- wording ------------------------------------------------------------------------------------
-
-
-def _shape_message(excess: float, z_kurt: float, p_kurt: float, values: int, where: str, alpha: float) -> str:
-    tails = ("heavy tails (excess kurtosis {:+.2f}; Laplace noise has +3): noise calibrated for another "
-             "mechanism, which the Gaussian accountant does not cover" if excess > 0 else
-             "light tails (excess kurtosis {:+.2f}; uniform noise has -1.2): bounded noise gives no DP "
-             "guarantee at all").format(excess)
-    return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: {tails} (kurtosis test over "
-            f"{values} standardised values, z={z_kurt:.3g}, p={p_kurt:.2g} < {alpha:.2g}). Whatever its std, "
-            "the privacy accounting (Renyi DP of the Gaussian mechanism) holds only for Gaussian "
-            "noise.")
-
-
-def _independence_message(test: str, r_corr: float, p_corr: float, pairs: int, where: str, alpha: float) -> str:
-    what = {"shard": "across shards (ranks seeded alike add the same noise to every shard)",
-            "step": "between consecutive steps", "run": "between runs with different noise seeds"}[test]
-    return (f"PRIVACY VIOLATION: the noise is not independent {what} {where}: correlation {r_corr:.3f} over "
-            f"{pairs} coordinate pairs (Fisher z test p={p_corr:.2g} < {alpha:.2g}). The mechanism assumes "
-            "independent noise on every coordinate of every release.")
-
-
-def _pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: float, where: str, alpha: float) -> str:
-    """``a``, ``b``: the most correlated pair of draws, each as ``(run, step)``."""
-    (ra, ka), (rb, kb) = a, b
-    pair = (f"steps {ka} and {kb} of run {ra} (lag {kb - ka})" if ra == rb else
-            f"step {ka} of run {ra} and step {kb} of run {rb}")
-    return (f"PRIVACY VIOLATION: the noise of different releases is dependent {where}: over all {n_pairs} pairs of "
-            f"draws (any lag, any run) sum of m*r^2 = {t_pairs:.4g}; most correlated: {pair}, r={r_ij:.3f} "
-            f"(p={p_pairs:.2g} < {alpha:.2g}). Each release needs noise independent of every other release's; "
-            "correlated noise partly cancels in the difference of two releases.")
 
 
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
@@ -827,7 +470,7 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     a, b, clean = (run[0].steps[0].gradient for run in outputs[0])
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
-    quantum = _quantum(spec, s)
+    quantum = repeat_quantum(spec, s)
     names = sorted(set(clean) & set(trainable_names(spec)))
     where = f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype}"
     na = {n: (a[n] - clean[n]).to(torch.float64) for n in names}
@@ -856,63 +499,6 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     return case.verdict("pass", None, (
         f"two training jobs in fresh rank processes with different noise seeds draw different noise on all "
         f"{len(names)} tensors {where}"), evidence)
-
-
-def _shards(x: torch.Tensor, ws: int):
-    """FSDP's dim-0 chunks of every draw of a tensor (``x``: ``[draws, *shape]``)."""
-    return torch.chunk(x, ws, dim=1) if x.dim() > 1 else [x]
-
-
-def _scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: str = "") -> str:
-    test, name, rank, value, p = failure[:5]
-    shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
-    if test == "sum":
-        width, draws = failure[5:]
-        return (f"PRIVACY VIOLATION: the noise on {name!r}{shard} sums to ~0 in every release {where}: the sum of "
-                f"its {width} coordinates is released with no noise (sum over the {draws} draws of "
-                f"(sum of the shard's noise)^2 / ({width} s^2) = {value:.3g}, expected ~{draws}; lower-tail "
-                f"chi-square p={p:.2g} < {alpha:.2g}). Noise centred per shard (its mean subtracted) leaves a "
-                "linear statistic of the clipped gradient, their sum, un-noised: no privacy for it whatever the "
-                "std of each coordinate.")
-    if test == "mean":
-        return (f"the noise on {name!r} is biased {where}: mean z={value:.3g} (p={p:.2g} < {alpha:.2g}); Gaussian DP "
-                "noise has mean 0.")
-    if test == "vectors":
-        side = ("PRIVACY VIOLATION: too little noise" if value < 1 else "UTILITY LOSS: too much noise")
-        return (f"{side} on the 1-D tensors (biases, norm weights: {name}), pooled, {where}: measured std "
-                f"{value * s:.4g} = {value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square over all "
-                f"their values, p={p:.2g} < {alpha:.2g}): their noise is calibrated with another formula than the "
-                "weight matrices'." + (" The released gradient is less private than the accounting states."
-                                       if value < 1 else ""))
-    hint = ""
-    for k, what in _mesh_ratios(mesh) + ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
-                    (1 / ws, "1/N: noise divided by N once too often"),
-                    (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")):
-        if ws > 1 and abs(value - k) < 0.15 * k:
-            hint = f" The ratio is close to {what}."
-            break  # the first cause that fits (a mesh's own first; the 1-D ratios' windows do not overlap)
-    if value < 1:
-        return (f"PRIVACY VIOLATION: too little noise on {name!r}{shard} {where}: measured std {value * s:.4g} = "
-                f"{value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g})."
-                f"{hint} The released gradient is less private than the accounting states.")
-    return (f"UTILITY LOSS: too much noise on {name!r}{shard} {where}: measured std {value * s:.4g} = {value:.3f} x "
-            f"sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g}).{hint} Privacy holds, but the model "
-            "trains on more noise than the guarantee needs.")
-
-
-def _mesh_ratios(name: str):
-    """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.mesh``)."""
-    if not name:
-        return ()
-    from ..mesh import Mesh
-
-    mesh = Mesh.parse(name)
-    a, b = mesh.shape
-    if mesh.tensor_parallel:
-        return ((1 / b, f"1/{b} = D/W: noise divided by the world size W={a * b} where only the D={a} data replicas "
-                        "average their gradients (the TP peers hold slices of one gradient and average nothing)"),)
-    return ((float(a), f"{a} = W/S: noise divided by the shard group's {b} ranks instead of the world's {a * b}: the "
-                       f"{a} replicas average the gradient too"),)
 
 
 PROPERTY = Property(

@@ -1,36 +1,45 @@
-"""Noise structure statistics for ``noise_calibration``: dependence *between* the tensors of one
-release and *within* a noise matrix, which per-coordinate tests (std, mean, shape) and the exact
-repeat check cannot see.
+"""The statistics of ``noise_calibration`` (no wording: ``noise_messages.py`` words them), on the
+noise of every draw stacked per tensor (``[draws, *shape]``), cut into FSDP's dim-0 shards
+(``shards``, ``shard_sizes``):
 
-* ``independence``: correlation across FSDP shards, consecutive steps and consecutive runs (moved
-  here from ``noise_calibration``).
-* ``tensor_pair_dependence``: for every pair of parameter tensors of equal shape, the correlation
-  of their flattened noise in each draw. Independent noise gives ``m r_d^2 ~ chi^2_1`` per draw
-  (``m`` coordinates, uncentred correlation ``r_d``), so ``t = m sum_d r_d^2 ~ chi^2(draws)``; its
-  upper tail and that of the largest ``m r_d^2`` (Bonferroni over the draws) are combined (x2) and
-  the pair p-values Bonferroni-corrected over the pairs. A negated copy (``r = -1``), a linear
-  mix ``a noise(A) + b fresh`` (``r = a / sqrt(a^2 + b^2)``), in every draw or in one, all show.
-* ``low_rank``: the top singular value of each draw of each noise matrix over its RMS. An
-  ``r x c`` matrix of i.i.d. N(0, s^2) has ``sigma_1 <= s (sqrt(r) + sqrt(c) + t)`` except with
-  probability ``exp(-t^2/2)`` (Gordon's bound with Gaussian concentration: sigma_1 is 1-Lipschitz),
-  and its RMS^2 ``>= s^2 (1 - 2 sqrt(x / rc))`` except with probability ``exp(-x)`` (Laurent and
-  Massart's chi^2 lower tail). The bound at ``alpha`` splits it between the two; noise of rank k
-  has ``sigma_1 / RMS ~ sqrt(rc / k)``, far above it (a rank-1 64 x 32 matrix: 45 against ~20).
-  Self-normalised by the RMS, so a scale error is the scale test's, never this one's.
+* per coordinate: ``scale_stats`` (each shard's ``sum(noise^2) / s^2 ~ chi^2``, each tensor's mean,
+  each shard's sum, the 1-D tensors pooled), ``shape_stats`` (the excess kurtosis of every
+  coordinate's noise, each shard standardised by its own RMS);
+* per release: ``step_scales`` (each draw's scale over all its coordinates) and
+  ``late_scale_change`` (a scale that changes part-way through a run);
+* dependence *between* the tensors of one release and *within* a noise matrix, which the
+  per-coordinate tests and the exact repeat check cannot see:
 
-Both are exact bounds or chi^2 tails (no fitted constants); their false-alarm rate is the
-``alpha`` the caller passes (``noise_calibration`` shares its family alpha over its tests).
+  * ``independence``: correlation across FSDP shards, consecutive steps and consecutive runs.
+  * ``tensor_pair_dependence``: for every pair of parameter tensors of equal shape, the correlation
+    of their flattened noise in each draw. Independent noise gives ``m r_d^2 ~ chi^2_1`` per draw
+    (``m`` coordinates, uncentred correlation ``r_d``), so ``t = m sum_d r_d^2 ~ chi^2(draws)``; its
+    upper tail and that of the largest ``m r_d^2`` (Bonferroni over the draws) are combined (x2) and
+    the pair p-values Bonferroni-corrected over the pairs. A negated copy (``r = -1``), a linear
+    mix ``a noise(A) + b fresh`` (``r = a / sqrt(a^2 + b^2)``), in every draw or in one, all show.
+  * ``low_rank``: the top singular value of each draw of each noise matrix over its RMS. An
+    ``r x c`` matrix of i.i.d. N(0, s^2) has ``sigma_1 <= s (sqrt(r) + sqrt(c) + t)`` except with
+    probability ``exp(-t^2/2)`` (Gordon's bound with Gaussian concentration: sigma_1 is 1-Lipschitz),
+    and its RMS^2 ``>= s^2 (1 - 2 sqrt(x / rc))`` except with probability ``exp(-x)`` (Laurent and
+    Massart's chi^2 lower tail). The bound at ``alpha`` splits it between the two; noise of rank k
+    has ``sigma_1 / RMS ~ sqrt(rc / k)``, far above it (a rank-1 64 x 32 matrix: 45 against ~20).
+    Self-normalised by the RMS, so a scale error is the scale test's, never this one's.
+
+All are exact bounds or chi^2 / normal tails (no fitted constants); their false-alarm rate is the
+``alpha`` the caller passes (``noise_calibration`` shares its family alpha over its tests). The
+distributions themselves are ``stats.py``'s.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .stats import chi2_sf, correlation_p
+from .stats import (chi2_cdf, chi2_sf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis,
+                    detectable_std_ratios, kurtosis_z, normal_two_sided_p)
 
 
 @dataclass(frozen=True)
@@ -155,25 +164,116 @@ def independence(noise, names, ws):
     return out
 
 
-def low_rank_message(flat, where: str, alpha: float) -> str:
-    return (f"PRIVACY VIOLATION: the noise on {flat.name!r} is low-rank {where}: in draw {flat.draw} its top singular "
-            f"value is {flat.ratio:.3g} x its RMS ({flat.share:.0%} of the noise's energy in one direction); i.i.d. "
-            f"Gaussian noise of that shape gives ~{flat.full_rank:.3g} and exceeds {flat.bound:.3g} with probability "
-            f"< {alpha:.2g}. The coordinates' noise is linearly dependent (e.g. an outer product of two vectors): "
-            "projected on its few directions, the released matrix carries almost no noise elsewhere.")
+def shards(x: torch.Tensor, ws: int):
+    """FSDP's dim-0 chunks of every draw of a tensor (``x``: ``[draws, *shape]``)."""
+    return torch.chunk(x, ws, dim=1) if x.dim() > 1 else [x]
 
 
-def tensor_pair_message(pair, at, where: str, alpha: float) -> str:
-    """``at``: the ``(run, step)`` of the pair's most correlated draw."""
-    run, step = at
-    kind = ("one is the other negated" if pair.worst_r < -0.999 else
-            "one is the other" if pair.worst_r > 0.999 else "a linear dependence")
-    return (f"PRIVACY VIOLATION: the noise of {pair.a!r} and of {pair.b!r} (same shape) is dependent {where}: "
-            f"correlation {pair.mean_r:+.3f} on average over {pair.draws} draws, {pair.worst_r:+.3f} at step {step} of "
-            f"run {run} ({kind}; p={pair.p:.2g} < {alpha:.2g} over the {pair.pairs} pair(s) of equal-shape tensors). "
-            "Each tensor's noise must be independent of every other's: a noise reused (negated or mixed) on another "
-            "tensor cancels in a sum or difference of the two released tensors.")
+def shard_sizes(shape: torch.Size, ws: int) -> List[int]:
+    """The coordinates of each of FSDP's ``ws`` dim-0 shards of a tensor of ``shape``."""
+    if not len(shape):
+        return [1]
+    return [c.numel() for c in torch.chunk(torch.empty(shape), ws, dim=0)]
+
+
+def step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:
+    """``(run, step, std ratio, two-sided chi-square p)`` of each release's noise over all its
+    coordinates: ``sum(noise^2) / s^2 ~ chi^2(coordinates)``."""
+    out = []
+    for i, run in enumerate(noise):
+        for k, step in enumerate(run):
+            t = sum(float((step[n] / s).pow(2).sum()) for n in names)
+            m = sum(step[n].numel() for n in names)
+            out.append((i, k, math.sqrt(t / m), chi2_two_sided_p(t, m)))
+    return out
+
+
+def late_scale_change(scales, alpha: float, from_first: bool = False):
+    """A scale that changes part-way through the runs, as ``(first step k, failing releases from k on,
+    releases from k on, std ratios before k)``, or ``None``: releases failing their per-step test (at
+    ``alpha`` over all releases, Bonferroni) start at step k > 0, and >= 3/4 of the releases from k
+    on fail on one side. A scale wrong from step 0 is the scale tests' to name (``from_first``: the
+    long run names it here, as from step 0)."""
+    level = alpha / len(scales)
+    failed = [x for x in scales if not x[3] >= level]
+    if not failed:
+        return None
+    k = min(x[1] for x in failed)
+    if k == 0 and not from_first:
+        return None
+    later = [x for x in scales if x[1] >= k]
+    low = [x for x in failed if x[2] < 1]
+    high = [x for x in failed if x[2] >= 1]
+    side = low if len(low) >= len(high) else high
+    if len(side) < max(2, 0.75 * len(later)):  # one release alone is a tail, not a change
+        return None
+    return k, side, later, [x[2] for x in scales if x[1] < k]
+
+
+def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, power: float):
+    """``(tensors, failures, shard_power, pooled)``: each tensor's scale and mean statistics (the
+    evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
+    shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
+    test pooled over the 1-D tensors (``None`` without any)."""
+    tensors, failures, shard_power, sum_failures = {}, [], [], []
+    for n in names:
+        x = stacked[n]
+        shard_stats, sum_ps = [], []
+        for r, shard in enumerate(shards(x, ws)):
+            t, k = float((shard / s).pow(2).sum()), shard.numel()
+            shard_stats.append((r, math.sqrt(t / k), chi2_two_sided_p(t, k), k))
+            low, high = detectable_std_ratios(k, alpha, power)
+            shard_power.append((max(1 - low, high - 1), n, r, k // n_draws))
+            width = k // n_draws
+            if width >= 2:
+                # each draw's shard sum is N(0, width s^2): sum_draws sum^2 / (width s^2) ~ chi^2(draws)
+                # exactly; noise centred per shard (its mean subtracted) sums to 0: t ~ 0, lower tail
+                sums = shard.reshape(n_draws, -1).sum(dim=1)
+                t_sum = float(sums.pow(2).sum()) / (width * s * s)
+                p_sum = chi2_cdf(t_sum, n_draws) if math.isfinite(t_sum) else 0.0
+                sum_ps.append(p_sum)
+                if not p_sum >= alpha:
+                    sum_failures.append(("sum", n, r, t_sum, p_sum, width, n_draws))
+        t_all, k_all = float((x / s).pow(2).sum()), x.numel()
+        z_mean = float(x.sum()) / (s * math.sqrt(k_all))
+        weakest = max(p for p in shard_power if p[1] == n)
+        tensors[n] = {"coordinates": k_all // n_draws, "std_ratio": math.sqrt(t_all / k_all),
+                      "shard_std_ratios": [round(ratio, 4) for _, ratio, _, _ in shard_stats],
+                      "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
+                      "p_shard_sum_min": min(sum_ps, default=None),
+                      "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
+        for r, ratio, p, k in shard_stats:
+            if not p >= alpha:
+                failures.append(("scale", n, r, ratio, p))
+        p_mean = normal_two_sided_p(z_mean)
+        if not p_mean >= alpha:
+            failures.append(("mean", n, None, z_mean, p_mean))
+    # every 1-D tensor (bias, norm weight) pooled: one formula for all vectors' noise, a few % off,
+    # is out of reach of each small vector's own test
+    vectors = [n for n in names if stacked[n].dim() == 2]
+    if vectors:
+        t_vec = sum(float((stacked[n] / s).pow(2).sum()) for n in vectors)
+        k_vec = sum(stacked[n].numel() for n in vectors)
+        p_vec = chi2_two_sided_p(t_vec, k_vec)
+        pooled = {"tensors": vectors, "values": k_vec, "std_ratio": math.sqrt(t_vec / k_vec), "p_scale": p_vec}
+        if not p_vec >= alpha:
+            failures.append(("vectors", ", ".join(repr(n) for n in vectors), None, math.sqrt(t_vec / k_vec), p_vec))
+    else:
+        pooled = None
+    # the shard-sum statistic is divided by the required s^2, so a scale error moves it too: scale
+    # failures are named first; a shard-sum failure alone (right scale) is noise that sums to ~0
+    return tensors, failures + sum_failures, shard_power, pooled
+
+
+def shape_stats(stacked, names, ws: int, alpha: float, power: float) -> Tuple[float, float, float, float, int]:
+    """``(excess kurtosis, z, p, detectable excess kurtosis, values)`` of every coordinate's noise,
+    each shard scaled by its own RMS, so only the distribution's shape is left to judge."""
+    standard = torch.cat([(sh / sh.pow(2).mean().sqrt()).reshape(-1) for n in names for sh in shards(stacked[n], ws)])
+    excess, z_kurt = kurtosis_z(standard)
+    return (excess, z_kurt, normal_two_sided_p(z_kurt), detectable_excess_kurtosis(standard.numel(), alpha, power),
+            standard.numel())
+
 
 
 __all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound", "independence",
-           "low_rank_message", "tensor_pair_message"]
+           "shards", "shard_sizes", "step_scales", "late_scale_change", "scale_stats", "shape_stats"]

@@ -29,7 +29,7 @@ What a target *reports* is not trusted to be what it *clips with*: with noise 0 
 gradient is ``sum_i c_i g_i / D`` over the processed samples, so a least-squares fit against the
 reference per-sample gradients (far more parameters than samples) recovers each sample's clip
 coefficient ``c_i``; they are compared with ``min(1, C/(||g_i|| + e))``, e the target's own epsilon
-if it lies in ``[0, reference.MAX_CLIP_EPSILON]`` (``compare.fit_clip_epsilon``: ``C/max(||g||, C)``
+if it lies in ``[0, reference.MAX_CLIP_EPSILON]`` (``clipfit.fit_clip_epsilon``: ``C/max(||g||, C)``
 and opacus' ``+ 1e-6`` are both DP-SGD's clip), and explained by the same bug shapes ("reports X, clips with Y" when the two differ). C lies between the middle
 reference norms, so some samples are clipped and some not: one factor on every coefficient is the
 gradient's overall scale (``clipped_step``'s business), not a norm. A target that reports no norms
@@ -49,11 +49,11 @@ from ..mesh import replica_positions, split_norm_sq, world_summed_norms
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .compare import (COEF_TOL, finetune_norms, fit_clip_epsilon, fmt, norm_ratios, omitted_layer_norms,
-                      precision_bound, precision_coefficient_bounds, precision_spec, processed_indices,
-                      recover_clip_coefficients, reference_grads, reference_model, reference_norms, sequence_weights,
-                      tolerance, with_picked_clip)
+from .clipfit import COEF_TOL, fit_clip_epsilon, recover_clip_coefficients, with_picked_clip
+from .compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
+from .norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
+from .precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
 HYPOTHESIS_RTOL = 1e-6
@@ -62,7 +62,7 @@ HYPOTHESIS_RTOL = 1e-6
 def prepare(spec: RunSpec) -> RunSpec:
     """C between the middle norms: some samples clipped, some not, so the clip coefficients
     recovered from the released gradient tell an overall gradient scale from norms that are off.
-    A mixed-precision spec runs at ``compare.PRECISION_DIMS`` (where bf16 accumulation shows)."""
+    A mixed-precision spec runs at ``precision_bounds.PRECISION_DIMS`` (where bf16 accumulation shows)."""
     spec = precision_spec(spec)
     return with_picked_clip(spec)
 
@@ -195,7 +195,7 @@ def _scaled_to(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     """``(diagnosis or None, message, evidence)`` for the norms the target *clips with*: each
-    sample's ``c_i`` recovered from the released gradient (``compare.recover_clip_coefficients``),
+    sample's ``c_i`` recovered from the released gradient (``clipfit.recover_clip_coefficients``),
     compared with ``min(1, C/(||g_i|| + eps))``."""
     spec, ws = case.spec, case.world_size
     c = spec.max_grad_norm

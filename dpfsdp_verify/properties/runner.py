@@ -25,9 +25,9 @@ from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ..verdict import Verdict, config_label
-from .compare import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
-                      poisson_problem, privacy_steps_problem, tf32_problem)
 from .contract import Case, Options, Outputs, Property, case_deadline, modes_problem
+from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
+                        poisson_problem, privacy_steps_problem, tf32_problem)
 
 
 #: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``
@@ -93,7 +93,7 @@ def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], tim
 def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
     """What every property requires before its own judgement, then ``prop.judge``; every verdict's
     evidence names the device the ranks computed on and, on CUDA, the TF32 switches in force
-    (``compare.device_facts``):
+    (``prechecks.device_facts``):
 
     * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
       sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
@@ -106,11 +106,11 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       rank's step count and local batch sizes), drawn valid dataset indices, and no sample twice
       within a step across ranks (else ``fail`` / ``mismatch``); under gradient accumulation every
       step says how it was split into physical passes, and the ranks ran equally many
-      (``compare.physical_problem``);
+      (``prechecks.physical_problem``);
     * a target that reports its privacy step count counts one per DP step on every rank
-      (``compare.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
+      (``prechecks.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
     * a float32 case computed with TF32 in force (the target re-enabled it) cannot be judged at
-      float32 tolerances: a ``fail`` saying so (``compare.tf32_problem``);
+      float32 tolerances: a ``fail`` saying so (``prechecks.tf32_problem``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
       gradient, no noise and no update, exactly (else ``fail`` / ``frozen_updated``);
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step

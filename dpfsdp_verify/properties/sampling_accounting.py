@@ -254,7 +254,7 @@ def statistics(spec: RunSpec, ws: int, outputs, x: torch.Tensor) -> Sampled:
 def judge(case: Case, runs: Outputs) -> Verdict:
     spec, ws, outputs = case.spec, case.world_size, runs[0][0]
     alpha = case.facts.get("alpha", ALPHA)  # the fuzzer's cases carry no facts: the default
-    # check 1 (equal step counts) is the runner's (compare.poisson_problem): step_divergence
+    # check 1 (equal step counts) is the runner's (prechecks.poisson_problem): step_divergence
     x = _inclusions(spec, outputs)
     if x.shape[0] == 0:
         return case.verdict("fail", "wrong_sample_rate", f"the sampler drew no step at all in {spec.epochs} "

@@ -14,7 +14,7 @@ epsilon; a sample with none, e.g. an all-padding sequence, contributes nothing):
 the norms shows at once, and so does a clip coefficient that is floored (``max(coef, f)`` for any f >= 0.01
 lets a sample of norm 100 C contribute 100 f C) or clips at a bound above C. A failure names the
 coefficient error the measured coefficients (contribution / true norm) fit
-(``compare.fit_clip_coefficients``).
+(``clipfit.fit_clip_coefficients``).
 
 Extreme and rare samples (one case per world size, ``extreme_spec``): the ``extreme`` model in
 float32 (``models.ExtremeMLP``: per-sample norms ~1 to ~1e20, one whose square overflows float32),
@@ -38,8 +38,8 @@ import torch
 from .. import models, reference
 from ..targets import RunSpec
 from ..verdict import Verdict
-from .compare import (describe_clip_fit, fit_clip_coefficients, reference_grads, reference_norms, rows,
-                      smallest_norm, tolerance)
+from .clipfit import describe_clip_fit, fit_clip_coefficients
+from .compare import reference_grads, reference_norms, rows, smallest_norm, tolerance
 from .contract import Case, Outputs, Point, Property
 
 

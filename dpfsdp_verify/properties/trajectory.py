@@ -62,8 +62,9 @@ import torch
 
 from .. import reference
 from ..verdict import Verdict
-from .compare import (at_own_clip_epsilon, close, fmt, global_loss, max_rel_diff, processed_indices,
-                      reference_batch, replica_problem, reference_model, tensors_close, tolerance, trainable_names, with_picked_clip)
+from .clipfit import at_own_clip_epsilon, with_picked_clip
+from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
+                      replica_problem, tensors_close, tolerance, trainable_names)
 from .contract import Case, Outputs, Point, Property
 from .stats import chi2_two_sided_p
 
@@ -256,7 +257,7 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
                                                         "nominal_steps": spec.nominal_steps})
     n_steps = spec.nominal_steps
     batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
-    # the reference at the target's own clip epsilon where it is one DP-SGD allows (compare.at_own_clip_epsilon)
+    # the reference at the target's own clip epsilon where it is one DP-SGD allows (clipfit.at_own_clip_epsilon)
     ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
         reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
         expected_batch_size=spec.expected_batch_size, empty_steps=spec.poisson, clip_epsilon=e),

@@ -1,0 +1,216 @@
+"""Clip bounds and clip coefficients: the bound C a property picks (between the middle reference
+norms, so some samples are clipped and some not), each sample's clip coefficient recovered from a
+noise-0 released gradient (``recover_clip_coefficients``), the coefficient error those fit
+(``fit_clip_coefficients``, in words ``describe_clip_fit``), and the clip epsilon a target uses
+(``fit_clip_epsilon``, ``at_own_clip_epsilon``: DP-SGD's ``min(1, C/(||g|| + e))`` may carry any
+``0 <= e <= reference.MAX_CLIP_EPSILON``).
+
+DP meaning: the clip coefficient is what bounds each sample's contribution by C; a coefficient
+error (a wrong bound, a floor, a missing cap) changes the sensitivity the noise is calibrated for.
+Plain functions of specs and tensors (docs/clipping.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import reference
+from ..targets import RunSpec
+from .compare import reference_grads, reference_norms, rows, tensors_close
+
+
+def pick_clip_bound(spec: RunSpec) -> Optional[float]:
+    """C between the two middle reference norms of step 0's global batch (a Poisson spec: of its
+    dataset) (some samples clipped, some not: a missing ``min(1, .)`` or a wrong norm both show);
+    ``None`` if they tie or the batch has fewer than two samples."""
+    if (spec.dataset_size if spec.poisson else spec.global_batch_size) < 2:
+        return None
+    n = torch.sort(reference_norms(spec)).values
+    lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
+    return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
+
+
+def with_picked_clip(spec: RunSpec, fallback: float = 1.0) -> RunSpec:
+    """``spec`` with ``max_grad_norm`` set to ``pick_clip_bound(spec)``, or to ``fallback`` where no
+    bound splits the batch (ties, fewer than two samples, a bound of 0)."""
+    return spec.with_(max_grad_norm=pick_clip_bound(spec) or fallback)
+
+
+
+#: how far clip coefficients recovered from a released gradient may be from the reference's. They
+#: come from a least-squares solve against float64 per-sample gradients. Measured on upstream opacus
+#: and the correct specimen (mlp and transformer, 1-2 ranks, both layouts and reductions): float64
+#: within 4e-15, float32 within 3e-7 (its gradients carry ~1e-7 relative rounding). The bounds keep
+#: >= 30x margin and stay far below the smallest bug effect named here (a bfloat16-rounded
+#: coefficient: 2e-3; a factor sqrt(2): 0.3; a bound 1.01 C: 1e-2 relative).
+COEF_TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2}
+#: a sample's coefficient is recovered only if its gradient is this far (relative) from the span of
+#: the others': a zero gradient (a dead ReLU) or collinear samples (tiny fuzzed models) carry no
+#: information about their own coefficient, and rounding in the target's dtype is amplified by
+#: 1/distance
+IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
+
+
+def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
+    """``[B]`` bool: which columns of ``basis`` (``[P, B]`` per-sample gradients) have a relative
+    distance >= ``min_distance`` from the span of the other columns."""
+    norms = basis.norm(dim=0)
+    ok = norms > 1e-12 * float(norms.max().clamp_min(1e-300))
+    for i in range(basis.shape[1]):
+        others = torch.cat([basis[:, :i], basis[:, i + 1:]], dim=1)
+        if ok[i] and others.shape[1]:
+            col = basis[:, i:i + 1]
+            proj = others @ torch.linalg.lstsq(others, col, driver="gelsd").solution
+            ok[i] = float((col - proj).norm() / norms[i]) >= min_distance
+    return ok
+
+
+@dataclass
+class RecoveredCoefficients:
+    """Per-sample clip coefficients read back from a released (noise 0) gradient."""
+
+    indices: List[int]            # the processed samples, in the order of ``coefficients``
+    coefficients: torch.Tensor    # [len(indices)] float64 least-squares c_i
+    residual: float               # relative residual of the fit: > COEF_TOL means not sum_i c_i g_i
+    identifiable: torch.Tensor    # [len(indices)] bool: which c_i the data determine (``identifiable``)
+
+
+def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: Dict[str, torch.Tensor],
+                              step: int = 0) -> RecoveredCoefficients:
+    """With noise 0 the released gradient times the divisor D (``spec.expected_batch_size`` under
+    ``mean``, 1 under ``sum``) is ``sum_i c_i g_i`` over the processed samples ``indices``; a
+    least-squares fit against the reference per-sample gradients ``g_i`` at the initial parameters
+    (far more parameters than samples) recovers each ``c_i``. Step 0 only (later steps are at other
+    parameters)."""
+    indices = list(indices)
+    grads = rows(reference_grads(spec, step), indices)
+    names = sorted(grads)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
+    d = spec.divisor
+    released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
+    # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
+    # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)
+    coef = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    residual = float((basis @ coef - released).norm() / released.norm().clamp_min(1e-300))
+    # bf16 compute rounds each gradient far more than its float32 parameters do
+    key = "bfloat16" if spec.precision != "fp32" else spec.dtype
+    seen = identifiable(basis, IDENTIFIABLE.get(key, IDENTIFIABLE["float64"]))
+    return RecoveredCoefficients(indices, coef, residual, seen)
+
+
+def fit_clip_epsilon(evaluate: Callable[[float], torch.Tensor], got: torch.Tensor) -> float:
+    """The clip epsilon ``e`` in ``[0, reference.MAX_CLIP_EPSILON]`` whose reference output
+    ``evaluate(e)`` (a flat float64 tensor: coefficients, a gradient, a trajectory's parameters) is
+    nearest to ``got``: DP-SGD's ``min(1, C/||g||)`` may carry any epsilon in that range
+    (``reference.MAX_CLIP_EPSILON``), so a check compares with the reference at the target's own.
+    The output is smooth in ``e`` and the range is tiny: ``got`` projected on the line through
+    ``evaluate(0)`` and ``evaluate(MAX_CLIP_EPSILON)``, clamped to the range. A looser clip (``e < 0``)
+    or a far larger epsilon comes out at an end of the range, where the caller's comparison fails."""
+    top = reference.MAX_CLIP_EPSILON
+    low, high = evaluate(0.0), evaluate(top)
+    step = high - low
+    span = float(step @ step)
+    if span == 0.0:  # no sample is near or above C: the epsilon changes nothing
+        return reference.CLIP_EPSILON
+    t = float((got.to(torch.float64) - low) @ step) / span
+    return min(max(t, 0.0), 1.0) * top
+
+
+def at_own_clip_epsilon(make: Callable[[float], "reference.Trajectory"], got: Dict[str, torch.Tensor],
+                        rtol: float, atol: float) -> Tuple["reference.Trajectory", float]:
+    """``(reference trajectory, epsilon)``: ``make(e)`` (the reference at clip epsilon ``e``) at
+    opacus' epsilon, or -- where the parameters ``got`` after the last step differ from it -- at the
+    accepted epsilon nearest to them (``fit_clip_epsilon``) if they match that one. A caller then
+    compares with the trajectory returned; a target outside the accepted range still differs."""
+    ref = make(reference.CLIP_EPSILON)
+    if tensors_close(got, ref.parameters, rtol, atol):
+        return ref, reference.CLIP_EPSILON
+    names = sorted(n for n in ref.parameters if n in got and got[n].shape == ref.parameters[n].shape)
+    if len(names) != len(ref.parameters):
+        return ref, reference.CLIP_EPSILON
+
+    def flat(params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([params[n].reshape(-1).to(torch.float64) for n in names])
+
+    eps = fit_clip_epsilon(lambda e: flat(make(e).parameters), flat(got))
+    own = make(eps)
+    return (own, eps) if tensors_close(got, own.parameters, rtol, atol) else (ref, reference.CLIP_EPSILON)
+
+
+@dataclass(frozen=True)
+class CoefficientFit:
+    """A clip-coefficient error that reproduces measured coefficients: ``kind`` is ``bound`` (clips
+    at ``value`` x C), ``floor`` (``max(min(1, C/n), value)``), ``cap`` (``min(value, C/n)``: the
+    cap of ``min(1, .)`` is ``value``; ``inf``: no cap at all), ``epsilon`` (``min(1, C/(n +
+    value))`` instead of opacus' ``n + 1e-6``) or ``scale`` (``value`` x ``min(1, C/n)``)."""
+
+    kind: str
+    value: float
+    max_error: float
+
+
+def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol: float
+                          ) -> Optional[CoefficientFit]:
+    """The first coefficient error (``CoefficientFit`` kinds, in that order) whose one parameter,
+    estimated from ``coef`` (measured per-sample coefficients) and ``norms`` (the true norms),
+    predicts every coefficient within ``tol`` (relative to max(1, the prediction)); ``None`` if
+    none fits. Only called for coefficients that differ from ``min(1, C/(n + 1e-6))``."""
+    coef, norms = coef.to(torch.float64), norms.to(torch.float64)
+    if not len(coef) or not bool(torch.isfinite(coef).all()):
+        return None
+    eps = reference.CLIP_EPSILON
+    true = reference.clip_coefficients(norms, c)
+    raw = c / (norms + eps)
+    clipped = coef < 1 - tol
+    candidates = []
+    if bool(clipped.any()):
+        k = float((coef[clipped] * (norms[clipped] + eps) / c).median())
+        if k > 0:
+            candidates.append(("bound", k, reference.clip_coefficients(norms, k * c)))
+    f = float(coef.min())
+    candidates.append(("floor", f, true.clamp(min=f)))
+    top = float(coef.max())
+    cap = float("inf") if top >= float(raw.max()) * (1 - tol) and top > 1 + tol else top
+    candidates.append(("cap", cap, raw.clamp(max=cap)))
+    if bool(clipped.any()):
+        e = float((c / coef[clipped] - norms[clipped]).median())
+        if e > -float(norms.min()):
+            candidates.append(("epsilon", e, (c / (norms + e)).clamp(max=1.0)))
+    k = float(coef @ true / (true @ true))
+    candidates.append(("scale", k, k * true))
+    for kind, value, pred in candidates:
+        err = float((coef - pred).abs().max())
+        if err <= tol * max(1.0, float(pred.abs().max())) and float((pred - true).abs().max()) > tol:
+            return CoefficientFit(kind, value, err)
+    return None
+
+
+def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
+    """``fit`` in words: what the target's clip coefficient is, in opacus' terms."""
+    if fit.kind == "bound":
+        return f"min(1, C'/||g_i||) with C' = {fit.value:.6g} x C (C={c:.4g}): clipped at the wrong bound"
+    if fit.kind == "floor":
+        return (f"max(min(1, C/||g_i||), {fit.value:.4g}): the clip coefficient is floored at {fit.value:.4g}, "
+                f"so a sample with norm above C/{fit.value:.4g} = {c / fit.value:.4g} contributes more than C")
+    if fit.kind == "cap":
+        if math.isinf(fit.value):
+            return ("C/||g_i|| *not capped at 1* (no min(1, .)): the samples with norm below C are scaled up "
+                    "to norm C instead of being left alone")
+        return f"min({fit.value:.4g}, C/||g_i||): the coefficient is capped at {fit.value:.4g} instead of 1"
+    if fit.kind == "epsilon" and fit.value < 0:
+        return (f"min(1, C/(||g_i|| - {-fit.value:.3g})): an epsilon of the wrong sign, a clip *looser* than "
+                f"min(1, C/||g_i||): every clipped sample keeps more than C (a privacy violation)")
+    if fit.kind == "epsilon":
+        return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, beyond the "
+                f"{reference.MAX_CLIP_EPSILON:g} the gate accepts (opacus: {reference.CLIP_EPSILON:g}): every clipped "
+                "sample is over-clipped (utility loss)")
+    return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
+
+
+__all__ = ["pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
+           "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "CoefficientFit",
+           "fit_clip_coefficients", "describe_clip_fit"]

@@ -1,0 +1,150 @@
+"""The wrong per-sample norms a target may clip with, each as a hypothesis a property tests the
+measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
+uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
+a per-sequence loss averaged over padding (``sequence_weights``).
+
+DP meaning: an undercounted norm lets a sample contribute more than C (a privacy violation); the
+others clip with a norm that is not the sample's (utility, or the objective). ``norm_fidelity`` and
+``clipped_step`` name the hypothesis that fits in their message.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import List, Tuple
+
+import torch
+
+from .. import models, reference
+from ..targets import RunSpec
+from .compare import reference_batch, reference_grads, reference_model, reference_norms
+
+
+def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of the ways a target gets frozen or
+    tied parameters wrong, as ``(diagnosis, norms, what it does)``: norms that include the frozen
+    parameters (all of them, or those sharing a layer with a trainable one); a tied parameter's
+    gradient from one of its uses only, or its uses' squared norms added (their cross term
+    dropped). ``undercount`` where some sample's norm comes out below its true norm (it can then
+    contribute more than C), else ``mismatch``. Empty for a model with neither."""
+    model, batch = reference_model(spec), reference_batch(spec)
+    true = reference_norms(spec)
+    out: List[Tuple[torch.Tensor, str]] = []
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        every = reference.per_sample_grads(reference.with_all_trainable(model), batch, spec.reduction)
+        out.append((reference.per_sample_norms(every), f"include the frozen parameters' per-sample gradients "
+                    f"({', '.join(frozen)}): a frozen parameter is not released, so it has no place in the norm"))
+        mixed = []
+        for name, module in model.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if any(p.requires_grad for _, p in own):
+                mixed += [f"{name}.{n}" if name else n for n, p in own if not p.requires_grad]
+        if mixed and len(mixed) < len(frozen):
+            keep = {n: g for n, g in every.items() if n not in set(frozen) - set(mixed)}
+            out.append((reference.per_sample_norms(keep), f"include the frozen parameters of layers that also hold a "
+                        f"trainable one ({', '.join(mixed)}): the layer's norm covers all its parameters, "
+                        "requires_grad is not looked at"))
+    ties = reference.tied_names(model)
+    if ties:
+        uses = reference.per_use_grads(model, batch, spec.reduction)
+        tied_uses = {u for group in ties.values() for u in group}
+        base = sum(g.flatten(1).pow(2).sum(1) for n, g in uses.items() if n not in tied_uses)
+
+        def sq(g):
+            return g.flatten(1).pow(2).sum(1)
+
+        for first, group in ties.items():
+            rest = base + sum(sq(sum(uses[u] for u in other)) for f, other in ties.items() if f != first)
+            for u in group:
+                out.append(((rest + sq(uses[u])).sqrt(), f"take the tied parameter {first!r} (also {', '.join(group[1:])}) "
+                            f"from its use as {u!r} only: each use's hook sets the parameter's norm, the last one wins; "
+                            "its per-sample gradient is the sum over all its uses"))
+            out.append(((rest + sum(sq(uses[u]) for u in group)).sqrt(), f"add the squared norms of the tied parameter "
+                        f"{first!r}'s uses ({', '.join(group)}) as if they were separate parameters: the norm of "
+                        "their sum has a cross term, which is dropped"))
+    found = []
+    for norms, what in out:
+        below = bool((norms < true * (1 - 1e-9)).any())
+        found.append(("undercount" if below else "mismatch", norms, what))
+    return found
+
+
+_OMITTED_CACHE: "OrderedDict[tuple, list]" = OrderedDict()
+
+
+def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of a norm registry that misses a layer
+    type, as ``("undercount", norms, what it does)``: for each layer type of the model (``Linear``,
+    ``GroupNorm``, ``Conv2d``...) the norms without every parameter of every layer of that type,
+    and for each type whose layers hold a bias, the norms without those biases alone (a conv bias
+    the per-sample code forgets). Such a target trains the missing parameters with the coefficients
+    the other layers' norms give: a sample's norm is undercounted, so it can contribute more than
+    C. The conv types together ("convolution") and the InstanceNorm types together are hypotheses
+    too (a registry keyed by their base class). Cached per model and batch; only types that hold a trainable parameter, and not when the
+    model has a single layer type (nothing would be left)."""
+    key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+           spec.dataset_size if spec.poisson else spec.global_batch_size)
+    if key in _OMITTED_CACHE:
+        return _OMITTED_CACHE[key]
+    grads = reference_grads(spec)
+    by_type: "OrderedDict[str, Tuple[List[str], List[str], List[str]]]" = OrderedDict()
+    for name, module in reference_model(spec).named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        layers, params, biases = by_type.setdefault(type(module).__name__, ([], [], []))
+        layers.append(name)
+        params += [f"{name}.{n}" for n in own]
+        biases += [f"{name}.{n}" for n in own if n == "bias"]
+    # a registry keyed by a family's base class (torch's _ConvNd, _InstanceNorm) misses every member at once
+    for family, members in (("convolution", ("Conv1d", "Conv2d", "Conv3d")),
+                            ("InstanceNorm", ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"))):
+        present = [by_type[m] for m in members if m in by_type]
+        if len(present) > 1:
+            by_type[family] = tuple(sum((list(x[i]) for x in present), []) for i in range(3))
+    out: List[Tuple[str, torch.Tensor, str]] = []
+    if len(by_type) > 1:
+        for kind, (layers, params, biases) in by_type.items():
+            what = f"{kind} layer{'s' if len(layers) > 1 else ''} {', '.join(repr(n) for n in layers)}"
+            for left_out, missing in ((params, f"leave out every {kind} layer ({what}): a norm registry without "
+                                               f"{kind}"),
+                                      (biases, f"leave out the bias of every {kind} layer ({what})")):
+                if not left_out or (missing.startswith("leave out the bias") and left_out == params):
+                    continue
+                keep = {n: g for n, g in grads.items() if n not in set(left_out)}
+                out.append(("undercount", reference.per_sample_norms(keep), f"{missing}; its parameters "
+                            f"({', '.join(left_out)}) are trained with the coefficients the other layers' norms give"))
+    _OMITTED_CACHE[key] = out
+    while len(_OMITTED_CACHE) > 32:
+        _OMITTED_CACHE.popitem(last=False)
+    return out
+
+
+def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The ways a target gets the per-sequence loss of padded token batches wrong, as ``(diagnosis,
+    weights, what it does)`` with ``weights[i]`` the factor its per-sample loss (so its gradient
+    and norm) carries over the reference's for sample ``i`` of ``reference_batch(spec)``. Under
+    ``"mean"`` the reference averages a sequence's loss over its real tokens (opacus 1.6.0's
+    ``DPLossFastGradientClipping`` with an ``ignore_index`` criterion); averaging over the padded
+    length T counts padding tokens: ``weights = real / T``. ``mismatch``: each sequence's clipped
+    contribution still stays within C (a target clips what it computes), so privacy holds, but
+    short sequences are down-weighted and the objective is not the one configured. Empty for
+    batches without ignored targets, and under ``"sum"`` (no normalisation)."""
+    batch = reference_batch(spec)
+    if batch.loss != "token_cross_entropy" or spec.reduction != "mean" or not len(batch):
+        return []
+    t = batch.targets.shape[1]
+    real = (batch.targets != models.IGNORE_INDEX).sum(dim=1)
+    if bool((real == t).all()):
+        return []
+    shortest = int(real[real > 0].min()) if bool((real > 0).any()) else 0
+    return [("mismatch", real.to(torch.float64) / t,
+             f"count padding tokens in the per-sequence mean: each sequence's loss is divided by the padded "
+             f"length T={t}, not by its {shortest}..{int(real.max())} real tokens, so its gradient and norm are "
+             f"(real tokens / T) times the true ones. Each sequence's clipped contribution stays within C (not a "
+             f"privacy violation), but short sequences are down-weighted: the objective is not the per-token mean "
+             f"the loss asks for (ignore_index positions are excluded from the denominator, as opacus 1.6.0 does)")]
+
+
+__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights"]

@@ -1,0 +1,133 @@
+"""Mixed precision: how far a correct implementation computing in bf16 can be from the float64
+reference, derived from the compute dtype's unit roundoff (first-order rounding-error analysis,
+docs/precision.md), for per-sample norms, recovered clip coefficients and the released gradient;
+and the model sizes a bf16 case runs at (``PRECISION_DIMS``, where a norm accumulated in bf16 shows).
+
+DP meaning: no fixed tolerance is loosened for bf16; a bound derived from the arithmetic still
+tells a fork's bf16 accumulation bug (a wrong norm, so a wrong clip) from honest rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .. import reference
+from ..targets import RunSpec
+from .clipfit import IDENTIFIABLE, identifiable
+from .compare import reference_grads, reference_model, rows
+
+
+#: unit roundoff u = 2^-p of each compute dtype (p significand bits, the implicit one included): the
+#: largest relative error of rounding one value to it (round to nearest)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+#: model sizes a mixed-precision case runs at: an accumulation error grows with the number of terms
+#: summed, so a norm accumulated in bf16 (a fork's bug) only shows once a layer holds thousands of
+#: coordinates of similar size (17k in the mlp's first layer; the default mlp has 99 in all, where
+#: bf16 accumulation loses ~1%, below any honest bound). Still milliseconds per step on a CPU.
+PRECISION_DIMS = {"mlp": (("d_in", 128), ("hidden", 128)), "transformer": (("d_ff", 64), ("d_model", 32))}
+
+
+def precision_spec(spec: RunSpec) -> RunSpec:
+    """``spec`` at ``PRECISION_DIMS`` when it computes in bf16 (unchanged otherwise, or when the
+    spec already names its model sizes)."""
+    if spec.precision == "fp32" or spec.model_kwargs or spec.model not in PRECISION_DIMS:
+        return spec
+    return spec.with_(model_kwargs=PRECISION_DIMS[spec.model])
+
+
+@dataclass(frozen=True)
+class PrecisionBound:
+    """How far a correct implementation computing in ``spec.compute_dtype`` can be from the
+    float64 reference, derived from the compute dtype's unit roundoff (``precision_bound``)."""
+
+    precision: str
+    u: float              # unit roundoff of the compute dtype (bf16: 2^-8)
+    layers: int           # L: parameterised layers (an upper bound on the layers on any path)
+    roundings: int        # K = 3 L + 2: bf16 roundings on the path of a per-sample gradient coordinate
+    terms: int            # n: coordinates of one sample's gradient (summed in float32 for the norm)
+    u_accumulate: float   # unit roundoff of the accumulation (float32: 2^-24)
+
+    @property
+    def coordinate(self) -> float:
+        """K u: the relative error of one per-sample gradient coordinate (first order)."""
+        return self.roundings * self.u
+
+    @property
+    def norm_rtol(self) -> float:
+        """K u + n u_32: the relative error of a per-sample norm."""
+        return self.coordinate + self.terms * self.u_accumulate
+
+    def describe(self) -> str:
+        return (f"{self.precision}: bf16 unit roundoff u = 2^-8 = {self.u:.4g}; a per-sample gradient coordinate is "
+                f"the product of a bf16 activation and a bf16 backprop (exact in float32) carrying K = 3L + 2 = "
+                f"{self.roundings} bf16 roundings to first order (input and loss gradient; per each of the L = "
+                f"{self.layers} parameterised layers its weight, its output and its backprop), so it is within "
+                f"K u = {self.coordinate:.3g} relative, and so is the norm; summing its n = {self.terms} squares in "
+                f"float32 adds n 2^-24 = {self.terms * self.u_accumulate:.3g}. Norm bound: {self.norm_rtol:.3g} "
+                "relative")
+
+
+def precision_bound(spec: RunSpec) -> Optional[PrecisionBound]:
+    """The error bound of ``spec``'s mixed precision (``None`` under ``fp32``: the dtype's own
+    ``TOLERANCES`` apply). First-order rounding-error analysis: each rounding to bf16 perturbs a
+    value by at most u relative, every operation's condition number taken as 1; errors along a path
+    add up. The derivation is ``PrecisionBound.describe`` (docs/precision.md)."""
+    if spec.precision == "fp32":
+        return None
+    model = reference_model(spec)
+    layers = sum(1 for m in model.modules() if isinstance(m, reference.SUPPORTED_LAYERS)
+                 and any(p.requires_grad for p in m.parameters(recurse=False)))
+    terms = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return PrecisionBound(spec.precision, UNIT_ROUNDOFF["bfloat16"], layers, 3 * layers + 2, terms,
+                          UNIT_ROUNDOFF["float32"])
+
+
+def precision_coefficient_bounds(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int]
+                                 ) -> Tuple[float, float]:
+    """``(coefficient tolerance, residual tolerance)`` of clip coefficients recovered from a
+    released gradient computed under ``bound`` (``recover_clip_coefficients``). The target
+    releases ``e + sum_j c_j g_j`` where, to first order, its coefficients are within
+    ``norm_rtol c_j`` (its norms) and each coordinate of its per-sample gradients within ``K u``
+    (its backward in bf16): ``|e| <= sum_j (norm_rtol + K u) c_j |g_j|`` coordinate-wise. The fit
+    against the float64 ``g_j`` reads ``c_i`` through the dual vector ``h_i`` (``<h_i, g_j> =
+    [i = j]``), so it recovers ``c_i`` within ``norm_rtol c_i + K u <|h_i|, sum_j c_j |g_j|>``,
+    and leaves a relative residual of at most ``||(norm_rtol + K u) sum_j c_j |g_j||| /
+    ||sum_j c_j g_j||``. Only the samples ``recover_clip_coefficients`` judges (identifiable) count."""
+    indices = list(indices)
+    grads = rows(reference_grads(spec), indices)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in sorted(grads)], dim=1).T
+    norms = basis.norm(dim=0)
+    coef = reference.clip_coefficients(norms, spec.max_grad_norm)
+    spread = basis.abs() @ coef                              # sum_j c_j |g_j|, coordinate-wise
+    dual = torch.linalg.pinv(basis.T)                        # columns h_i: <h_i, g_j> = [i = j]
+    seen = identifiable(basis, IDENTIFIABLE["bfloat16"])
+    worst = 0.0
+    for i in range(basis.shape[1]):
+        if bool(seen[i]):
+            worst = max(worst, bound.norm_rtol * float(coef[i]) + bound.coordinate * float(dual[:, i].abs() @ spread))
+    released = float((basis @ coef).norm())
+    return worst, (bound.norm_rtol + bound.coordinate) * float(spread.norm()) / max(released, 1e-300)
+
+
+def precision_gradient_bound(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
+                             coefficients: torch.Tensor) -> float:
+    """The bound on ``||released - sum_i c_i g_i / D||`` (2-norm over every parameter) for a
+    gradient computed under ``bound``: ``(norm_rtol + K u) sum_i c_i ||g_i|| / D`` (each sample's
+    coefficient within ``norm_rtol``, its gradient within ``K u`` in norm, first order), plus the
+    float32 rounding of the result. Norm-wise, not per coordinate: a coordinate whose exact value
+    is a difference of large terms (a LayerNorm bias, an attention key bias whose gradient
+    softmax cancels to 0) carries bf16 rounding of the terms, not of itself."""
+    grads = rows(reference_grads(spec), list(indices))
+    flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
+    c = coefficients.to(torch.float64)
+    spread = float(c @ flat.norm(dim=1)) / spec.divisor
+    want = float((c @ flat).norm()) / spec.divisor
+    return (bound.norm_rtol + bound.coordinate) * spread + bound.u_accumulate * want
+
+
+__all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
+           "precision_coefficient_bounds", "precision_gradient_bound"]
