@@ -87,7 +87,7 @@ def test_allreduce_norms_is_sqrt_n_inflation_on_replicated_and_mixing_on_split(p
 def test_allreduce_norms_over_clips_the_step(pool):
     vs = run(pool, "clipped_step", "AllReduceNorms", world_sizes=(2,), models=("mlp",), reductions=("mean",))
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
-    assert "norms this rank clipped with are off" in vs[0].message
+    assert "norms this rank clipped with overcount the true norms" in vs[0].message
 
 
 def test_shard_only_norms_undercount_and_violate_sensitivity(pool):

@@ -49,7 +49,7 @@ from ..mesh import replica_positions, split_norm_sq, world_summed_norms
 from ..targets import RunSpec
 from ..targets.base import PRECISIONS
 from ..verdict import Verdict
-from .clipfit import COEF_TOL, fit_clip_epsilon, recover_clip_coefficients, with_picked_clip
+from .clipfit import COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, recover_clip_coefficients, with_picked_clip
 from .compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
 from .contract import Case, FuzzRecipe, Outputs, Point, Property
 from .norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
@@ -205,8 +205,16 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     bound = precision_bound(spec)
     if bound is not None:  # bf16 compute: coefficient and residual bounds derived from its unit roundoff
         tol, res_tol = precision_coefficient_bounds(spec, bound, indices)
-    fit = {"clip_fit_residual": residual, "identifiable_samples": int(seen.sum()), "max_grad_norm": c}
-    if bound is not None:
+    fit = {"clip_fit_residual": residual, "identifiable_samples": int(seen.sum()), "max_grad_norm": c,
+           "ill_conditioned_samples": got.ill_conditioned}
+    # samples so nearly collinear that the target's rounding alone moves their coefficients past the
+    # tolerance: not judged, and said
+    unjudged = (f"; {got.ill_conditioned} of {len(indices)} sample(s) not judged: their gradients are so nearly "
+                f"collinear that rounding in {spec.dtype} alone moves their coefficients by more than "
+                f"{fmt(tol / ROUNDING_MARGIN)}" if got.ill_conditioned else "")
+    floored = got.residual_floor > res_tol  # the target's own rounding leaves more residual than the tolerance
+    res_tol = got.residual_bound(res_tol)
+    if bound is not None or floored:
         fit.update({"coefficient_bound": tol, "residual_bound": res_tol})
     where = f"at world_size={ws} ({spec.data_layout} data)"
     if not residual <= res_tol:
@@ -216,7 +224,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
                             "or is not sum_i c_i g_i at all."), fit
     if not bool(seen.any()):
         return None, (f"no sample's clip coefficient can be recovered {where} (their gradients are zero or "
-                      "collinear): nothing to compare"), fit
+                      f"collinear{unjudged}): nothing to compare"), fit
     indices = [i for i, ok in zip(indices, seen.tolist()) if ok]
     coef = coef[seen]
     # DP-SGD's min(1, C/||g_i||) with the target's own epsilon in the denominator, if it is one the
@@ -238,7 +246,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     if err <= tol:
         return None, (f"the clip coefficients recovered from the released gradient equal min(1, C/||g_i||) "
                       f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g}; "
-                      f"epsilon in the denominator {eps:.3g})"), fit
+                      f"epsilon in the denominator {eps:.3g}{unjudged})"), fit
     # the overall scale at the epsilon that fits best up to a scale
     eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
     at_scaled = coefficients(eps_scaled)
