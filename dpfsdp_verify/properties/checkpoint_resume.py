@@ -38,7 +38,10 @@ the diagnosis):
   ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults);
 * across ranks (world size >= 2), after the resume: equal-shaped noise shards of different ranks
   are not equal at the same step (a pair equal before the resume is not flagged) --
-  ``dependent_noise`` (false alarm < 1e-12 per pair, as above); and no two ranks draw the same
+  ``dependent_noise`` (false alarm < 1e-12 per pair, as above), nor -- compared stream against
+  stream, for uneven shards that read one restored stream at different offsets -- does one rank's
+  post-resume noise turn up value by value among another's (``_cross_rank_streams``: false alarm
+  < 1e-12 per verdict); and no two ranks draw the same
   non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
   steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
   defaults). Both catch ranks that all restore rank 0's random state.
