@@ -127,7 +127,7 @@ def stream_false_alarms(n: int, seed: int) -> tuple:
 
     from dpfsdp_verify.properties.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
 
-    sizes = (228 * 2, 210 * 2)  # the default mlp's two uneven shards (values a step), both post-resume steps
+    sizes = (228, 210)  # the default mlp's two uneven shards' noise values over both post-resume steps
     eps = NOISE_EQUAL["float64"]
     m, bound = shared_values_needed(max(sizes), max(sizes), eps, 1)
     g = torch.Generator().manual_seed(seed)

@@ -374,7 +374,7 @@ def _cross_rank_streams(case: Case, save, load, clean, k: int, noise_spec) -> Tu
         f"PRIVACY VIOLATION: after the resume at step {k} different ranks draw their noise from one stream: "
         + ", ".join(f"{b} of rank {a}'s noise values turn up among rank {c}'s" for a, c, b in hits[:3])
         + f" (post-resume steps {k}-{len(noise) - 1}, {after[i].numel()} and {after[j].numel()} values; {m} "
-        f"would be needed by chance with probability {bound:.2g}; none shared before the resume; "
+        f"would be needed by chance with probability {bound:.2g}; fewer shared before the resume; "
         f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
         "0's): with shards of unequal length they read it at different offsets, so no equal places coincide, "
         "but one rank's noise is known from another's and the noise is not independent across the update."),
