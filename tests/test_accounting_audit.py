@@ -129,4 +129,5 @@ def test_correct_passes_both_resumes_and_cross_rank_checks(pool):
     assert v.evidence["cross_rank_mask_false_alarm_bound"] < 1e-9
     # the stream-level comparison: the shared values it needs, and its stated false-alarm bound
     assert "no rank's noise values turn up among another's" in v.message
-    assert v.evidence["cross_rank_stream_shared_needed"] >= 4 and v.evidence["cross_rank_stream_false_alarm_bound"] < 1e-12
+    assert v.evidence["cross_rank_stream_shared_needed"] >= 4
+    assert v.evidence["cross_rank_stream_false_alarm_bound"] < 1e-12

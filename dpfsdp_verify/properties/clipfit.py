@@ -85,9 +85,12 @@ def amplification(basis: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     return dual.abs().T @ error.to(basis.dtype)
 
 
-#: ``UNIT_ROUNDOFF`` of the float dtypes a target computes in
-_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24}
 _FLOAT32_GRADS: "Dict[tuple, Dict[str, torch.Tensor]]" = {}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon: the largest relative error of one rounding in ``dtype``."""
+    return torch.finfo(dtype).eps / 2
 
 
 def rounding_floor(spec: RunSpec, indices: Sequence[int], basis: torch.Tensor, coefficients: torch.Tensor,
@@ -99,10 +102,10 @@ def rounding_floor(spec: RunSpec, indices: Sequence[int], basis: torch.Tensor, c
     gradients are rounding through and through), scaled to the target's unit roundoff -- so the
     floor is ``sum_j c_j (d_j u/u32 + u |g_j|)``. A default model's floor is ~u of the terms summed;
     a tiny fuzzed one's can be thousands of times that."""
-    u = _ROUNDOFF.get(spec.dtype, _ROUNDOFF["float32"])
+    u = unit_roundoff(spec.torch_dtype)
     low = _float32_basis(spec, indices, step)
     c = coefficients.to(torch.float64)
-    return (low - basis).abs() @ c * (u / _ROUNDOFF["float32"]) + u * (basis.abs() @ c)
+    return (low - basis).abs() @ c * (u / unit_roundoff(torch.float32)) + u * (basis.abs() @ c)
 
 
 def norm_rounding(spec: RunSpec, indices: Sequence[int], step: int = 0) -> torch.Tensor:
@@ -113,8 +116,9 @@ def norm_rounding(spec: RunSpec, indices: Sequence[int], step: int = 0) -> torch
     indices = list(indices)
     grads = rows(reference_grads(spec, step), indices)
     basis = torch.cat([grads[n].reshape(len(indices), -1) for n in sorted(grads)], dim=1).T
-    u = _ROUNDOFF.get(spec.dtype, _ROUNDOFF["float32"])
-    return (_float32_basis(spec, indices, step).norm(dim=0) - basis.norm(dim=0)).abs() * (u / _ROUNDOFF["float32"])
+    u = unit_roundoff(spec.torch_dtype)
+    low = _float32_basis(spec, indices, step)
+    return (low.norm(dim=0) - basis.norm(dim=0)).abs() * (u / unit_roundoff(torch.float32))
 
 
 def _float32_basis(spec: RunSpec, indices: Sequence[int], step: int) -> torch.Tensor:

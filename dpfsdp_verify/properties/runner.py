@@ -392,9 +392,10 @@ def not_run_verdict(case: Case, hung: Case, proven: bool) -> Verdict:
     why = ("it hung in its first configuration before any other finished (a target that hangs in every "
            "configuration would cost a deadlock proof each)" if proven
            else "its deadline passed in that configuration, unproven (a retry could wait a whole deadline again)")
-    return case.verdict("skip", None, f"not run: the job it shared hung in {hung.property} [{config_label(hung.config())}]"
-                        f"; {why}. For its verdict run it on its own (--properties, --world-sizes, --models, "
-                        "--loss-reductions, --dtypes narrow the matrix).", {"not_run_after_hang_in": hung.config()})
+    where = f"{hung.property} [{config_label(hung.config())}]"
+    return case.verdict("skip", None, f"not run: the job it shared hung in {where}; {why}. For its verdict run "
+                        "it on its own (--properties, --world-sizes, --models, --loss-reductions, --dtypes narrow the "
+                        "matrix).", {"not_run_after_hang_in": hung.config()})
 
 
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
