@@ -363,11 +363,6 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
                    "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
                    "scaled alike: not the DP-SGD step the accounting describes)")
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
-    # wrong norms first: a norm that leaves a layer out is often near one constant fraction of the true
-    # one, which a wrong bound C' would fit too -- the norms the rank reports say which it is
-    wrong_norms = _norms_off(s, step, indices, bound)
-    if wrong_norms:
-        return f"{head}: {wrong_norms}"
     tol = res_tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
     if bound is not None:
         tol, res_tol = precision_coefficient_bounds(spec, bound, indices)
@@ -375,7 +370,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     seen = rec.identifiable
     # under bf16 compute the coefficients are known only to a coarse bound: fitting the exact
     # coefficient-error shapes to them would name a cause the numbers cannot tell apart
-    if bound is None and rec.residual <= rec.residual_bound(res_tol) and bool(seen.any()):
+    fits = bound is None and rec.residual <= rec.residual_bound(res_tol) and bool(seen.any())
+    if fits:
         # a per-sequence loss normalised wrongly (padding counted): the target clips w_i g_i, so the
         # coefficient read against g_i is w_i min(1, C/(w_i ||g_i||))
         for _, weights, what in sequence_weights(spec):
@@ -383,6 +379,12 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
             pred = w * reference.clip_coefficients(w * step.norms, spec.max_grad_norm)
             if float((rec.coefficients[seen] - pred[seen]).abs().max()) <= tol:
                 return f"{head}: its per-sample losses {what}."
+    # wrong norms before a coefficient fit: a norm that leaves a layer out is often near one constant
+    # fraction of the true one, which a wrong bound C' fits too -- the norms the rank reports say which
+    wrong_norms = _norms_off(s, step, indices, bound)
+    if wrong_norms:
+        return f"{head}: {wrong_norms}"
+    if fits:
         fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "
