@@ -189,6 +189,7 @@ def test_rank_zero_dropping_small_batches_from_the_third_epoch_diverges(pool):
                 "step_divergence", "the ranks took different numbers of steps")
 
 
+@pytest.mark.slow
 def test_replicated_noise_sliced_at_rank_rows_is_a_shard_offset_at_four_ranks(pool):
     """Issue 27: at 4 ranks the same bug was named "ranks seeded alike"."""
     bad = [v for v in judged(pool, "noise_calibration", H + "ReplicatedNoiseSlicedAtRankRows",

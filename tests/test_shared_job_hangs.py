@@ -3,6 +3,8 @@ were in (their progress trails), never on the others: those that finished keep t
 those not yet begun are run again (``properties.runner._split_at_hang``). Specimens:
 ``fixtures/shared_job_specimens.py``."""
 
+import pytest
+
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.harness import wait_gone
 from dpfsdp_verify.targets import progress
@@ -29,6 +31,7 @@ def test_a_hang_only_in_float32_is_put_on_the_float32_configurations_alone(pool)
     assert wait_gone(before - after) == [], "the hung group's ranks must be ended or reused"
 
 
+@pytest.mark.slow
 def test_two_configurations_hanging_one_after_the_other_are_both_named(pool):
     # mean float64, mean float32, sum float64, sum float32 ... per layout: the two sum configurations
     # hang back to back; the job had finished runs, so the retries go on to the end
