@@ -21,6 +21,16 @@ alone (``properties/accountant.py``) on exactly Gaussian noise of the right std,
 told the configured (sigma, q, steps) and reporting its epsilon: the check's own false alarms
 (expected <= N x 2 x its per-test level), far more draws than gate runs give it.
 
+``--tiny N``: N random tiny models (mlp d_in 1-2, hidden 1-3; transformer d_model 2-4, d_ff 1-2,
+vocab 2-3, seq_len 2-3: the shapes the fuzzer shrinks to) replayed against ``Correct`` through
+``norm_fidelity`` at 1 or 2 ranks (``fuzz.check_example``): the clip-coefficient recovery on nearly
+collinear samples, whose rounding it must judge around (``clipfit.rounding_floor``), never alarm.
+
+``--streams N`` (no ranks): N verdicts of ``checkpoint_resume``'s stream-level cross-rank check
+(``checkpoint_resume.shared_values``) on independent rank streams shaped like the default 2-rank
+resume (the mlp's uneven shards over the 2 post-resume steps): alarms expected <= N x its stated
+bound (~1e-12).
+
 The gate's wide world size and long runs (``docs/horizon.md``) are included as the gate runs them
 (``--wide-world-size 3 --horizon 48``; 0 leaves them out); ``--reach-only`` runs only those cases
 (each property's wide and long-run cases, not its matrix): their false alarms over many runs in a
@@ -81,6 +91,52 @@ def accountant_false_alarms(n: int, seed: int, alpha: float = 3.4e-6) -> int:
     return alarms
 
 
+def tiny_model_false_alarms(n: int, seed: int) -> list:
+    """Alarms of ``norm_fidelity`` on ``Correct`` over ``n`` random tiny models (``--tiny``)."""
+    import random
+
+    from dpfsdp_verify import fuzz
+    from dpfsdp_verify.properties import Options
+    from dpfsdp_verify.targets import RunSpec
+
+    rng, alarms = random.Random(seed), []
+    with Pool(max_groups=2) as pool:
+        for _ in range(n):
+            if rng.random() < 0.5:
+                dims = {"d_in": rng.choice([1, 2]), "hidden": rng.choice([1, 2, 3]), "classes": rng.choice([2, 3])}
+                model = "mlp"
+            else:
+                dims = {"d_model": rng.choice([2, 3, 4]), "d_ff": rng.choice([1, 2]), "vocab": rng.choice([2, 3]),
+                        "seq_len": rng.choice([2, 3]), "n_heads": 1}
+                model = "transformer"
+            spec = RunSpec(model=model, model_kwargs=tuple(sorted(dims.items())), model_seed=rng.randrange(1000),
+                           batch_seed=rng.randrange(1000), global_batch_size=rng.choice([2, 3, 4, 5, 6, 8]),
+                           data_layout=rng.choice(["split", "replicated"]), reduction=rng.choice(["mean", "sum"]),
+                           dtype=rng.choice(["float64", "float32"]))
+            ws = rng.choice([1, 2])
+            v = fuzz.check_example("norm_fidelity", Options(target=TARGET), spec, ws, pool=pool)
+            if v.status != "pass":
+                alarms.append(f"world_size={ws} {spec}: {v.status} {v.diagnosis}: {v.message}")
+    return alarms
+
+
+def stream_false_alarms(n: int, seed: int) -> tuple:
+    """``(alarms, bound)`` of the stream-level cross-rank check over ``n`` pairs of independent rank
+    streams (``--streams``)."""
+    import torch
+
+    from dpfsdp_verify.properties.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
+
+    sizes = (228, 210)  # the default mlp's two uneven shards' noise values over both post-resume steps
+    eps = NOISE_EQUAL["float64"]
+    m, bound = shared_values_needed(max(sizes), max(sizes), eps, 1)
+    g = torch.Generator().manual_seed(seed)
+    alarms = sum(shared_values(torch.randn(sizes[0], generator=g, dtype=torch.float64),
+                               torch.randn(sizes[1], generator=g, dtype=torch.float64), eps) >= m
+                 for _ in range(n))
+    return alarms, bound
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
@@ -90,6 +146,10 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default=None, help="comma list of precisions (default: fp32 only)")
     ap.add_argument("--accountant", type=int, default=0, metavar="N",
                     help="simulate N verdicts of the accountant check alone (no ranks) and stop")
+    ap.add_argument("--tiny", type=int, default=0, metavar="N",
+                    help="replay N random tiny models against Correct's norm_fidelity and stop")
+    ap.add_argument("--streams", type=int, default=0, metavar="N",
+                    help="simulate N verdicts of checkpoint_resume's stream-level cross-rank check (no ranks) and stop")
     ap.add_argument("--wide-world-size", type=int, default=WIDE_WORLD_SIZE, help="as the gate's (0: none)")
     ap.add_argument("--horizon", type=int, default=HORIZON_STEPS, help="as the gate's (0: none)")
     ap.add_argument("--reach-only", action="store_true", help="only the wide world size's and the long runs' cases")
@@ -99,6 +159,20 @@ def main(argv=None) -> int:
         n_alarms = accountant_false_alarms(args.accountant, args.seed or 0)
         print(f"accountant check: {args.accountant} simulated correct verdicts, {n_alarms} false alarm(s) (expected "
               f"<= {args.accountant * 2 * 3.4e-6:.3g}); {time.perf_counter() - t0:.0f} s")
+        return 1 if n_alarms else 0
+    if args.tiny:
+        t0 = time.perf_counter()
+        found = tiny_model_false_alarms(args.tiny, args.seed or 0)
+        print(f"tiny models: {args.tiny} norm_fidelity verdicts on Correct, {len(found)} false alarm(s) (expected 0); "
+              f"{time.perf_counter() - t0:.0f} s")
+        for a in found:
+            print("  " + a)
+        return 1 if found else 0
+    if args.streams:
+        t0 = time.perf_counter()
+        n_alarms, bound = stream_false_alarms(args.streams, args.seed or 0)
+        print(f"resume stream check: {args.streams} simulated correct verdicts, {n_alarms} false alarm(s) (expected "
+              f"<= {args.streams * bound:.3g}); {time.perf_counter() - t0:.0f} s")
         return 1 if n_alarms else 0
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
     if args.precisions:

@@ -187,3 +187,12 @@ def test_rank_zero_log_collective_every_16_steps_deadlocks_at_step_16(pool):
 def test_rank_zero_dropping_small_batches_from_the_third_epoch_diverges(pool):
     one_failure(judged(pool, "deadlock_free", H + "RankZeroDropsSmallBatchesFromThirdEpoch", long_only, horizon=20), "hang",
                 "step_divergence", "the ranks took different numbers of steps")
+
+
+@pytest.mark.slow
+def test_replicated_noise_sliced_at_rank_rows_is_a_shard_offset_at_four_ranks(pool):
+    """Issue 27: at 4 ranks the same bug was named "ranks seeded alike"."""
+    bad = [v for v in judged(pool, "noise_calibration", H + "ReplicatedNoiseSlicedAtRankRows",
+                             lambda c: c.world_size == 4, wide_world_size=4) if v.status != "pass"]
+    assert bad and all((v.status, v.diagnosis) == ("fail", "dependent_noise") for v in bad)
+    assert all("a shard offset" in v.message and "seeded alike" not in v.message for v in bad), bad[0].message

@@ -38,7 +38,10 @@ the diagnosis):
   ``sum over lags of C(pairs_L, m) p^m`` times the ranks (1.5e-5^2 per rank at the defaults);
 * across ranks (world size >= 2), after the resume: equal-shaped noise shards of different ranks
   are not equal at the same step (a pair equal before the resume is not flagged) --
-  ``dependent_noise`` (false alarm < 1e-12 per pair, as above); and no two ranks draw the same
+  ``dependent_noise`` (false alarm < 1e-12 per pair, as above), nor -- compared stream against
+  stream, for uneven shards that read one restored stream at different offsets -- does one rank's
+  post-resume noise turn up value by value among another's (``_cross_rank_streams``: false alarm
+  < 1e-12 per verdict); and no two ranks draw the same
   non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
   steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
   defaults). Both catch ranks that all restore rank 0's random state.
@@ -74,6 +77,8 @@ MID_EPOCH_RATE, MID_EPOCH_PER_RANK = 1 / 3, 24
 NOISE_EQUAL = {"float64": 1e-6, "float32": 1e-3}
 #: shards smaller than this are not compared (their chance agreement is not negligible)
 NOISE_MIN_NUMEL = 4
+#: the stream-level cross-rank check's false-alarm bound per verdict (``shared_values_needed``)
+STREAM_FALSE_ALARM = 1e-12
 #: replayed masks: equal non-empty batches at one lag, at least this many (fewer where fewer pairs exist)
 MASK_REPLAYS = 2
 
@@ -212,13 +217,21 @@ def _count_error(got: List[int], want: List[int], k: int) -> str:
     return "after the resume it does not count one per DP step"
 
 
-def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
-    ws = case.world_size
+def _released_noise(save, load, clean, noise_spec) -> Tuple[float, float, List[str], List[Dict[str, torch.Tensor]]]:
+    """``(s, eps, names, noise)``: the noise std s = sigma C / D, the equality tolerance
+    (``NOISE_EQUAL``), the trainable tensors, and each step's noise per tensor (released gradient
+    minus the noise-0 run's, float64), the save half's steps then the load half's."""
     s = noise_spec.noise_multiplier * noise_spec.max_grad_norm / noise_spec.divisor
     eps = NOISE_EQUAL.get(noise_spec.dtype, 1e-3) * s
     names = [n for n in trainable_names(noise_spec) if n in clean[0].steps[0].gradient]
     released = [st.gradient for st in save[0].steps + load[0].steps]
     noise = [{n: (g[n] - c.gradient[n]).to(torch.float64) for n in names} for g, c in zip(released, clean[0].steps)]
+    return s, eps, names, noise
+
+
+def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
+    ws = case.world_size
+    s, eps, names, noise = _released_noise(save, load, clean, noise_spec)
     shards = [(n, j) for n in names for j, c in enumerate(torch.chunk(noise[0][n], ws, dim=0))
               if c.numel() >= NOISE_MIN_NUMEL]
     compared, replays = 0, []
@@ -257,11 +270,7 @@ def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Opti
     ws = case.world_size
     if ws < 2:
         return None
-    s = noise_spec.noise_multiplier * noise_spec.max_grad_norm / noise_spec.divisor
-    eps = NOISE_EQUAL.get(noise_spec.dtype, 1e-3) * s
-    names = [n for n in trainable_names(noise_spec) if n in clean[0].steps[0].gradient]
-    released = [st.gradient for st in save[0].steps + load[0].steps]
-    noise = [{n: (g[n] - c.gradient[n]).to(torch.float64) for n in names} for g, c in zip(released, clean[0].steps)]
+    s, eps, names, noise = _released_noise(save, load, clean, noise_spec)
 
     def equal_pairs(t):
         out = set()
@@ -293,6 +302,83 @@ def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Opti
         "0's): the shards then carry the same noise (the shorter one a prefix of the longer), so a coordinate's noise is known from another's "
         "and the noise is not independent across the update (a correct run shows this with probability < 1e-12 "
         "per pair)."), {"cross_rank_equal_noise": [[t, *x] for t, x in hits[:20]]})
+
+
+def rank_streams(noise: List[Dict[str, torch.Tensor]], names: List[str], steps: range, ws: int
+                 ) -> List[torch.Tensor]:
+    """Each rank's noise over ``steps``, every value it drew in one flat tensor: its FSDP shard
+    (dim-0 chunk) of each tensor, step after step."""
+    out = []
+    for r in range(ws):
+        parts = [chunks[r].reshape(-1) for t in steps for n in names
+                 for chunks in [torch.chunk(noise[t][n], ws, dim=0)] if r < len(chunks)]
+        out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64))
+    return out
+
+
+def shared_values(a: torch.Tensor, b: torch.Tensor, eps: float) -> int:
+    """How many values of ``a`` lie within ``eps`` of some value of ``b`` (values within ``eps`` of 0,
+    no noise there, left out on both sides)."""
+    a, b = a[a.abs() > eps], b[b.abs() > eps]
+    if not a.numel() or not b.numel():
+        return 0
+    b = torch.sort(b).values
+    i = torch.searchsorted(b, a).clamp(1, max(1, b.numel() - 1))
+    nearest = torch.minimum((b[i] - a).abs(), (b[(i - 1).clamp(min=0)] - a).abs())
+    return int((nearest <= eps).sum())
+
+
+def shared_values_needed(n_a: int, n_b: int, eps_over_s: float, pairs: int) -> Tuple[int, float]:
+    """``(m, bound)``: the shared values (``shared_values``) that call two independent noise streams
+    of ``n_a`` and ``n_b`` Gaussian values of std s dependent, and the probability that ``pairs``
+    such independent pairs show that many somewhere. Given b, each value of a lies within eps of one
+    of b's with probability at most ``p = n_b * 2 eps / (s sqrt(2 pi))`` (the density of N(0, s^2)
+    is at most 1/(s sqrt(2 pi))), independently of a's other values: at least m of them with
+    probability at most ``C(n_a, m) p^m``; m is the least (>= ``NOISE_MIN_NUMEL``) with ``pairs``
+    times that below ``STREAM_FALSE_ALARM``."""
+    p = min(1.0, n_b * 2 * eps_over_s / math.sqrt(2 * math.pi))
+    m = NOISE_MIN_NUMEL
+    while m < n_a and pairs * math.comb(n_a, m) * p ** m >= STREAM_FALSE_ALARM:
+        m += 1
+    return m, pairs * math.comb(n_a, m) * p ** m
+
+
+def _cross_rank_streams(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[tuple], dict]:
+    """After the resume, no rank's noise values may turn up anywhere in another rank's (a
+    stream-level comparison: ``_cross_rank_noise`` compares equal places of equal-shaped shards, which
+    uneven shards defeat -- ranks that restored one generator state read its stream at different
+    offsets). The count of one rank's post-resume values found (within ``NOISE_EQUAL`` s) among
+    another's must stay below ``shared_values_needed``'s m, and is not flagged where the two ranks
+    already shared that many before the resume (ranks seeded alike from the start are
+    noise_calibration's finding, not the resume's)."""
+    ws = case.world_size
+    if ws < 2:
+        return None, {}
+    s, eps, names, noise = _released_noise(save, load, clean, noise_spec)
+    after = rank_streams(noise, names, range(k, len(noise)), ws)
+    before = rank_streams(noise, names, range(k), ws)
+    pairs = [(i, j) for i in range(ws) for j in range(i + 1, ws)]
+    n = max(x.numel() for x in after)
+    m, bound = shared_values_needed(n, n, eps / s, len(pairs))
+    hits = []
+    for i, j in pairs:
+        shared = shared_values(after[i], after[j], eps)
+        if shared >= m and shared_values(before[i], before[j], eps) < m:
+            hits.append((i, j, shared))
+    evidence = {"cross_rank_stream_shared_needed": m, "cross_rank_stream_false_alarm_bound": bound}
+    if not hits:
+        return None, evidence
+    evidence["cross_rank_stream_shared"] = [list(h) for h in hits[:20]]
+    i, j, shared = hits[0]
+    return ("dependent_noise", (
+        f"PRIVACY VIOLATION: after the resume at step {k} different ranks draw their noise from one stream: "
+        + ", ".join(f"{b} of rank {a}'s noise values turn up among rank {c}'s" for a, c, b in hits[:3])
+        + f" (post-resume steps {k}-{len(noise) - 1}, {after[i].numel()} and {after[j].numel()} values; {m} "
+        f"would be needed by chance with probability {bound:.2g}; fewer shared before the resume; "
+        f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
+        "0's): with shards of unequal length they read it at different offsets, so no equal places coincide, "
+        "but one rank's noise is known from another's and the noise is not independent across the update."),
+        evidence), evidence
 
 
 def mask_false_alarm(q: float, shard: int, pairs_per_lag: List[int], ranks: int) -> Tuple[int, float]:
@@ -389,6 +475,9 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         masks = (masks[0], masks[1] + f" The mid-epoch resume at step {mid_spec.resume_at} (q = "
                  f"{mid_spec.sample_rate:.3g}) replays too.", masks[2])
     cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])
+    streams, ev = _cross_rank_streams(case, ns, nl, clean, k, case.specs[1])
+    evidence.update(ev)
+    cross_noise = cross_noise or streams
     cross_masks, ev = _cross_rank_masks(case, ps, pl, k, case.specs[2])
     evidence.update(ev)
     if not cross_masks:
@@ -408,7 +497,9 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g}; mid-epoch resume at step "
         f"{evidence['mid_epoch']['resume_at']}: {evidence['mid_epoch']['mask_false_alarm_bound']:.2g})"
         + ("" if case.world_size < 2 else
-           f"; after the resume no two ranks' noise shards are equal and no two ranks draw the same mask "
+           f"; after the resume no two ranks' noise shards are equal, no rank's noise values turn up among another's "
+           f"({evidence['cross_rank_stream_shared_needed']} would, false-alarm bound "
+           f"{evidence['cross_rank_stream_false_alarm_bound']:.2g}) and no two ranks draw the same mask "
            f"(false-alarm bound {evidence['cross_rank_mask_false_alarm_bound']:.2g})")), evidence)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
-from .compare import reference_grads, reference_norms, rows, tensors_close
+from .compare import reference_batch, reference_grads, reference_model, reference_norms, rows, tensors_close
 
 
 def pick_clip_bound(spec: RunSpec) -> Optional[float]:
@@ -53,6 +53,12 @@ COEF_TOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2}
 #: information about their own coefficient, and rounding in the target's dtype is amplified by
 #: 1/distance
 IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
+#: how far above the rounding a target's arithmetic leaves (``rounding_floor``) a coefficient's
+#: tolerance and the fit's residual must stay: a coefficient whose estimated rounding error is above
+#: ``COEF_TOL / ROUNDING_MARGIN`` is not judged; the residual bound is at least this many times the
+#: floor's. The estimate is a typical size, not a bound: a correct target's coefficients on tiny
+#: fuzzed models came out up to 0.45x it (float32), the default models' within ~0.5x
+ROUNDING_MARGIN = 4.0
 
 
 def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
@@ -69,14 +75,99 @@ def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
     return ok
 
 
+def amplification(basis: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """``[B]``: what a coordinate-wise error of at most ``error`` (``[P]``) in a released gradient
+    ``sum_j c_j g_j`` does to each least-squares coefficient (``basis``: ``[P, B]`` per-sample
+    gradients ``g_j``): it reaches ``c_i`` through the dual vector ``h_i`` (``<h_i, g_j> = [i = j]``)
+    as at most ``<|h_i|, error>`` (``precision_bounds`` bounds bf16 compute the same way). Samples
+    that are nearly collinear (a tiny model, near-duplicate inputs) have long dual vectors."""
+    dual = torch.linalg.pinv(basis.T)
+    return dual.abs().T @ error.to(basis.dtype)
+
+
+_FLOAT32_GRADS: "Dict[tuple, Dict[str, torch.Tensor]]" = {}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon: the largest relative error of one rounding in ``dtype``."""
+    return torch.finfo(dtype).eps / 2
+
+
+def rounding_floor(spec: RunSpec, indices: Sequence[int], basis: torch.Tensor, coefficients: torch.Tensor,
+                   step: int = 0) -> torch.Tensor:
+    """``[P]``: the rounding a correct target computing in ``spec.dtype`` typically leaves in each
+    coordinate of its released ``sum_j c_j g_j``, measured on this model and batch: its per-sample
+    gradients computed in float32 differ from the float64 ones (``basis``) by ``d_j`` -- the model's
+    own sensitivity to rounding (a LayerNorm over two features cancels almost everything, so its
+    gradients are rounding through and through), scaled to the target's unit roundoff -- so the
+    floor is ``sum_j c_j (d_j u/u32 + u |g_j|)``. A default model's floor is ~u of the terms summed;
+    a tiny fuzzed one's can be thousands of times that."""
+    u = unit_roundoff(spec.torch_dtype)
+    low = _float32_basis(spec, indices, step)
+    c = coefficients.to(torch.float64)
+    return (low - basis).abs() @ c * (u / unit_roundoff(torch.float32)) + u * (basis.abs() @ c)
+
+
+def norm_rounding(spec: RunSpec, indices: Sequence[int], step: int = 0) -> torch.Tensor:
+    """``[len(indices)]``: how far rounding alone typically moves each sample's gradient norm when a
+    target computes in ``spec.dtype``, measured as ``rounding_floor`` measures it (float32 norms
+    against float64 ones on this model and batch, scaled to the dtype's unit roundoff). ~1e-7
+    relative on the default models in float32; ~1e-3 on a tiny transformer (d_model=2)."""
+    indices = list(indices)
+    grads = rows(reference_grads(spec, step), indices)
+    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in sorted(grads)], dim=1).T
+    u = unit_roundoff(spec.torch_dtype)
+    low = _float32_basis(spec, indices, step)
+    return (low.norm(dim=0) - basis.norm(dim=0)).abs() * (u / unit_roundoff(torch.float32))
+
+
+def _float32_basis(spec: RunSpec, indices: Sequence[int], step: int) -> torch.Tensor:
+    """``[P, B]``: the per-sample gradients of ``indices`` computed in float32 (cached per model and
+    batch), as float64 columns in ``reference_grads``' parameter order."""
+    key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+           spec.dataset_size if spec.poisson else spec.global_batch_size, 0 if spec.poisson else step)
+    grads32 = _FLOAT32_GRADS.get(key)
+    if grads32 is None:
+        grads32 = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction,
+                                             dtype=torch.float32)
+        if len(_FLOAT32_GRADS) >= 32:
+            _FLOAT32_GRADS.clear()
+        _FLOAT32_GRADS[key] = grads32
+    picked = rows(grads32, list(indices))
+    return torch.cat([picked[n].reshape(len(indices), -1).to(torch.float64) for n in sorted(picked)], dim=1).T
+
+
 @dataclass
 class RecoveredCoefficients:
     """Per-sample clip coefficients read back from a released (noise 0) gradient."""
 
     indices: List[int]            # the processed samples, in the order of ``coefficients``
     coefficients: torch.Tensor    # [len(indices)] float64 least-squares c_i
-    residual: float               # relative residual of the fit: > COEF_TOL means not sum_i c_i g_i
-    identifiable: torch.Tensor    # [len(indices)] bool: which c_i the data determine (``identifiable``)
+    #: relative residual of the fit: > COEF_TOL (or ``residual_floor``) means not sum_i c_i g_i
+    residual: float
+    #: [len(indices)] bool: which c_i the data determine (``identifiable``) to within ``COEF_TOL``
+    #: (``rounding_error`` <= ``COEF_TOL / ROUNDING_MARGIN``): the only ones a check may judge
+    identifiable: torch.Tensor
+    #: [len(indices)] each c_i's typical error from the target's rounding (``rounding_floor`` through
+    #: ``amplification``); ``None`` under bf16 compute (``precision_bounds`` bounds it)
+    rounding_error: Optional[torch.Tensor] = None
+    #: the residual the target's rounding alone leaves, relative, times ``ROUNDING_MARGIN``: a residual
+    #: bound below it cannot be held
+    residual_floor: float = 0.0
+    #: the dtype the coefficients' tolerance is read for (``COEF_TOL``)
+    dtype: str = "float64"
+
+    @property
+    def ill_conditioned(self) -> int:
+        """How many coefficients are left unjudged because rounding alone moves them past
+        ``COEF_TOL / ROUNDING_MARGIN`` (nearly collinear samples of a tiny model)."""
+        if self.rounding_error is None:
+            return 0
+        return int((self.rounding_error > COEF_TOL.get(self.dtype, COEF_TOL["float64"]) / ROUNDING_MARGIN).sum())
+
+    def residual_bound(self, tol: float) -> float:
+        """The residual bound to hold: ``tol``, or the rounding floor where that is higher."""
+        return max(tol, self.residual_floor)
 
 
 def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: Dict[str, torch.Tensor],
@@ -99,7 +190,16 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
     # bf16 compute rounds each gradient far more than its float32 parameters do
     key = "bfloat16" if spec.precision != "fp32" else spec.dtype
     seen = identifiable(basis, IDENTIFIABLE.get(key, IDENTIFIABLE["float64"]))
-    return RecoveredCoefficients(indices, coef, residual, seen)
+    if key == "bfloat16":  # precision_bounds sizes its tolerances from the same dual vectors
+        return RecoveredCoefficients(indices, coef, residual, seen, dtype=key)
+    # what the target's own rounding does here, with the reference's coefficients (a target's could
+    # be anything): coefficients it moves past the tolerance are not judged, nor a residual below it
+    floor = rounding_floor(spec, indices, basis, reference.clip_coefficients(basis.norm(dim=0), spec.max_grad_norm),
+                           step)
+    error = amplification(basis, floor)
+    seen = seen & (error <= COEF_TOL.get(key, COEF_TOL["float64"]) / ROUNDING_MARGIN)
+    residual_floor = ROUNDING_MARGIN * float(floor.norm() / released.norm().clamp_min(1e-300))
+    return RecoveredCoefficients(indices, coef, residual, seen, error, residual_floor, key)
 
 
 def fit_clip_epsilon(evaluate: Callable[[float], torch.Tensor], got: torch.Tensor) -> float:
@@ -211,6 +311,7 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 
 
-__all__ = ["pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "RecoveredCoefficients",
+__all__ = ["pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "ROUNDING_MARGIN",
+           "amplification", "rounding_floor", "norm_rounding", "RecoveredCoefficients",
            "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "CoefficientFit",
            "fit_clip_coefficients", "describe_clip_fit"]

@@ -370,7 +370,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     seen = rec.identifiable
     # under bf16 compute the coefficients are known only to a coarse bound: fitting the exact
     # coefficient-error shapes to them would name a cause the numbers cannot tell apart
-    if bound is None and rec.residual <= res_tol and bool(seen.any()):
+    fits = bound is None and rec.residual <= rec.residual_bound(res_tol) and bool(seen.any())
+    if fits:
         # a per-sequence loss normalised wrongly (padding counted): the target clips w_i g_i, so the
         # coefficient read against g_i is w_i min(1, C/(w_i ||g_i||))
         for _, weights, what in sequence_weights(spec):
@@ -378,19 +379,40 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
             pred = w * reference.clip_coefficients(w * step.norms, spec.max_grad_norm)
             if float((rec.coefficients[seen] - pred[seen]).abs().max()) <= tol:
                 return f"{head}: its per-sample losses {what}."
+    # wrong norms before a coefficient fit: a norm that leaves a layer out is often near one constant
+    # fraction of the true one, which a wrong bound C' fits too -- the norms the rank reports say which
+    wrong_norms = _norms_off(s, step, indices, bound)
+    if wrong_norms:
+        return f"{head}: {wrong_norms}"
+    if fits:
         fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "
                     f"{describe_clip_fit(fit, spec.max_grad_norm)} (fits {int(seen.sum())} samples to "
                     f"{fmt(fit.max_error)}).")
-    if s.norms is not None and len(s.norms) == len(s.indices):
-        ref_own = step.norms[[indices.index(i) for i in s.indices]]
-        nerr = float(((s.norms.to(torch.float64) - ref_own).abs() / ref_own.clamp_min(1e-300)).max())
-        if nerr > (bound.norm_rtol if bound is not None else 1e-6):
-            return (f"{head}: the per-sample norms this rank clipped with are off by up to {fmt(nerr)} "
-                    "relative (see norm_fidelity), so its clip coefficients are wrong.")
     return (f"{head}: no simple explanation (constant factor; clip coefficient with a wrong bound, floor, cap, "
             "epsilon or scale; wrong norms) fits.")
+
+
+def _norms_off(s, step, indices, bound) -> str:
+    """The per-sample norms rank output ``s`` reports (the ones it clips with), where they are off the
+    reference's beyond rounding (``bound``: bf16 compute's), in words with their direction; ``""``."""
+    if s.norms is None or len(s.norms) != len(s.indices) or not all(i in indices for i in s.indices):
+        return ""
+    ref_own = step.norms[[indices.index(i) for i in s.indices]]
+    rel = (s.norms.to(torch.float64) - ref_own) / ref_own.clamp_min(1e-300)
+    nerr = float(rel.abs().max())
+    if not nerr > (bound.norm_rtol if bound is not None else 1e-6):
+        return ""
+    if bool((rel <= 0).all()):
+        what = (f"undercount the true norms (by up to {fmt(nerr)} relative): an undercounted norm (a layer left out "
+                "of the norm, see norm_fidelity, which names it) clips too little, and a sample can contribute more "
+                "than C")
+    elif bool((rel >= 0).all()):
+        what = f"overcount the true norms (by up to {fmt(nerr)} relative): over-clipped (see norm_fidelity)"
+    else:
+        what = f"are off by up to {fmt(nerr)} relative, some above, some below (see norm_fidelity)"
+    return f"the per-sample norms this rank clipped with {what}, so its clip coefficients are wrong."
 
 
 PROPERTY = Property(

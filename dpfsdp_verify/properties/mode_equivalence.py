@@ -221,7 +221,8 @@ def _short_pass_note(case: Case, a, b, rank: int) -> str:
     ra, rb = (recover_clip_coefficients(spec, indices, g) for g in grads)
     tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
     seen = ra.identifiable & rb.identifiable
-    if max(ra.residual, rb.residual) > tol or not all(bool(seen[indices.index(i)]) for i in short):
+    if ra.residual > ra.residual_bound(tol) or rb.residual > rb.residual_bound(tol) \
+            or not all(bool(seen[indices.index(i)]) for i in short):
         return ""
     differ = {i for i, ok, x, y in zip(indices, seen.tolist(), ra.coefficients.tolist(), rb.coefficients.tolist())
               if ok and abs(y - x) > tol * max(1.0, abs(x))}

@@ -16,7 +16,7 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
-from .clipfit import IDENTIFIABLE, identifiable
+from .clipfit import IDENTIFIABLE, amplification, identifiable
 from .compare import reference_grads, reference_model, rows
 
 
@@ -103,12 +103,12 @@ def precision_coefficient_bounds(spec: RunSpec, bound: PrecisionBound, indices: 
     norms = basis.norm(dim=0)
     coef = reference.clip_coefficients(norms, spec.max_grad_norm)
     spread = basis.abs() @ coef                              # sum_j c_j |g_j|, coordinate-wise
-    dual = torch.linalg.pinv(basis.T)                        # columns h_i: <h_i, g_j> = [i = j]
+    amplified = amplification(basis, spread)                 # <|h_i|, spread>, h_i: <h_i, g_j> = [i = j]
     seen = identifiable(basis, IDENTIFIABLE["bfloat16"])
     worst = 0.0
     for i in range(basis.shape[1]):
         if bool(seen[i]):
-            worst = max(worst, bound.norm_rtol * float(coef[i]) + bound.coordinate * float(dual[:, i].abs() @ spread))
+            worst = max(worst, bound.norm_rtol * float(coef[i]) + bound.coordinate * float(amplified[i]))
     released = float((basis @ coef).norm())
     return worst, (bound.norm_rtol + bound.coordinate) * float(spread.norm()) / max(released, 1e-300)
 

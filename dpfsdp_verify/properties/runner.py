@@ -24,7 +24,7 @@ from ..harness import DEFAULT_TIMEOUT_S, Pool, default_pool
 from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ..modes import Mode
 from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
-from ..verdict import Verdict
+from ..verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
 from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
                         poisson_problem, privacy_steps_problem, tf32_problem)
@@ -196,6 +196,19 @@ class _Failed:
     seconds: float
     #: each rank's progress trail of its last run (``targets.progress``), read after the failure
     trails: Optional[list] = None
+    #: the job's hang was put on this run alone: the ranks' trails show it running (else the hang is
+    #: the whole job's)
+    attributed: bool = False
+
+
+@dataclass(frozen=True)
+class _NotRun:
+    """A run left out after its job hung in another one, ``hung`` (``_split_at_hang``): it has no
+    verdict of its own -- no hang is claimed for a configuration that did not hang."""
+
+    hung: _Run
+    #: the hang was a proven deadlock (else the job's deadline passed)
+    proven: bool
 
 
 def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
@@ -204,9 +217,13 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
 
     Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
     for ``Case.isolate``; ``Case.fresh_groups`` cases in groups of ranks started for them, ``_run_fresh``).
-    A job that *errors* is re-run run by run so the crash lands on the right case; a job that
-    *hangs* is not re-run (that would cost a full deadline per run): every case in it gets the hang
-    verdict, which says the cases ran together.
+    A job that *errors* is re-run run by run so the crash lands on the right case. A job that
+    *hangs* is told apart by its ranks' progress trails (``_split_at_hang``): the hang verdict goes
+    to the one run the ranks were in, the runs that had ended are run again for their own verdicts,
+    and the runs not yet begun are run again after a proven deadlock (a proof costs ~1 s) -- unless
+    the job hung in its very first run with none finished (a target that hangs everywhere would
+    cost a proof per run) or its deadline passed unproven (another deadline per retry): those are
+    ``skip`` verdicts, "not run", naming the configuration that hung.
     """
     pool = pool or default_pool()
     runs_of = [[_Run(c.target_ref, c.backend, c.world_size, m, tuple(m.apply(s) for s in c.specs),
@@ -224,6 +241,10 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
             _run_fresh(runs[0], pool, timeout, done, seconds)
         else:
             _run_job(runs, pool, timeout, done, seconds, allow_split=True)
+    case_of: Dict[_Run, Case] = {}
+    for case, runs in zip(cases, runs_of):
+        for r in runs:
+            case_of.setdefault(r, case)
     out: List = []
     for case, runs in zip(cases, runs_of):
         case.seconds += sum(seconds.get(r, 0.0) for r in runs)
@@ -232,12 +253,17 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
             out.append([done[r] for r in runs])
         elif isinstance(failed[1], str):
             out.append(case.verdict("skip", None, failed[1]))
+        elif isinstance(failed[1], _NotRun):
+            out.append(not_run_verdict(case, case_of[failed[1].hung], failed[1].proven))
         else:
             out.append(failure_verdict(case, failed[1], failed[0]))
     return out
 
 
-def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: dict, allow_split: bool) -> None:
+def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: dict, allow_split: bool,
+             any_finished: bool = False) -> None:
+    """Run ``runs`` as one job and put each one's outputs (or failure) in ``done``. ``any_finished``:
+    a run of the job this one retries has finished (``_split_at_hang``)."""
     r0 = runs[0]
     checkpoints = tempfile.mkdtemp(prefix="dpfsdp-checkpoints-")
     flat = [with_checkpoint_dir(s, checkpoints) for r in runs for s in r.specs]
@@ -270,8 +296,40 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         for r in runs:
             _run_job([r], pool, timeout, done, seconds, allow_split=False)
         return
+    if res.status == "hang" and len(runs) > 1 \
+            and _split_at_hang(runs, res, trails, share, pool, timeout, done, seconds, any_finished):
+        return
     for r in runs:
         done[r] = _Failed(res, len(runs) - 1, share, trails)
+
+
+def _split_at_hang(runs: List[_Run], res: GroupResult, trails: Optional[list], share: float, pool: Pool,
+                   timeout: float, done: dict, seconds: dict, any_finished: bool) -> bool:
+    """A job of several runs hung: put the hang on the run the ranks were in (``progress.hung_run_index``:
+    the first run some rank had not ended), run the ones that ended again in a job of their own (their
+    outputs died with the hung job), and the ones after it again in another -- which may hang in its
+    turn and is split the same way. The runs after it are left out (``_NotRun``) when the deadline
+    passed unproven (a retry could wait a whole deadline again) or when the job hung in its first run
+    and no run of it (or of the job it retries) has finished: a target that hangs in every
+    configuration would cost a deadlock proof per run. False when the trails cannot tell (a rank
+    left none): the hang is then the whole job's."""
+    index = progress.hung_run_index(trails)
+    ends = [sum(len(r.specs) for r in runs[:i + 1]) for i in range(len(runs))]
+    if index is None or index >= ends[-1]:
+        return False
+    k = next(i for i, end in enumerate(ends) if index < end)
+    done[runs[k]] = _Failed(res, len(runs) - 1, share, trails, attributed=True)
+    before, after = runs[:k], runs[k + 1:]
+    proven = res.diagnosis == "deadlock"
+    if after and not (proven and (k > 0 or any_finished)):
+        for r in after:
+            done[r] = _NotRun(runs[k], proven)
+        after = []
+    if after:
+        _run_job(after, pool, timeout, done, seconds, allow_split=True, any_finished=any_finished or k > 0)
+    if before:
+        _run_job(before, pool, timeout, done, seconds, allow_split=True, any_finished=True)
+    return True
 
 
 def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -> None:
@@ -342,6 +400,17 @@ def placement_crash(res: GroupResult) -> Optional[int]:
                  and any(m in res.results[r].error.message for m in PLACEMENT_ERRORS)), None)
 
 
+def not_run_verdict(case: Case, hung: Case, proven: bool) -> Verdict:
+    """The ``skip`` of a case left out after its job hung in ``hung`` (``_split_at_hang``)."""
+    why = ("it hung in its first configuration before any other finished (a target that hangs in every "
+           "configuration would cost a deadlock proof each)" if proven
+           else "its deadline passed in that configuration, unproven (a retry could wait a whole deadline again)")
+    where = f"{hung.property} [{config_label(hung.config())}]"
+    return case.verdict("skip", None, f"not run: the job it shared hung in {where}; {why}. For its verdict run "
+                        "it on its own (--properties, --world-sizes, --models, --loss-reductions, --dtypes narrow the "
+                        "matrix).", {"not_run_after_hang_in": hung.config()})
+
+
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
     """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout``,
     ``error``/``rank_crash``, or ``error``/``placement_mismatch`` when a rank's error is DTensor's
@@ -350,7 +419,13 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     status = "hang" if res.status == "hang" else "error"
     # a hang is a deadlock only when proven; without a diagnosis nothing was
     diagnosis = res.diagnosis or ("timeout" if status == "hang" else "rank_crash")
-    together = f" (ran as one job with {failed.others_in_job} other configuration(s))" if failed.others_in_job else ""
+    if failed.attributed:  # the ranks' trails put the job's hang on this case
+        together = (f" (run in one job with {failed.others_in_job} other configuration(s): the ranks' progress "
+                    "trails show the job hung in this one; the others were run again without it)")
+    elif failed.others_in_job:
+        together = f" (ran as one job with {failed.others_in_job} other configuration(s))"
+    else:
+        together = ""
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
     evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
@@ -417,4 +492,4 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
 
 
 __all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
-           "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "failure_verdict"]
+           "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_verdict"]

@@ -166,6 +166,16 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
     return out
 
 
+def hung_run_index(trails: List[Optional[Trail]]) -> Optional[int]:
+    """After a hang of a job that ran several runs in order (``targets.run_many_on_rank``): the
+    index of the first run some rank had not ended -- the one the job hung in (every run before it
+    ended on every rank). ``None`` when a rank left no trail (nothing can be told)."""
+    if not trails or any(t is None for t in trails):
+        return None
+    # a rank that ended its last run is between runs: the next one (index ``runs``) is where it is
+    return min(max(0, t.runs - (0 if t.ended else 1)) for t in trails)
+
+
 def diverged(trails: List[Optional[Trail]]) -> bool:
     """True when the trails prove the ranks' step or pass counts differ (all trails known): some
     rank *ended* its run after ``n`` steps -- a final count -- while another began more than ``n``,
