@@ -1,0 +1,447 @@
+"""A fork server ("zygote") for rank processes: a rank in milliseconds instead of seconds.
+
+A cold rank is an interpreter plus ``import torch`` (+ ``torch.distributed``, FSDP, opacus): ~3 s of
+CPU each, most of the default gate's CPU time (it starts ~22 ranks). A zygote is a process started
+once per ``Pool`` with those modules imported and nothing run -- no thread started, no CUDA
+initialised, no process group -- which forks a rank on request; the child becomes exactly the
+process ``python -m dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
+
+* its own session (``setsid``), stdout and stderr on its log file, stdin ``/dev/null``, the job and
+  diagnosis channel ends passed over the zygote's socket (``socket.send_fds``);
+* ``os.environ`` the very mapping ``launch.rank_env`` + ``node_env`` gave a spawned rank, ``sys.path``
+  what that interpreter would have computed from it (the working directory, ``PYTHONPATH``, then
+  the interpreter's own entries, deduplicated as ``site`` does), the working directory, ``sys.argv``,
+  and the rank module run as ``__main__``. Variables read when a library is *loaded*
+  (``OMP_NUM_THREADS``: libgomp; ``OPACUS_USE_DEFERRED_NORM``; the tests' simulated accelerator)
+  cannot be changed after the fork, so a zygote forks only ranks whose environment equals its own
+  but for the per-rank node variables, ``PYTHONPATH`` (read into ``sys.path`` above) and pytest's
+  ``PYTEST_CURRENT_TEST``; any other rank is spawned. Groups with variables of their own
+  (``WorkerGroup(env=...)``: mode environments) are always spawned;
+* the parent-death signal follows the zygote (the rank's parent): the harness dies -> the zygote
+  reads EOF on its socket and exits -> its ranks get SIGKILL. A rank also exits on EOF of its
+  channels, as a spawned one does;
+* its exit code or signal: a forked rank is not the harness' child, so the zygote reaps it
+  (``SIGCHLD``) and reports ``waitstatus_to_exitcode`` over the socket; the harness waits on a
+  pidfd the zygote opened for the child (sent with the reply: no pid-reuse race).
+
+Rank ``r`` of every group is forked from zygote ``r`` (``Zygotes``: one per rank index, started
+when a group first needs it), so the ranks of one group come from different interpreters, as
+torchrun's do: each has its own string-hash seed (set iteration order differs between ranks as it
+does in a real job). When a zygote cannot start (or forks unsafely: a thread or CUDA up after its
+imports), the pool spawns its ranks as before and says so once (a ``RuntimeWarning``).
+
+Why not ``multiprocessing``'s ``forkserver`` with ``set_forkserver_preload``: it is one per
+process and global, so under the pytest plugin our preload (torch, opacus) would leak into the
+user's own ``multiprocessing`` use, and its children are not in their own session, do not take
+their stdout, environment or working directory per request, and report no exit status to a
+non-parent. This module is that idea in ~250 lines: ``os.fork`` + ``socket.send_fds``/``recv_fds``
+over a ``SOCK_SEQPACKET`` socket pair.
+
+Run as ``python -m dpfsdp_verify.harness.zygote <socket fd> <preload JSON>`` (by ``Zygote``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+from .launch import NODE_VARS
+from .protocol import RANK_MODULE, RankConfig
+
+ZYGOTE_MODULE = "dpfsdp_verify.harness.zygote"
+#: What every zygote imports before it forks (a trailing ``?``: skipped when not importable).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", RANK_MODULE)
+#: ``PRELOAD`` and opacus, what the gate's targets import (the plugin's pool leaves opacus out:
+#: a user's test ranks import what their tests import).
+PRELOAD_OPACUS = PRELOAD + ("opacus?",)
+#: Variables that may differ between a zygote and the ranks it forks (see the module docstring).
+UNCHECKED_VARS = frozenset(NODE_VARS + ("PYTHONPATH", "PYTEST_CURRENT_TEST"))
+#: Largest request (environment + paths), bytes; a larger one is spawned instead.
+MAX_MESSAGE = 1 << 20
+#: How long the harness waits for a zygote's answer to a fork or for a reaped rank's exit status.
+REPLY_TIMEOUT_S = 10.0
+
+
+class ZygoteGone(RuntimeError):
+    """The zygote exited or stopped answering."""
+
+
+def _readable(fd, timeout: Optional[float]) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+# -- harness side -------------------------------------------------------------------------
+class ForkedRank:
+    """A rank forked by a zygote, with ``subprocess.Popen``'s ``pid``/``poll``/``wait`` (see
+    ``launch.RankProcess``); its exit status comes from the zygote that reaped it."""
+
+    def __init__(self, zygote: "Zygote", pid: int, pidfd: int):
+        self.zygote, self.pid, self.pidfd = zygote, pid, pidfd
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and _readable(self.pidfd, 0):
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            if not _readable(self.pidfd, timeout):
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+
+class Zygote:
+    """One zygote process, from the harness' side (started at construction, not waited for)."""
+
+    def __init__(self, env: Dict[str, str], preload: Sequence[str]):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.output = tempfile.TemporaryFile()  # what it printed, for a start failure's message
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, str(theirs.fileno()),
+                                          json.dumps(list(preload))], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=self.output, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),),
+                                         start_new_session=True)
+        finally:
+            theirs.close()
+        self.ctl = mine
+        self.pid = self.proc.pid
+        self.ready = False
+        self._exits: Dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _recv(self, timeout: float):
+        """The next message that is not an exit notice (notices are kept for ``exit_code``);
+        ``None`` after ``timeout``. Raises ``ZygoteGone`` on EOF."""
+        while True:
+            if not _readable(self.ctl, timeout):
+                return None
+            data, fds, _, _ = socket.recv_fds(self.ctl, MAX_MESSAGE, 1)
+            if not data:
+                raise ZygoteGone("the zygote exited")
+            msg = pickle.loads(data)
+            if msg[0] == "exit":
+                self._exits[msg[1]] = msg[2]
+                continue
+            return msg, fds
+
+    def wait_ready(self, timeout: float) -> Optional[str]:
+        """``None`` once the zygote is ready to fork, else why it is not (it is then closed)."""
+        if self.ready:
+            return None
+        with self._lock:
+            try:
+                got = self._recv(timeout)
+            except ZygoteGone:
+                got = None
+            if got is not None and got[0][0] == "ready":
+                self.ready = True
+                return None
+        reason = got[0][1] if got is not None else f"not ready after {timeout:.0f} s"
+        self.close()
+        self.output.seek(0)
+        tail = self.output.read()[-800:].decode(errors="replace").strip()
+        return reason + (f"; its output: {tail}" if tail and tail not in reason else "")
+
+    def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> ForkedRank:
+        """Fork rank ``cfg.rank`` (its channel ends ``cfg.job_fd``/``cfg.diag_fd``, output on
+        ``log_fd``). Raises ``ZygoteGone`` (or ``OSError``) when the zygote cannot."""
+        request = pickle.dumps(("fork", cfg.__dict__, env, os.getcwd()))
+        with self._lock:
+            socket.send_fds(self.ctl, [request], [cfg.job_fd, cfg.diag_fd, log_fd])
+            got = self._recv(REPLY_TIMEOUT_S)
+        if got is None:
+            raise ZygoteGone(f"no answer to a fork within {REPLY_TIMEOUT_S:.0f} s")
+        (kind, value), fds = got
+        if kind != "forked" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ZygoteGone(f"the zygote could not fork: {value}")
+        return ForkedRank(self, value, fds[0])
+
+    def exit_code(self, pid: int) -> int:
+        """The exit code (or ``-signal``) of a forked rank that has exited. A rank whose zygote
+        died was killed by its parent-death signal (SIGKILL)."""
+        with self._lock:
+            try:
+                while pid not in self._exits:
+                    if self._recv(REPLY_TIMEOUT_S) is None:
+                        break
+            except (ZygoteGone, OSError):
+                pass
+            return self._exits.pop(pid, -signal.SIGKILL)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End the zygote (EOF on its socket; SIGKILL if it lingers) and reap it. Its ranks get
+        their parent-death signal: close their groups first."""
+        self.ctl.close()
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.output.close()
+
+
+class Zygotes:
+    """A pool's zygotes, one per rank index (module docstring), started on first use with the
+    environment of the first group that needs them."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD_OPACUS, start_timeout: float = 120.0,
+                 started_pids: Optional[List[int]] = None):
+        self.preload = tuple(preload)
+        self.start_timeout = start_timeout
+        #: every zygote pid started (the pool's ``started_pids``: proof that none is left behind)
+        self.started_pids = started_pids if started_pids is not None else []
+        self.zygotes: List[Optional[Zygote]] = []
+        #: why the zygotes are not used (ranks are spawned), once one could not start
+        self.failed: Optional[str] = None
+        self._env: Optional[Dict[str, str]] = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _checked(env: Dict[str, str]) -> Dict[str, str]:
+        return {k: v for k, v in env.items() if k not in UNCHECKED_VARS}
+
+    def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> Optional[ForkedRank]:
+        """Rank ``cfg.rank`` forked by its zygote; ``None`` when it must be spawned instead (the
+        environment differs from the zygotes', or they cannot start or fork)."""
+        with self._lock:
+            if self.failed is not None:
+                return None
+            if self._env is None:
+                self._env = {k: v for k, v in env.items() if k not in NODE_VARS}
+            elif self._checked(env) != self._checked(self._env):
+                return None
+            zygote = self._ready(cfg.rank, cfg.world_size)
+            if zygote is None:
+                return None
+            try:
+                return zygote.fork(cfg, env, log_fd)
+            except (ZygoteGone, OSError) as e:
+                self._give_up(f"zygote {cfg.rank} failed: {e}")
+                return None
+
+    def _ready(self, index: int, world_size: int) -> Optional[Zygote]:
+        """Zygote ``index``, ready; the group's other missing zygotes are started meanwhile (not
+        waited for), so that a group's zygotes import in parallel."""
+        while len(self.zygotes) < world_size:
+            self.zygotes.append(None)
+        for i in range(index, world_size):
+            z = self.zygotes[i]
+            if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
+                if z is not None:
+                    z.close()
+                self.zygotes[i] = Zygote(self._env, self.preload)
+                self.started_pids.append(self.zygotes[i].pid)
+        reason = self.zygotes[index].wait_ready(self.start_timeout)
+        if reason is not None:
+            self._give_up(f"zygote {index} could not start: {reason}")
+            return None
+        return self.zygotes[index]
+
+    def _give_up(self, reason: str) -> None:
+        self.failed = reason
+        warnings.warn(f"dpfsdp-verify: rank processes are spawned (seconds each): {reason}", RuntimeWarning,
+                      stacklevel=4)
+
+    def pids(self) -> List[int]:
+        """pids of the zygotes still running."""
+        return [z.pid for z in self.zygotes if z is not None and z.alive()]
+
+    def close(self) -> None:
+        """End every zygote (after the pool's groups: their ranks die with their zygote)."""
+        with self._lock:
+            zygotes, self.zygotes = self.zygotes, []
+            for z in zygotes:
+                if z is not None:
+                    z.close()
+
+
+# -- zygote side --------------------------------------------------------------------------
+def _import_all(names: Sequence[str]) -> None:
+    for name in names:
+        optional = name.endswith("?")
+        try:
+            importlib.import_module(name.rstrip("?"))
+        except ImportError:
+            if not optional:
+                raise
+
+
+def _unsafe_to_fork() -> Optional[str]:
+    """Why forking this process would not give a clean rank, if it would not."""
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads > 1:
+        return f"{threads} threads run after the imports (a fork would copy their locks, not them)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised by the imports (a forked child cannot use it)"
+    return None
+
+
+def _interpreter_path() -> List[str]:
+    """The ``sys.path`` entries this interpreter adds after ``PYTHONPATH`` (stdlib, site-packages,
+    ``.pth`` entries): what a spawned rank's ``sys.path`` ends with."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import sys, json; print(json.dumps(sys.path[0 if sys.flags.safe_path else 1:]))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                         check=True, text=True)
+    return json.loads(out.stdout)
+
+
+def rank_sys_path(cwd: str, pythonpath: str, interpreter_path: List[str]) -> List[str]:
+    """The ``sys.path`` of ``python -m ...`` started in ``cwd`` with ``PYTHONPATH=pythonpath``: the
+    working directory first (unless ``-P``/``PYTHONSAFEPATH``), then ``PYTHONPATH`` made absolute,
+    then the interpreter's own entries as it adds them, each entry once (``site.removeduppaths``;
+    ``site`` adds a directory only if it is not there yet)."""
+    out, seen = [], set()
+    pythonpath_entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    for entry in pythonpath_entries + interpreter_path:
+        if os.path.normcase(entry) not in seen:
+            seen.add(os.path.normcase(entry))
+            out.append(entry)
+    return out if sys.flags.safe_path else [cwd] + out
+
+
+def _become_rank(cfg: dict, env: Dict[str, str], cwd: str, fds: List[int], zygote_pid: int,
+                 interpreter_path: List[str], ctl: socket.socket, own_fds: Sequence[int]) -> None:
+    """In the forked child: turn into what ``launch.spawn_rank`` starts, and run it. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        ctl.close()  # the zygote's socket: only the zygote may answer the harness
+        for fd in own_fds:
+            os.close(fd)
+        job_fd, diag_fd, log_fd = fds
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = rank_sys_path(cwd, env.get("PYTHONPATH", ""), interpreter_path)
+        importlib.invalidate_caches()  # files written since the zygote started (test modules...)
+        cfg = dict(cfg, job_fd=job_fd, diag_fd=diag_fd, parent_pid=zygote_pid)
+        sys.argv = [importlib.util.find_spec(RANK_MODULE).origin, json.dumps(cfg)]
+        runpy.run_module(RANK_MODULE, run_name="__main__", alter_sys=True)  # exits itself (os._exit)
+        code = 0
+    except SystemExit as e:  # as the interpreter would exit
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _send(ctl: socket.socket, msg, fds: Sequence[int] = ()) -> None:
+    socket.send_fds(ctl, [pickle.dumps(msg)], list(fds))
+
+
+def _reap(ctl: socket.socket) -> None:
+    """Reap every exited child and report its exit code (``-signal`` when killed)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(ctl, ("exit", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _serve(ctl: socket.socket, interpreter_path: List[str], wake_r: int, wake_w: int) -> None:
+    """Fork a rank per request until EOF (the harness is gone)."""
+    while True:
+        ready = select.select([ctl, wake_r], [], [])[0]
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            _reap(ctl)
+        if ctl not in ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(ctl, MAX_MESSAGE, 3)
+        if not data:
+            return
+        _, cfg, env, cwd = pickle.loads(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        zygote_pid = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            _send(ctl, ("failed", f"fork: {e}"))
+        else:
+            if pid == 0:
+                _become_rank(cfg, env, cwd, fds, zygote_pid, interpreter_path, ctl, (wake_r, wake_w))
+            pidfd = os.pidfd_open(pid)
+            _send(ctl, ("forked", pid), [pidfd])
+            os.close(pidfd)
+        for fd in fds:
+            os.close(fd)
+
+
+def main(argv=None) -> None:
+    argv = argv or sys.argv
+    ctl = socket.socket(fileno=int(argv[1]))
+    try:
+        _import_all(json.loads(argv[2]))
+        interpreter_path = _interpreter_path()
+        problem = _unsafe_to_fork()
+    except BaseException:
+        problem = traceback.format_exc(limit=-3).strip()
+    if problem:
+        _send(ctl, ("failed", problem))
+        os._exit(1)
+    # the children share these pages until they write them: freeze what the imports left so
+    # that their collections do not touch (and copy) them
+    gc.collect()
+    gc.freeze()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a byte on wake_w: reap
+    _send(ctl, ("ready", os.getpid()))
+    try:
+        _serve(ctl, interpreter_path, wake_r, wake_w)
+    finally:
+        os._exit(0)  # the ranks follow (their parent-death signal)
+
+
+if __name__ == "__main__":
+    main()
