@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from typing import Dict, List, Optional, Sequence
@@ -127,11 +128,13 @@ class Zygote:
         self._exits: Dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def _recv(self, timeout: float):
-        """The next message that is not an exit notice (notices are kept for ``exit_code``);
-        ``None`` after ``timeout``. Raises ``ZygoteGone`` on EOF."""
+    def _recv(self, timeout: float, reply: bool = True):
+        """The next answer to a request (``reply``) or the next message of any kind, as ``(message,
+        fds)``; ``None`` after ``timeout``. Exit notices are kept for ``exit_code``. Raises
+        ``ZygoteGone`` on EOF."""
+        deadline = time.monotonic() + timeout
         while True:
-            if not _readable(self.ctl, timeout):
+            if not _readable(self.ctl, max(0.0, deadline - time.monotonic())):
                 return None
             data, fds, _, _ = socket.recv_fds(self.ctl, MAX_MESSAGE, 1)
             if not data:
@@ -139,7 +142,8 @@ class Zygote:
             msg = pickle.loads(data)
             if msg[0] == "exit":
                 self._exits[msg[1]] = msg[2]
-                continue
+                if reply:
+                    continue
             return msg, fds
 
     def wait_ready(self, timeout: float) -> Optional[str]:
@@ -182,7 +186,7 @@ class Zygote:
         with self._lock:
             try:
                 while pid not in self._exits:
-                    if self._recv(REPLY_TIMEOUT_S) is None:
+                    if self._recv(REPLY_TIMEOUT_S, reply=False) is None:
                         break
             except (ZygoteGone, OSError):
                 pass
