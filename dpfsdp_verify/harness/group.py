@@ -302,7 +302,10 @@ class WorkerGroup:
     def _send_job(self, payload: bytes, timeout: float) -> "_JobWait":
         t0 = time.monotonic()
         for c in self.job_conns:
-            send(c, Job(self._job_id, payload))
+            try:
+                send(c, Job(self._job_id, payload))
+            except OSError:
+                pass  # a rank that died since its last job: its sentinel says how
         return _JobWait(job_id=self._job_id, t0=t0, deadline=t0 + timeout, next_probe=t0 + PROBE_AFTER_S,
                         sentinels={fd: r for r, fd in enumerate(self.pidfds)},
                         diag_rank={c: r for r, c in enumerate(self.diag_conns)},

@@ -62,6 +62,7 @@ import traceback
 import warnings
 from typing import Dict, List, Optional, Sequence
 
+from . import wording
 from .launch import NODE_VARS
 from .protocol import RANK_MODULE, RankConfig
 
@@ -153,15 +154,16 @@ class Zygote:
         with self._lock:
             try:
                 got = self._recv(timeout)
+                reason = got[0][1] if got is not None else f"not ready after {timeout:.0f} s"
             except ZygoteGone:
-                got = None
+                got, reason = None, f"it exited ({wording.exit_text(self.proc.wait())})"
             if got is not None and got[0][0] == "ready":
                 self.ready = True
                 return None
-        reason = got[0][1] if got is not None else f"not ready after {timeout:.0f} s"
-        self.close()
+        self._end()
         self.output.seek(0)
         tail = self.output.read()[-800:].decode(errors="replace").strip()
+        self.output.close()
         return reason + (f"; its output: {tail}" if tail and tail not in reason else "")
 
     def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> ForkedRank:
@@ -198,13 +200,16 @@ class Zygote:
     def close(self) -> None:
         """End the zygote (EOF on its socket; SIGKILL if it lingers) and reap it. Its ranks get
         their parent-death signal: close their groups first."""
+        self._end()
+        self.output.close()
+
+    def _end(self) -> None:
         self.ctl.close()
         try:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.output.close()
 
 
 class Zygotes:

@@ -1,0 +1,137 @@
+"""The zygote (``harness/zygote.py``): a rank it forks is the rank ``python -m
+dpfsdp_verify.harness.rank`` would have been (environment, ``sys.path``, threads, session, output,
+parent-death signal); no rank outlives its zygote or the harness; a zygote that cannot start (or
+cannot fork safely) leaves the pool spawning its ranks, and a changed environment is spawned too."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dpfsdp_verify.harness import Pool, WorkerGroup, wait_gone, zygote
+
+
+def rank_facts():
+    """What a rank can see of how it was started."""
+    import torch
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    deathsig = ctypes.c_int()
+    libc.prctl(2, ctypes.byref(deathsig))  # PR_GET_PDEATHSIG
+    return dict(pid=os.getpid(), ppid=os.getppid(), sid=os.getsid(0), pgid=os.getpgid(0), env=dict(os.environ),
+                path=list(sys.path), cwd=os.getcwd(), argv0=sys.argv[0], main=sys.modules["__main__"].__file__,
+                threads=torch.get_num_threads(), interop=torch.get_num_interop_threads(),
+                accelerator=str(torch._C._get_accelerator()), deathsig=deathsig.value, hash=hash("rank"),
+                stdout=os.path.basename(os.readlink("/proc/self/fd/1")),
+                stderr=os.path.basename(os.readlink("/proc/self/fd/2")), stdin=os.readlink("/proc/self/fd/0"))
+
+
+def parent_and_env(name):
+    return os.getppid(), os.environ.get(name)
+
+
+def _run_and_close(group, fn, *args):
+    try:
+        return group.run(fn, args, timeout=120).values()
+    finally:
+        group.close()
+        assert wait_gone(group.pids()) == [], "rank processes left behind"
+
+
+def test_a_forked_rank_is_what_a_spawned_rank_would_be(pool):
+    forked_group = pool.fresh_group(2)
+    forked = _run_and_close(forked_group, rank_facts)
+    spawned = _run_and_close(WorkerGroup(2), rank_facts)
+    zygotes = pool.zygotes.pids()
+    for r, (f, s) in enumerate(zip(forked, spawned)):
+        assert f["ppid"] in zygotes and s["ppid"] == os.getpid(), "forked by a zygote / spawned by this process"
+        assert f["sid"] == f["pgid"] == f["pid"] and s["sid"] == s["pgid"] == s["pid"], "a session of its own"
+        same = ("env", "path", "cwd", "argv0", "main", "threads", "interop", "accelerator", "deathsig", "stdout",
+                "stderr", "stdin")
+        assert {k: f[k] for k in same} == {k: s[k] for k in same}
+        assert f["env"]["RANK"] == str(r) and f["env"]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+        assert f["stdout"] == f"rank{r}.log" and f["deathsig"] == signal.SIGKILL and f["accelerator"] == "cpu"
+    # each rank index has its own zygote, so the ranks of a group hash strings differently, as
+    # separate interpreters do
+    assert forked[0]["hash"] != forked[1]["hash"]
+
+
+def test_a_changed_environment_or_a_group_env_is_spawned(pool, monkeypatch):
+    pool.run(parent_and_env, "X", world_size=1)  # the zygote for rank 0 is up
+    monkeypatch.setenv("DPFSDP_ZYGOTE_TEST", "changed after the zygote started")
+    group = pool.fresh_group(1)
+    (ppid, value), = _run_and_close(group, parent_and_env, "DPFSDP_ZYGOTE_TEST")
+    assert ppid == os.getpid() and value == "changed after the zygote started"
+    monkeypatch.delenv("DPFSDP_ZYGOTE_TEST")
+    group = pool.fresh_group(1, env={"DPFSDP_ZYGOTE_TEST": "group env"})
+    (ppid, value), = _run_and_close(group, parent_and_env, "DPFSDP_ZYGOTE_TEST")
+    assert ppid == os.getpid() and value == "group env"
+    (ppid, value), = _run_and_close(pool.fresh_group(1), parent_and_env, "DPFSDP_ZYGOTE_TEST")
+    assert ppid in pool.zygotes.pids() and value is None
+
+
+def test_a_killed_zygote_leaves_no_rank_behind_and_is_replaced():
+    p = Pool(zygote_preload=zygote.PRELOAD)
+    try:
+        (first_zygote, _), = p.run(parent_and_env, "X", world_size=1).values()
+        assert p.zygotes.pids() == [first_zygote] and first_zygote in p.started_pids
+        ranks = p.pids()
+        os.kill(first_zygote, signal.SIGKILL)
+        assert wait_gone(ranks) == [], "the zygote's ranks outlived it"
+        # the pool's warm group is gone with it: its next job is a crash naming the signal...
+        res = p.run(parent_and_env, "X", world_size=1)
+        assert (res.status, res.diagnosis) == ("error", "rank_crash") and "killed by SIGKILL" in res.message
+        # ...and the job after it runs on a rank forked by a new zygote
+        (ppid, _), = p.run(parent_and_env, "X", world_size=1).values()
+        assert ppid != first_zygote and p.zygotes.pids() == [ppid]
+    finally:
+        p.close()
+    assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
+
+
+@pytest.mark.parametrize("broken, says", [
+    (dict(module="dpfsdp_verify.no_such_zygote"), "No module named dpfsdp_verify.no_such_zygote"),
+    (dict(preload=("zygote_thread_at_import",)), "2 threads run after the imports"),
+])
+def test_a_zygote_that_cannot_start_leaves_the_pool_spawning(monkeypatch, broken, says):
+    monkeypatch.setattr(zygote, "ZYGOTE_MODULE", broken.get("module", zygote.ZYGOTE_MODULE))
+    p = Pool(zygote_preload=broken.get("preload", zygote.PRELOAD))
+    try:
+        with pytest.warns(RuntimeWarning, match="rank processes are spawned"):
+            (ppid, _), = p.run(parent_and_env, "X", world_size=1).values()
+        assert ppid == os.getpid(), "spawned by this process"
+        assert says in p.zygotes.failed
+        (ppid, _), = p.run(parent_and_env, "X", world_size=1).values()  # a warm spawned group
+        assert ppid == os.getpid() and p.zygotes.pids() == []
+    finally:
+        p.close()
+    assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
+
+
+HARNESS_THAT_DIES = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    from dpfsdp_verify.harness import Pool, zygote
+    from test_zygote import parent_and_env
+    p = Pool(zygote_preload=zygote.PRELOAD)
+    p.run(parent_and_env, "X", world_size=2)
+    print(json.dumps(p.started_pids), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.slow
+def test_the_zygotes_and_their_ranks_die_with_the_harness():
+    out = subprocess.run([sys.executable, "-c", HARNESS_THAT_DIES, os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pids = json.loads(out.stdout)
+    assert len(pids) == 4, "two zygotes and their two ranks"
+    assert wait_gone(pids) == [], "zygote or rank processes outlived the harness"
