@@ -6,6 +6,7 @@ cannot fork safely) leaves the pool spawning its ranks, and a changed environmen
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import signal
@@ -77,8 +78,26 @@ def test_a_changed_environment_or_a_group_env_is_spawned(pool, monkeypatch):
     assert ppid in pool.zygotes.pids() and value is None
 
 
+def imports(name):
+    importlib.import_module(name)
+
+
+def loaded_at_start(name):
+    """Whether ``name`` was imported before the rank became ready (``rank._startup_modules``)."""
+    return name in sys.modules["__main__"]._startup_modules
+
+
+def test_the_zygotes_learn_torch_and_opacus_modules_the_jobs_imported(pool):
+    pool.run(imports, "opacus", world_size=1)
+    pool.run(imports, "hypothesis", world_size=1)  # not a package the zygotes learn from
+    group = pool.fresh_group(1)
+    assert _run_and_close(group, loaded_at_start, "opacus") == [True]
+    assert "opacus" in pool.zygotes.learned and not any(m.startswith("hypothesis") for m in pool.zygotes.learned)
+    assert _run_and_close(pool.fresh_group(1), loaded_at_start, "hypothesis") == [False]
+
+
 def test_a_killed_zygote_leaves_no_rank_behind_and_is_replaced():
-    p = Pool(zygote_preload=zygote.PRELOAD)
+    p = Pool()
     try:
         (first_zygote, _), = p.run(parent_and_env, "X", world_size=1).values()
         assert p.zygotes.pids() == [first_zygote] and first_zygote in p.started_pids
@@ -98,7 +117,7 @@ def test_a_killed_zygote_leaves_no_rank_behind_and_is_replaced():
 
 @pytest.mark.parametrize("broken, says", [
     (dict(module="dpfsdp_verify.no_such_zygote"), "No module named dpfsdp_verify.no_such_zygote"),
-    (dict(preload=("zygote_thread_at_import",)), "2 threads run after the imports"),
+    (dict(preload=zygote.PRELOAD + ("zygote_thread_at_import",)), "2 threads run after the imports"),
 ])
 def test_a_zygote_that_cannot_start_leaves_the_pool_spawning(monkeypatch, broken, says):
     monkeypatch.setattr(zygote, "ZYGOTE_MODULE", broken.get("module", zygote.ZYGOTE_MODULE))
@@ -120,7 +139,7 @@ HARNESS_THAT_DIES = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from dpfsdp_verify.harness import Pool, zygote
     from test_zygote import parent_and_env
-    p = Pool(zygote_preload=zygote.PRELOAD)
+    p = Pool()
     p.run(parent_and_env, "X", world_size=2)
     print(json.dumps(p.started_pids), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

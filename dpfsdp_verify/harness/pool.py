@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
-from .zygote import PRELOAD_OPACUS, Zygotes
+from .zygote import PRELOAD, Zygotes
 
 Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
 
@@ -37,9 +37,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 class Pool:
     def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0, spares: bool = True,
-                 zygote_preload: Optional[Sequence[str]] = PRELOAD_OPACUS):
-        """``zygote_preload``: what the pool's zygotes import before they fork ranks (``zygote.py``);
-        ``None``: no zygote, every rank is a new interpreter."""
+                 zygote_preload: Optional[Sequence[str]] = PRELOAD):
+        """``zygote_preload``: what the pool's zygotes import before they fork ranks (``zygote.py``;
+        they learn more from the jobs); ``None``: no zygote, every rank is a new interpreter."""
         self.max_groups = max_groups
         self.reuse = reuse
         self.start_timeout = start_timeout
@@ -119,6 +119,8 @@ class Pool:
             finally:
                 if not self.reuse:
                     g.close()
+            if self.zygotes is not None:
+                self.zygotes.learn(g.job_modules)
             if g.closed and self.reuse:
                 self._lost.add(key)
             return res

@@ -1,10 +1,14 @@
 """A fork server ("zygote") for rank processes: a rank in milliseconds instead of seconds.
 
-A cold rank is an interpreter plus ``import torch`` (+ ``torch.distributed``, FSDP, opacus): ~3 s of
-CPU each, most of the default gate's CPU time (it starts ~22 ranks). A zygote is a process started
-once per ``Pool`` with those modules imported and nothing run -- no thread started, no CUDA
-initialised, no process group -- which forks a rank on request; the child becomes exactly the
-process ``python -m dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
+A cold rank is an interpreter plus ``import torch`` and then, in its first job, FSDP and opacus:
+~3 s of CPU each, most of the default gate's CPU time (it starts ~22 ranks). A zygote is a process
+started once per ``Pool`` with torch, ``torch.distributed`` and the rank module imported and nothing
+run -- no thread started, no CUDA initialised, no process group -- which forks a rank on request.
+It learns: the modules of torch and opacus that the pool's jobs imported (``Zygotes.learn``, from
+``WorkerGroup.job_modules``) it imports too between requests, so the ranks it forks later start
+with FSDP and opacus loaded (a pool whose jobs never import opacus -- the plugin's, for a user's own
+tests -- never loads it). The child becomes exactly the process ``python -m
+dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
 
 * its own session (``setsid``), stdout and stderr on its log file, stdin ``/dev/null``, the job and
   diagnosis channel ends passed over the zygote's socket (``socket.send_fds``);
@@ -27,15 +31,17 @@ process ``python -m dpfsdp_verify.harness.rank`` would have been, as far as the 
 Rank ``r`` of every group is forked from zygote ``r`` (``Zygotes``: one per rank index, started
 when a group first needs it), so the ranks of one group come from different interpreters, as
 torchrun's do: each has its own string-hash seed (set iteration order differs between ranks as it
-does in a real job). When a zygote cannot start (or forks unsafely: a thread or CUDA up after its
-imports), the pool spawns its ranks as before and says so once (a ``RuntimeWarning``).
+does in a real job). When a zygote cannot start (or would fork unsafely: a thread or CUDA up after its
+imports), the pool spawns its ranks as before and says so once (a ``RuntimeWarning``). What differs
+from a spawned rank: ``/proc/<pid>/environ`` and ``cmdline`` show the zygote's (the rank's
+``os.environ`` is its own), and modules the zygote had imported are not imported again.
 
 Why not ``multiprocessing``'s ``forkserver`` with ``set_forkserver_preload``: it is one per
 process and global, so under the pytest plugin our preload (torch, opacus) would leak into the
 user's own ``multiprocessing`` use, and its children are not in their own session, do not take
 their stdout, environment or working directory per request, and report no exit status to a
-non-parent. This module is that idea in ~250 lines: ``os.fork`` + ``socket.send_fds``/``recv_fds``
-over a ``SOCK_SEQPACKET`` socket pair.
+non-parent. This module is that idea in a few hundred lines: ``os.fork`` +
+``socket.send_fds``/``recv_fds`` over a ``SOCK_SEQPACKET`` socket pair.
 
 Run as ``python -m dpfsdp_verify.harness.zygote <socket fd> <preload JSON>`` (by ``Zygote``).
 """
@@ -67,11 +73,12 @@ from .launch import NODE_VARS
 from .protocol import RANK_MODULE, RankConfig
 
 ZYGOTE_MODULE = "dpfsdp_verify.harness.zygote"
-#: What every zygote imports before it forks (a trailing ``?``: skipped when not importable).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", RANK_MODULE)
-#: ``PRELOAD`` and opacus, what the gate's targets import (the plugin's pool leaves opacus out:
-#: a user's test ranks import what their tests import).
-PRELOAD_OPACUS = PRELOAD + ("opacus?",)
+#: What every zygote imports before it forks: what a spawned rank imports before it is ready.
+PRELOAD = ("torch", "torch.distributed", RANK_MODULE)
+#: Packages whose modules the zygotes learn (``Zygotes.learn``): what the jobs of the pool's groups
+#: imported from them (FSDP, opacus...) is imported by the zygotes too, so later ranks are forked
+#: with it. Only packages known to read no per-rank state (``RANK``...) when imported: a zygote has none.
+LEARNED_PACKAGES = ("torch", "opacus")
 #: Variables that may differ between a zygote and the ranks it forks (see the module docstring).
 UNCHECKED_VARS = frozenset(NODE_VARS + ("PYTHONPATH", "PYTEST_CURRENT_TEST"))
 #: Largest request (environment + paths), bytes; a larger one is spawned instead.
@@ -166,21 +173,28 @@ class Zygote:
         self.output.close()
         return reason + (f"; its output: {tail}" if tail and tail not in reason else "")
 
-    def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> ForkedRank:
+    def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int, timeout: float) -> ForkedRank:
         """Fork rank ``cfg.rank`` (its channel ends ``cfg.job_fd``/``cfg.diag_fd``, output on
-        ``log_fd``). Raises ``ZygoteGone`` (or ``OSError``) when the zygote cannot."""
+        ``log_fd``); ``timeout`` covers imports queued before the request. Raises ``ZygoteGone``
+        (or ``OSError``) when the zygote cannot."""
         request = pickle.dumps(("fork", cfg.__dict__, env, os.getcwd()))
         with self._lock:
             socket.send_fds(self.ctl, [request], [cfg.job_fd, cfg.diag_fd, log_fd])
-            got = self._recv(REPLY_TIMEOUT_S)
+            got = self._recv(timeout)
         if got is None:
-            raise ZygoteGone(f"no answer to a fork within {REPLY_TIMEOUT_S:.0f} s")
+            raise ZygoteGone(f"no answer to a fork within {timeout:.0f} s")
         (kind, value), fds = got
         if kind != "forked" or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             raise ZygoteGone(f"the zygote could not fork: {value}")
         return ForkedRank(self, value, fds[0])
+
+    def learn(self, names: Sequence[str]) -> None:
+        """Have the zygote import ``names`` before its next fork (no answer; a failing import is
+        skipped)."""
+        with self._lock:
+            socket.send_fds(self.ctl, [pickle.dumps(("import", list(names)))], [])
 
     def exit_code(self, pid: int) -> int:
         """The exit code (or ``-signal``) of a forked rank that has exited. A rank whose zygote
@@ -216,9 +230,11 @@ class Zygotes:
     """A pool's zygotes, one per rank index (module docstring), started on first use with the
     environment of the first group that needs them."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD_OPACUS, start_timeout: float = 120.0,
+    def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout: float = 120.0,
                  started_pids: Optional[List[int]] = None):
         self.preload = tuple(preload)
+        #: modules learned from the jobs (``learn``): a zygote started later imports them at once
+        self.learned: List[str] = []
         self.start_timeout = start_timeout
         #: every zygote pid started (the pool's ``started_pids``: proof that none is left behind)
         self.started_pids = started_pids if started_pids is not None else []
@@ -246,7 +262,7 @@ class Zygotes:
             if zygote is None:
                 return None
             try:
-                return zygote.fork(cfg, env, log_fd)
+                return zygote.fork(cfg, env, log_fd, self.start_timeout)
             except (ZygoteGone, OSError) as e:
                 self._give_up(f"zygote {cfg.rank} failed: {e}")
                 return None
@@ -261,13 +277,29 @@ class Zygotes:
             if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
                 if z is not None:
                     z.close()
-                self.zygotes[i] = Zygote(self._env, self.preload)
+                self.zygotes[i] = Zygote(self._env, self.preload + tuple(m + "?" for m in self.learned))
                 self.started_pids.append(self.zygotes[i].pid)
         reason = self.zygotes[index].wait_ready(self.start_timeout)
         if reason is not None:
             self._give_up(f"zygote {index} could not start: {reason}")
             return None
         return self.zygotes[index]
+
+    def learn(self, modules: Sequence[str]) -> None:
+        """Modules of ``LEARNED_PACKAGES`` that a group's jobs imported (``WorkerGroup.job_modules``):
+        every zygote imports those it has not, so that the ranks it forks next start with them."""
+        with self._lock:
+            known = set(self.learned)
+            new = [m for m in modules if m.split(".")[0] in LEARNED_PACKAGES and m not in known]
+            if not new or self.failed is not None:
+                return
+            self.learned += new
+            for z in self.zygotes:
+                if z is not None and z.ready and z.alive():
+                    try:
+                        z.learn(new)
+                    except OSError:  # it died: the next fork replaces it
+                        pass
 
     def _give_up(self, reason: str) -> None:
         self.failed = reason
@@ -289,11 +321,12 @@ class Zygotes:
 
 # -- zygote side --------------------------------------------------------------------------
 def _import_all(names: Sequence[str]) -> None:
+    """Import ``names``; one with a trailing ``?`` is skipped when its import fails."""
     for name in names:
         optional = name.endswith("?")
         try:
             importlib.import_module(name.rstrip("?"))
-        except ImportError:
+        except (Exception, SystemExit):
             if not optional:
                 raise
 
@@ -392,7 +425,8 @@ def _reap(ctl: socket.socket) -> None:
 
 
 def _serve(ctl: socket.socket, interpreter_path: List[str], wake_r: int, wake_w: int) -> None:
-    """Fork a rank per request until EOF (the harness is gone)."""
+    """Fork a rank per request, import what the harness learned, until EOF (the harness is gone)."""
+    unsafe = None  # why forking became unsafe after a learned import
     while True:
         ready = select.select([ctl, wake_r], [], [])[0]
         if wake_r in ready:
@@ -406,20 +440,30 @@ def _serve(ctl: socket.socket, interpreter_path: List[str], wake_r: int, wake_w:
         data, fds, _, _ = socket.recv_fds(ctl, MAX_MESSAGE, 3)
         if not data:
             return
-        _, cfg, env, cwd = pickle.loads(data)
+        request = pickle.loads(data)
+        if request[0] == "import":
+            _import_all([name + "?" for name in request[1]])
+            unsafe = unsafe or _unsafe_to_fork()
+            gc.collect()
+            gc.freeze()
+            continue
+        _, cfg, env, cwd = request
         sys.stdout.flush()
         sys.stderr.flush()
         zygote_pid = os.getpid()
-        try:
-            pid = os.fork()
-        except OSError as e:
-            _send(ctl, ("failed", f"fork: {e}"))
+        if unsafe is not None:
+            _send(ctl, ("failed", unsafe))
         else:
-            if pid == 0:
-                _become_rank(cfg, env, cwd, fds, zygote_pid, interpreter_path, ctl, (wake_r, wake_w))
-            pidfd = os.pidfd_open(pid)
-            _send(ctl, ("forked", pid), [pidfd])
-            os.close(pidfd)
+            try:
+                pid = os.fork()
+            except OSError as e:
+                _send(ctl, ("failed", f"fork: {e}"))
+            else:
+                if pid == 0:
+                    _become_rank(cfg, env, cwd, fds, zygote_pid, interpreter_path, ctl, (wake_r, wake_w))
+                pidfd = os.pidfd_open(pid)
+                _send(ctl, ("forked", pid), [pidfd])
+                os.close(pidfd)
         for fd in fds:
             os.close(fd)
 

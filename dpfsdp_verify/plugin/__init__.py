@@ -38,7 +38,6 @@ from typing import Optional
 import pytest
 
 from ..harness import BackendUnavailable, GroupStartError, JobPicklingError, Pool
-from ..harness import zygote
 from ..harness.pool import DEFAULT_TIMEOUT_S
 from .testbody import FunctionRef, run_test_body  # noqa: F401 - run_test_body: the job ranks import
 from ..harness.torchrun import TorchrunSession, torchrun_env
@@ -120,8 +119,7 @@ def pytest_unconfigure(config):
 def _get_pool(config) -> Pool:
     global _pool
     if _pool is None:
-        # the zygotes import torch, not opacus: a user's ranks import what their tests import
-        _pool = Pool(reuse=not config.getoption("dpfsdp_fresh"), zygote_preload=zygote.PRELOAD)
+        _pool = Pool(reuse=not config.getoption("dpfsdp_fresh"))
     return _pool
 
 
