@@ -81,7 +81,7 @@ PRELOAD = ("torch", "torch.distributed", RANK_MODULE)
 LEARNED_PACKAGES = ("torch", "opacus")
 #: Variables that may differ between a zygote and the ranks it forks (see the module docstring).
 UNCHECKED_VARS = frozenset(NODE_VARS + ("PYTHONPATH", "PYTEST_CURRENT_TEST"))
-#: Largest request (environment + paths), bytes; a larger one is spawned instead.
+#: Largest message read from the socket, bytes (a request carries an environment).
 MAX_MESSAGE = 1 << 20
 #: How long the harness waits for a zygote's answer to a fork or for a reaped rank's exit status.
 REPLY_TIMEOUT_S = 10.0
@@ -264,8 +264,9 @@ class Zygotes:
             try:
                 return zygote.fork(cfg, env, log_fd, self.start_timeout)
             except (ZygoteGone, OSError) as e:
-                self._give_up(f"zygote {cfg.rank} failed: {e}")
-                return None
+                if zygote.alive():  # it runs but cannot fork (unsafe after an import, no answer...)
+                    self._give_up(f"zygote {cfg.rank} failed: {e}")
+                return None  # a dead one (killed?) is replaced when the next group starts
 
     def _ready(self, index: int, world_size: int) -> Optional[Zygote]:
         """Zygote ``index``, ready; the group's other missing zygotes are started meanwhile (not
