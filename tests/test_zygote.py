@@ -1,7 +1,8 @@
 """The zygote (``harness/zygote.py``): a rank it forks is the rank ``python -m
 dpfsdp_verify.harness.rank`` would have been (environment, ``sys.path``, threads, session, output,
 parent-death signal); no rank outlives its zygote or the harness; a zygote that cannot start (or
-cannot fork safely) leaves the pool spawning its ranks, and a changed environment is spawned too."""
+cannot fork safely) leaves the pool spawning its ranks; an environment changed since gets zygotes
+of its own."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_a_forked_rank_is_what_a_spawned_rank_would_be(pool):
     spawned = _run_and_close(WorkerGroup(2), rank_facts)
     zygotes = pool.zygotes.pids()
     for r, (f, s) in enumerate(zip(forked, spawned)):
-        assert f["ppid"] in zygotes and s["ppid"] == os.getpid(), "forked by a zygote / spawned by this process"
+        assert f["ppid"] in zygotes, "forked by a zygote"
+        assert s["ppid"] == os.getpid()
         assert f["sid"] == f["pgid"] == f["pid"] and s["sid"] == s["pgid"] == s["pid"], "a session of its own"
         same = ("env", "path", "cwd", "argv0", "main", "threads", "interop", "accelerator", "deathsig", "stdout",
                 "stderr", "stdin")
@@ -64,18 +66,28 @@ def test_a_forked_rank_is_what_a_spawned_rank_would_be(pool):
     assert forked[0]["hash"] != forked[1]["hash"]
 
 
-def test_a_changed_environment_or_a_group_env_is_spawned(pool, monkeypatch):
-    pool.run(parent_and_env, "X", world_size=1)  # the zygote for rank 0 is up
-    monkeypatch.setenv("DPFSDP_ZYGOTE_TEST", "changed after the zygote started")
-    group = pool.fresh_group(1)
-    (ppid, value), = _run_and_close(group, parent_and_env, "DPFSDP_ZYGOTE_TEST")
-    assert ppid == os.getpid() and value == "changed after the zygote started"
-    monkeypatch.delenv("DPFSDP_ZYGOTE_TEST")
-    group = pool.fresh_group(1, env={"DPFSDP_ZYGOTE_TEST": "group env"})
-    (ppid, value), = _run_and_close(group, parent_and_env, "DPFSDP_ZYGOTE_TEST")
-    assert ppid == os.getpid() and value == "group env"
-    (ppid, value), = _run_and_close(pool.fresh_group(1), parent_and_env, "DPFSDP_ZYGOTE_TEST")
-    assert ppid in pool.zygotes.pids() and value is None
+def test_each_environment_has_its_zygotes_and_a_group_env_is_spawned(pool, monkeypatch):
+    keep = pool.fresh_group(1)  # a rank of this environment's zygote stays up: it is busy
+    try:
+        (first, _), = keep.run(parent_and_env, ("X",), timeout=120).values()
+        assert first in pool.zygotes.pids()
+        monkeypatch.setenv("DPFSDP_ZYGOTE_TEST", "set after the zygotes started")
+        (ppid, value), = _run_and_close(pool.fresh_group(1), parent_and_env, "DPFSDP_ZYGOTE_TEST")
+        assert ppid in pool.zygotes.pids() and ppid != first and value == "set after the zygotes started"
+        # a new environment ends an idle set of zygotes when there are too many, never a busy one
+        monkeypatch.setattr(pool.zygotes, "MAX_ENVIRONMENTS", 1)
+        monkeypatch.setenv("DPFSDP_ZYGOTE_TEST", "a third environment")
+        (ppid, value), = _run_and_close(pool.fresh_group(1), parent_and_env, "DPFSDP_ZYGOTE_TEST")
+        assert ppid == os.getpid() and value == "a third environment", "spawned"
+        monkeypatch.delenv("DPFSDP_ZYGOTE_TEST")
+        group = pool.fresh_group(1, env={"DPFSDP_ZYGOTE_TEST": "group env"})  # read at import: spawned
+        (ppid, value), = _run_and_close(group, parent_and_env, "DPFSDP_ZYGOTE_TEST")
+        assert ppid == os.getpid() and value == "group env"
+        (ppid, value), = _run_and_close(pool.fresh_group(1), parent_and_env, "DPFSDP_ZYGOTE_TEST")
+        assert ppid == first and value is None
+    finally:
+        keep.close()
+    assert wait_gone(keep.pids()) == []
 
 
 def imports(name):

@@ -18,8 +18,9 @@ dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
   and the rank module run as ``__main__``. Variables read when a library is *loaded*
   (``OMP_NUM_THREADS``: libgomp; ``OPACUS_USE_DEFERRED_NORM``; the tests' simulated accelerator)
   cannot be changed after the fork, so a zygote forks only ranks whose environment equals its own
-  but for the per-rank node variables, ``PYTHONPATH`` (read into ``sys.path`` above) and pytest's
-  ``PYTEST_CURRENT_TEST``; any other rank is spawned. Groups with variables of their own
+  but for the per-rank node variables, ``PYTHONPATH`` (read into ``sys.path`` above) and a few
+  read only when used (``UNCHECKED_VARS``); a rank with another environment (a variable set since,
+  by a test say) is forked by zygotes started for it (``Zygotes``: up to 3 environments). Groups with variables of their own
   (``WorkerGroup(env=...)``: mode environments) are always spawned;
 * the parent-death signal follows the zygote (the rank's parent): the harness dies -> the zygote
   reads EOF on its socket and exits -> its ranks get SIGKILL. A rank also exits on EOF of its
@@ -66,7 +67,8 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Dict, List, Optional, Sequence
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import wording
 from .launch import NODE_VARS
@@ -79,8 +81,11 @@ PRELOAD = ("torch", "torch.distributed", RANK_MODULE)
 #: imported from them (FSDP, opacus...) is imported by the zygotes too, so later ranks are forked
 #: with it. Only packages known to read no per-rank state (``RANK``...) when imported: a zygote has none.
 LEARNED_PACKAGES = ("torch", "opacus")
-#: Variables that may differ between a zygote and the ranks it forks (see the module docstring).
-UNCHECKED_VARS = frozenset(NODE_VARS + ("PYTHONPATH", "PYTEST_CURRENT_TEST"))
+#: Variables that may differ between a zygote and the ranks it forks (module docstring): per rank,
+#: read into ``sys.path`` at fork, pytest's per-test name, and the compile caches torch itself sets
+#: in the harness when it first compiles (read when used, never at import).
+UNCHECKED_VARS = frozenset(NODE_VARS + ("PYTHONPATH", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR",
+                                        "TRITON_CACHE_DIR"))
 #: Largest message read from the socket, bytes (a request carries an environment).
 MAX_MESSAGE = 1 << 20
 #: How long the harness waits for a zygote's answer to a fork or for a reaped rank's exit status.
@@ -133,6 +138,8 @@ class Zygote:
         self.ctl = mine
         self.pid = self.proc.pid
         self.ready = False
+        #: forked ranks not yet reported exited
+        self.children: set = set()
         self._exits: Dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -150,6 +157,7 @@ class Zygote:
             msg = pickle.loads(data)
             if msg[0] == "exit":
                 self._exits[msg[1]] = msg[2]
+                self.children.discard(msg[1])
                 if reply:
                     continue
             return msg, fds
@@ -188,6 +196,7 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             raise ZygoteGone(f"the zygote could not fork: {value}")
+        self.children.add(value)
         return ForkedRank(self, value, fds[0])
 
     def learn(self, names: Sequence[str]) -> None:
@@ -208,6 +217,16 @@ class Zygote:
                 pass
             return self._exits.pop(pid, -signal.SIGKILL)
 
+    def busy(self) -> bool:
+        """Whether a rank it forked still runs (ending the zygote would kill it)."""
+        with self._lock:
+            try:
+                while self._recv(0.0, reply=False) is not None:
+                    pass
+            except (ZygoteGone, OSError):
+                return False
+            return bool(self.children)
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -227,8 +246,13 @@ class Zygote:
 
 
 class Zygotes:
-    """A pool's zygotes, one per rank index (module docstring), started on first use with the
-    environment of the first group that needs them."""
+    """A pool's zygotes: for each environment its groups' ranks were started with, one zygote per
+    rank index (module docstring), each started when a group first needs it. At most
+    ``MAX_ENVIRONMENTS`` environments: a new one replaces one whose ranks are all gone, else its
+    ranks are spawned."""
+
+    #: environments with zygotes of their own (a test that sets a variable starts a set for it)
+    MAX_ENVIRONMENTS = 3
 
     def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout: float = 120.0,
                  started_pids: Optional[List[int]] = None):
@@ -238,27 +262,22 @@ class Zygotes:
         self.start_timeout = start_timeout
         #: every zygote pid started (the pool's ``started_pids``: proof that none is left behind)
         self.started_pids = started_pids if started_pids is not None else []
-        self.zygotes: List[Optional[Zygote]] = []
+        #: checked environment (``UNCHECKED_VARS`` left out) -> (the zygotes' environment, zygote per rank index)
+        self.sets: "OrderedDict[tuple, Tuple[Dict[str, str], List[Optional[Zygote]]]]" = OrderedDict()
         #: why the zygotes are not used (ranks are spawned), once one could not start
         self.failed: Optional[str] = None
-        self._env: Optional[Dict[str, str]] = None
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _checked(env: Dict[str, str]) -> Dict[str, str]:
-        return {k: v for k, v in env.items() if k not in UNCHECKED_VARS}
-
     def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> Optional[ForkedRank]:
-        """Rank ``cfg.rank`` forked by its zygote; ``None`` when it must be spawned instead (the
-        environment differs from the zygotes', or they cannot start or fork)."""
+        """Rank ``cfg.rank`` forked by its zygote; ``None`` when it must be spawned instead (too many
+        environments in use, or the zygotes cannot start or fork)."""
         with self._lock:
             if self.failed is not None:
                 return None
-            if self._env is None:
-                self._env = {k: v for k, v in env.items() if k not in NODE_VARS}
-            elif self._checked(env) != self._checked(self._env):
+            zygotes = self._set_for(env)
+            if zygotes is None:
                 return None
-            zygote = self._ready(cfg.rank, cfg.world_size)
+            zygote = self._ready(zygotes, cfg.rank, cfg.world_size)
             if zygote is None:
                 return None
             try:
@@ -268,23 +287,44 @@ class Zygotes:
                     self._give_up(f"zygote {cfg.rank} failed: {e}")
                 return None  # a dead one (killed?) is replaced when the next group starts
 
-    def _ready(self, index: int, world_size: int) -> Optional[Zygote]:
-        """Zygote ``index``, ready; the group's other missing zygotes are started meanwhile (not
-        waited for), so that a group's zygotes import in parallel."""
-        while len(self.zygotes) < world_size:
-            self.zygotes.append(None)
+    def _set_for(self, env: Dict[str, str]) -> Optional[List[Optional[Zygote]]]:
+        key = tuple(sorted((k, v) for k, v in env.items() if k not in UNCHECKED_VARS))
+        if key not in self.sets:
+            for old in [k for k, (_, zs) in self.sets.items() if not any(z is not None and z.busy() for z in zs)]:
+                if len(self.sets) < self.MAX_ENVIRONMENTS:
+                    break
+                for z in self.sets.pop(old)[1]:
+                    if z is not None:
+                        z.close()
+            if len(self.sets) >= self.MAX_ENVIRONMENTS:
+                return None
+            self.sets[key] = ({k: v for k, v in env.items() if k not in NODE_VARS}, [])
+        self.sets.move_to_end(key)
+        return self.sets[key][1]
+
+    def _zygote_env(self, zygotes: List[Optional[Zygote]]) -> Dict[str, str]:
+        return next(env for env, zs in self.sets.values() if zs is zygotes)
+
+    def _ready(self, zygotes: List[Optional[Zygote]], index: int, world_size: int) -> Optional[Zygote]:
+        """Zygote ``index`` of a set, ready; the group's other missing zygotes are started meanwhile
+        (not waited for), so that a group's zygotes import in parallel."""
+        while len(zygotes) < world_size:
+            zygotes.append(None)
         for i in range(index, world_size):
-            z = self.zygotes[i]
+            z = zygotes[i]
             if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
                 if z is not None:
                     z.close()
-                self.zygotes[i] = Zygote(self._env, self.preload + tuple(m + "?" for m in self.learned))
-                self.started_pids.append(self.zygotes[i].pid)
-        reason = self.zygotes[index].wait_ready(self.start_timeout)
+                zygotes[i] = Zygote(self._zygote_env(zygotes), self.preload + tuple(m + "?" for m in self.learned))
+                self.started_pids.append(zygotes[i].pid)
+        reason = zygotes[index].wait_ready(self.start_timeout)
         if reason is not None:
             self._give_up(f"zygote {index} could not start: {reason}")
             return None
-        return self.zygotes[index]
+        return zygotes[index]
+
+    def _all(self) -> List[Zygote]:
+        return [z for _, zs in self.sets.values() for z in zs if z is not None]
 
     def learn(self, modules: Sequence[str]) -> None:
         """Modules of ``LEARNED_PACKAGES`` that a group's jobs imported (``WorkerGroup.job_modules``):
@@ -295,8 +335,8 @@ class Zygotes:
             if not new or self.failed is not None:
                 return
             self.learned += new
-            for z in self.zygotes:
-                if z is not None and z.ready and z.alive():
+            for z in self._all():
+                if z.ready and z.alive():
                     try:
                         z.learn(new)
                     except OSError:  # it died: the next fork replaces it
@@ -309,15 +349,15 @@ class Zygotes:
 
     def pids(self) -> List[int]:
         """pids of the zygotes still running."""
-        return [z.pid for z in self.zygotes if z is not None and z.alive()]
+        return [z.pid for z in self._all() if z.alive()]
 
     def close(self) -> None:
         """End every zygote (after the pool's groups: their ranks die with their zygote)."""
         with self._lock:
-            zygotes, self.zygotes = self.zygotes, []
+            zygotes = self._all()
+            self.sets.clear()
             for z in zygotes:
-                if z is not None:
-                    z.close()
+                z.close()
 
 
 # -- zygote side --------------------------------------------------------------------------
