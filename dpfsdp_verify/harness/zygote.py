@@ -213,7 +213,7 @@ class Zygote:
                 while pid not in self._exits:
                     if self._recv(REPLY_TIMEOUT_S, reply=False) is None:
                         break
-            except (ZygoteGone, OSError):
+            except (ZygoteGone, OSError, ValueError):  # ValueError: closed meanwhile
                 pass
             return self._exits.pop(pid, -signal.SIGKILL)
 
@@ -223,7 +223,7 @@ class Zygote:
             try:
                 while self._recv(0.0, reply=False) is not None:
                     pass
-            except (ZygoteGone, OSError):
+            except (ZygoteGone, OSError, ValueError):  # gone, or closed: its ranks are gone too
                 return False
             return bool(self.children)
 
