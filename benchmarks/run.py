@@ -4,7 +4,8 @@
 
 Sections:
   harness    per-test overhead of a 2-rank distributed test: warm pool vs a fresh group per test
-             vs torch.multiprocessing.spawn per test (how MultiProcessTestCase/mp.spawn work);
+             (forked from the pool's zygotes) vs a spawned group per test (new interpreters) vs
+             torch.multiprocessing.spawn per test (how MultiProcessTestCase/mp.spawn work);
              hang-verdict latency beyond the deadline, and until every rank process is gone.
   fuzz       hypothesis throughput (examples/s) of a small-MLP property at world sizes 1 and 2.
   gate       the default gate's wall time on the installed opacus, split by property.
@@ -63,8 +64,12 @@ def bench_harness(n_warm: int = 50, n_fresh: int = 5, hangs: int = 3) -> dict:
     with Pool() as pool:
         pool.run(bench_jobs.tiny_test, world_size=2)  # start the group (not counted)
         out["warm_pool_ms_per_test"] = _median_ms(lambda: pool.run(bench_jobs.tiny_test, world_size=2).ok, n_warm)
-    with Pool(reuse=False) as pool:
+    with Pool(reuse=False) as pool:  # ranks forked from the pool's zygotes (started first, not counted)
+        pool.run(bench_jobs.tiny_test, world_size=2)
         out["fresh_group_ms_per_test"] = _median_ms(lambda: pool.run(bench_jobs.tiny_test, world_size=2).ok, n_fresh)
+    with Pool(reuse=False, zygote_preload=None) as pool:  # every rank a new interpreter
+        out["spawned_group_ms_per_test"] = _median_ms(lambda: pool.run(bench_jobs.tiny_test, world_size=2).ok,
+                                                      n_fresh)
     out["mp_spawn_ms_per_test"] = _median_ms(lambda: bench_jobs.mp_spawn_tiny_test(2) or True, n_fresh)
     out["spawn_over_warm_ratio"] = out["mp_spawn_ms_per_test"] / out["warm_pool_ms_per_test"]
 

@@ -36,7 +36,7 @@ def cmd_run_torchrun(args) -> int:
     rank, world_size = env
     # the flight recorder must be on before the process group exists (as in spawned ranks): a
     # rank's trace at the deadline shows which collective it waits in
-    from ..harness.group import FR_BUFFER_SIZE
+    from ..harness.launch import FR_BUFFER_SIZE
 
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
     if rank != 0 and not os.environ.get(RANK_OUTPUT_ENV):

@@ -1,7 +1,8 @@
 """Distributed harness: worker groups of N ranks (gloo or NCCL), a watchdog that turns hangs and
 crashes into verdicts with a diagnosis, and a warm pool.
 
-Parent side: ``group.py`` (launch, watchdog, teardown), ``proof.py`` (deadlocks proven from the
+Parent side: ``group.py`` (watchdog, teardown), ``launch.py`` and ``zygote.py`` (ranks forked
+from warm zygotes, or spawned), ``proof.py`` (deadlocks proven from the
 ranks' probes before the deadline), ``pool.py`` (warm groups), ``diagnose.py`` (stacks +
 flight-recorder comparison), ``wording.py`` (what a verdict says), ``rank_groups.py`` (ranks
 told by state, as ranges). Rank side: ``rank.py``. The messages between them: ``protocol.py``. Both sides: ``backends.py`` (the backend table).

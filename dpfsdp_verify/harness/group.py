@@ -1,6 +1,7 @@
 """The parent side of a worker group: launch N ranks, ship jobs, watch deadlines, tear down.
 
-A ``WorkerGroup`` starts ``world_size`` rank processes (``rank.py``), each in its own session
+A ``WorkerGroup`` starts ``world_size`` rank processes (``rank.py``; forked from a pool's zygote
+or spawned: ``launch.py``), each in its own session
 (so SIGTERM/SIGKILL of its process group reaches any grandchildren), rendezvousing through a
 ``torch.distributed.FileStore`` in a private temp dir: no port to collide on under ``pytest -n``.
 ``run()`` ships one job to every rank and waits on the ranks' result channels *and* their process
@@ -40,18 +41,21 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from . import diagnose, wording
 from .backends import get_backend
+from .launch import RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
-from .protocol import (RANK_MODULE, Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
+from .protocol import (Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .zygote import Zygotes
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -63,10 +67,6 @@ KILL_GRACE_S = 0.5
 #: After a proven deadlock, how long the ranks get to abort their process group, leave the job and
 #: create a fresh group before the group is ended instead.
 RECOVER_TIMEOUT_S = 3.0
-#: Flight-recorder ring buffer entries per rank (set before the process group is created). A
-#: divergence is always among the newest entries; the buffer's size is what every probe pays to
-#: dump it: ~1-7 ms at 256 entries vs ~90-130 ms at 2000 (torch 2.13, gloo, loaded 2-core box).
-FR_BUFFER_SIZE = 256
 #: The process-group timeout inside ranks: far beyond any deadline, the watchdog decides.
 PG_TIMEOUT_S = 3600.0
 
@@ -88,29 +88,6 @@ class GroupStartError(RuntimeError):
 
 class JobPicklingError(TypeError):
     """The job function or its arguments cannot be sent to the ranks (a config mistake)."""
-
-
-def local_world_size(world_size: int) -> int:
-    """Ranks per "node" of the layout a group of ``world_size`` ranks is given (``node_env``): one
-    node at 1 and 2 ranks (a 2-GPU machine), nodes of 2 at an even world size >= 4, one rank per
-    node at an odd world size >= 3 (torchrun gives every node the same number of ranks). From 3
-    ranks on, ``LOCAL_RANK`` differs from ``RANK`` on some rank and repeats across nodes, so
-    code that uses the local rank where the global one is meant (a noise or sampler seed) shows."""
-    if world_size <= 2:
-        return world_size
-    return 2 if world_size % 2 == 0 else 1
-
-
-def node_env(rank: int, world_size: int) -> Dict[str, str]:
-    """The environment torchrun gives rank ``rank`` of ``world_size`` on the node layout of
-    ``local_world_size``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK`` (the node's index), ``GROUP_WORLD_SIZE`` (nodes), ``ROLE_RANK``,
-    ``ROLE_WORLD_SIZE``. The ranks still rendezvous through the group's store, not through these."""
-    local = local_world_size(world_size)
-    values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank % local, "LOCAL_WORLD_SIZE": local,
-              "GROUP_RANK": rank // local, "GROUP_WORLD_SIZE": world_size // local, "ROLE_RANK": rank,
-              "ROLE_WORLD_SIZE": world_size}
-    return {k: str(v) for k, v in values.items()}
 
 
 @dataclass
@@ -197,17 +174,21 @@ class WorkerGroup:
     """``world_size`` initialised ranks that run jobs one at a time (see module docstring)."""
 
     def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
-                 start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True):
+                 start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True,
+                 zygotes: Optional["Zygotes"] = None):
         """Start the ranks. ``preload``: modules each rank imports before it is ready (what the
         jobs of a group this one replaces had imported, so its first job does not pay for them).
-        ``wait_ready=False`` returns once the processes are spawned; the first ``run`` (or
-        ``ensure_ready``) waits for them. Raises ``BackendUnavailable`` / ``ValueError`` before
+        ``wait_ready=False`` returns once the processes are started; the first ``run`` (or
+        ``ensure_ready``) waits for them. ``zygotes``: fork the ranks from these (a pool's,
+        ``zygote.py``) unless the group has an ``env`` of its own; else (or when they cannot)
+        each rank is a new interpreter. Raises ``BackendUnavailable`` / ``ValueError`` before
         anything starts, ``GroupStartError`` when the ranks cannot start."""
         check_backend(backend, world_size)
         self.world_size, self.backend = world_size, backend
         self.env = dict(env or {})
         self.start_timeout = start_timeout
-        self.procs: List[subprocess.Popen] = []
+        self.zygotes = None if self.env else zygotes
+        self.procs: List[RankProcess] = []
         self.pidfds: List[int] = []
         self.job_conns: List[Connection] = []
         self.diag_conns: List[Connection] = []
@@ -239,16 +220,7 @@ class WorkerGroup:
     def _start(self) -> None:
         self.tmpdir = tempfile.mkdtemp(prefix="dpfsdp-group-")
         store = os.path.join(self.tmpdir, "store")
-        env = dict(os.environ)
-        env.update(self.env)
-        env.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
-        # as torchrun does: N ranks each spawning one thread per core oversubscribe a small
-        # runner (measured ~5x slower per rank on 2 cores); a user's own setting wins
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # ranks must import whatever the parent can (test modules, conftests, the target)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            env.pop(var, None)  # a harness group inside a torchrun job must not pick those up
+        env = rank_env(self.env)
         try:
             for r in range(self.world_size):
                 env.update(node_env(r, self.world_size))
@@ -257,17 +229,13 @@ class WorkerGroup:
                 cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,
                                  job_fd=child_job.fileno(), diag_fd=child_diag.fileno(), parent_pid=os.getpid(),
                                  pg_timeout_s=PG_TIMEOUT_S, preload=self.preload)
-                log = open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb")
-                proc = subprocess.Popen([sys.executable, "-m", RANK_MODULE, cfg.to_argv()], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        pass_fds=(child_job.fileno(), child_diag.fileno()),
-                                        start_new_session=True)
-                log.close()
+                with open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb") as log:
+                    proc = start_rank(cfg, env, log.fileno(), self.zygotes)
                 child_job.close()
                 child_diag.close()
                 self.procs.append(proc)
                 # a pidfd becomes readable when the process exits: waitable next to the channels
-                self.pidfds.append(os.pidfd_open(proc.pid))
+                self.pidfds.append(proc.pidfd)
                 self.job_conns.append(Connection(parent_job.detach()))
                 self.diag_conns.append(Connection(parent_diag.detach()))
         except BaseException:
@@ -334,7 +302,10 @@ class WorkerGroup:
     def _send_job(self, payload: bytes, timeout: float) -> "_JobWait":
         t0 = time.monotonic()
         for c in self.job_conns:
-            send(c, Job(self._job_id, payload))
+            try:
+                send(c, Job(self._job_id, payload))
+            except OSError:
+                pass  # a rank that died since its last job: its sentinel says how
         return _JobWait(job_id=self._job_id, t0=t0, deadline=t0 + timeout, next_probe=t0 + PROBE_AFTER_S,
                         sentinels={fd: r for r, fd in enumerate(self.pidfds)},
                         diag_rank={c: r for r, c in enumerate(self.diag_conns)},
@@ -605,7 +576,7 @@ class WorkerGroup:
         self.close()
 
 
-def _wait_all(procs: List[subprocess.Popen], timeout: float) -> None:
+def _wait_all(procs: List[RankProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for p in procs:
         try:

@@ -1,7 +1,8 @@
 """A pool of warm worker groups, keyed by (world_size, backend, environment).
 
-Starting ranks costs seconds (spawn + ``import torch`` + rendezvous); running a job on a warm
-group costs milliseconds. ``Pool.run`` ships a job to the group for its key, starting one if
+Starting a rank as a new interpreter costs seconds (``import torch`` + rendezvous); the pool forks
+its ranks from zygotes instead (``zygote.py``: torch and opacus imported once per pool, a rank in
+milliseconds + rendezvous); running a job on a warm group costs milliseconds. ``Pool.run`` ships a job to the group for its key, starting one if
 needed. A group that hung, crashed or was left dirty is ended by ``WorkerGroup.run`` itself; the
 pool notices and starts a fresh one on the next job, so one bad job never skips the rest.
 Jobs that need environment variables at process start (e.g. ``OPACUS_USE_DEFERRED_NORM``) get
@@ -23,9 +24,10 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
+from .zygote import PRELOAD, Zygotes
 
 Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
 
@@ -34,7 +36,10 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class Pool:
-    def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0, spares: bool = True):
+    def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0, spares: bool = True,
+                 zygote_preload: Optional[Sequence[str]] = PRELOAD):
+        """``zygote_preload``: what the pool's zygotes import before they fork ranks (``zygote.py``;
+        they learn more from the jobs); ``None``: no zygote, every rank is a new interpreter."""
         self.max_groups = max_groups
         self.reuse = reuse
         self.start_timeout = start_timeout
@@ -47,6 +52,9 @@ class Pool:
         #: pid of every rank this pool ever started, including groups ended after a hang or crash:
         #: what a test checks to prove nothing was left behind
         self.started_pids: List[int] = []
+        #: the fork servers of this pool's ranks (their pids join ``started_pids``)
+        self.zygotes = (Zygotes(zygote_preload, start_timeout, self.started_pids) if zygote_preload is not None
+                        else None)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -78,7 +86,8 @@ class Pool:
             except GroupStartError:  # the spare failed to start: start one the plain way
                 g = None
         if g is None or g.closed:
-            g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload)
+            g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload,
+                            zygotes=self.zygotes)
             self.started_pids += g.pids()
         self.groups[key] = g
         return g
@@ -91,7 +100,7 @@ class Pool:
         world_size, backend, env = key[0], key[1], dict(key[2])
         try:
             spare = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload,
-                                wait_ready=False)
+                                wait_ready=False, zygotes=self.zygotes)
         except Exception:  # no spare then: the next job starts its group as before
             return
         self.started_pids += spare.pids()
@@ -110,6 +119,8 @@ class Pool:
             finally:
                 if not self.reuse:
                     g.close()
+            if self.zygotes is not None:
+                self.zygotes.learn(g.job_modules)
             if g.closed and self.reuse:
                 self._lost.add(key)
             return res
@@ -120,7 +131,8 @@ class Pool:
         and not waited for (``run`` waits), so several can start at once; the caller closes it.
         Its pids join ``started_pids``."""
         check_backend(backend, world_size)
-        g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, wait_ready=False)
+        g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, wait_ready=False,
+                        zygotes=self.zygotes)
         self.started_pids += g.pids()
         return g
 
@@ -130,11 +142,14 @@ class Pool:
                 self.groups.popitem()[1].close()
             while self.spares:
                 self.spares.popitem()[1].close()
+            if self.zygotes is not None:
+                self.zygotes.close()  # after the groups: their ranks die with their zygote
 
     def pids(self):
-        """pids of the live groups' and spares' ranks."""
+        """pids of the live groups' and spares' ranks, and of the zygotes."""
         live = list(self.groups.values()) + list(self.spares.values())
-        return [pid for g in live if not g.closed for pid in g.pids()]
+        zygotes = self.zygotes.pids() if self.zygotes is not None else []
+        return [pid for g in live if not g.closed for pid in g.pids()] + zygotes
 
     def __enter__(self):
         return self

@@ -1,7 +1,8 @@
 """The tiny protocol between the parent (``group.py``) and each rank (``rank.py``).
 
-Each rank is a child process holding two ``multiprocessing.connection.Connection`` ends of
-``socket.socketpair()``s inherited from the parent — no TCP port, no socket file. Every message
+Each rank is a process holding two ``multiprocessing.connection.Connection`` ends of
+``socket.socketpair()``s inherited from the parent (or passed to the zygote that forks it) — no TCP
+port, no socket file. Every message
 is one of the small dataclasses below (pickled with ``send``/``recv``):
 
 * the **job channel**, read by the rank's main thread:

@@ -1,6 +1,7 @@
 """The rank side of a worker group: bootstrap, run jobs one at a time, answer dump requests.
 
-Started by ``group.WorkerGroup`` as ``python -m dpfsdp_verify.harness.rank '<RankConfig JSON>'``.
+Started by ``group.WorkerGroup`` as ``python -m dpfsdp_verify.harness.rank '<RankConfig JSON>'``, or
+forked by a zygote that runs this module as ``__main__`` with the same argument (``zygote.py``).
 See ``protocol.py`` for the messages. Between jobs the rank restores what a job may have changed
 (environment variables, RNG seeds, default dtype, grad mode) so that state does not leak from one
 job to the next on a warm group.
