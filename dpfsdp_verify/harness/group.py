@@ -583,3 +583,8 @@ def _wait_all(procs: List[RankProcess], timeout: float) -> None:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+
+
+__all__ = ["ERROR_GRACE_S", "DUMP_TIMEOUT_S", "KILL_GRACE_S", "RECOVER_TIMEOUT_S", "PG_TIMEOUT_S",
+           "BackendUnavailable", "NotRunHere", "GroupStartError", "JobPicklingError", "GroupResult", "JobFailed",
+           "check_backend", "WorkerGroup"]

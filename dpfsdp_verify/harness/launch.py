@@ -111,3 +111,7 @@ def start_rank(cfg: RankConfig, env: Dict[str, str], log_fd: int, zygotes: Optio
         if forked is not None:
             return forked
     return spawn_rank(cfg, env, log_fd)
+
+
+__all__ = ["FR_BUFFER_SIZE", "TORCHRUN_VARS", "local_world_size", "node_env", "NODE_VARS", "rank_env", "RankProcess",
+           "SpawnedRank", "spawn_rank", "start_rank"]

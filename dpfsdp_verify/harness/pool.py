@@ -192,3 +192,6 @@ def wait_gone(pids, wait: float = 5.0) -> List[int]:
     while not all(pid_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [p for p in pids if not pid_gone(p)]
+
+
+__all__ = ["Key", "DEFAULT_TIMEOUT_S", "Pool", "default_pool", "pid_gone", "wait_gone"]

@@ -539,3 +539,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["ZYGOTE_MODULE", "PRELOAD", "LEARNED_PACKAGES", "UNCHECKED_VARS", "MAX_MESSAGE", "REPLY_TIMEOUT_S",
+           "ZygoteGone", "ForkedRank", "Zygote", "Zygotes", "rank_sys_path", "main"]
