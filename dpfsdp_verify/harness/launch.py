@@ -16,12 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Dict, Optional, Protocol
+from typing import Dict, Optional, Protocol
 
 from .protocol import RANK_MODULE, RankConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .zygote import Zygotes
 
 #: Flight-recorder ring buffer entries per rank (set before the process group is created). A
 #: divergence is always among the newest entries; the buffer's size is what every probe pays to
@@ -102,7 +99,14 @@ def spawn_rank(cfg: RankConfig, env: Dict[str, str], log_fd: int) -> SpawnedRank
     return proc
 
 
-def start_rank(cfg: RankConfig, env: Dict[str, str], log_fd: int, zygotes: Optional["Zygotes"]) -> RankProcess:
+class Forker(Protocol):
+    """What ``start_rank`` needs of a fork server (``zygote.Zygotes``; named here, not imported: the
+    zygote module imports this one)."""
+
+    def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int) -> Optional[RankProcess]: ...
+
+
+def start_rank(cfg: RankConfig, env: Dict[str, str], log_fd: int, zygotes: Optional[Forker]) -> RankProcess:
     """Rank ``cfg.rank``, forked by ``zygotes`` when they can fork it with exactly this environment
     (``Zygotes.fork`` says), else spawned. ``cfg.parent_pid`` is then the process the rank's
     parent-death signal follows (a forked rank's parent is its zygote)."""
@@ -114,4 +118,4 @@ def start_rank(cfg: RankConfig, env: Dict[str, str], log_fd: int, zygotes: Optio
 
 
 __all__ = ["FR_BUFFER_SIZE", "TORCHRUN_VARS", "local_world_size", "node_env", "NODE_VARS", "rank_env", "RankProcess",
-           "SpawnedRank", "spawn_rank", "start_rank"]
+           "Forker", "SpawnedRank", "spawn_rank", "start_rank"]
