@@ -45,17 +45,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import diagnose, wording
 from .backends import get_backend
-from .launch import RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
+from .launch import Forker, RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
 from .protocol import (Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .zygote import Zygotes
 
 #: After a rank raises, how long the others get to finish before the group is ended.
 ERROR_GRACE_S = 1.0
@@ -175,7 +172,7 @@ class WorkerGroup:
 
     def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
                  start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True,
-                 zygotes: Optional["Zygotes"] = None):
+                 zygotes: Optional[Forker] = None):
         """Start the ranks. ``preload``: modules each rank imports before it is ready (what the
         jobs of a group this one replaces had imported, so its first job does not pay for them).
         ``wait_ready=False`` returns once the processes are started; the first ``run`` (or

@@ -274,10 +274,10 @@ class Zygotes:
         with self._lock:
             if self.failed is not None:
                 return None
-            zygotes = self._set_for(env)
-            if zygotes is None:
+            chosen = self._set_for(env)
+            if chosen is None:
                 return None
-            zygote = self._ready(zygotes, cfg.rank, cfg.world_size)
+            zygote = self._ready(*chosen, cfg.rank, cfg.world_size)
             if zygote is None:
                 return None
             try:
@@ -287,7 +287,9 @@ class Zygotes:
                     self._give_up(f"zygote {cfg.rank} failed: {e}")
                 return None  # a dead one (killed?) is replaced when the next group starts
 
-    def _set_for(self, env: Dict[str, str]) -> Optional[List[Optional[Zygote]]]:
+    def _set_for(self, env: Dict[str, str]) -> Optional[Tuple[Dict[str, str], List[Optional[Zygote]]]]:
+        """The set of zygotes for ranks with ``env`` -- ``(the zygotes' environment, zygote per rank
+        index)`` -- made room for and created if new; ``None`` when every set is busy."""
         key = tuple(sorted((k, v) for k, v in env.items() if k not in UNCHECKED_VARS))
         if key not in self.sets:
             for old in [k for k, (_, zs) in self.sets.items() if not any(z is not None and z.busy() for z in zs)]:
@@ -300,12 +302,10 @@ class Zygotes:
                 return None
             self.sets[key] = ({k: v for k, v in env.items() if k not in NODE_VARS}, [])
         self.sets.move_to_end(key)
-        return self.sets[key][1]
+        return self.sets[key]
 
-    def _zygote_env(self, zygotes: List[Optional[Zygote]]) -> Dict[str, str]:
-        return next(env for env, zs in self.sets.values() if zs is zygotes)
-
-    def _ready(self, zygotes: List[Optional[Zygote]], index: int, world_size: int) -> Optional[Zygote]:
+    def _ready(self, env: Dict[str, str], zygotes: List[Optional[Zygote]], index: int, world_size: int
+               ) -> Optional[Zygote]:
         """Zygote ``index`` of a set, ready; the group's other missing zygotes are started meanwhile
         (not waited for), so that a group's zygotes import in parallel."""
         while len(zygotes) < world_size:
@@ -315,7 +315,7 @@ class Zygotes:
             if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
                 if z is not None:
                     z.close()
-                zygotes[i] = Zygote(self._zygote_env(zygotes), self.preload + tuple(m + "?" for m in self.learned))
+                zygotes[i] = Zygote(env, self.preload + tuple(m + "?" for m in self.learned))
                 self.started_pids.append(zygotes[i].pid)
         reason = zygotes[index].wait_ready(self.start_timeout)
         if reason is not None:
