@@ -20,7 +20,7 @@ import torch
 
 from .. import reference
 from ..targets import RunSpec
-from .compare import reference_batch, reference_grads, reference_model, reference_norms, rows, tensors_close
+from .compare import reference_batch, reference_grads, reference_model, reference_norms, sample_columns, tensors_close
 
 
 def pick_clip_bound(spec: RunSpec) -> Optional[float]:
@@ -114,8 +114,7 @@ def norm_rounding(spec: RunSpec, indices: Sequence[int], step: int = 0) -> torch
     against float64 ones on this model and batch, scaled to the dtype's unit roundoff). ~1e-7
     relative on the default models in float32; ~1e-3 on a tiny transformer (d_model=2)."""
     indices = list(indices)
-    grads = rows(reference_grads(spec, step), indices)
-    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in sorted(grads)], dim=1).T
+    basis = sample_columns(reference_grads(spec, step), indices)
     u = unit_roundoff(spec.torch_dtype)
     low = _float32_basis(spec, indices, step)
     return (low.norm(dim=0) - basis.norm(dim=0)).abs() * (u / unit_roundoff(torch.float32))
@@ -133,8 +132,7 @@ def _float32_basis(spec: RunSpec, indices: Sequence[int], step: int) -> torch.Te
         if len(_FLOAT32_GRADS) >= 32:
             _FLOAT32_GRADS.clear()
         _FLOAT32_GRADS[key] = grads32
-    picked = rows(grads32, list(indices))
-    return torch.cat([picked[n].reshape(len(indices), -1).to(torch.float64) for n in sorted(picked)], dim=1).T
+    return sample_columns(grads32, indices)
 
 
 @dataclass
@@ -178,9 +176,9 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
     (far more parameters than samples) recovers each ``c_i``. Step 0 only (later steps are at other
     parameters)."""
     indices = list(indices)
-    grads = rows(reference_grads(spec, step), indices)
+    grads = reference_grads(spec, step)
     names = sorted(grads)
-    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1).T
+    basis = sample_columns(grads, indices)
     d = spec.divisor
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
     # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above

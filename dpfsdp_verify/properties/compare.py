@@ -94,6 +94,15 @@ def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
     return {n: g[index] for n, g in grads.items()}
 
 
+def sample_columns(grads: "reference.Grads", indices: Sequence[int]) -> torch.Tensor:
+    """``[P, len(indices)]``: the per-sample gradients of the samples ``indices`` as float64 columns,
+    each sample's tensors flattened and concatenated in sorted name order (the order in which the
+    checks concatenate a released gradient to fit it against them)."""
+    picked = rows(grads, indices)
+    count = len(list(indices))
+    return torch.cat([picked[n].reshape(count, -1).to(torch.float64) for n in sorted(picked)], dim=1).T
+
+
 def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
     """``[global_batch_size]`` per-sample gradient norms at the initial parameters."""
     return reference.per_sample_norms(reference_grads(spec, step))
@@ -228,6 +237,6 @@ def fmt(x: float) -> str:
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``)
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
-           "frozen_parameters", "trainable_names", "rows", "smallest_norm", "norm_ratios", "data_outputs",
+           "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios", "data_outputs",
            "shard_divisor", "replica_problem", "processed_indices", "global_loss", "max_rel_diff", "tensors_close",
            "close", "fmt"]

@@ -17,7 +17,7 @@ import torch
 from .. import reference
 from ..targets import RunSpec
 from .clipfit import IDENTIFIABLE, amplification, identifiable
-from .compare import reference_grads, reference_model, rows
+from .compare import reference_grads, reference_model, rows, sample_columns
 
 
 #: unit roundoff u = 2^-p of each compute dtype (p significand bits, the implicit one included): the
@@ -98,8 +98,7 @@ def precision_coefficient_bounds(spec: RunSpec, bound: PrecisionBound, indices: 
     and leaves a relative residual of at most ``||(norm_rtol + K u) sum_j c_j |g_j||| /
     ||sum_j c_j g_j||``. Only the samples ``recover_clip_coefficients`` judges (identifiable) count."""
     indices = list(indices)
-    grads = rows(reference_grads(spec), indices)
-    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in sorted(grads)], dim=1).T
+    basis = sample_columns(reference_grads(spec), indices)
     norms = basis.norm(dim=0)
     coef = reference.clip_coefficients(norms, spec.max_grad_norm)
     spread = basis.abs() @ coef                              # sum_j c_j |g_j|, coordinate-wise

@@ -39,7 +39,7 @@ from .. import models, reference
 from ..targets import RunSpec
 from ..verdict import Verdict
 from .clipfit import describe_clip_fit, fit_clip_coefficients
-from .compare import reference_grads, reference_norms, rows, smallest_norm, tolerance
+from .compare import reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
 from .contract import Case, Outputs, Point, Property
 
 
@@ -162,10 +162,10 @@ def contributions(spec: RunSpec, step: int, indices, gradient) -> Tuple[torch.Te
     directions (norms from 1 to 1e20 would leave the small samples below a solver's rank cut-off)
     reads each ``d_i``. Its uncertainty: the released gradient's rounding in its dtype (eps x its
     norm) through the fit's dual vector -- a contribution of 1e17 C swamps a neighbour's C in float32."""
-    grads = rows(reference_grads(spec, step), list(indices))
+    grads = reference_grads(spec, step)
     names = sorted(grads)
-    basis = torch.cat([grads[n].reshape(len(indices), -1) for n in names], dim=1)
-    basis = (basis / basis.norm(dim=1, keepdim=True).clamp_min(1e-300)).T
+    basis = sample_columns(grads, indices)
+    basis = basis / basis.norm(dim=0, keepdim=True).clamp_min(1e-300)
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * spec.divisor
     d = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
     rounding = 4 * torch.finfo(spec.torch_dtype).eps * float(released.norm())
