@@ -17,7 +17,7 @@ Two kinds of verdicts, counted apart:
     (run i uses run seed S + i)
 
 ``--accountant N`` (no ranks, seconds): N verdicts of ``noise_calibration``'s accountant check
-alone (``properties/accountant.py``) on exactly Gaussian noise of the right std, an RDP accountant
+alone (``properties/analysis/accountant.py``) on exactly Gaussian noise of the right std, an RDP accountant
 told the configured (sigma, q, steps) and reporting its epsilon: the check's own false alarms
 (expected <= N x 2 x its per-test level), far more draws than gate runs give it.
 
@@ -55,9 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpfsdp_verify.harness import Pool  # noqa: E402
 from dpfsdp_verify.properties import REGISTRY  # noqa: E402
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.contract import Case  # noqa: E402
-from dpfsdp_verify.properties.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE  # noqa: E402
-from dpfsdp_verify.properties.runner import judge_cases  # noqa: E402
+from dpfsdp_verify.properties.engine.contract import Case  # noqa: E402
+from dpfsdp_verify.properties.engine.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE  # noqa: E402
+from dpfsdp_verify.properties.engine.runner import judge_cases  # noqa: E402
 
 TARGET = "fixtures.specimens:Correct"
 MODES = {"immediate": {"OPACUS_USE_DEFERRED_NORM": "0"}, "deferred": {"OPACUS_USE_DEFERRED_NORM": "1"}}
@@ -70,7 +70,7 @@ def accountant_false_alarms(n: int, seed: int, alpha: float = 3.4e-6) -> int:
     import torch
 
     from dpfsdp_verify.targets import accounting
-    from dpfsdp_verify.properties.accountant import accountant_problem
+    from dpfsdp_verify.properties.analysis.accountant import accountant_problem
     from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 
     spec = RunSpec(noise_multiplier=1.0, max_grad_norm=1.0, lr=0.0, steps=12, sampling="poisson", sample_rate=0.25,
@@ -125,7 +125,7 @@ def stream_false_alarms(n: int, seed: int) -> tuple:
     streams (``--streams``)."""
     import torch
 
-    from dpfsdp_verify.properties.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
+    from dpfsdp_verify.properties.checks.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
 
     sizes = (228, 210)  # the default mlp's two uneven shards' noise values over both post-resume steps
     eps = NOISE_EQUAL["float64"]

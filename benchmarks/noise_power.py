@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpfsdp_verify.harness import Pool  # noqa: E402
 from dpfsdp_verify.properties import PROPERTIES  # noqa: E402
-from dpfsdp_verify.properties.runner import judge_cases  # noqa: E402
-from dpfsdp_verify.properties.stats import chi2_cdf, chi2_quantile, chi2_sf  # noqa: E402
+from dpfsdp_verify.properties.engine.runner import judge_cases  # noqa: E402
+from dpfsdp_verify.properties.analysis.stats import chi2_cdf, chi2_quantile, chi2_sf  # noqa: E402
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95):

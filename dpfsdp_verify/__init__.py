@@ -7,7 +7,7 @@ change): ``reference`` (single-process float64 ground truth), ``models`` (tiny s
 ``run``, ``Pool``), ``targets`` and ``targets.base`` (the target contract: ``Target``,
 ``RunSpec``, ``StepOutput``, ``RankOutput``), ``targets.util`` and ``targets.progress`` (helpers
 for adapters), ``properties`` (``PROPERTIES``, ``Property``, ``Options``) and
-``properties.compare`` (helpers for a property's judge), ``fuzz`` and ``strategies`` (hypothesis;
+``properties.analysis.compare`` (helpers for a property's judge), ``fuzz`` and ``strategies`` (hypothesis;
 the ``fuzz`` extra; ``strategies`` is ``fuzz.strategies``), ``hypothesis_profiles``.
 
 The layers, bottom up: ``reference``, ``models``, ``verdict``, ``harness``; ``targets`` (the

@@ -1,6 +1,6 @@
 """The run's defaults that the command line states: kept free of torch, so that
 ``dpfsdp-verify --help`` (which prints them) starts in a fraction of a second. The modules that
-use them (``targets.base``, ``properties.contract``) import them from here. A property's own
+use them (``targets.base``, ``properties.engine.contract``) import them from here. A property's own
 options (``Property.params``: ``physical_batch_size``, ``resume_at``...) keep their defaults in the
 property; ``dpfsdp-verify list`` prints them."""
 

@@ -1,4 +1,4 @@
-"""The accountant's inputs (``properties/accountant.py``, run by ``noise_calibration``): what a
+"""The accountant's inputs (``properties/analysis/accountant.py``, run by ``noise_calibration``): what a
 target's accountant was told -- (sigma, q, steps) -- and the epsilon it reports, against the
 mechanism the gate measured and the suite's own RDP accountant (``dpfsdp_verify.targets.accounting``).
 Specimens: ``fixtures/accountant_specimens.py``."""
@@ -12,7 +12,7 @@ import torch
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.targets import accounting
-from dpfsdp_verify.properties.accountant import accountant_problem
+from dpfsdp_verify.properties.analysis.accountant import accountant_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from verdict_helpers import assert_all_pass, without_extra_noise_cases
 

@@ -11,7 +11,7 @@ import pytest
 
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.prechecks import physical_problem
+from dpfsdp_verify.properties.engine.prechecks import physical_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import KnownUpstreamFailure, assert_all_pass, by

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.contract import Options
+from dpfsdp_verify.properties.engine.contract import Options
 from verdict_helpers import assert_all_pass, by
 
 N = "fixtures.audit_noise_specimens:"

@@ -13,8 +13,8 @@ import torch
 
 from dpfsdp_verify import models, reference
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.clipfit import fit_clip_coefficients
-from dpfsdp_verify.properties.compare import reference_norms
+from dpfsdp_verify.properties.analysis.clipfit import fit_clip_coefficients
+from dpfsdp_verify.properties.analysis.compare import reference_norms
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
 import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by

@@ -21,7 +21,7 @@ import torch
 from dpfsdp_verify.harness import Pool, wait_gone
 from dpfsdp_verify.harness import backends
 from dpfsdp_verify.targets import RankOutput, RunSpec, util
-from dpfsdp_verify.properties.prechecks import device_facts, tf32_problem
+from dpfsdp_verify.properties.engine.prechecks import device_facts, tf32_problem
 
 from verdict_helpers import run_gate
 

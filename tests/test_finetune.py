@@ -21,9 +21,9 @@ from dpfsdp_verify import models
 from dpfsdp_verify.gate import expectations
 from dpfsdp_verify import reference as R
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.prechecks import frozen_problem
-from dpfsdp_verify.properties.contract import Case
-from dpfsdp_verify.properties.runner import judge_case
+from dpfsdp_verify.properties.engine.prechecks import frozen_problem
+from dpfsdp_verify.properties.engine.contract import Case
+from dpfsdp_verify.properties.engine.runner import judge_case
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from dpfsdp_verify.verdict import DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402

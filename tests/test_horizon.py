@@ -11,9 +11,9 @@ from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.harness import local_world_size, node_env
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.contract import Case
-from dpfsdp_verify.properties.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
-from dpfsdp_verify.properties.runner import judge_cases
+from dpfsdp_verify.properties.engine.contract import Case
+from dpfsdp_verify.properties.engine.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
+from dpfsdp_verify.properties.engine.runner import judge_cases
 from verdict_helpers import assert_all_pass
 
 H = "fixtures.horizon_specimens:"

@@ -12,9 +12,9 @@ import torch
 
 from dpfsdp_verify import fuzz, reference
 from dpfsdp_verify.properties import Options
-from dpfsdp_verify.properties.clipfit import (COEF_TOL, ROUNDING_MARGIN, norm_rounding, pick_clip_bound,
+from dpfsdp_verify.properties.analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, norm_rounding, pick_clip_bound,
                                               recover_clip_coefficients)
-from dpfsdp_verify.properties.compare import reference_grads
+from dpfsdp_verify.properties.analysis.compare import reference_grads
 from dpfsdp_verify.targets import RunSpec
 
 CORRECT = "fixtures.specimens:Correct"

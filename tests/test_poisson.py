@@ -17,7 +17,7 @@ from dpfsdp_verify import fuzz
 from dpfsdp_verify import strategies as dps
 from dpfsdp_verify.hypothesis_profiles import active_profile, profile_settings
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.prechecks import poisson_problem
+from dpfsdp_verify.properties.engine.prechecks import poisson_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 from dpfsdp_verify.verdict import DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402

@@ -21,9 +21,9 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify import models
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.precision_bounds import precision_bound, UNIT_ROUNDOFF
-from dpfsdp_verify.properties.contract import Options
-from dpfsdp_verify.properties.norm_fidelity import prepare
+from dpfsdp_verify.properties.analysis.precision_bounds import precision_bound, UNIT_ROUNDOFF
+from dpfsdp_verify.properties.engine.contract import Options
+from dpfsdp_verify.properties.checks.norm_fidelity import prepare
 from dpfsdp_verify.targets import RunSpec
 from verdict_helpers import assert_all_pass
 

@@ -10,7 +10,7 @@ import pytest
 
 from dpfsdp_verify.properties import PROPERTIES
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.clipped_step import SHORT_LAYER_DIMS
+from dpfsdp_verify.properties.checks.clipped_step import SHORT_LAYER_DIMS
 from verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 
 pytest.importorskip("opacus")

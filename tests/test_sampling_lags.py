@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.sampling_accounting import across_steps
-from dpfsdp_verify.properties.stats import lag_autocovariance_z, skewed_normal_two_sided_p
+from dpfsdp_verify.properties.checks.sampling_accounting import across_steps
+from dpfsdp_verify.properties.analysis.stats import lag_autocovariance_z, skewed_normal_two_sided_p
 import dpfsdp_verify.properties as props  # noqa: E402
 from verdict_helpers import assert_all_pass, by
 

@@ -1,6 +1,6 @@
 """A hang in a job that several configurations shared is put on the one configuration the ranks
 were in (their progress trails), never on the others: those that finished keep their verdicts,
-those not yet begun are run again (``properties.runner._split_at_hang``). Specimens:
+those not yet begun are run again (``properties.engine.runner._split_at_hang``). Specimens:
 ``fixtures/shared_job_specimens.py``."""
 
 import pytest

@@ -13,8 +13,8 @@ import pytest
 
 from dpfsdp_verify.harness import DEFAULT_TIMEOUT_S, wait_gone
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.deadlock_free import POISSON_DEADLINE_S
-from dpfsdp_verify.properties.runner import case_deadline
+from dpfsdp_verify.properties.checks.deadlock_free import POISSON_DEADLINE_S
+from dpfsdp_verify.properties.engine.runner import case_deadline
 from dpfsdp_verify.targets import progress
 from dpfsdp_verify.verdict import DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402

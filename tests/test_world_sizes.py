@@ -19,8 +19,8 @@ from dpfsdp_verify import properties as props
 from dpfsdp_verify.harness.group import GroupResult
 from dpfsdp_verify.harness.protocol import JobError, JobResult
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.clipped_step import SHORT_LAYER_DIMS
-from dpfsdp_verify.properties.runner import _Failed, failure_verdict
+from dpfsdp_verify.properties.checks.clipped_step import SHORT_LAYER_DIMS
+from dpfsdp_verify.properties.engine.runner import _Failed, failure_verdict
 from verdict_helpers import run_gate
 
 #: torch 2.13's refusal, as rank 0 of the 4-rank mlp run reported it before the models were reshaped

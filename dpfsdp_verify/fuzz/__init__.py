@@ -22,8 +22,8 @@ from .. import modes as modes_mod
 from ..harness import Pool
 from ..modes import Mode
 from ..properties import PROPERTIES, Property, fuzzable
-from ..properties import runner
-from ..properties.contract import Case, Options
+from ..properties.engine import runner
+from ..properties.engine.contract import Case, Options
 from ..targets import RunSpec
 from ..verdict import Verdict
 from .search import DEFAULT_DTYPES, DEFAULT_MODELS, Counterexample, format_failure, fuzz_groups

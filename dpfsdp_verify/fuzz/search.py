@@ -30,7 +30,7 @@ from ..hypothesis_profiles import profile_settings
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
-from ..properties.contract import Options, Property, modes_problem
+from ..properties.engine.contract import Options, Property, modes_problem
 from . import strategies
 
 DEFAULT_MODELS = ("mlp", "transformer")

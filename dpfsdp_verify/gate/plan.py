@@ -122,9 +122,9 @@ class RunPlan:
 
 def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int]:
     """``(wide world size, horizon steps)`` from ``--wide-world-size`` / ``--horizon`` (defaults:
-    ``properties.horizon``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
+    ``properties.engine.horizon``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
     ranks are the job's: no wide world size unless it is the job's own (then it is in the matrix)."""
-    from ..properties.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
+    from ..properties.engine.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
 
     wide = getattr(args, "wide_world_size", None)
     horizon = getattr(args, "horizon", None)
@@ -215,9 +215,9 @@ def parse_axes(args) -> Dict:
     """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own),
     ``--precisions`` (``None``: fp32 only)."""
     from ..models import MODEL_NAMES
-    from ..properties.compare import TOLERANCES
+    from ..properties.analysis.compare import TOLERANCES
 
-    from ..properties.contract import precision_problem
+    from ..properties.engine.contract import precision_problem
     from ..targets.base import PRECISIONS
 
     out: Dict = {"models": None, "reductions": None, "dtypes": None, "precisions": None}
@@ -271,10 +271,10 @@ def require_hypothesis(what: str) -> None:
 def parse_sampling(args, max_world_size: int) -> Dict:
     """The sampling axis and the run seed from ``--sampling``, ``--seeding``, ``--sample-rate``,
     ``--dataset-size``, ``--seed`` (``UsageError`` for a bad value; the rules are
-    ``properties.contract.sampling_problem``'s). No ``--seed``: a fresh random seed."""
+    ``properties.engine.contract.sampling_problem``'s). No ``--seed``: a fresh random seed."""
     import random
 
-    from ..properties.contract import sampling_problem
+    from ..properties.engine.contract import sampling_problem
 
     samplings = tuple(csv(args.sampling)) if args.sampling is not None else None
     seedings = tuple(csv(args.seeding)) if args.seeding is not None else None

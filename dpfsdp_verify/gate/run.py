@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 
 from ..harness import Pool
 from ..properties import PROPERTIES
-from ..properties.runner import Fuzzer, run_property
+from ..properties.engine.runner import Fuzzer, run_property
 from ..verdict import Verdict, config_label
 from . import report, target_info
 from .plan import RunPlan

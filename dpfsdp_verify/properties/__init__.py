@@ -1,5 +1,12 @@
-"""Properties: one module per property id, each building a ``Property`` (``contract.py``) that
-says what it means, which cases it runs and how it judges them; ``runner.py`` runs any of them.
+"""Properties: one module per property id in ``checks/``, each building a ``Property``
+(``engine/contract.py``) that says what it means, which cases it runs and how it judges them;
+``engine/runner.py`` runs any of them. Layers, each importing only those below it:
+
+* ``checks/``   one module per property id (``PROPERTY``); no check imports another;
+* ``wording/``  the sentences verdicts are made of, from findings;
+* ``analysis/`` pure statistics, fits and comparisons against the float64 reference;
+* ``engine/``   the contract (``Property``, ``Case``, ``Options``), the runner, the checks every
+  run gets (``prechecks``), the long-run settings (``horizon``).
 
     from dpfsdp_verify import properties
     verdicts = properties.run("norm_fidelity", "opacus", world_sizes=(1, 2), models=("mlp",))
@@ -19,10 +26,10 @@ from __future__ import annotations
 from typing import Dict, List, Union
 
 from ..verdict import Verdict
-from . import (checkpoint_resume, clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
-               sampling_accounting, sensitivity_bound, trajectory)
-from .contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
-from .runner import run_property
+from .checks import (checkpoint_resume, clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
+                      sampling_accounting, sensitivity_bound, trajectory)
+from .engine.contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
+from .engine.runner import run_property
 
 #: every property, in the order the gate runs and reports them
 REGISTRY = (

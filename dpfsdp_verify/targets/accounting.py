@@ -9,7 +9,7 @@ with the RDP -> (epsilon, delta) conversion of Balle et al. 2020 (arXiv:1905.099
 over opacus' default orders, so that on one history the two agree to rounding
 (``tests/test_accounting.py`` checks it against opacus' own). It sits with the targets as a
 helper for adapters: a target without an accountant of its own can use it
-(``fixtures.specimens:Correct`` does); ``properties/accountant.py`` computes the suite's epsilon
+(``fixtures.specimens:Correct`` does); ``properties/analysis/accountant.py`` computes the suite's epsilon
 with it.
 
 An accountant *history* is opacus' format: ``[(noise_multiplier, sample_rate, steps), ...]``,

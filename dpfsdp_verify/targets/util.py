@@ -49,7 +49,7 @@ def numerics() -> Dict[str, object]:
 def float32_numerics() -> None:
     """On a CUDA rank, TF32 off for matmuls and for cuDNN convolutions, so that float32 rounds as
     IEEE float32, for which the suite's float32 tolerances are derived
-    (``properties.compare.TOLERANCES``). torch's defaults leave cuDNN convolutions in TF32 (a
+    (``properties.analysis.compare.TOLERANCES``). torch's defaults leave cuDNN convolutions in TF32 (a
     10-bit mantissa: ~1e-3 relative, ten times the float32 tolerance): set by the suite before
     every run and reported in each verdict's evidence (``numerics``). No-op on the CPU."""
     if device().type == "cuda":

@@ -44,17 +44,17 @@ from dataclasses import replace
 
 import torch
 
-from .. import reference
-from ..targets.mesh import replica_positions, split_norm_sq, world_summed_norms
-from ..targets import RunSpec
-from ..targets.base import PRECISIONS
-from ..verdict import Verdict
-from .clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, norm_rounding, recover_clip_coefficients,
+from ... import reference
+from ...targets.mesh import replica_positions, split_norm_sq, world_summed_norms
+from ...targets import RunSpec
+from ...targets.base import PRECISIONS
+from ...verdict import Verdict
+from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, norm_rounding, recover_clip_coefficients,
                       with_picked_clip)
-from .compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
-from .contract import Case, FuzzRecipe, Outputs, Point, Property
-from .norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
-from .precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
+from ..analysis.compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
+from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
+from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
 HYPOTHESIS_RTOL = 1e-6

@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..harness import DEFAULT_TIMEOUT_S, Pool, default_pool
-from ..harness.group import BackendUnavailable, GroupResult, NotRunHere
-from ..modes import Mode
-from ..targets import RankOutput, RunSpec, progress, run_many_on_rank
-from ..verdict import Verdict, config_label
+from ...harness import DEFAULT_TIMEOUT_S, Pool, default_pool
+from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
+from ...modes import Mode
+from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
+from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
 from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
                         poisson_problem, privacy_steps_problem, tf32_problem)

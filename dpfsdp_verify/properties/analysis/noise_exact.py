@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..targets import RunSpec
+from ...targets import RunSpec
 from .noise_stats import shard_sizes, shards
 
 

@@ -55,12 +55,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import reference
-from ..verdict import Verdict
-from .clipfit import at_own_clip_epsilon, with_picked_clip
-from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close, tolerance,
+from ... import reference
+from ...verdict import Verdict
+from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
+from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close, tolerance,
                       trainable_names)
-from .contract import Case, Outputs, Point, Property
+from ..engine.contract import Case, Outputs, Point, Property
 
 #: K steps, resumed after k (options ``steps`` / ``resume_at``)
 STEPS, RESUME_AT = 4, 2

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..targets import RunSpec, accounting
+from ...targets import RunSpec, accounting
 from .stats import chi2_quantile, chi2_two_sided_p
 
 #: the delta the runs that ask for an epsilon ask it at

@@ -41,12 +41,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..modes import Mode
-from ..targets import RunSpec
-from ..verdict import Verdict
-from .clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
-from .compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
-from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ...modes import Mode
+from ...targets import RunSpec
+from ...verdict import Verdict
+from ..analysis.clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
+from ..analysis.compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 
 STEPS = 2
 #: steps per model in the gate's cases: a mode that goes wrong only after a warm-up (a cache filled

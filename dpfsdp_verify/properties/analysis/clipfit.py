@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import reference
-from ..targets import RunSpec
+from ... import reference
+from ...targets import RunSpec
 from .compare import reference_batch, reference_grads, reference_model, reference_norms, sample_columns, tensors_close
 
 

@@ -57,9 +57,9 @@ from __future__ import annotations
 
 from typing import Dict
 
-from ..verdict import Verdict
-from .contract import Case, Outputs, Point, Property
-from .horizon import horizon_labels, horizon_point, horizon_spec
+from ...verdict import Verdict
+from ..engine.contract import Case, Outputs, Point, Property
+from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
 STEPS = 2
 EPOCHS = 4

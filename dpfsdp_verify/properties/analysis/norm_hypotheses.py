@@ -15,8 +15,8 @@ from typing import List, Tuple
 
 import torch
 
-from .. import models, reference
-from ..targets import RunSpec
+from ... import models, reference
+from ...targets import RunSpec
 from .compare import reference_batch, reference_grads, reference_model, reference_norms
 
 

@@ -42,18 +42,18 @@ from typing import Dict, List
 
 import torch
 
-from .. import reference
-from ..targets import RunSpec
-from ..targets.base import PRECISIONS
-from ..verdict import Verdict
-from .clipfit import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
+from ... import reference
+from ...targets import RunSpec
+from ...targets.base import PRECISIONS
+from ...verdict import Verdict
+from ..analysis.clipfit import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
                       recover_clip_coefficients)
-from .compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
+from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
                       smallest_norm, tensors_close, tolerance)
-from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
-from .horizon import horizon_labels, horizon_point, horizon_spec
-from .norm_hypotheses import sequence_weights
-from .precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
+from ..analysis.norm_hypotheses import sequence_weights
+from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
 
 FIT_RTOL = 1e-6
 

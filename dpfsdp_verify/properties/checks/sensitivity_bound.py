@@ -35,12 +35,12 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .. import models, reference
-from ..targets import RunSpec
-from ..verdict import Verdict
-from .clipfit import describe_clip_fit, fit_clip_coefficients
-from .compare import reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
-from .contract import Case, Outputs, Point, Property
+from ... import models, reference
+from ...targets import RunSpec
+from ...verdict import Verdict
+from ..analysis.clipfit import describe_clip_fit, fit_clip_coefficients
+from ..analysis.compare import reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
+from ..engine.contract import Case, Outputs, Point, Property
 
 
 def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:

@@ -41,13 +41,13 @@ import traceback
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .. import modes as modes_mod
-from ..harness import DEFAULT_TIMEOUT_S
-from ..modes import Mode
-from ..targets import RankOutput, RunSpec
-from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
-from ..targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
-from ..verdict import INTERNAL_ERROR, Verdict
+from ... import modes as modes_mod
+from ...harness import DEFAULT_TIMEOUT_S
+from ...modes import Mode
+from ...targets import RankOutput, RunSpec
+from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
+from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
+from ...verdict import INTERNAL_ERROR, Verdict
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
 Outputs = Sequence[Sequence[Sequence[RankOutput]]]
@@ -442,7 +442,7 @@ class Property:
         model, reduction and dtype (none for a property that does not run on meshes)."""
         if not self.meshes or not opts.meshes:
             return []
-        from ..targets.mesh import Mesh
+        from ...targets.mesh import Mesh
 
         axes = [(mesh, modes, model, red, dtype) for mesh in opts.meshes for modes in groups
                 for model in opts.models or self.models for red in opts.reductions or self.reductions

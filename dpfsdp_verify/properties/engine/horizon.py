@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..targets import RunSpec
+from ...targets import RunSpec
 from .contract import Point
 
 #: the gate's wide world size (``--wide-world-size``)

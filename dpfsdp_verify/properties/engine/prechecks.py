@@ -18,10 +18,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import models
-from ..harness.rank_groups import grouped
-from ..targets import RankOutput, RunSpec
-from .compare import frozen_parameters, reference_batch
+from ... import models
+from ...harness.rank_groups import grouped
+from ...targets import RankOutput, RunSpec
+from ..analysis.compare import frozen_parameters, reference_batch
 
 
 def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, dict]]:

@@ -92,7 +92,7 @@ def mesh_ratios(name: str):
     """``(std ratio, cause)`` of the divisor mistakes a 2-D mesh invites (``dpfsdp_verify.targets.mesh``)."""
     if not name:
         return ()
-    from ..targets.mesh import Mesh
+    from ...targets.mesh import Mesh
 
     mesh = Mesh.parse(name)
     a, b = mesh.shape

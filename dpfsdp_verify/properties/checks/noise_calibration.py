@@ -91,21 +91,21 @@ from typing import Dict, Optional
 
 import torch
 
-from ..targets import RunSpec
-from ..verdict import Verdict
-from .accountant import DELTA as ACCOUNTANT_DELTA
-from .accountant import accountant_problem
-from .accountant import describe as describe_accountant
-from .compare import reference_model, replica_problem, shard_divisor, trainable_names
-from .contract import Case, Outputs, Point, Property
-from . import noise_stats
-from .horizon import horizon_labels, horizon_point, horizon_spec
-from .noise_exact import (bf16_fraction, noise_differences, repeat_quantum, repeated_noise, resampled_run,
+from ...targets import RunSpec
+from ...verdict import Verdict
+from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA
+from ..analysis.accountant import accountant_problem
+from ..analysis.accountant import describe as describe_accountant
+from ..analysis.compare import reference_model, replica_problem, shard_divisor, trainable_names
+from ..engine.contract import Case, Outputs, Point, Property
+from ..analysis import noise_stats
+from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
+from ..analysis.noise_exact import (bf16_fraction, noise_differences, repeat_quantum, repeated_noise, resampled_run,
                           silent_shard, unnoised_in_some_draw, unnoised_message)
-from .noise_messages import (independence_message, late_message, low_rank_message, pairs_message, scale_message,
+from ..wording.noise_messages import (independence_message, late_message, low_rank_message, pairs_message, scale_message,
                              shape_message, tensor_pair_message)
-from .noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
-from .stats import detectable_std_ratios, pairwise_dependence
+from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
+from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3

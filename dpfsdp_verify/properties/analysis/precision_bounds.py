@@ -14,8 +14,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .. import reference
-from ..targets import RunSpec
+from ... import reference
+from ...targets import RunSpec
 from .clipfit import IDENTIFIABLE, amplification, identifiable
 from .compare import reference_grads, reference_model, rows, sample_columns
 

@@ -76,10 +76,10 @@ from typing import List, Optional
 
 import torch
 
-from ..targets import RunSpec
-from ..verdict import Verdict
-from .contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
-from .stats import (chi2_sf, chi2_two_sided_p, correlation_p, lag_autocovariance_z, normal_two_sided_p,
+from ...targets import RunSpec
+from ...verdict import Verdict
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..analysis.stats import (chi2_sf, chi2_two_sided_p, correlation_p, lag_autocovariance_z, normal_two_sided_p,
                     skewed_normal_two_sided_p)
 
 DRAWS = 2000

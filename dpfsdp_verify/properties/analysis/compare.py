@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import models, reference
-from ..targets import RankOutput, RunSpec
+from ... import models, reference
+from ...targets import RankOutput, RunSpec
 
 #: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
 #: the reference (ghost-clipping Gram products, sharded reduce-scatter sums). float64: unit

@@ -60,13 +60,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import reference
-from ..verdict import Verdict
-from .clipfit import at_own_clip_epsilon, with_picked_clip
-from .compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
+from ... import reference
+from ...verdict import Verdict
+from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
+from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
                       replica_problem, tensors_close, tolerance, trainable_names)
-from .contract import Case, Outputs, Point, Property
-from .stats import chi2_two_sided_p
+from ..engine.contract import Case, Outputs, Point, Property
+from ..analysis.stats import chi2_two_sided_p
 
 #: steps per model unless the option ``steps`` is given: a bug that switches on at step k is seen
 #: only if step k is taken and then compared (its effect shows in the loss of step k + 1, or in

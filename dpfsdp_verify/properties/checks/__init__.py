@@ -1,0 +1,1 @@
+"""Properties, the checks: one module per property id, each defining ``PROPERTY``."""
