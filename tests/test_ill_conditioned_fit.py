@@ -52,9 +52,13 @@ def _recovered_from_the_reference(spec):
 
 def test_only_the_coefficients_rounding_cannot_move_are_judged():
     rec, c = _recovered_from_the_reference(FLOAT64_EIGHT)
-    # rounding in float64 alone moves six of the eight past 1e-9 / 4: those are left out
-    assert rec.identifiable.tolist() == [False, True, False, False, False, False, True, False]
-    assert rec.ill_conditioned == 6
+    # rounding in float64 alone moves six or seven of the eight past 1e-9 / 4 (the measured rounding
+    # floor is the machine's own: 6 on an AVX2 box, 7 with AVX-512 float32 kernels): those are left out,
+    # and exactly those
+    limit = COEF_TOL["float64"] / ROUNDING_MARGIN
+    assert rec.ill_conditioned in (6, 7)
+    assert not bool(rec.identifiable[rec.rounding_error > limit].any())
+    assert bool(rec.identifiable[1]) and int(rec.identifiable.sum()) == 8 - rec.ill_conditioned
     assert float((rec.coefficients - c)[rec.identifiable].abs().max()) <= COEF_TOL["float64"]
     # the default models: every sample judged, rounding far inside the tolerance
     for model in ("mlp", "transformer"):
@@ -75,7 +79,8 @@ def test_correct_passes_the_tiny_models_that_failed_it(pool):
     assert "no sample's clip coefficient can be recovered" in v.message and "2 of 2 sample(s) not judged" in v.message
     v = check(FLOAT64_EIGHT, 1)
     assert v.status == "pass", v.message
-    assert "6 of 8 sample(s) not judged" in v.message and v.evidence["ill_conditioned_samples"] == 6
+    left_out = v.evidence["ill_conditioned_samples"]
+    assert left_out in (6, 7) and f"{left_out} of 8 sample(s) not judged" in v.message
     v = check(FLOAT32_RESIDUAL, 2)
     assert v.status == "pass", v.message
     v = check(TINY_TRANSFORMER, 1)
