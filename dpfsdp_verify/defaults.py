@@ -1,13 +1,46 @@
-"""The run's defaults that the command line states: kept free of torch, so that
-``dpfsdp-verify --help`` (which prints them) starts in a fraction of a second. The modules that
-use them (``targets.base``, ``properties.engine.contract``) import them from here. A property's own
-options (``Property.params``: ``physical_batch_size``, ``resume_at``...) keep their defaults in the
-property; ``dpfsdp-verify list`` prints them."""
+"""Every default of a run, in one place: the values the command line states, the Python API
+falls back to, and a ``RunSpec`` starts from. Kept free of torch, so that ``dpfsdp-verify
+--help`` (which prints them) starts in a fraction of a second.
+
+``dpfsdp_verify.space`` reads these: it is the configuration space (each axis, its range, which
+combinations are valid) and gives each axis its default from here. Nothing else in the package
+writes one of these numbers (``tests/test_space.py`` greps for strays); a property's own options
+(``Property.params``: ``physical_batch_size``, ``resume_at``...) keep their defaults in the
+property, and ``dpfsdp-verify list`` prints them."""
 
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 #: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
 #: DistributedSampler (opacus derives q = 1/4; expected batch 2 x world size)
 POISSON_DEFAULTS = (0.25, 8)
+#: the world sizes the gate runs when ``--world-sizes`` is not given (the Python API's too)
+DEFAULT_WORLD_SIZES = (1, 2)
+#: gloo ranks are processes on this host: more than this is a mistake on a CI runner
+MAX_GLOO_WORLD_SIZE = 16
+#: deadline for one distributed job, seconds (marker ``timeout=``, ini ``dpfsdp_timeout``, ``--timeout``)
+DEFAULT_TIMEOUT_S = 60.0
+#: the gate's wide world size (``--wide-world-size``; ``properties/engine/horizon.py``)
+WIDE_WORLD_SIZE = 3
+#: the gate's long-run length in steps (``--horizon``): 12 Poisson epochs of 4 steps, past step 40
+HORIZON_STEPS = 48
+#: q of the long runs, and samples per rank: an expected local batch of 16, so an empty local batch
+#: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
+#: opacus' does) takes every step, and the long runs judge the late steps, not that finding
+HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
+#: seconds of configuration-space exploration a gate run adds after its fixed cases (``--explore``;
+#: docs/explore.md): chosen so that the default gate stays within ~60 s on 2 idle cores
+DEFAULT_EXPLORE_S = 8.0
+#: the largest world size exploration draws (capped further by the host's cores: ``space.explore_max_world_size``)
+EXPLORE_MAX_WORLD_SIZE = 8
+#: what a ``RunSpec`` is unless a property says otherwise (``targets.base.RunSpec``'s field defaults)
+SPEC_DEFAULTS = dict(model="mlp", model_seed=0, global_batch_size=8, batch_seed=1, data_layout="split",
+                     reduction="mean", max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=1234, steps=1, lr=0.5,
+                     dtype="float64", sampling="fixed", seeding="same", precision="fp32")
+#: ``dpfsdp-verify scale`` (docs/scale.md): nominal steps per rank, the world sizes it projects to,
+#: the sampling seed of the first epoch
+SCALE_STEPS, SCALE_WORLD_SIZES, SCALE_SEED = 1000, (8, 64, 512, 1024), 0
 
-__all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS"]
+__all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
+           "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
+           "DEFAULT_EXPLORE_S", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS", "SCALE_WORLD_SIZES",
+           "SCALE_SEED"]

@@ -27,15 +27,18 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from .. import space
 from ..models import BASE_MODELS, MODEL_NAMES, TIES
 from ..reference import REDUCTIONS
+from ..space import AXES
 from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
 #: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
 #: ``multiple`` (d % n == 0: even shards, the case everyone tests)
 SHARD_RELATIONS = ("smaller", "equal", "indivisible", "multiple")
-DTYPES = ("float64", "float32")
+#: the dtypes drawn (the configuration space's: ``space.AXES["dtype"].explore``)
+DTYPES = AXES["dtype"].explore  # type: ignore[attr-defined]
 #: fraction of ignored (``IGNORE_INDEX``) target tokens in a transformer batch
 PAD_FRACTIONS = (0.0, 0.25, 0.5)
 
@@ -339,6 +342,60 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_M
                    rank_batches=rank_batches, model_kwargs=tuple(sorted(dims.items())))
 
 
+def _int_range(name: str) -> Tuple[int, int]:
+    return AXES[name].explore  # type: ignore[attr-defined, return-value]
+
+
+@st.composite
+def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequence[str] = space.EXPLORE_MODELS,
+                  samplings: Sequence[str] = AXES["sampling"].explore,  # type: ignore[attr-defined]
+                  precisions: Sequence[str] = AXES["precision"].explore,  # type: ignore[attr-defined]
+                  physical: bool = True, long_runs: bool = True, grad_sample_mode: str = "ghost_fsdp"):
+    """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
+    (``dpfsdp_verify.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
+    (default ``space.explore_max_world_size()``), a model of ``models`` at its default size or a
+    variant (``model_dims``: conv groups, widths, norms...), the reduction, precision and dtype
+    (a bf16 form over float32), fixed batches of 1..64 samples per rank (``local_batch``) or
+    Poisson sampling (q as opacus derives it for a local batch of 1..64 over 1..64 samples per rank,
+    ``same`` or ``per_rank`` seeding), one step -- or, with ``long_runs``, a Poisson run of up to
+    200 steps at lr 0 (every step judged against the same parameters) -- the lr in (0, 1], and with
+    ``physical`` a physical batch size (gradient accumulation) of 1..64 on fixed batches.
+    ``knobs["clip_quantile"]`` in [0, 1] says where the property puts C among the reference norms
+    (0: below every norm, all clipped; 1: above, none). Shrinks towards one rank, the mlp at its
+    default size, mean, fixed sampling, fp32 float64, one sample per rank, one step, no
+    accumulation, the smallest lr and C below every norm."""
+    hi = max_world_size or space.explore_max_world_size()
+    ws = draw(st.integers(1, hi))
+    model = draw(st.sampled_from(tuple(models)))
+    variant = draw(st.booleans())
+    dims = draw(model_dims(model, ws)) if variant else {}
+    reduction = draw(st.sampled_from(AXES["reduction"].explore))  # type: ignore[attr-defined]
+    sampling = draw(st.sampled_from(tuple(samplings)))
+    local = draw(st.integers(*_int_range("local_batch")))
+    per_rank = draw(st.integers(*_int_range("samples_per_rank")))
+    seeding = draw(st.sampled_from(AXES["seeding"].explore))  # type: ignore[attr-defined]
+    steps = draw(st.integers(*_int_range("steps"))) if long_runs and sampling == "poisson" else 1
+    # a long run is judged step by step against fp32 tolerances (the long runs' judges): fp32 only
+    precision = draw(st.sampled_from(tuple(precisions))) if steps == 1 else "fp32"
+    dtype = "float32" if precision != "fp32" else draw(st.sampled_from(DTYPES))
+    lr = 0.0 if steps > 1 else draw(st.floats(*AXES["lr"].explore))  # type: ignore[attr-defined]
+    p = draw(st.integers(*_int_range("physical_batch_size"))) if physical and sampling == "fixed" and draw(
+        st.booleans()) else 0
+    quantile = draw(st.floats(*AXES["clip_quantile"].explore))  # type: ignore[attr-defined]
+    seeds = dict(model_seed=draw(st.integers(0, 3)), batch_seed=draw(st.integers(1, 4)))
+    base = dict(model=model, reduction=reduction, dtype=dtype, precision=precision, lr=lr, steps=steps,
+                grad_sample_mode=grad_sample_mode, model_kwargs=tuple(sorted(dims.items())), **seeds)
+    if sampling == "poisson":
+        n = per_rank * ws
+        q = opacus_sample_rate(n, ws, local)
+        per_epoch = int(1 / q)
+        spec = RunSpec(**base, sampling="poisson", sample_rate=q, dataset_size=n, seeding=seeding,
+                       epochs=-(-steps // per_epoch), sampling_seed=draw(st.integers(0, 3)))
+    else:
+        spec = RunSpec(**base, global_batch_size=local * ws, physical_batch_size=p)
+    return ws, spec, {"clip_quantile": quantile}
+
+
 def spec_summary(spec: RunSpec, world_size: int) -> str:
     """A one-line human description of a spec, for failure reports: ``mlp(d_in=1, hidden=3,
     classes=2) at world_size=2, split [2|1], batch 3, mean, float64``."""
@@ -357,4 +414,4 @@ def spec_summary(spec: RunSpec, world_size: int) -> str:
 __all__ = ["SHARD_RELATIONS", "DTYPES", "PAD_FRACTIONS", "world_sizes", "shard_dims", "mlp_dims", "conv_dims",
            "transformer_dims", "model_dims", "seq_lens", "pad_fractions", "global_batch_sizes", "batch_splits",
            "data_layouts", "reductions", "dtypes", "run_specs", "spec_summary", "dataset_sizes", "seeding_policies",
-           "opacus_sample_rate", "poisson_params"]
+           "opacus_sample_rate", "poisson_params", "explore_specs"]

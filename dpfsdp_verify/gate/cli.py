@@ -30,7 +30,8 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
+from ..defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED, SCALE_STEPS,
+                        SCALE_WORLD_SIZES, WIDE_WORLD_SIZE)
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"grad_sample_mode passed to make_private (default {DEFAULT_GRAD_SAMPLE_MODE})")
     what.add_argument("--fuzz", type=int, default=0, metavar="N",
                       help="also run N hypothesis-fuzzed examples per fuzzable property (default 0)")
+    what.add_argument("--explore", type=float, default=None, metavar="SECONDS",
+                      help="also judge configurations drawn from the configuration space beyond the fixed cases, "
+                           "for this many seconds in all (seeded by --seed; a failure is shrunk and reported with its "
+                           f"replay line); 0: a fixed run (default {DEFAULT_EXPLORE_S:g} where hypothesis is "
+                           "installed; docs/explore.md)")
     _environment_args(what, execution)
     reports.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     reports.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "tensor parallel; docs/meshes.md); without --world-sizes only the meshes run")
     matrix.add_argument("--wide-world-size", type=int, default=None, metavar="W",
                         help="a world size >= 3 for a few cheap cases that rank-index bugs hit (rank %% 2, "
-                             "LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default 3; docs/horizon.md)")
+                             f"LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default {WIDE_WORLD_SIZE}; docs/horizon.md)")
     matrix.add_argument("--models", default=None,
                         help="comma list of mlp,conv,transformer, lora,tied (docs/finetune.md), masked "
                              "(docs/sequences.md)")
@@ -127,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
     loops.add_argument("--horizon", type=int, default=None, metavar="STEPS",
                        help="steps of the long Poisson run per check family, every step judged; 0: none "
-                            "(default 48; docs/horizon.md)")
+                            f"(default {HORIZON_STEPS}; docs/horizon.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
@@ -137,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--property", required=True, help="id of a property that can be fuzzed")
     replay.add_argument("--world-size", required=True, help="number of ranks")
     replay.add_argument("--spec", required=True, help="the JSON RunSpec of a fuzz verdict's repro line")
+    replay.add_argument("--exact", action="store_true",
+                        help="run the spec exactly as given, without the property's preparation (an --explore "
+                             "verdict's repro line)")
     sub.add_parser("list", help="list properties and targets")
     _scale_parser(sub)
     return p
@@ -202,7 +211,12 @@ def cmd_replay(args) -> int:
     opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
                    backend=args.backend, timeout=args.timeout)
     with Pool() as pool:
-        v = check_example(args.property, opts, spec, world_size, pool=pool)
+        if getattr(args, "exact", False):
+            from ..fuzz.explore import check_exact
+
+            v = check_exact(fuzzable_property(args.property), opts, spec, world_size, pool)
+        else:
+            v = check_example(args.property, opts, spec, world_size, pool=pool)
     print(format_failure(v) if v.status in FAILING else f"{v.property}: {v.status}: {v.message}")
     return EXIT_FAIL if v.status in FAILING else EXIT_OK
 
@@ -215,9 +229,12 @@ def _scale_parser(sub) -> None:
     sc.add_argument("--physical-batch-size", type=int, default=None,
                     help="BatchMemoryManager's max_physical_batch_size (gradient accumulation); default: none")
     sc.add_argument("--seeding", default="per_rank", help="same, per_rank or unseeded (default per_rank)")
-    sc.add_argument("--steps", type=int, default=1000, help="nominal steps per rank, rounded up to epochs (default 1000)")
-    sc.add_argument("--world-sizes", default="8,64,512,1024", help="comma list (default 8,64,512,1024)")
-    sc.add_argument("--seed", type=int, default=0, help="sampling seed of the first epoch (default 0)")
+    sc.add_argument("--steps", type=int, default=SCALE_STEPS,
+                    help=f"nominal steps per rank, rounded up to epochs (default {SCALE_STEPS})")
+    scale_ws = ",".join(map(str, SCALE_WORLD_SIZES))
+    sc.add_argument("--world-sizes", default=scale_ws, help=f"comma list (default {scale_ws})")
+    sc.add_argument("--seed", type=int, default=SCALE_SEED,
+                    help=f"sampling seed of the first epoch (default {SCALE_SEED})")
     sc.add_argument("--json", default=None, metavar="PATH|-", help="write the figures as JSON (docs/scale.md)")
     sc.add_argument("--plot", default=None, metavar="PATH", help="risk vs world size, .png or .svg (extra 'plot')")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .. import modes as modes_mod
+from ..defaults import DEFAULT_WORLD_SIZES as _DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
 from ..errors import HintedError
 from ..modes import Mode
 
@@ -19,10 +20,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
     from ..properties import Options
 
-#: gloo ranks are processes on this host: more than this is a mistake on a CI runner
-MAX_GLOO_WORLD_SIZE = 16
-#: ``--world-sizes`` when not given (a torchrun job: the job's own world size)
-DEFAULT_WORLD_SIZES = "1,2"
+#: ``--world-sizes`` when not given (a torchrun job: the job's own world size): ``defaults.py``'s
+DEFAULT_WORLD_SIZES = ",".join(map(str, _DEFAULT_WORLD_SIZES))
 REDUCTIONS = ("mean", "sum")
 
 
@@ -52,6 +51,11 @@ class RunPlan:
     properties: Tuple[str, ...]
     target_info: Tuple[Tuple[str, str], ...] = ()
     fuzz: int = 0
+    #: seconds of exploration (``--explore``; docs/explore.md), shared among the selected properties
+    #: that have an ``explore`` recipe; 0: a fixed run
+    explore: float = 0.0
+    #: why the default exploration is off in this run (hypothesis missing, a torchrun job); "" if it is not
+    explore_note: str = ""
     #: the parsed ``--expect`` file
     expectations: Optional["Expectations"] = None
     reports: Reports = Reports()
@@ -104,6 +108,7 @@ class RunPlan:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
+        explore, explore_note = parse_explore(args, job_world_size)
         expectations = check_optional_pieces(args)
         info = load_target_info(args.target)
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
@@ -117,14 +122,42 @@ class RunPlan:
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
-                   expectations=expectations, reports=reports, quiet=args.quiet)
+                   explore=explore, explore_note=explore_note, expectations=expectations, reports=reports,
+                   quiet=args.quiet)
+
+
+def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
+    """``(seconds, note)`` of exploration from ``--explore`` (``UsageError`` for a bad value, or
+    for asking for it where it cannot run). Not given: ``defaults.DEFAULT_EXPLORE_S`` where
+    hypothesis is installed and the ranks are the gate's own; else 0 with the note saying why."""
+    from ..defaults import DEFAULT_EXPLORE_S
+    from ..space import AXES
+
+    given = getattr(args, "explore", None)
+    if given is not None:
+        problem = AXES["explore"].check(given)
+        if problem or given != given:
+            raise UsageError(f"--explore {given}: must be >= 0 seconds", "e.g. --explore 10, or 0 for a fixed run")
+        if given > 0 and job_world_size is not None:
+            raise UsageError("--explore: a torchrun job runs at its own world size; exploration draws world sizes",
+                             "omit --explore inside a torchrun job")
+        if given > 0:
+            require_hypothesis("--explore")
+        return float(given), ""
+    if job_world_size is not None:
+        return 0.0, "no exploration inside a torchrun job (its world size is fixed)"
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        return 0.0, "no exploration: it needs hypothesis (pip install 'dpfsdp-verify[fuzz]')"
+    return DEFAULT_EXPLORE_S, ""
 
 
 def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int]:
     """``(wide world size, horizon steps)`` from ``--wide-world-size`` / ``--horizon`` (defaults:
-    ``properties.engine.horizon``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
+    ``defaults.py``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
     ranks are the job's: no wide world size unless it is the job's own (then it is in the matrix)."""
-    from ..properties.engine.horizon import HORIZON_STEPS, WIDE_WORLD_SIZE
+    from ..defaults import HORIZON_STEPS, WIDE_WORLD_SIZE
 
     wide = getattr(args, "wide_world_size", None)
     horizon = getattr(args, "horizon", None)

@@ -52,6 +52,11 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
         print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
+        if plan.explore > 0:
+            print(f"exploring {plan.explore:g} s beyond the fixed cases, drawn from seed {opts.seed} (--explore 0: a "
+                  "fixed run; docs/explore.md)", file=sys.stderr, flush=True)
+        elif plan.explore_note:
+            print(plan.explore_note, file=sys.stderr, flush=True)
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
 
 
@@ -64,7 +69,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     # one warm group per (world size, mode) so no property restarts ranks another one just used
     # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
-    fuzz = _fuzzer(plan.fuzz)
+    fuzz = _fuzzer(plan.fuzz, _explore_share(plan))
     sizes = (len(opts.world_sizes) + len(opts.meshes)
              + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0))
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, sizes * len(opts.modes)))
@@ -88,14 +93,32 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     return verdicts
 
 
-def _fuzzer(n_examples: int) -> Optional[Fuzzer]:
-    """With ``--fuzz N``: each fuzzable property's N fuzzed examples (hypothesis, the ``fuzz``
-    extra: the plan checked it is installed)."""
-    if not n_examples:
-        return None
-    from ..fuzz import fuzz_examples
+def _explore_share(plan: RunPlan) -> float:
+    """Each explored property's share of the run's exploration seconds (``--explore``)."""
+    explored = [p for p in plan.properties if PROPERTIES[p].explore is not None]
+    return plan.explore / len(explored) if plan.explore > 0 and explored else 0.0
 
-    return lambda prop, opts, pool: fuzz_examples(prop, opts, n_examples, pool)
+
+def _fuzzer(n_examples: int, explore_s: float = 0.0) -> Optional[Fuzzer]:
+    """With ``--fuzz N``: each fuzzable property's N fuzzed examples; with exploration
+    (``--explore``, docs/explore.md): each explored property's ``explore_s`` seconds of drawn
+    configurations after them (hypothesis, the ``fuzz`` extra: the plan checked it is installed)."""
+    if not n_examples and not explore_s:
+        return None
+
+    def run(prop, opts, pool):
+        verdicts = []
+        if n_examples and prop.fuzz is not None:
+            from ..fuzz import fuzz_examples
+
+            verdicts += fuzz_examples(prop, opts, n_examples, pool)
+        if explore_s and prop.explore is not None:
+            from ..fuzz.explore import explore_property
+
+            verdicts += explore_property(prop, opts, explore_s, pool)
+        return verdicts
+
+    return run
 
 
 __all__ = ["MAX_WARM_GROUPS", "Progress", "execute", "run_plan"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import HintedError
+from ..space import seed_for
 from ..targets.base import RunSpec, Target
 
 #: trials use sampling seeds this far apart, so ``seed + rank`` (per_rank seeding) never repeats
@@ -167,7 +168,7 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
     replayed (a fresh seed per call), so it is checked under ``per_rank``: the same generator
     calls in the same order, another seed. ``ScaleUsageError`` on any difference (the adapter's
     fast path is wrong: ``draw`` then iterates ``sample_batches`` instead and says why)."""
-    rng = np.random.default_rng(cfg.seed + world_size)
+    rng = np.random.default_rng(seed_for(cfg.seed, "scale", "verify_masks", world_size))
     pairs = {(int(rng.integers(cfg.trials)), int(r)) for r in
              rng.choice(world_size, size=min(VERIFY_PAIRS, world_size), replace=False)}
     pairs |= {(0, 0), (cfg.trials - 1, world_size - 1)}

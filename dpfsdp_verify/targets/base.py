@@ -145,13 +145,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import models
-from ..defaults import DEFAULT_GRAD_SAMPLE_MODE
+from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
+from ..space import AXES
 
-DATA_LAYOUTS = ("replicated", "split")
+# the axes' values are the configuration space's (``dpfsdp_verify.space``); a spec's defaults are
+# ``defaults.SPEC_DEFAULTS``
+DATA_LAYOUTS = AXES["data_layout"].values  # type: ignore[attr-defined]
 #: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
-SAMPLINGS = ("fixed", "poisson")
+SAMPLINGS = AXES["sampling"].values  # type: ignore[attr-defined]
 #: how a Poisson run's random source is seeded on the ranks (see module docstring)
-SEEDINGS = ("same", "per_rank", "unseeded")
+SEEDINGS = AXES["seeding"].values  # type: ignore[attr-defined]
 #: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
 #: is answered ``RankOutput.unsupported``, a failing verdict that says so)
 FEATURE_PHYSICAL_BATCHES = "physical_batches"
@@ -163,7 +166,7 @@ FEATURE_MOMENTUM = "momentum"
 #: ``load`` (load the checkpoint, then steps k..K-1)
 RESUME_PHASES = ("", "save", "load")
 #: the mixed-precision forms (module docstring): ``fp32`` is no form, just the parameters' dtype
-PRECISIONS = ("fp32", "bf16-fsdp", "bf16-autocast")
+PRECISIONS = AXES["precision"].values  # type: ignore[attr-defined]
 FEATURE_BF16_FSDP = "bf16-fsdp"
 FEATURE_BF16_AUTOCAST = "bf16-autocast"
 #: the feature a target declares for each mixed-precision form
@@ -174,19 +177,19 @@ PRECISION_FEATURES = {"bf16-fsdp": FEATURE_BF16_FSDP, "bf16-autocast": FEATURE_B
 class RunSpec:
     """Everything a target needs to run one configuration; picklable, identical on every rank."""
 
-    model: str = "mlp"
-    model_seed: int = 0
-    global_batch_size: int = 8
-    batch_seed: int = 1
-    data_layout: str = "split"
-    reduction: str = "mean"
-    max_grad_norm: float = 1.0
-    noise_multiplier: float = 0.0
-    noise_seed: int = 1234
-    steps: int = 1
-    lr: float = 0.5
+    model: str = _D["model"]
+    model_seed: int = _D["model_seed"]
+    global_batch_size: int = _D["global_batch_size"]
+    batch_seed: int = _D["batch_seed"]
+    data_layout: str = _D["data_layout"]
+    reduction: str = _D["reduction"]
+    max_grad_norm: float = _D["max_grad_norm"]
+    noise_multiplier: float = _D["noise_multiplier"]
+    noise_seed: int = _D["noise_seed"]
+    steps: int = _D["steps"]
+    lr: float = _D["lr"]
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
-    dtype: str = "float64"
+    dtype: str = _D["dtype"]
     #: explicit uneven split: ``rank_batches[k][r]`` = global indices rank r gets at step k
     rank_batches: Optional[tuple] = None
     #: free-form options a target may read (a fork's flags); never required
@@ -196,13 +199,13 @@ class RunSpec:
     #: targets when they build the model.
     model_kwargs: tuple = ()
     #: ``fixed`` or ``poisson`` (module docstring); the fields below matter only for ``poisson``
-    sampling: str = "fixed"
+    sampling: str = _D["sampling"]
     #: q: each sample's probability of being in a step's batch
     sample_rate: float = 0.0
     #: N: samples in the dataset the sampler draws from (the global dataset, all ranks together)
     dataset_size: int = 0
     epochs: int = 1
-    seeding: str = "same"
+    seeding: str = _D["seeding"]
     sampling_seed: int = 0
     #: what the ranks are asked for: ``train`` (``Target.run``) or ``sample`` (``Target.sample_batches``)
     task: str = "train"
@@ -220,7 +223,7 @@ class RunSpec:
     checkpoint_dir: str = ""
     #: ``fp32`` (compute in the parameters' dtype), ``bf16-fsdp`` or ``bf16-autocast`` (bf16 compute
     #: over float32 parameters; module docstring)
-    precision: str = "fp32"
+    precision: str = _D["precision"]
     #: delta at which the target reports its accountant's epsilon (``RankOutput.epsilon``); 0: not
     #: asked (an epsilon can cost a target's accountant a second per run: only some runs ask)
     accountant_delta: float = 0.0

@@ -34,6 +34,23 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
 
 
+def clip_at_quantile(spec: RunSpec, quantile: float) -> float:
+    """C at ``quantile`` in [0, 1] among the reference norms of step 0's global batch (a Poisson
+    spec: of its dataset): 0 is half the smallest non-zero norm (every sample clipped), 1 is 1.5x the
+    largest (none clipped), in between the midpoint of the two norms around that rank (some clipped,
+    some not). What exploration draws C from (docs/explore.md)."""
+    n = torch.sort(reference_norms(spec)).values
+    positive = n[n > 0]
+    if not len(positive):
+        return 1.0
+    i = round(min(max(quantile, 0.0), 1.0) * len(positive))
+    if i == 0:
+        return float(positive[0]) / 2
+    if i == len(positive):
+        return float(positive[-1]) * 1.5
+    return (float(positive[i - 1]) + float(positive[i])) / 2
+
+
 def with_picked_clip(spec: RunSpec, fallback: float = 1.0) -> RunSpec:
     """``spec`` with ``max_grad_norm`` set to ``pick_clip_bound(spec)``, or to ``fallback`` where no
     bound splits the batch (ties, fewer than two samples, a bound of 0)."""
@@ -309,7 +326,7 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 
 
-__all__ = ["pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "ROUNDING_MARGIN",
+__all__ = ["clip_at_quantile", "pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "ROUNDING_MARGIN",
            "amplification", "rounding_floor", "norm_rounding", "RecoveredCoefficients",
            "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "CoefficientFit",
            "fit_clip_coefficients", "describe_clip_fit"]

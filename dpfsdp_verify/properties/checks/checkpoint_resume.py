@@ -109,16 +109,16 @@ def cases(point: Point):
     base = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.5, momentum=MOMENTUM)
     traj = with_picked_clip(base)
     noise = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.0, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-                       noise_seed=point.seed(4242 + ws))
+                       noise_seed=point.seed_for("noise_run", ws))
     o = point.options
     q = o.sample_rate or POISSON_RATE
     poisson = point.spec(steps=steps, lr=0.5, sampling="poisson", sample_rate=q,
                          dataset_size=o.dataset_size or POISSON_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
-                         sampling_seed=point.seed(17))
+                         sampling_seed=point.seed_for("poisson_run", ws))
     poisson = poisson.with_(epochs=-(-steps // poisson.steps_per_epoch))
     mid = point.spec(steps=steps, lr=0.5, sampling="poisson", sample_rate=MID_EPOCH_RATE,
                      dataset_size=MID_EPOCH_PER_RANK * ws, seeding=(o.seedings or ("same",))[0],
-                     sampling_seed=point.seed(19))
+                     sampling_seed=point.seed_for("mid_epoch_run", ws))
     mid = mid.with_(epochs=-(-steps // mid.steps_per_epoch))
     k_mid = k if k % mid.steps_per_epoch else k - 1  # k - 1 >= 2 is then mid-epoch too
     (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),

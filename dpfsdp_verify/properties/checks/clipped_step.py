@@ -46,11 +46,11 @@ from ... import reference
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
 from ...verdict import Verdict
-from ..analysis.clipfit import (COEF_TOL, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
+from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
                       recover_clip_coefficients)
 from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
                       smallest_norm, tensors_close, tolerance)
-from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..engine.contract import Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.norm_hypotheses import sequence_weights
 from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
@@ -64,6 +64,18 @@ def prepare(spec: RunSpec) -> Prepared:
     if c is None:
         return "reference norms tie: no clip bound separates clipped from unclipped samples"
     return spec.with_(max_grad_norm=c)
+
+
+def explore_prepare(spec: RunSpec, knobs: Dict[str, object]) -> Prepared:
+    """An explored configuration (docs/explore.md) with C at its drawn quantile of the reference
+    norms (``clipfit.clip_at_quantile``), noise 0."""
+    return spec.with_(max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))),
+                      noise_multiplier=0.0)
+
+
+def explore_labels(spec: RunSpec) -> Dict[str, object]:
+    """A drawn run of more than one step is a long run (lr 0), judged step by step (``judge_horizon``)."""
+    return horizon_labels(spec) if spec.steps > 1 else {}
 
 
 #: the property's default axes (``Point.first_of_axes`` picks the point that runs the wide case)
@@ -423,9 +435,12 @@ PROPERTY = Property(
     dtypes=DTYPES, samplings=("fixed", "poisson"), params=(("physical_batch_size", 0),),
     precisions=PRECISIONS, meshes=True,
     # split data (the layout opacus defines a DP step for), >= 2 samples so a clip bound separates them
-    fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))
+    fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare),
+    # every axis of the space it judges: world size, model variants, local batch, C among the norms, lr,
+    # dtype and bf16 forms, Poisson sampling with runs up to 200 steps, accumulation
+    explore=ExploreRecipe(prepare=explore_prepare, labels=explore_labels))
 
 
-__all__ = ["FIT_RTOL", "prepare", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "SHORT_LAYER_MODEL",
+__all__ = ["FIT_RTOL", "prepare", "explore_prepare", "explore_labels", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "SHORT_LAYER_MODEL",
            "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge", "judge_horizon",
            "judge_spec", "own_epsilon_step", "judge_precision", "explain", "PROPERTY"]

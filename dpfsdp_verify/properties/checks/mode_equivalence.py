@@ -99,7 +99,7 @@ def poisson_pair_spec(point: Point) -> RunSpec:
     o = point.options
     return prepare(point.spec(sampling="poisson", sample_rate=o.sample_rate or q,
                               dataset_size=o.dataset_size or per_rank * point.world_size, epochs=1, steps=steps,
-                              seeding=point.seeding or "same", sampling_seed=point.seed(0)))
+                              seeding=point.seeding or "same", sampling_seed=point.poisson_seed))
 
 
 def cases(point: Point):

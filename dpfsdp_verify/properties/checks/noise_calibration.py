@@ -85,12 +85,12 @@ kurtosis the shape test detects. Measured detection and false-alarm rates: docs/
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
 
+from ...space import adjacent
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA
@@ -164,8 +164,8 @@ def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
 def cases(point: Point):
     model_kwargs = MLP_DIMS if point.model == "mlp" else ()
     # every point draws its own noise (the same seed at every point would make its verdicts one draw)
-    where = f"{point.world_size}/{point.model}/{point.reduction}/{point.dtype}/{point.sampling}/{point.seeding}"
-    base_seed = point.seed(point.param("noise_seed") + 7 * (zlib.crc32(where.encode()) % 1_000_000))
+    base_seed = point.seed_for("statistical", point.param("noise_seed"), point.world_size, point.model,
+                               point.reduction, point.dtype, point.sampling, point.seeding, point.precision, point.mesh)
     spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA,
                       noise_seed=base_seed, lr=0.0, steps=STEPS_PER_RUN, model_kwargs=model_kwargs)
     if spec.poisson:  # enough epochs of int(1/q) steps for STEPS_PER_RUN draws per run
@@ -181,7 +181,7 @@ def cases(point: Point):
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
     # run i's step k+1, which the exact repeat check sees across runs
-    runs = [spec.with_(noise_seed=(base_seed + i) % 2 ** 31) for i in range(repeats)]
+    runs = [spec.with_(noise_seed=adjacent(base_seed, i)) for i in range(repeats)]
     clean = spec.with_(noise_multiplier=0.0)
     o = point.options
     # a 2-D mesh runs the statistical case alone (its extra exact cases are 1-D checks)
@@ -200,26 +200,28 @@ def cases(point: Point):
         # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
         # rows no sample used, a buffer shared between its tensors
         t = spec.with_(model="transformer", model_kwargs=(), steps=1,
-                       noise_seed=point.seed(point.param("noise_seed") + 3))
+                       noise_seed=point.seed_for("transformer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                          facts={"exact_only": True})
     if once and point.model == "mlp":
         # exact checks only on one wide layer (fc1.weight 64 x 512 = 32768 coordinates, 16384 per
         # shard at 2 ranks): a noise buffer of a bounded size tiled over larger shards repeats within
         # one draw, which the gate's statistical mlp (no tensor above 2048) cannot show
-        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed(point.param("noise_seed") + 4))
+        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
     if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
         # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
         h = horizon_spec(point, model_kwargs=MLP_DIMS, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
-                         noise_seed=point.seed(point.param("noise_seed") + 5))
+                         noise_seed=point.seed_for("horizon", point.param("noise_seed"), point.world_size))
         yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
                          facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
                          labels=horizon_labels(h), isolate=True)
     if once:
         one = spec.with_(steps=1)
-        seeds = (point.seed(point.param("noise_seed") + 1), point.seed(point.param("noise_seed") + 2))
+        # two fresh jobs with adjacent seeds (as before: a seed + rank generator shows across them)
+        first = point.seed_for("fresh_job", point.param("noise_seed"), point.world_size)
+        seeds = (first, adjacent(first, 1))
         yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
                                one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
                          doing="one DP step with noise in each of two fresh sets of rank processes", fresh_groups=2)
@@ -234,11 +236,13 @@ def wide(point: Point):
     if point.sampling != "fixed":
         return
     spec = point.spec(global_batch_size=4 * point.world_size, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
-                      steps=1, noise_seed=point.seed(point.param("noise_seed") + 6))
+                      steps=1, noise_seed=point.seed_for("wide_world_transformer_exact", point.param("noise_seed"),
+                                                        point.world_size))
     t = spec.with_(model="transformer", model_kwargs=())
     yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                      facts={"exact_only": True})
-    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS, noise_seed=point.seed(point.param("noise_seed") + 7))
+    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS, noise_seed=point.seed_for("wide_world_layer_exact", point.param("noise_seed"),
+                                                          point.world_size))
     yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                      "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 

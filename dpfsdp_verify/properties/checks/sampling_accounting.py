@@ -129,7 +129,7 @@ def cases(point: Point):
     draws = point.param("draws")
     for data, (n, q) in case_datasets(point).items():
         base = point.spec(sampling="poisson", sample_rate=q, dataset_size=n, seeding=point.seeding, steps=0,
-                          sampling_seed=point.seed(0))
+                          sampling_seed=point.poisson_seed)
         spec = base.with_(task="sample", epochs=math.ceil(draws / base.steps_per_epoch))
         yield point.case(spec, labels={"dataset": data}, facts={"alpha": point.param("alpha")},
                          doing=f"{spec.nominal_steps} Poisson draws")

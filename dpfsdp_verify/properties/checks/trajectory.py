@@ -137,7 +137,7 @@ def update_case(point: Point):
     ``UPDATE_SIGMA`` and momentum ``update_momentum``, once per world size."""
     mu = point.param("update_momentum")
     spec = point.spec(steps=UPDATE_STEPS, global_batch_size=4 * point.world_size, lr=0.5,
-                      noise_multiplier=UPDATE_SIGMA, momentum=mu, noise_seed=point.seed(5151 + point.world_size))
+                      noise_multiplier=UPDATE_SIGMA, momentum=mu, noise_seed=point.seed_for("noisy_update", point.world_size))
     return point.case(with_picked_clip(spec), labels={"noise_multiplier": UPDATE_SIGMA, "momentum": mu},
                       doing=f"{UPDATE_STEPS} noisy DP steps (noise multiplier {UPDATE_SIGMA:g}, SGD momentum {mu:g})")
 

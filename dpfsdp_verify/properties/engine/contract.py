@@ -45,7 +45,8 @@ from ... import modes as modes_mod
 from ...harness import DEFAULT_TIMEOUT_S
 from ...modes import Mode
 from ...targets import RankOutput, RunSpec
-from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, POISSON_DEFAULTS
+from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
+from ...space import seed_for
 from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ...verdict import INTERNAL_ERROR, Verdict
 
@@ -60,7 +61,7 @@ class Options:
     (``(name, value)`` pairs; each property lists the ones it takes in ``Property.params``)."""
 
     target: str = "opacus"
-    world_sizes: Tuple[int, ...] = (1, 2)
+    world_sizes: Tuple[int, ...] = DEFAULT_WORLD_SIZES
     modes: Tuple[Mode, ...] = modes_mod.DEFAULT_MODES
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
     models: Optional[Tuple[str, ...]] = None
@@ -167,6 +168,9 @@ class Case:
     #: a fuzzed case: the spec as hypothesis drew it (before the recipe's ``prepare``); its repro
     #: line is ``dpfsdp-verify replay`` of exactly that spec
     drawn: Optional[RunSpec] = None
+    #: an explored case (``--explore``, docs/explore.md): ``drawn`` is the spec exactly as run (the
+    #: recipe's ``prepare`` already applied), replayed with ``replay --exact``
+    explored: bool = False
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
@@ -190,6 +194,8 @@ class Case:
             run_keys["precision"] = self.spec.precision
         if self.drawn is not None:  # a fuzzed shape is told apart by its layer sizes
             run_keys["model_kwargs"] = dict(self.spec.model_kwargs)
+        if self.explored:  # so is an explored configuration, by what was drawn beyond the matrix's axes
+            run_keys["explore"] = explored_keys(self.spec)
         if self.spec.mesh:  # a 2-D mesh adds a key; 1-D configs are unchanged
             run_keys["mesh"] = self.spec.mesh
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
@@ -229,6 +235,8 @@ class Case:
     def _replay_line(self) -> str:
         parts = ["dpfsdp-verify", "replay", "--target", self.target_ref, "--property", self.property,
                  "--world-size", str(self.world_size), "--spec", self.drawn.to_json()]
+        if self.explored:
+            parts.append("--exact")
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
         parts += modes_mod.cli_args(self.modes, always=len(self.modes) > 1)
@@ -275,7 +283,7 @@ class Point:
             fields_ = {"steps": 1, **fields_, "sampling": "poisson",
                        "sample_rate": self.options.sample_rate or q,
                        "dataset_size": self.options.dataset_size or per_rank * self.world_size,
-                       "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.seed(0)}
+                       "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.poisson_seed}
         if self.mesh:
             fields_ = {"mesh": self.mesh, **fields_}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
@@ -287,10 +295,22 @@ class Point:
         return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
                     self.options.backend, seed=self.options.seed, **kw)
 
+    def seed_for(self, *names) -> int:
+        """The seed of this property's random stream ``names`` in this run: ``space.seed_for`` of the
+        run's seed (``Options.seed``), the property id and ``names`` (e.g. ``point.seed_for("fresh_job",
+        ws)``) -- a stable hash, so no two streams share a seed by accident and ``--seed`` replays each."""
+        return seed_for(self.options.seed, self.property, *names)
+
+    @property
+    def poisson_seed(self) -> int:
+        """The sampling seed of this point's Poisson runs (``Point.spec``; the properties that build a
+        Poisson spec of their own use it too, so their batches are the point's)."""
+        return self.seed_for("poisson", "sampling", self.world_size, self.seeding)
+
     def seed(self, base: int) -> int:
-        """The seed a random stream whose fixed seed would be ``base`` takes in this run
-        (``Options.seed``): ``base`` itself at run seed 0, unrelated seeds for other run seeds."""
-        return (base + self.options.seed * 1_000_003) % (2 ** 31)
+        """Legacy: the seed a stream whose fixed seed was ``base`` takes in this run. New code names
+        its stream (``seed_for``); ``tests/test_space.py`` refuses a literal ``base``."""
+        return seed_for(self.options.seed, self.property, "legacy", base)
 
     def first_of_axes(self, models: Sequence[str], reductions: Sequence[str], dtypes: Sequence[str]) -> bool:
         """Whether this is the first point of its world size and mode(s) along the model, reduction
@@ -311,6 +331,33 @@ Prepared = Union[RunSpec, str]
 
 def unchanged(spec: RunSpec) -> Prepared:
     return spec
+
+
+def explored_keys(spec: RunSpec) -> Dict[str, Any]:
+    """What an explored configuration drew beyond the matrix's config keys (its ``config["explore"]``)."""
+    out: Dict[str, Any] = {"global_batch_size": spec.global_batch_size, "steps": spec.steps, "lr": spec.lr,
+                           "max_grad_norm": spec.max_grad_norm}
+    if spec.resume_at:
+        out["resume_at"] = spec.resume_at
+    return out
+
+
+@dataclass(frozen=True)
+class ExploreRecipe:
+    """How exploration (``--explore SECONDS``, docs/explore.md) draws a property's configurations
+    from the configuration space (``dpfsdp_verify.space``): ``draw`` holds the keywords of
+    ``strategies.explore_specs`` (which axes vary; the others stay at the space's defaults), and
+    ``prepare(spec, knobs)`` turns a drawn spec and its knobs (e.g. ``clip_quantile``: where C sits
+    among the reference norms) into the spec to run (a string: the reason it cannot run, a skip);
+    ``labels(spec)`` gives the case's labels (e.g. ``horizon`` for a long run its judge judges
+    step by step). The property's own ``judge`` judges it."""
+
+    draw: Tuple[Tuple[str, Any], ...] = ()
+    prepare: Callable[[RunSpec, Dict[str, Any]], Prepared] = lambda spec, knobs: spec
+    labels: Callable[[RunSpec], Dict[str, Any]] = lambda spec: {}
+
+    def draw_kwargs(self) -> Dict[str, Any]:
+        return dict(self.draw)
 
 
 @dataclass(frozen=True)
@@ -363,6 +410,8 @@ class Property:
     #: the same environment); raises ``ValueError`` for a param it cannot use
     default_pair: Optional[Callable[[Mode, Dict[str, Any]], Tuple[Mode, Mode]]] = None
     fuzz: Optional[FuzzRecipe] = None
+    #: how exploration draws its configurations (``ExploreRecipe``; ``None``: not explored)
+    explore: Optional[ExploreRecipe] = None
     #: for a property whose verdicts rest on random draws: the bound on the probability that a
     #: correct target fails any of the verdicts of one run of the property (``None``: deterministic,
     #: a correct target never fails)
@@ -489,6 +538,17 @@ class Property:
                     backend=opts.backend, doing="fuzzed configuration", drawn=spec)
         return case.verdict("skip", None, ready) if isinstance(ready, str) else case
 
+    def explore_case(self, opts: Options, spec: RunSpec, knobs: Dict[str, Any], world_size: int,
+                     modes: Sequence[Mode]) -> Union[Case, Verdict]:
+        """The case of one explored ``spec`` (its recipe's ``prepare`` applied with ``knobs``), or the
+        ``skip`` verdict saying why it cannot run."""
+        ready = self.explore.prepare(spec, knobs)
+        run = ready if isinstance(ready, RunSpec) else spec
+        case = Case(self.id, opts.target, run, world_size, tuple(modes), backend=opts.backend,
+                    doing="explored configuration", drawn=run, explored=True, labels=self.explore.labels(run),
+                    facts={"explored": True, **knobs}, seed=opts.seed)
+        return case.verdict("skip", None, ready) if isinstance(ready, str) else case
+
     def fuzz_config(self, opts: Options, world_size: int, modes: Sequence[Mode], models: Sequence[str],
                     dtypes: Sequence[str]) -> dict:
         """The ``config`` of a fuzz run's summary verdict (one per world size and mode group)."""
@@ -568,5 +628,6 @@ def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
     return out
 
 
-__all__ = ["Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "FuzzRecipe", "Property",
+__all__ = ["Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "explored_keys", "ExploreRecipe",
+           "FuzzRecipe", "Property",
            "sampling_problem", "precision_problem", "modes_problem", "by_id"]

@@ -28,17 +28,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
+# the gate's wide world size (``--wide-world-size``), long-run length (``--horizon``), and the long
+# runs' q and samples per rank: defaults.py, the one place defaults are written
+from ...defaults import HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, WIDE_WORLD_SIZE
 from ...targets import RunSpec
 from .contract import Point
-
-#: the gate's wide world size (``--wide-world-size``)
-WIDE_WORLD_SIZE = 3
-#: the gate's long-run length in steps (``--horizon``): 12 Poisson epochs of 4 steps, past step 40
-HORIZON_STEPS = 48
-#: q of the long runs, and samples per rank: an expected local batch of 16, so an empty local batch
-#: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
-#: opacus' does) takes every step, and the long runs judge the late steps, not that finding
-HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
 
 
 def horizon_point(point: Point, models: Iterable[str], reductions: Iterable[str], dtypes: Iterable[str]) -> bool:
@@ -62,7 +56,7 @@ def horizon_spec(point: Point, **fields) -> RunSpec:
     per_epoch = int(1 / HORIZON_SAMPLE_RATE)
     base = dict(sampling="poisson", sample_rate=HORIZON_SAMPLE_RATE,
                 dataset_size=HORIZON_SAMPLES_PER_RANK * point.world_size, epochs=-(-steps // per_epoch),
-                steps=steps, seeding="per_rank", sampling_seed=point.seed(4_481))
+                steps=steps, seeding="per_rank", sampling_seed=point.seed_for("horizon", "sampling"))
     return point.spec(**{**base, **fields})
 
 

@@ -57,7 +57,7 @@ def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuz
     cases = [c for c in items if isinstance(c, Case)]
     judged = iter(judge_cases(prop, cases, pool, opts.timeout))
     verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
-    if fuzz is not None and prop.fuzz is not None and not modes_problem(prop, opts.modes):
+    if fuzz is not None and (prop.fuzz is not None or prop.explore is not None) and not modes_problem(prop, opts.modes):
         t0 = time.monotonic()
         try:
             verdicts += fuzz(prop, opts, pool)

@@ -1,0 +1,202 @@
+"""Exploration: configurations drawn from the configuration space beyond the gate's fixed cases
+(``dpfsdp-verify run --explore SECONDS``, docs/explore.md).
+
+The fixed cases are points someone picked; a bug one step outside them (rows >= 40 of a local
+batch left unclipped, where the largest fixed local batch is 33; a clip that only breaks in
+float32 at lr 0.3 at 4 ranks) passes every one of them. Each property with an ``explore`` recipe
+(``contract.ExploreRecipe``) therefore spends a share of the run's exploration budget on
+configurations hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'
+``explore`` range in ``dpfsdp_verify.space`` -- each prepared by the recipe (e.g. C at a drawn
+quantile of the reference norms), run on the gate's warm pool and judged by the property's own
+``judge``. The draws are seeded by the run's seed (``space.seed_for(seed, property, "explore",
+round)``), so ``--seed S`` draws the same configurations in the same order (how many fit in the
+budget depends on the machine).
+
+Hypothesis runs in rounds of ``ROUND_EXAMPLES`` examples until the budget is spent. A draw that
+fails (``fail``, ``hang``, ``error``) is shrunk by hypothesis to its smallest configuration (it
+is given ``SHRINK_S`` more seconds for that, past the budget: a failing gate run is worth a short
+report), and that is the property's exploration verdict: the property's diagnosis and message for
+the smallest configuration, its config (``config["explore"]``: what it drew beyond the usual
+keys), ``evidence["explored"] = True``, and a ``dpfsdp-verify replay ... --exact`` line that
+re-runs exactly that spec. Without a failure the property's one ``pass`` verdict says how many
+configurations passed and what they covered.
+
+Every result is cached by configuration, so hypothesis' own replay of the shrunk example sees the
+same verdict, and a draw past the budget is not run (it passes, unrun and uncounted).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings as Settings
+
+from ..harness import Pool
+from ..modes import Mode
+from ..properties.engine import runner
+from ..properties.engine.contract import Case, Options, Property
+from ..space import explore_max_world_size, seed_for
+from ..targets import RunSpec
+from ..verdict import FAILING, Verdict
+from . import strategies
+from .search import Counterexample, _find_counterexample, _notes
+
+#: examples per hypothesis round (a round's first examples are its simplest: small rounds would
+#: redraw them, large ones overshoot the budget by a few unrun draws)
+ROUND_EXAMPLES = 8
+#: seconds a found failure may spend shrinking past the budget
+SHRINK_S = 30.0
+#: the draws a pass verdict lists in its evidence (the first ones)
+LISTED_DRAWS = 40
+
+
+class _Explorer:
+    """One property's exploration: the budget clock, the cache, the counts."""
+
+    def __init__(self, prop: Property, opts: Options, budget_s: float, pool: Pool, modes: Sequence[Mode],
+                 max_world_size: int):
+        self.prop, self.opts, self.pool, self.modes = prop, opts, pool, tuple(modes)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
+        self.max_world_size = max_world_size
+        self.cache: Dict[Tuple[int, str, str], Verdict] = {}
+        self.seen: Counter = Counter()
+        self.draws: List[str] = []
+        self.found_at: Optional[float] = None
+
+    def spent(self) -> bool:
+        now = time.monotonic()
+        return now > (self.deadline if self.found_at is None else max(self.deadline, self.found_at) + SHRINK_S)
+
+    def example(self, drawn) -> None:
+        ws, spec, knobs = drawn
+        key = (ws, spec.to_json(), json.dumps(knobs, sort_keys=True))
+        v = self.cache.get(key)
+        if v is None:
+            if self.spent():
+                return  # past the budget: not run, not counted
+            v = self.run(ws, spec, knobs)
+            self.cache[key] = v
+            self.seen[v.status] += 1
+            if self.found_at is None:
+                self.draws.append(f"ws={ws} {strategies.spec_summary(spec, ws)}; lr {spec.lr:g}; "
+                                  f"C quantile {knobs.get('clip_quantile', 0.5):.2f}")
+        if v.status in FAILING:
+            if self.found_at is None:
+                self.found_at = time.monotonic()
+            raise Counterexample(v, spec)
+
+    def run(self, ws: int, spec: RunSpec, knobs: dict) -> Verdict:
+        with runner.one_thread():
+            case = self.prop.explore_case(self.opts, spec, knobs, ws, self.modes)
+            if isinstance(case, Verdict):
+                return case
+            return runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout)[0]
+
+    def round(self, index: int) -> Optional[Verdict]:
+        """One hypothesis round; the shrunk failure's verdict, or ``None``."""
+        seed = seed_for(self.opts.seed, self.prop.id, "explore", index)
+        settings = Settings(max_examples=ROUND_EXAMPLES, database=None, derandomize=False, deadline=None,
+                            report_multiple_bugs=False, print_blob=True, phases=(Phase.generate, Phase.shrink),
+                            suppress_health_check=list(HealthCheck))
+        strategy = strategies.explore_specs(self.max_world_size, grad_sample_mode=self.opts.grad_sample_mode,
+                                            **self.prop.explore.draw_kwargs())
+        def example(drawn):
+            self.example(drawn)
+
+        test = settings(hypothesis_seed(seed)(given(strategy)(example)))
+        try:
+            test()
+        except Exception as err:  # noqa: BLE001 - hypothesis re-raises what the example raised
+            found = _find_counterexample(err)
+            if found is None:
+                raise
+            return self.failure(found, _notes(err), index)
+        return None
+
+    def failure(self, found: Counterexample, notes: List[str], index: int) -> Verdict:
+        v = found.verdict
+        run = sum(self.seen.values())
+        explore = {**v.config.get("explore", {}), "draws": run, "seed": self.opts.seed, "round": index}
+        evidence = {**v.evidence, "explored": True, "spec": json.loads(found.spec.to_json()), "draws_run": run}
+        return Verdict(v.property, v.status, {**v.config, "explore": explore}, diagnosis=v.diagnosis,
+                       evidence=evidence, repro=v.repro, seconds=round(time.monotonic() - self.t0, 3),
+                       message=(f"exploration found a failing configuration (draw {run} of run seed "
+                                f"{self.opts.seed}); shrunk to the smallest: "
+                                f"{strategies.spec_summary(found.spec, v.config.get('world_size') or 1)}, lr "
+                                f"{found.spec.lr:g}, C {found.spec.max_grad_norm:.4g}. {v.message}"),
+                       details="\n".join(["hypothesis: " + n for n in notes] + ([v.details] if v.details else [])))
+
+    def summary(self, rounds: int) -> Verdict:
+        n = sum(self.seen.values())
+        seconds = round(time.monotonic() - self.t0, 3)
+        explore = {"draws": n, "seed": self.opts.seed, "rounds": rounds, "max_world_size": self.max_world_size}
+        config = {"world_size": None, "data_layout": "explored", "model": "explored",
+                  "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.opts.grad_sample_mode,
+                  "explore": explore}
+        evidence = {"explored": True, "statuses": dict(self.seen), "draws": self.draws[:LISTED_DRAWS]}
+        if self.seen["pass"] == 0:
+            return Verdict(self.prop.id, "skip", config, seconds=seconds, evidence=evidence,
+                           message=f"exploration ran no configuration in its budget ({n} drawn and run, none passed "
+                                   "or failed)")
+        return Verdict(self.prop.id, "pass", config, seconds=seconds, evidence=evidence, message=(
+            f"{self.seen['pass']} explored configurations passed (drawn from the configuration space beyond the "
+            f"fixed cases: world sizes 1..{self.max_world_size}, local batches up to 64, lr, C among the norms, "
+            f"dtypes and precisions, model variants{self._more()}; run seed {self.opts.seed}, "
+            f"docs/explore.md)"))
+
+    def _more(self) -> str:
+        kw = self.prop.explore.draw_kwargs()
+        parts = []
+        if "poisson" in kw.get("samplings", ("poisson",)):
+            parts.append("Poisson sampling" + (" and runs up to 200 steps" if kw.get("long_runs", True) else ""))
+        if kw.get("physical", True):
+            parts.append("physical batch sizes")
+        return "".join(", " + p for p in parts)
+
+
+def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optional[Pool] = None,
+                     max_world_size: Optional[int] = None) -> List[Verdict]:
+    """``prop``'s exploration within ``budget_s`` seconds: one verdict (module docstring); none when
+    the budget is 0, the property has no recipe, or the modes give it nothing to run."""
+    if budget_s <= 0 or prop.explore is None:
+        return []
+    opts = prop.with_defaults(opts)
+    groups = prop.mode_groups(opts.modes, opts.params)
+    if not groups:
+        return []
+    own = pool is None
+    pool = pool or Pool()
+    try:
+        ex = _Explorer(prop, opts, budget_s, pool, groups[0], max_world_size or explore_max_world_size())
+        rounds = 0
+        while not ex.spent():
+            found = ex.round(rounds)
+            rounds += 1
+            if found is not None:
+                return [found]
+        return [ex.summary(rounds)]
+    finally:
+        if own:
+            pool.close()
+
+
+def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
+                modes: Sequence[Mode] = ()) -> Verdict:
+    """The property's verdict for ``spec`` exactly as given (an explored verdict's ``replay
+    --exact`` line: no recipe ``prepare``), judged by its ``judge``."""
+    opts = prop.with_defaults(opts)
+    modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
+    labels = prop.explore.labels(spec) if prop.explore is not None else {}
+    case = Case(prop.id, opts.target, spec, world_size, modes, backend=opts.backend, doing="explored configuration",
+                drawn=spec, explored=True, labels=labels, facts={"explored": True}, seed=opts.seed)
+    with runner.one_thread():
+        return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
+
+
+__all__ = ["ROUND_EXAMPLES", "SHRINK_S", "explore_property", "check_exact"]
