@@ -30,6 +30,11 @@ HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
 #: seconds of configuration-space exploration a gate run adds after its fixed cases (``--explore``;
 #: docs/explore.md): chosen so that the default gate stays within ~60 s on 2 idle cores
 DEFAULT_EXPLORE_S = 8.0
+#: an environment variable that, when set, replaces ``DEFAULT_EXPLORE_S`` as the default of
+#: ``--explore`` (seconds; ``0``: fixed runs unless ``--explore`` is given). The package's own test
+#: suite sets it to 0 (tests/conftest.py), so a test that runs the gate judges the fixed cases it
+#: counts; ``tests/test_explore.py`` runs the default
+EXPLORE_ENV = "DPFSDP_VERIFY_EXPLORE"
 #: the largest world size exploration draws (capped further by the host's cores: ``space.explore_max_world_size``)
 EXPLORE_MAX_WORLD_SIZE = 8
 #: what a ``RunSpec`` is unless a property says otherwise (``targets.base.RunSpec``'s field defaults)
@@ -42,5 +47,5 @@ SCALE_STEPS, SCALE_WORLD_SIZES, SCALE_SEED = 1000, (8, 64, 512, 1024), 0
 
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
            "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
-           "DEFAULT_EXPLORE_S", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS", "SCALE_WORLD_SIZES",
+           "DEFAULT_EXPLORE_S", "EXPLORE_ENV", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS", "SCALE_WORLD_SIZES",
            "SCALE_SEED"]

@@ -89,14 +89,15 @@ class _Explorer:
         if v.status in FAILING:
             if self.found_at is None:
                 self.found_at = time.monotonic()
-            raise Counterexample(v, spec)
+            # the spec as run (the recipe's prepare applied): what the replay line re-runs
+            raise Counterexample(v, self.prop.explore.prepare(spec, knobs) if self.prop.explore else spec)
 
     def run(self, ws: int, spec: RunSpec, knobs: dict) -> Verdict:
         with runner.one_thread():
             case = self.prop.explore_case(self.opts, spec, knobs, ws, self.modes)
             if isinstance(case, Verdict):
                 return case
-            return runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout)[0]
+            return unproven_timeout_skipped(runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout)[0])
 
     def round(self, index: int) -> Optional[Verdict]:
         """One hypothesis round; the shrunk failure's verdict, or ``None``."""
@@ -158,6 +159,18 @@ class _Explorer:
         if kw.get("physical", True):
             parts.append("physical batch sizes")
         return "".join(", " + p for p in parts)
+
+
+def unproven_timeout_skipped(v: Verdict) -> Verdict:
+    """An explored draw that ran past its deadline with no deadlock proven (``hang`` / ``timeout``)
+    is a ``skip`` saying so: a drawn configuration may be slow on a loaded runner, and a slow draw
+    is not a finding (a *proven* deadlock, ``hang`` / ``deadlock`` or ``step_divergence``, stays a
+    failure). The fixed cases keep their own rule."""
+    if v.status == "hang" and v.diagnosis == "timeout":
+        return Verdict(v.property, "skip", v.config, message="explored configuration not judged: it did not finish "
+                       f"within its deadline and no deadlock was proven ({v.message[:300]})", evidence=v.evidence,
+                       repro=v.repro, seconds=v.seconds)
+    return v
 
 
 def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optional[Pool] = None,

@@ -342,6 +342,12 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_M
                    rank_batches=rank_batches, model_kwargs=tuple(sorted(dims.items())))
 
 
+#: a drawn long run (more than one step) processes about this many samples in all (steps x
+#: expected global batch), so one draw costs about what one of the gate's long runs costs (48
+#: steps x 32 samples) and never runs into the job deadline on a loaded runner
+LONG_RUN_SAMPLE_STEPS = 1600
+
+
 def _int_range(name: str) -> Tuple[int, int]:
     return AXES[name].explore  # type: ignore[attr-defined, return-value]
 
@@ -358,7 +364,8 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     (a bf16 form over float32), fixed batches of 1..64 samples per rank (``local_batch``) or
     Poisson sampling (q as opacus derives it for a local batch of 1..64 over 1..64 samples per rank,
     ``same`` or ``per_rank`` seeding), one step -- or, with ``long_runs``, a Poisson run of up to
-    200 steps at lr 0 (every step judged against the same parameters) -- the lr in (0, 1], and with
+    200 steps at lr 0 on the mlp (every step judged against the same parameters; its local batch
+    capped so that it processes about ``LONG_RUN_SAMPLE_STEPS`` samples) -- the lr in (0, 1], and with
     ``physical`` a physical batch size (gradient accumulation) of 1..64 on fixed batches.
     ``knobs["clip_quantile"]`` in [0, 1] says where the property puts C among the reference norms
     (0: below every norm, all clipped; 1: above, none). Shrinks towards one rank, the mlp at its
@@ -375,6 +382,9 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     per_rank = draw(st.integers(*_int_range("samples_per_rank")))
     seeding = draw(st.sampled_from(AXES["seeding"].explore))  # type: ignore[attr-defined]
     steps = draw(st.integers(*_int_range("steps"))) if long_runs and sampling == "poisson" else 1
+    if steps > 1:  # a long run's work is bounded: about LONG_RUN_SAMPLE_STEPS samples in all, the mlp
+        local = max(1, min(local, LONG_RUN_SAMPLE_STEPS // (steps * ws)))
+        model, dims = "mlp", {}
     # a long run is judged step by step against fp32 tolerances (the long runs' judges): fp32 only
     precision = draw(st.sampled_from(tuple(precisions))) if steps == 1 else "fp32"
     dtype = "float32" if precision != "fp32" else draw(st.sampled_from(DTYPES))
@@ -414,4 +424,4 @@ def spec_summary(spec: RunSpec, world_size: int) -> str:
 __all__ = ["SHARD_RELATIONS", "DTYPES", "PAD_FRACTIONS", "world_sizes", "shard_dims", "mlp_dims", "conv_dims",
            "transformer_dims", "model_dims", "seq_lens", "pad_fractions", "global_batch_sizes", "batch_splits",
            "data_layouts", "reductions", "dtypes", "run_specs", "spec_summary", "dataset_sizes", "seeding_policies",
-           "opacus_sample_rate", "poisson_params", "explore_specs"]
+           "opacus_sample_rate", "poisson_params", "explore_specs", "LONG_RUN_SAMPLE_STEPS"]

@@ -130,7 +130,7 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     """``(seconds, note)`` of exploration from ``--explore`` (``UsageError`` for a bad value, or
     for asking for it where it cannot run). Not given: ``defaults.DEFAULT_EXPLORE_S`` where
     hypothesis is installed and the ranks are the gate's own; else 0 with the note saying why."""
-    from ..defaults import DEFAULT_EXPLORE_S
+    from ..defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV
     from ..space import AXES
 
     given = getattr(args, "explore", None)
@@ -146,11 +146,22 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
         return float(given), ""
     if job_world_size is not None:
         return 0.0, "no exploration inside a torchrun job (its world size is fixed)"
+    default = DEFAULT_EXPLORE_S
+    if os.environ.get(EXPLORE_ENV, "").strip():
+        try:
+            default = float(os.environ[EXPLORE_ENV])
+        except ValueError:
+            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: not a number of seconds",
+                             f"e.g. {EXPLORE_ENV}=0") from None
+        if AXES["explore"].check(default):
+            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: must be >= 0 seconds", f"e.g. {EXPLORE_ENV}=0")
+        if default == 0:
+            return 0.0, ""
     try:
         import hypothesis  # noqa: F401
     except ImportError:
         return 0.0, "no exploration: it needs hypothesis (pip install 'dpfsdp-verify[fuzz]')"
-    return DEFAULT_EXPLORE_S, ""
+    return default, ""
 
 
 def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int]:

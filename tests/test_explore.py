@@ -1,0 +1,132 @@
+"""Exploration (``--explore SECONDS``, docs/explore.md): draws from the configuration space beyond
+the fixed cases, judged by the property's own judge, a failure shrunk and replayed exactly."""
+
+import json
+import shlex
+
+import pytest
+
+pytest.importorskip("hypothesis")
+
+from hypothesis import given, seed, settings  # noqa: E402
+
+from dpfsdp_verify import space  # noqa: E402
+from dpfsdp_verify.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV  # noqa: E402
+from dpfsdp_verify.fuzz import explore, strategies  # noqa: E402
+from dpfsdp_verify.gate import cli  # noqa: E402
+from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
+from dpfsdp_verify.properties.analysis.clipfit import clip_at_quantile  # noqa: E402
+from dpfsdp_verify.properties.analysis.compare import reference_norms  # noqa: E402
+from dpfsdp_verify.targets import RunSpec  # noqa: E402
+from dpfsdp_verify.verdict import Verdict  # noqa: E402
+from fixtures.explore_specimens import FIRST_UNCLIPPED_ROW  # noqa: E402
+
+CLIPPED = PROPERTIES["clipped_step"]
+SPECIMEN = "fixtures.explore_specimens:UnclippedRowsFrom40"
+
+
+def test_draws_stay_in_the_space_and_reach_past_the_fixed_cases():
+    drawn = []
+
+    @seed(11)
+    @settings(max_examples=150, database=None, deadline=None)
+    @given(strategies.explore_specs(4))
+    def collect(d):
+        drawn.append(d)
+
+    collect()
+    locals_ = []
+    for ws, spec, knobs in drawn:
+        assert 1 <= ws <= 4 and 0.0 <= knobs["clip_quantile"] <= 1.0
+        assert space.combination_problem(world_size=ws, dtype=spec.dtype, precision=spec.precision,
+                                         sampling=spec.sampling, steps=spec.steps) is None
+        assert 1 <= spec.steps <= 200 and (spec.lr == 0.0 if spec.steps > 1 else 0.01 <= spec.lr <= 1.0)
+        if spec.poisson:
+            assert spec.steps * spec.expected_batch_size <= strategies.LONG_RUN_SAMPLE_STEPS or spec.steps == 1
+        else:
+            locals_.append(spec.global_batch_size // ws)
+            assert 1 <= spec.global_batch_size // ws <= 64
+    # what the fixed cases never reach: local batches past 40, several ranks, bf16, long runs, accumulation
+    assert max(locals_) > FIRST_UNCLIPPED_ROW
+    assert {ws for ws, _, _ in drawn} == {1, 2, 3, 4}
+    assert any(s.precision != "fp32" for _, s, _ in drawn) and any(s.steps > 1 for _, s, _ in drawn)
+    assert any(s.physical_batch_size for _, s, _ in drawn) and any(s.model == "conv" for _, s, _ in drawn)
+
+
+def test_clip_at_quantile_spans_all_clipped_to_none_clipped():
+    spec = RunSpec(global_batch_size=8)
+    norms = reference_norms(spec)
+    assert bool((norms > clip_at_quantile(spec, 0.0)).all())
+    assert bool((norms < clip_at_quantile(spec, 1.0)).all())
+    mid = clip_at_quantile(spec, 0.5)
+    assert int((norms > mid).sum()) == 4
+
+
+def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
+    """The search and shrinking, without ranks: a stand-in judge fails exactly the configurations the
+    specimen's bug shows in (a local batch past row 40 with some sample clipped)."""
+    ran = []
+
+    def judge(self, ws, spec, knobs):
+        ran.append((ws, spec))
+        local = spec.global_batch_size // ws if not spec.poisson else 0
+        bad = local > FIRST_UNCLIPPED_ROW and knobs["clip_quantile"] < 0.98 and not spec.physical_batch_size
+        case = CLIPPED.explore_case(self.opts, spec, knobs, ws, self.modes)
+        return case.verdict("fail" if bad else "pass", "mismatch" if bad else None, "stand-in judge")
+
+    monkeypatch.setattr(explore._Explorer, "run", judge)
+    opts = Options(target=SPECIMEN, seed=3)
+    [v] = explore.explore_property(CLIPPED, opts, budget_s=120, pool=object(), max_world_size=2)
+    assert (v.status, v.diagnosis) == ("fail", "mismatch")
+    spec = RunSpec.from_json(json.dumps(v.evidence["spec"]))
+    assert v.config["world_size"] == 1 and spec.global_batch_size == FIRST_UNCLIPPED_ROW + 1  # the smallest
+    assert v.evidence["explored"] is True and v.config["explore"]["seed"] == 3
+    assert "exploration found a failing configuration" in v.message and "shrunk to the smallest" in v.message
+    argv = shlex.split(v.repro)
+    assert argv[:2] == ["dpfsdp-verify", "replay"] and argv[-1] == "--exact"
+    assert RunSpec.from_json(argv[argv.index("--spec") + 1]) == spec
+    # the same run seed draws the same configurations in the same order
+    first = list(ran)
+    ran.clear()
+    explore.explore_property(CLIPPED, opts, budget_s=120, pool=object(), max_world_size=2)
+    assert ran == first
+
+
+def test_no_budget_no_draws(monkeypatch):
+    monkeypatch.setattr(explore._Explorer, "run", lambda *a: pytest.fail("ran a draw with no budget"))
+    assert explore.explore_property(CLIPPED, Options(seed=1), budget_s=0, pool=object()) == []
+
+
+def test_the_explored_bug_fails_its_configuration_and_correct_passes_it(pool):
+    """The specimen's bug at a drawn configuration (one rank, a local batch of 48, C mid-norm): the
+    property's own judge fails it with its diagnosis; Correct passes the same spec."""
+    spec = RunSpec(global_batch_size=48, lr=0.37, dtype="float32")
+    spec = spec.with_(max_grad_norm=clip_at_quantile(spec, 0.5))
+    bad = explore.check_exact(CLIPPED, Options(target=SPECIMEN), spec, 1, pool)
+    assert (bad.status, bad.diagnosis) == ("fail", "mismatch") and bad.evidence["explored"] is True
+    good = explore.check_exact(CLIPPED, Options(target="fixtures.specimens:Correct"), spec, 1, pool)
+    assert good.status == "pass", good.message
+
+
+def test_cli_explore_option_and_default(monkeypatch, capsys):
+    from dpfsdp_verify.gate.plan import RunPlan
+
+    parser = cli.build_parser()
+    for bad in ("-1", "nan"):
+        assert cli.main(["run", "--explore", bad, "--properties", "clipped_step"]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err.strip()
+        assert "--explore" in err and len(err.splitlines()) == 1
+    fixed = RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct", "--explore", "0"]))
+    assert fixed.explore == 0
+    monkeypatch.delenv(EXPLORE_ENV, raising=False)
+    default = RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct"]))
+    assert default.explore == DEFAULT_EXPLORE_S
+    monkeypatch.setenv(EXPLORE_ENV, "0")
+    assert RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct"])).explore == 0
+
+
+def test_unproven_timeout_of_a_draw_is_not_a_finding():
+    hang = Verdict("clipped_step", "hang", {"world_size": 4}, diagnosis="timeout", message="no deadlock proven")
+    assert explore.unproven_timeout_skipped(hang).status == "skip"
+    dead = Verdict("clipped_step", "hang", {"world_size": 4}, diagnosis="deadlock", message="proven")
+    assert explore.unproven_timeout_skipped(dead) is dead
