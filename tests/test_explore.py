@@ -130,3 +130,17 @@ def test_unproven_timeout_of_a_draw_is_not_a_finding():
     assert explore.unproven_timeout_skipped(hang).status == "skip"
     dead = Verdict("clipped_step", "hang", {"world_size": 4}, diagnosis="deadlock", message="proven")
     assert explore.unproven_timeout_skipped(dead) is dead
+
+
+def test_drawn_variants_never_shard_a_dim_shorter_than_the_world_size():
+    from dpfsdp_verify import models
+
+    @seed(5)
+    @settings(max_examples=120, database=None, deadline=None)
+    @given(strategies.explore_specs(4))
+    def check(d):
+        ws, spec, _ = d
+        model = models.build_model(spec.model, 0, **dict(spec.model_kwargs))
+        assert all(p.shape[0] >= ws for p in model.parameters() if p.dim() >= 1), (ws, spec.model_kwargs)
+
+    check()
