@@ -144,3 +144,36 @@ def test_drawn_variants_never_shard_a_dim_shorter_than_the_world_size():
         assert all(p.shape[0] >= ws for p in model.parameters() if p.dim() >= 1), (ws, spec.model_kwargs)
 
     check()
+
+
+def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
+    """Through the gate (``run_plan``): the explored property's summary verdict follows its fixed
+    cases, carries ``config["explore"]`` and ``evidence["explored"]``, and fits the report schema;
+    then the explored failure's replay line, through the CLI, fails on the specimen (exit 1)."""
+    import jsonschema
+    from importlib import resources
+
+    from dpfsdp_verify.gate import report
+    from dpfsdp_verify.gate.plan import RunPlan
+    from dpfsdp_verify.gate.run import run_plan
+
+    args = cli.build_parser().parse_args(["run", "--target", "fixtures.specimens:Correct", "--properties",
+                                          "clipped_step", "--world-sizes", "1", "--models", "mlp", "--dtypes",
+                                          "float64", "--loss-reductions", "mean", "--sampling", "fixed",
+                                          "--horizon", "0", "--wide-world-size", "0", "--explore", "1", "--seed", "4"])
+    verdicts = run_plan(RunPlan.from_args(args), pool=pool)
+    explored = [v for v in verdicts if "explore" in v.config]
+    assert len(explored) == 1 and verdicts[-1] is explored[0] and len(verdicts) > 1
+    assert explored[0].status == "pass" and explored[0].evidence["explored"] is True
+    assert explored[0].config["explore"]["seed"] == 4 and explored[0].config["explore"]["draws"] >= 1
+    schema = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
+    rep = report.to_json(verdicts, {"name": "Correct", "version": "0", "ref": "fixtures.specimens:Correct",
+                                    "opacus": None}, "gloo", exit_code=0, seed=4)
+    jsonschema.validate(rep, schema, cls=jsonschema.Draft202012Validator)
+    spec = RunSpec(global_batch_size=44, dtype="float32")
+    spec = spec.with_(max_grad_norm=clip_at_quantile(spec, 0.3))
+    line = explore.check_exact(CLIPPED, Options(target=SPECIMEN), spec, 1, pool).repro
+    argv = shlex.split(line)
+    assert argv[:2] == ["dpfsdp-verify", "replay"] and "--exact" in argv
+    assert cli.main(argv[1:]) == cli.EXIT_FAIL
+    assert "clipped_step: FAIL (mismatch)" in capsys.readouterr().out

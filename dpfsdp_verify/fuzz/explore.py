@@ -70,6 +70,9 @@ class _Explorer:
         self.found_at: Optional[float] = None
 
     def spent(self) -> bool:
+        """Whether the budget is spent (a budget > 0 always runs one draw, however slow the host)."""
+        if not self.seen:
+            return False
         now = time.monotonic()
         return now > (self.deadline if self.found_at is None else max(self.deadline, self.found_at) + SHRINK_S)
 
