@@ -394,10 +394,8 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     dims = _no_short_rows(draw(model_dims(model, ws)), ws) if variant else {}
     reduction = draw(st.sampled_from(AXES["reduction"].explore))  # type: ignore[attr-defined]
     sampling = draw(st.sampled_from(tuple(samplings)))
-    # uniform over the range (hypothesis' integers favour small values): a bug past row 40 of a
-    # local batch is as likely a draw as one in the first rows; shrinks towards 1 all the same
-    local = draw(st.sampled_from(range(_int_range("local_batch")[0], _int_range("local_batch")[1] + 1)))
-    per_rank = draw(st.sampled_from(range(_int_range("samples_per_rank")[0], _int_range("samples_per_rank")[1] + 1)))
+    local = draw(st.integers(*_int_range("local_batch")))
+    per_rank = draw(st.integers(*_int_range("samples_per_rank")))
     seeding = draw(st.sampled_from(AXES["seeding"].explore))  # type: ignore[attr-defined]
     # a third of the Poisson draws are long runs: each costs about what one of the gate's long runs does
     long = long_runs and sampling == "poisson" and draw(st.integers(0, 2)) == 2
