@@ -41,7 +41,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Dict
 
 import torch
 
@@ -50,10 +49,10 @@ from ...targets.mesh import replica_positions, split_norm_sq, world_summed_norms
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
 from ...verdict import Verdict
-from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, clip_at_quantile, fit_clip_epsilon, norm_rounding, recover_clip_coefficients,
+from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, norm_rounding, recover_clip_coefficients,
                       with_picked_clip)
 from ..analysis.compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
-from ..engine.contract import Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
 from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
 
@@ -67,14 +66,6 @@ def prepare(spec: RunSpec) -> RunSpec:
     A mixed-precision spec runs at ``precision_bounds.PRECISION_DIMS`` (where bf16 accumulation shows)."""
     spec = precision_spec(spec)
     return with_picked_clip(spec)
-
-
-def explore_prepare(spec: RunSpec, knobs: Dict[str, object]) -> Prepared:
-    """An explored configuration (docs/explore.md): a mixed-precision one at ``PRECISION_DIMS`` (as
-    ``prepare``), C at its drawn quantile of the reference norms, noise 0."""
-    spec = precision_spec(spec)
-    return spec.with_(max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))),
-                      noise_multiplier=0.0)
 
 
 #: the local batch of the one large case (``cases``): every default local batch is <= 8, so a fork that
@@ -537,12 +528,9 @@ PROPERTY = Property(
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
     precisions=PRECISIONS, wide=wide,
     # any shape, layout, reduction and global batch, one step
-    fuzz=FuzzRecipe(prepare=prepare),
-    # one step (the norms of step 0 are judged) anywhere in the space: world size, model variants, local
-    # batches up to 64, C among the norms, dtype and bf16 forms, Poisson sampling, accumulation
-    explore=ExploreRecipe(draw=(("long_runs", False),), prepare=explore_prepare))
+    fuzz=FuzzRecipe(prepare=prepare))
 
 
-__all__ = ["HYPOTHESIS_RTOL", "prepare", "explore_prepare", "LARGE_LOCAL_BATCH", "cases", "wide", "large_point", "judge", "judge_spec",
+__all__ = ["HYPOTHESIS_RTOL", "prepare", "LARGE_LOCAL_BATCH", "cases", "wide", "large_point", "judge", "judge_spec",
            "clipped_with", "BORROWED_MAX_RANKS", "hypotheses", "tensor_parallel_hypotheses", "diagnose",
            "borrowed_norms", "right_prefix", "PROPERTY"]
