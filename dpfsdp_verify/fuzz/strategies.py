@@ -354,7 +354,7 @@ DIM0_KEYS = ("hidden", "classes", "width", "mixer", "vocab", "d_model", "d_ff", 
 
 def _no_short_rows(dims: Dict[str, object], ws: int) -> Dict[str, object]:
     """``dims`` with every dim 0 at least ``ws`` (kept a multiple of its heads / groups): a parameter
-    with fewer rows than ranks is clipped_step's fixed short-layer case and fuzzing's, and upstream
+    with fewer rows than ranks is a fixed short-layer case's and fuzzing's, and upstream
     opacus 1.6.0 crashes on it (docs/findings.md, finding 3) -- an exploration that drew it would
     end there on every upstream run instead of looking further."""
     out = {k: (max(v, ws) if k in DIM0_KEYS and isinstance(v, int) else v) for k, v in dims.items()}
