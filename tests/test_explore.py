@@ -82,6 +82,7 @@ def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
     assert v.config["world_size"] == 1 and spec.global_batch_size == FIRST_UNCLIPPED_ROW + 1  # the smallest
     assert v.evidence["explored"] is True and v.config["explore"]["seed"] == 3
     assert "exploration found a failing configuration" in v.message and "shrunk to the smallest" in v.message
+    assert 1 <= v.evidence["found_at_draw"] <= v.evidence["draws_run"]
     argv = shlex.split(v.repro)
     assert argv[:2] == ["dpfsdp-verify", "replay"] and argv[-1] == "--exact"
     assert RunSpec.from_json(argv[argv.index("--spec") + 1]) == spec

@@ -68,6 +68,8 @@ class _Explorer:
         self.seen: Counter = Counter()
         self.draws: List[str] = []
         self.found_at: Optional[float] = None
+        #: how many draws had been judged when the first failure was found (the rest shrank it)
+        self.found_draw = 0
 
     def spent(self) -> bool:
         """Whether the budget is spent (a budget > 0 always runs one draw, however slow the host)."""
@@ -91,7 +93,7 @@ class _Explorer:
                                   f"C quantile {knobs.get('clip_quantile', 0.5):.2f}")
         if v.status in FAILING:
             if self.found_at is None:
-                self.found_at = time.monotonic()
+                self.found_at, self.found_draw = time.monotonic(), sum(self.seen.values())
             # the spec as run (the recipe's prepare applied): what the replay line re-runs
             raise Counterexample(v, self.prop.explore.prepare(spec, knobs) if self.prop.explore else spec)
 
@@ -126,12 +128,14 @@ class _Explorer:
     def failure(self, found: Counterexample, notes: List[str], index: int) -> Verdict:
         v = found.verdict
         run = sum(self.seen.values())
-        explore = {**v.config.get("explore", {}), "draws": run, "seed": self.opts.seed, "round": index}
-        evidence = {**v.evidence, "explored": True, "spec": json.loads(found.spec.to_json()), "draws_run": run}
+        explore = {**v.config.get("explore", {}), "draws": run, "found_at_draw": self.found_draw,
+                   "seed": self.opts.seed, "round": index}
+        evidence = {**v.evidence, "explored": True, "spec": json.loads(found.spec.to_json()), "draws_run": run,
+                    "found_at_draw": self.found_draw}
         return Verdict(v.property, v.status, {**v.config, "explore": explore}, diagnosis=v.diagnosis,
                        evidence=evidence, repro=v.repro, seconds=round(time.monotonic() - self.t0, 3),
-                       message=(f"exploration found a failing configuration (draw {run} of run seed "
-                                f"{self.opts.seed}); shrunk to the smallest: "
+                       message=(f"exploration found a failing configuration (draw {self.found_draw} of run seed "
+                                f"{self.opts.seed}; {run - self.found_draw} more to shrink it); shrunk to the smallest: "
                                 f"{strategies.spec_summary(found.spec, v.config.get('world_size') or 1)}, lr "
                                 f"{found.spec.lr:g}, C {found.spec.max_grad_norm:.4g}. {v.message}"),
                        details="\n".join(["hypothesis: " + n for n in notes] + ([v.details] if v.details else [])))
