@@ -22,7 +22,7 @@ current device.
 ``SIMULATED_ACCELERATOR_ENV`` (private, for the suite's own tests): a rank started with it set to
 ``cuda`` has its accelerator query answer ``cuda`` before anything else runs, as torch does on a
 GPU box, so the CPU test suite can show what a GPU box does to a gloo group
-(``tests/test_devices.py``).
+(``tests/harness/test_devices.py``).
 """
 
 from __future__ import annotations
