@@ -284,11 +284,11 @@ def exit_code(verdicts, outcome=None) -> int:
 def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
     the only thing on stdout (the table and messages go to stderr)."""
-    from .expectations import apply
+    from .expectations import apply, environment
 
     expectations, reports = plan.expectations, plan.reports
     backend, seed = plan.options.backend, plan.options.seed
-    outcome = apply(expectations, verdicts) if expectations is not None else None
+    outcome = apply(expectations, verdicts, environment(backend)) if expectations is not None else None
     code = exit_code(verdicts, outcome)
     json_to_stdout = reports.json == "-"
     out = sys.stderr if json_to_stdout else sys.stdout

@@ -73,3 +73,32 @@ def test_carried_wheel_is_installed_without_network(gpu_check, tmp_path):
     version, opacus_file, own_file = found.stdout.split()
     assert version == "9.9.9" and opacus_file.startswith(str(target))  # the carried one, before any installed
     assert own_file.startswith(gpu_check.REPO)  # the checkout itself, no install needed
+
+
+@pytest.mark.slow  # 3 gate plans in subprocesses per count; tests/test_gate_platform.py covers the path in-process
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_planned_run_plans_at_1_and_2_gpus(gpus):
+    """The script's runs on a 1- or 2-GPU box (the count mocked through the gate's private
+    ``_DPFSDP_VERIFY_SIMULATED_GPUS``), each planned with the gate's ``--dry-run``: all would run,
+    the 3-rank cases skipped with the reason (the nccl runs exited 2 before, issue 33)."""
+    env = {**os.environ, "_DPFSDP_VERIFY_SIMULATED_GPUS": str(gpus)}
+    done = subprocess.run([sys.executable, SCRIPT, "--plan", "--", "--properties", "deadlock_free"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("gloo", "nccl", "nccl-bf16"):
+        assert f"gpu_check: {name} plan (exit 0):" in done.stderr
+    assert f"GPUs needed: {gpus} (one per rank; {gpus} visible)" in done.stderr
+    assert f"needs 3 GPUs, {gpus} visible; run with --backend gloo for the 3-rank cases" in done.stderr
+
+
+@pytest.mark.slow
+def test_gloo_run_without_a_gpu(tmp_path):
+    """The script end to end on this GPU-less machine: its gloo run (a short selection), the table."""
+    out = tmp_path / "gpu-check.md"
+    done = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--", "--properties", "clipped_step",
+                           "--world-sizes", "1", "--models", "mlp", "--wide-world-size", "0", "--horizon", "0"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "| property | gloo |" in text and "| clipped_step | " in text and "| **exit code** | 0 |" in text
+    assert "no GPU visible: the nccl and bf16 runs were not made" in text
