@@ -27,7 +27,7 @@ import pytest
 
 from dpfsdp_verify.gate import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FENCE = re.compile(r"^```(bash|sh|)\n(.*?)^```", re.M | re.S)
 PLACEHOLDER_TARGET = "my_pkg.adapter:MyFork"
 STAND_IN = "fixtures.specimens:Correct"

@@ -26,7 +26,7 @@ from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.verdict import Verdict
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH_COMMAND = ["run", "--meshes", "hsdp:2x2,tp:2x2", "--properties",
                 "norm_fidelity,clipped_step,noise_calibration,trajectory"]
 
