@@ -134,3 +134,11 @@ def test_tests_per_verdict_counts_the_new_tests():
     # no tensor-pair test
     assert nc._tests_per_verdict(shapes, 2) == 21
     assert nc._tests_per_verdict({**shapes, "b2": torch.Size([4])}, 2) == 21 + 2 + 2 + 1 + 1
+
+
+@pytest.mark.slow
+def test_irwin_hall_noise_has_light_tails(pool):
+    # sum of 12 uniforms minus 6: the std is exact, the tails are bounded (excess kurtosis -0.1);
+    # the kurtosis test over every standardised draw sees it (z ~ -9.5 at this size)
+    main = kinds(run(pool, A + "IrwinHallNoise"))["main"]
+    assert_fails(main, "non_gaussian_noise", ["PRIVACY VIOLATION", "light tails"])
