@@ -86,7 +86,9 @@ class TorchrunPool:
         self.broken: Optional[str] = None
 
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
-            env: Optional[Dict[str, str]] = None, timeout: float = 60.0, **kwargs) -> GroupResult:
+            env: Optional[Dict[str, str]] = None, timeout: float = 60.0, evidence=None, **kwargs) -> GroupResult:
+        """``Pool.run`` on the job's ranks. ``evidence`` is not read: there are no probes while a job
+        runs here (its trails come to rank 0 with the outcomes, and are judged after the job)."""
         if world_size != self.world_size:
             raise NotRunHere(f"not run at this size: needs world_size={world_size}; this torchrun job has "
                              f"{self.world_size} ranks")
