@@ -86,7 +86,8 @@ def test_final_counts_that_differ_are_proven(tmp_path):
     write(tmp_path, 0, ["run train", "begin 0 3", "pass 0 0 1", "pass 0 1 1"])
     write(tmp_path, 1, ["run train", "begin 0 1", "pass 0 0 1", "end 0"])
     state, proof = evidence(tmp_path)
-    assert proof == "in logical step 1, rank 0 had begun 2 physical passes in it; rank 1 finished it after 1 physical pass(es)"
+    assert proof == ("in logical step 1, rank 0 had begun 2 physical passes in it; rank 1 finished it after 1 "
+                     "physical pass(es)")
     write(tmp_path, 0, ["run train", "begin 0 1", "end 0", "begin 1 1", "end 1", "begin 2 1"])
     write(tmp_path, 1, ["run train", "begin 0 1", "end 0", "begin 1 1", "end 1", "done"])
     assert evidence(tmp_path)[1] == "rank 1 ended its run after 2 step(s), while rank 0 began step 3"

@@ -58,7 +58,8 @@ def test_the_report_on_disk_is_the_one_a_death_now_would_leave(tmp_path):
     [dying] = [r for r in rest if r["status"] == "error"]
     assert (dying["diagnosis"], dying["config"]["local_batches"]) == ("rank_crash", "uneven_accum")
     assert dying["message"].startswith("the torchrun job ended while this configuration ran (job 7, run 1 of 1)")
-    assert all(r["status"] == "skip" and r["message"].startswith("no verdict: the torchrun job ended in deadlock_free [")
+    assert all(r["status"] == "skip"
+               and r["message"].startswith("no verdict: the torchrun job ended in deadlock_free [")
                for r in rest if r is not dying)
     assert (tmp_path / "r.xml").read_text().count("<testcase") == len(data["results"])
     # the job ended normally: no configuration is blamed any more, the property is between jobs

@@ -271,8 +271,9 @@ class _Running:
 def _execute(session: TorchrunSession, job: int, msg: dict, trail_dir: Optional[str] = None) -> dict:
     """Run the job on this rank under its deadline; ``{"result": JobResult, "trail", "overran",
     "site", "in_collective"}``. ``trail_dir``: the directory for this rank's progress trail, when
-    the job keeps one (made here if not given; removed here). The rank's process-wide state (environment, RNGs, default dtype,
-    grad mode) is as before afterwards: on rank 0 the gate's own code runs between jobs."""
+    the job keeps one (made here if not given; removed here). The rank's process-wide state
+    (environment, RNGs, default dtype, grad mode) is as before afterwards: on rank 0 the gate's own
+    code runs between jobs."""
     import torch
     import torch.distributed as dist
 
