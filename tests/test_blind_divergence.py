@@ -8,6 +8,7 @@ different points of a correct run)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -28,11 +29,15 @@ def run(pool, target, world_size=2, local_batches=("uneven_accum",), timeout=60)
 
 # -- end to end -----------------------------------------------------------------------------------
 def test_a_pass_divergence_the_flight_recorder_cannot_see_is_step_divergence_in_seconds(pool):
+    # the same group warm first (the correct twin passes): the verdict's seconds time the watchdog,
+    # not the ranks' start-up on a loaded machine
+    assert_all_pass(run(pool, B + "OwnGroupsCorrect"))
     [v] = run(pool, B + "BlindPassDivergence")
     assert (v.status, v.diagnosis) == ("hang", "step_divergence"), v.message
     # decided from the trails, within seconds, not at the accumulation case's 15 s deadline
-    assert v.seconds < 10, v.seconds
-    assert "step divergence proven after " in v.message and "from the ranks' progress" in v.message
+    proven_after = float(re.search(r"step divergence proven after ([0-9.]+) s", v.message).group(1))
+    assert proven_after < 10 and v.seconds < 10, (proven_after, v.seconds)
+    assert "from the ranks' progress" in v.message
     assert ("in logical step 1, rank 0 had begun 2 physical passes in it; rank 1 finished it after 1 physical "
             "pass(es)") in v.message, v.message
     assert "deadlock proven" not in v.message  # the trace proved nothing: it saw none of it

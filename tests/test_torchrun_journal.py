@@ -16,7 +16,7 @@ import pytest
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.journal import POLL_S, Journal
 from dpfsdp_verify.gate.plan import RunPlan
-from dpfsdp_verify.properties.contract import Case
+from dpfsdp_verify.properties.engine.contract import Case
 
 SCHEMA = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
 

@@ -30,7 +30,7 @@ import threading
 from typing import Dict, List, Optional
 
 from ..properties import PROPERTIES
-from ..properties.contract import Case, Property
+from ..properties.engine.contract import Case, Property
 from ..verdict import Verdict, config_label
 from . import report
 
