@@ -57,6 +57,7 @@ def test_the_blind_correct_target_and_a_slow_rank_are_never_divergent(pool):
 @pytest.mark.slow
 def test_three_ranks_diverging_blind_as_on_the_gpu_box(pool):
     """The GPU box's shape: local batches [3, 2, 1] in passes of 1 at 3 ranks."""
+    assert_all_pass(run(pool, B + "OwnGroupsCorrect", world_size=3))  # warm, as above
     [v] = run(pool, B + "BlindPassDivergence", world_size=3)
     assert (v.status, v.diagnosis) == ("hang", "step_divergence") and v.seconds < 10, (v.seconds, v.message)
     assert "rank 2 finished it after 1 physical pass(es)" in v.message, v.message
