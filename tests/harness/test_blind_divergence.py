@@ -16,7 +16,7 @@ from dpfsdp_verify.harness.proof import DeadlockWatch
 from dpfsdp_verify.harness.protocol import Probe
 from dpfsdp_verify.targets import progress
 import dpfsdp_verify.properties as props  # noqa: E402
-from verdict_helpers import assert_all_pass
+from tests.verdict_helpers import assert_all_pass
 
 B = "fixtures.blind_specimens:"
 ACCUM = ("uneven_accum", "poisson_per_rank_accum")

@@ -112,7 +112,7 @@ def test_a_rank_killed_by_gloos_abort_in_a_two_node_job_still_leaves_a_report(tm
     ranks; deadlock_free's accumulation case makes gloo abort a rank (SIGABRT) and torchrun's agents
     end the job. Every selected property has its verdicts in the report, the dying configuration
     its error, and no process of the job outlives it (``two_agents`` proves it)."""
-    from test_gate_torchrun import two_agents
+    from tests.gate.test_torchrun_job import two_agents
 
     path = tmp_path / "r.json"
     codes, outs, ranks, seconds = two_agents(
