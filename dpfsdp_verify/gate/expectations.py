@@ -29,7 +29,9 @@ File format (``version = 1``)::
     config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
                                            # a list means any of: world_size = [2, 3]; a
                                            # comparison matches numbers: world_size = ">= 2"
-    status = "fail"                        # optional: fail (default), hang or error
+    status = "fail"                        # optional: fail (default), hang or error; a list means
+                                           # any of (a divergence gloo aborts on one machine and
+                                           # stalls on another: ["error", "hang"])
     diagnosis = "mismatch"                 # required: the verdict's diagnosis; a list means any
                                            # of (one bug whose symptom depends on the draws)
     reason = "why it fails, who owns it"   # required
@@ -177,7 +179,8 @@ class Entry:
     #: a diagnosis, or a list of them (any of)
     diagnosis: Any
     reason: str
-    status: str = "fail"
+    #: a status, or a list of them (any of)
+    status: Any = "fail"
     link: str = ""
     #: the environments the entry holds in (``when``; empty: every one)
     when: Dict[str, Any] = field(default_factory=dict)
@@ -199,7 +202,7 @@ class Entry:
 
     def label(self) -> str:
         cfg = " ".join(f"{k}={_fmt(v)}" for k, v in self.config.items())
-        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {self.status} ({_fmt(self.diagnosis)})"
+        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {_fmt(self.status)} ({_fmt(self.diagnosis)})"
 
     def describe_reason(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
@@ -211,7 +214,7 @@ class Entry:
 
     def covers(self, v: Verdict) -> bool:
         """``selects`` and failed exactly as listed."""
-        return self.selects(v) and v.status == self.status and _matches(self.diagnosis, v.diagnosis)
+        return self.selects(v) and _matches(self.status, v.status) and _matches(self.diagnosis, v.diagnosis)
 
     def to_json(self) -> Dict[str, Any]:
         d = {"index": self.index, "property": self.property, "config": dict(self.config), "status": self.status,
@@ -292,9 +295,10 @@ def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entr
         raise ExpectationsError(f"{where}: unknown property {e['property']!r}",
                                 f"choose from {', '.join(properties)}")
     status = e.get("status", "fail")
-    if status not in EXPECTABLE_STATUSES:
-        raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
-                                f"choose from {', '.join(EXPECTABLE_STATUSES)}")
+    for one in (status if isinstance(status, list) and status else [status]):
+        if one not in EXPECTABLE_STATUSES:
+            raise ExpectationsError(f"{where}: status {one!r} cannot be expected",
+                                    f"choose from {', '.join(EXPECTABLE_STATUSES)} (or a list of them)")
     for diagnosis in (e["diagnosis"] if isinstance(e["diagnosis"], list) else [e["diagnosis"]]):
         if diagnosis == INTERNAL_ERROR:
             raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "

@@ -85,7 +85,7 @@ def test_missing_file_names_the_bundled_ones(capsys):
 def test_shipped_file_parses_and_lists_the_upstream_findings():
     exp = expectations.load("opacus-1.6.0")
     assert exp.file == SHIPPED
-    got = {(e.property, e.status, tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
+    got = {(e.property, tuple(e.status) if isinstance(e.status, list) else e.status, tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
             tuple(sorted((k, tuple(v) if isinstance(v, list) else tuple(v.items()) if isinstance(v, dict) else v)
                          for k, v in e.config.items())))
            for e in exp.entries}
@@ -107,7 +107,7 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                     (("dataset", "divisible"), ("seeding", ("per_rank", "unseeded")), ("world_size", ">= 2"))),
                    ("sampling_accounting", "fail", ("step_divergence", "wrong_sample_rate"),
                     (("dataset", "indivisible"), ("world_size", ">= 2"))),
-                   ("deadlock_free", "error", "step_divergence", (("local_batches", ("uneven_accum",
+                   ("deadlock_free", ("error", "hang"), "step_divergence", (("local_batches", ("uneven_accum",
                                                                                      "poisson_per_rank_accum")),
                                                                   ("world_size", ">= 2"))),
                    ("trajectory", "fail", "mismatch", (("physical_batch_size", tuple(range(1, 9))),
@@ -182,6 +182,23 @@ def test_a_diagnosis_list_expects_any_of_them_and_nothing_else():
     out = apply(exp, [a, other])
     assert out.unexpected == [other] and out.unmet
     assert "(step_divergence,wrong_sample_rate)" in exp.entries[0].label().replace("[", "(").replace("]", ")")
+
+
+def test_a_status_list_expects_any_of_them_and_nothing_else():
+    """A divergence gloo aborts on one machine (error) and the watchdog proves from the progress
+    trails on another where the ranks stall first (hang): one entry, both statuses."""
+    exp = parse("version = 1\n[[expect]]\nproperty='deadlock_free'\nconfig={world_size='>= 2'}\n"
+                "status=['error','hang']\ndiagnosis='step_divergence'\nreason='r'\n", "f.toml")
+    err, hang = _v("deadlock_free", "error", "step_divergence"), _v("deadlock_free", "hang", "step_divergence")
+    fail = _v("deadlock_free", "fail", "step_divergence")
+    out = apply(exp, [err, hang])
+    assert out.is_expected(err) and out.is_expected(hang) and not out.unmet and not out.unexpected
+    out = apply(exp, [fail])
+    assert out.unexpected == [fail]
+    assert "(error,hang)" in exp.entries[0].label().replace("[", "(").replace("]", ")")
+    with pytest.raises(ExpectationsError):
+        parse("version = 1\n[[expect]]\nproperty='deadlock_free'\nstatus=['hang','pass']\n"
+              "diagnosis='deadlock'\nreason='r'\n", "f.toml")
 
 
 def test_parse_accepts_lists_status_and_link():
