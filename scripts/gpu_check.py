@@ -164,9 +164,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--wheels", help="directory holding opacus-*.whl, installed if opacus is not importable")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per gate run (default 1800)")
+    p.add_argument("--reports", help="keep each run's JSON report and log in this directory (default: discarded)")
     p.add_argument("--plan", action="store_true", help="only plan the runs (the gate's --dry-run) and print the plans")
     args = p.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="dpfsdp-gpu-check-")
+    reports = args.reports or workdir
+    os.makedirs(reports, exist_ok=True)
     try:
         env = _environment([])
         if not _has_opacus(env):
@@ -187,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             bad += code != 0
         if bad or args.plan:
             return 1 if bad else 0
-        runs = [run_gate(name, gate_args, extra, env, workdir, args.timeout) for name, gate_args in planned]
+        runs = [run_gate(name, gate_args, extra, env, reports, args.timeout) for name, gate_args in planned]
         skipped = None if int(info["gpus"]) else "no GPU visible: the nccl and bf16 runs were not made"
         out = table(info, runs, skipped)
         print(out)
