@@ -11,7 +11,7 @@ matrices (no ranks, no target): the statistics the property computes (``across_s
     python benchmarks/sampling_lags.py [--null 20000] [--power 200]
 
 The figures in docs/sampling.md come from this script (and from the property itself on the
-specimens, ``tests/test_sampling_lags.py``).
+specimens, ``tests/properties/test_sampling_lags.py``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ FAILING = ("fail", "hang", "error")
 RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
                  "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch")
 #: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
-#: (``Property.diagnoses``); the report schema's enum is this list (tests/test_contract.py ties them)
+#: (``Property.diagnoses``); the report schema's enum is this list (tests/properties/test_contract.py ties them)
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
                              "wrong_sample_rate", "non_gaussian_noise", "dependent_noise", "step_count_reset",
                              "noise_replayed", "mask_replayed", "noise_bypassed", "accountant_mismatch",

@@ -8,6 +8,11 @@ Three runs of ``python -m dpfsdp_verify run --expect opacus-1.6.0``, each with a
 * ``nccl``: the default gate at the world sizes the GPUs allow (1 on one GPU, 1,2 on two or more);
 * ``nccl-bf16``: one bf16 precision (``--precisions bf16-autocast``) on nccl.
 
+Each run is planned first (the gate's ``--dry-run``: options checked, nothing started), all of
+them before the first starts, so a run the machine cannot make fails in seconds, not after the
+others (``--plan`` stops there). The default gate's 3-rank cases need 3 GPUs under nccl: on fewer
+they are ``skip`` verdicts saying so, and the rest runs.
+
 then one table, property x run: pass / fail / hang / error / skip counts (``(n exp)``: how many
 of the failures ``--expect`` accepted), the run's exit code and wall time, with the card, torch
 and CUDA versions above it. Exit 0 iff every run exited 0.
@@ -18,7 +23,7 @@ DIR (``opacus-*.whl``, and scipy / opt-einsum wheels if the machine lacks them) 
 --no-index --no-deps`` into a temporary directory put on ``PYTHONPATH`` (no network). Runs from
 the repository checkout without installing it (the checkout goes on ``PYTHONPATH`` too)::
 
-    python scripts/gpu_check.py --wheels /path/to/wheels [--out gpu-check.md] [-- EXTRA GATE ARGS]
+    python scripts/gpu_check.py --wheels /path/to/wheels [--out gpu-check.md] [--plan] [-- EXTRA GATE ARGS]
 
 Arguments after ``--`` go to every run (e.g. ``-- --properties norm_fidelity`` for a short check).
 """
@@ -68,11 +73,16 @@ def install_opacus(wheels: str, into: str) -> None:
 
 
 def machine() -> Dict[str, str]:
-    """Card, GPU count, torch and CUDA versions, as this process's torch sees them."""
+    """Card, GPU count, torch and CUDA versions, as this process's torch sees them (the count as the
+    gate plans with it: ``harness.backends.visible_gpus``)."""
     import torch
 
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"card": torch.cuda.get_device_name(0) if n else "no GPU", "gpus": str(n), "torch": torch.__version__,
+    sys.path.insert(0, REPO)
+    from dpfsdp_verify.harness.backends import visible_gpus
+
+    n = visible_gpus()
+    name = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "simulated GPU") if n else "no GPU"
+    return {"card": name, "gpus": str(n), "torch": torch.__version__,
             "cuda": str(torch.version.cuda), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -84,6 +94,13 @@ def planned_runs(gpus: int) -> List[Tuple[str, List[str]]]:
         runs += [("nccl", ["--backend", "nccl", "--world-sizes", sizes]),
                  ("nccl-bf16", ["--backend", "nccl", "--world-sizes", sizes, "--precisions", "bf16-autocast"])]
     return runs
+
+
+def plan_gate(name: str, args: List[str], extra: List[str], env: Dict[str, str]) -> Tuple[int, str]:
+    """The run's plan (``run --dry-run``): ``(exit code, its output)``; 0 when it would run."""
+    cmd = [sys.executable, "-m", "dpfsdp_verify", "run", "--expect", "opacus-1.6.0", "--dry-run", *args, *extra]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    return done.returncode, (done.stdout + done.stderr).strip()
 
 
 def run_gate(name: str, args: List[str], extra: List[str], env: Dict[str, str], workdir: str,
@@ -147,8 +164,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--wheels", help="directory holding opacus-*.whl, installed if opacus is not importable")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per gate run (default 1800)")
+    p.add_argument("--reports", help="keep each run's JSON report and log in this directory (default: discarded)")
+    p.add_argument("--plan", action="store_true", help="only plan the runs (the gate's --dry-run) and print the plans")
     args = p.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="dpfsdp-gpu-check-")
+    reports = args.reports or workdir
+    os.makedirs(reports, exist_ok=True)
     try:
         env = _environment([])
         if not _has_opacus(env):
@@ -160,8 +181,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not _has_opacus(env):
                 raise SystemExit(f"gpu_check: opacus installed into {target} but still not importable")
         info = machine()
-        runs = [run_gate(name, gate_args, extra, env, workdir, args.timeout)
-                for name, gate_args in planned_runs(int(info["gpus"]))]
+        planned = planned_runs(int(info["gpus"]))
+        bad = 0
+        for name, gate_args in planned:
+            code, text = plan_gate(name, gate_args, extra, env)
+            if args.plan or code:
+                print(f"gpu_check: {name} plan (exit {code}):", text, sep="\n", file=sys.stderr)
+            bad += code != 0
+        if bad or args.plan:
+            return 1 if bad else 0
+        runs = [run_gate(name, gate_args, extra, env, reports, args.timeout) for name, gate_args in planned]
         skipped = None if int(info["gpus"]) else "no GPU visible: the nccl and bf16 runs were not made"
         out = table(info, runs, skipped)
         print(out)

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from test_plugin import assert_no_ranks
+from tests.plugin.test_plugin import assert_no_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -233,7 +233,7 @@ def test_unsupported_layer_is_named(entry, model, layer, type_name):
 
 
 def test_parameter_tying_is_in_scope():
-    """A tied parameter is one parameter whose gradient sums its uses (tests/test_finetune.py
+    """A tied parameter is one parameter whose gradient sums its uses (tests/features/test_finetune.py
     checks the sum): it is reported once, under its first name, not refused."""
     model = build_model("transformer", 0)
     model.head.weight = model.tok.weight

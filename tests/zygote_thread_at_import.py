@@ -1,4 +1,4 @@
-"""Imported by a zygote in tests/test_zygote.py: a module that starts a thread when imported, which
+"""Imported by a zygote in tests/harness/test_zygote.py: a module that starts a thread when imported, which
 makes forking its importer unsafe (the zygote must refuse, and its pool spawn its ranks)."""
 
 import threading

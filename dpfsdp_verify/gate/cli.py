@@ -7,7 +7,7 @@
         [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
         [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
-        [--markdown PATH] [-q] [--launcher spawn|torchrun]
+        [--markdown PATH] [-q] [--launcher spawn|torchrun] [--dry-run]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
     dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     loops.add_argument("--horizon", type=int, default=None, metavar="STEPS",
                        help="steps of the long Poisson run per check family, every step judged; 0: none "
                             f"(default {HORIZON_STEPS}; docs/horizon.md)")
+    execution.add_argument("--dry-run", action="store_true",
+                           help="check the options and print the plan (cases per property and world size, skips "
+                                "and why, GPUs needed, estimated time); start nothing, exit 0 or 2")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
@@ -180,6 +183,17 @@ def cmd_run(args) -> int:
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if getattr(args, "dry_run", False):
+        from .dryrun import dry_run
+
+        job = None
+        if args.launcher == "torchrun":  # planned at the job's size, as its rank 0 would
+            try:
+                job = int(os.environ["WORLD_SIZE"])
+            except (KeyError, ValueError):
+                raise UsageError("--dry-run --launcher torchrun: plans at the torchrun job's world size, and "
+                                 "WORLD_SIZE is not set", "run it inside the job, or set WORLD_SIZE=N") from None
+        return dry_run(args, job_world_size=job)
     if args.launcher == "torchrun":
         from .torchrun_job import cmd_run_torchrun
 

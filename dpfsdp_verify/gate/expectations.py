@@ -12,7 +12,10 @@ diagnosis, each with a reason. Against a run's verdicts (``apply``):
   (same property, config keys equal) must fail with its status and diagnosis. If one passes (or
   fails differently) the entry *no longer holds* -> exit 1, so the file cannot rot;
 * an entry that selects no verdict of this run (its property or world size was not selected) is
-  *not exercised*: reported, not an error, so a narrowed run can use the same file.
+  *not exercised*: reported, not an error, so a narrowed run can use the same file;
+* an entry with a ``when`` condition (torch / opacus version ranges, backend, device type) that
+  the run's environment does not meet is *not applicable*: it expects nothing and cannot "no
+  longer hold" (a bug that only some torch releases show is listed for those).
 
 ``internal_error`` (a bug in the suite) can never be expected.
 
@@ -26,11 +29,17 @@ File format (``version = 1``)::
     config = { world_size = 2, reduction = "sum" }   # keys of the verdict's config to match;
                                            # a list means any of: world_size = [2, 3]; a
                                            # comparison matches numbers: world_size = ">= 2"
-    status = "fail"                        # optional: fail (default), hang or error
+    status = "fail"                        # optional: fail (default), hang or error; a list means
+                                           # any of (a divergence gloo aborts on one machine and
+                                           # stalls on another: ["error", "hang"])
     diagnosis = "mismatch"                 # required: the verdict's diagnosis; a list means any
                                            # of (one bug whose symptom depends on the draws)
     reason = "why it fails, who owns it"   # required
     link = "https://..."                   # optional
+    when = { torch = ">= 2.13", opacus = ">= 1.6, < 1.7", backend = "gloo", device = "cpu" }
+                                           # optional: the environments the entry holds in (every
+                                           # key given must match; versions: comma-separated
+                                           # clauses, release numbers compared; a list = any of)
 
 ``--expect`` takes a path, or the name of a file bundled with the package
 (``dpfsdp_verify/properties/known_failures/NAME.toml``, e.g. ``--expect opacus-1.6.0``; they live
@@ -44,7 +53,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import HintedError
 from ..verdict import CONFIG_KEYS, DIAGNOSES, INTERNAL_ERROR, Verdict, config_label
@@ -58,7 +67,11 @@ FORMAT_VERSION = 1
 BUNDLED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "properties", "known_failures")
 EXPECTABLE_STATUSES = ("fail", "hang", "error")
 _TOP_KEYS = ("version", "description", "expect")
-_ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link")
+_ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link", "when")
+#: ``when`` keys: version ranges of the packages, and the run's backend / device type
+_WHEN_VERSIONS = ("torch", "opacus")
+_WHEN_CHOICES = {"backend": ("gloo", "nccl"), "device": ("cpu", "cuda")}
+_WHEN_KEYS = _WHEN_VERSIONS + tuple(_WHEN_CHOICES)
 _SCALARS = (str, int, float, bool)
 
 
@@ -99,6 +112,43 @@ _COMPARISON = re.compile(r"^\s*(>=|<=|!=|>|<)\s*(-?\d+(?:\.\d+)?)\s*$")
 _COMPARE = {">=": operator.ge, "<=": operator.le, "!=": operator.ne, ">": operator.gt, "<": operator.lt}
 
 
+#: one clause of a version range: an operator and a release (``>= 2.13``, ``< 2.15.1``, ``== 2.11``)
+_VERSION_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
+_VERSION_COMPARE = {**_COMPARE, "==": operator.eq}
+
+
+def release(version: str) -> Optional[tuple]:
+    """The release numbers of a version string as a tuple of ints (``"2.11.0+cu130"`` -> ``(2, 11, 0)``,
+    ``"2.13.0a0+git1"`` -> ``(2, 13, 0)``: local and pre-release parts are ignored); ``None`` if it
+    has none."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version or "")
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def _version_clauses(text: str):
+    """``[(operator, release)]`` of a version range (``">= 2.13, < 2.15"``); ``None`` if malformed."""
+    clauses = []
+    for part in text.split(","):
+        m = _VERSION_CLAUSE.match(part)
+        if m is None:
+            return None
+        clauses.append((_VERSION_COMPARE[m.group(1)], release(m.group(2))))
+    return clauses
+
+
+def version_in_range(version: Optional[str], text: str) -> bool:
+    """Whether ``version`` meets every clause of the range ``text``, on release numbers padded with
+    zeros (``2.13`` == ``2.13.0``); an absent version (package not installed) meets none."""
+    got = release(version) if version else None
+    if got is None:
+        return False
+    for op, want in _version_clauses(text) or ():
+        n = max(len(got), len(want))
+        if not op(got + (0,) * (n - len(got)), want + (0,) * (n - len(want))):
+            return False
+    return True
+
+
 def _comparison(want: Any):
     """``(operator, number)`` when ``want`` is a comparison string, else ``None``."""
     m = _COMPARISON.match(want) if isinstance(want, str) else None
@@ -129,12 +179,30 @@ class Entry:
     #: a diagnosis, or a list of them (any of)
     diagnosis: Any
     reason: str
-    status: str = "fail"
+    #: a status, or a list of them (any of)
+    status: Any = "fail"
     link: str = ""
+    #: the environments the entry holds in (``when``; empty: every one)
+    when: Dict[str, Any] = field(default_factory=dict)
+
+    def applies(self, env: Dict[str, Optional[str]]) -> bool:
+        """Whether the run's environment ``env`` (``environment()``) meets ``when``."""
+        return not self.unmet_conditions(env)
+
+    def unmet_conditions(self, env: Dict[str, Optional[str]]) -> List[str]:
+        """The ``when`` conditions ``env`` does not meet, as ``"torch 2.11.0 is not >= 2.13"``."""
+        out = []
+        for key, want in self.when.items():
+            got = env.get(key)
+            wants = want if isinstance(want, list) else [want]
+            ok = (any(version_in_range(got, w) for w in wants) if key in _WHEN_VERSIONS else got in wants)
+            if not ok:
+                out.append(f"{key} {got or '(none)'} is not {' or '.join(wants)}")
+        return out
 
     def label(self) -> str:
         cfg = " ".join(f"{k}={_fmt(v)}" for k, v in self.config.items())
-        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {self.status} ({_fmt(self.diagnosis)})"
+        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {_fmt(self.status)} ({_fmt(self.diagnosis)})"
 
     def describe_reason(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
@@ -146,13 +214,15 @@ class Entry:
 
     def covers(self, v: Verdict) -> bool:
         """``selects`` and failed exactly as listed."""
-        return self.selects(v) and v.status == self.status and _matches(self.diagnosis, v.diagnosis)
+        return self.selects(v) and _matches(self.status, v.status) and _matches(self.diagnosis, v.diagnosis)
 
     def to_json(self) -> Dict[str, Any]:
         d = {"index": self.index, "property": self.property, "config": dict(self.config), "status": self.status,
              "diagnosis": self.diagnosis, "reason": self.reason}
         if self.link:
             d["link"] = self.link
+        if self.when:
+            d["when"] = dict(self.when)
         return d
 
 
@@ -225,9 +295,10 @@ def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entr
         raise ExpectationsError(f"{where}: unknown property {e['property']!r}",
                                 f"choose from {', '.join(properties)}")
     status = e.get("status", "fail")
-    if status not in EXPECTABLE_STATUSES:
-        raise ExpectationsError(f"{where}: status {status!r} cannot be expected",
-                                f"choose from {', '.join(EXPECTABLE_STATUSES)}")
+    for one in (status if isinstance(status, list) and status else [status]):
+        if one not in EXPECTABLE_STATUSES:
+            raise ExpectationsError(f"{where}: status {one!r} cannot be expected",
+                                    f"choose from {', '.join(EXPECTABLE_STATUSES)} (or a list of them)")
     for diagnosis in (e["diagnosis"] if isinstance(e["diagnosis"], list) else [e["diagnosis"]]):
         if diagnosis == INTERNAL_ERROR:
             raise ExpectationsError(f"{where}: diagnosis 'internal_error' is a bug in dpfsdp-verify and cannot be "
@@ -247,7 +318,54 @@ def _parse_entry(where: str, i: int, e: dict, properties: Sequence[str]) -> Entr
     link = e.get("link", "")
     if not isinstance(link, str):
         raise ExpectationsError(f"{where}: 'link' must be a string", "e.g. link = \"https://...\"")
-    return Entry(i, e["property"], dict(config), e["diagnosis"], e["reason"].strip(), status, link)
+    return Entry(i, e["property"], dict(config), e["diagnosis"], e["reason"].strip(), status, link,
+                 _parse_when(where, e.get("when", {})))
+
+
+def _parse_when(where: str, when: Any) -> Dict[str, Any]:
+    """Check ``when``: a table of ``torch`` / ``opacus`` version ranges and ``backend`` / ``device``
+    choices, each a string or a non-empty list of them (any of). Raises ``ExpectationsError``."""
+    example = 'e.g. when = { torch = ">= 2.13", backend = "gloo" }'
+    if not isinstance(when, dict):
+        raise ExpectationsError(f"{where}: 'when' must be a table", example)
+    for key, want in when.items():
+        if key not in _WHEN_KEYS:
+            raise ExpectationsError(f"{where}: unknown when key {key!r}", f"choose from {', '.join(_WHEN_KEYS)}")
+        wants = want if isinstance(want, list) and want else [want]
+        for w in wants:
+            if not isinstance(w, str):
+                raise ExpectationsError(f"{where}: when.{key} = {want!r} is not a string or a list of strings", example)
+            if key in _WHEN_VERSIONS and _version_clauses(w) is None:
+                raise ExpectationsError(f"{where}: when.{key} = {w!r} is not a version range",
+                                        f"comma-separated clauses of an operator (>=, >, <=, <, ==, !=) and a release, "
+                                        f"e.g. {key} = \">= 2.13, < 2.15\"")
+            if key in _WHEN_CHOICES and w not in _WHEN_CHOICES[key]:
+                raise ExpectationsError(f"{where}: when.{key} = {w!r} is not one of {', '.join(_WHEN_CHOICES[key])}",
+                                        example)
+    return dict(when)
+
+
+def environment(backend: str = "gloo") -> Dict[str, Optional[str]]:
+    """What ``when`` is matched against: the torch version (the imported torch's ``__version__``,
+    else the installed distribution's; nothing is imported), the opacus one (the imported opacus',
+    else the importable one's), the run's backend and the device type its ranks compute on
+    (``harness.backends``: cpu under gloo, cuda under nccl)."""
+    from importlib import metadata
+
+    from ..harness.backends import BACKENDS
+    from .target_info import opacus_info
+
+    torch = sys.modules.get("torch")
+    torch_version = getattr(torch, "__version__", None)
+    if torch_version is None:
+        try:
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            torch_version = None
+    opacus = opacus_info() or {}
+    device = BACKENDS[backend].device_type if backend in BACKENDS else None
+    return {"torch": str(torch_version) if torch_version else None, "opacus": opacus.get("version"),
+            "backend": backend, "device": device}
 
 
 def load(ref: str, properties: Optional[Sequence[str]] = None) -> Expectations:
@@ -280,6 +398,10 @@ class Outcome:
     unexpected: List[Verdict] = field(default_factory=list)
     unmet: List[Unmet] = field(default_factory=list)
     not_exercised: List[Entry] = field(default_factory=list)
+    #: entries whose ``when`` this run's environment does not meet, each with the conditions unmet
+    not_applicable: List[Tuple[Entry, List[str]]] = field(default_factory=list)
+    #: the environment ``when`` was matched against (``environment()``)
+    environment: Dict[str, Optional[str]] = field(default_factory=dict)
 
     def entry_for(self, v: Verdict) -> Optional[Entry]:
         return self.expected.get(id(v))
@@ -303,23 +425,34 @@ class Outcome:
                        "verdicts": [{"property": v.property, "label": config_label(v.config), "status": v.status,
                                      "diagnosis": v.diagnosis} for v in u.verdicts]} for u in self.unmet],
             "not_exercised": [e.to_json() for e in self.not_exercised],
+            "not_applicable": [{"entry": e.to_json(), "unmet": unmet} for e, unmet in self.not_applicable],
+            "environment": dict(self.environment),
         }
 
 
-def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
-    """Judge ``verdicts`` against ``exp`` (see the module docstring)."""
+def apply(exp: Expectations, verdicts: Sequence[Verdict], env: Optional[Dict[str, Optional[str]]] = None) -> Outcome:
+    """Judge ``verdicts`` against ``exp`` (see the module docstring) in the environment ``env``
+    (default: ``environment()``, the gloo backend's)."""
     from ..verdict import FAILING
 
-    out = Outcome(exp.file, list(exp.entries))
+    env = environment() if env is None else env
+    out = Outcome(exp.file, list(exp.entries), environment=dict(env))
+    entries = []
+    for e in exp.entries:
+        unmet = e.unmet_conditions(env)
+        if unmet:
+            out.not_applicable.append((e, unmet))
+        else:
+            entries.append(e)
     for v in verdicts:
         if v.status not in FAILING:
             continue
-        entry = None if v.diagnosis == INTERNAL_ERROR else next((e for e in exp.entries if e.covers(v)), None)
+        entry = None if v.diagnosis == INTERNAL_ERROR else next((e for e in entries if e.covers(v)), None)
         if entry is None:
             out.unexpected.append(v)
         else:
             out.expected[id(v)] = entry
-    for e in exp.entries:
+    for e in entries:
         selected = [v for v in verdicts if e.selects(v) and v.status != "skip"]
         if not selected:
             out.not_exercised.append(e)
@@ -334,4 +467,4 @@ def apply(exp: Expectations, verdicts: Sequence[Verdict]) -> Outcome:
 
 
 __all__ = ["FORMAT_VERSION", "BUNDLED_DIR", "EXPECTABLE_STATUSES", "ExpectationsError", "bundled", "resolve", "Entry",
-           "Expectations", "parse", "load", "Unmet", "Outcome", "apply"]
+           "Expectations", "parse", "load", "Unmet", "Outcome", "apply", "environment", "release", "version_in_range"]

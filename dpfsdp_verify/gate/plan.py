@@ -67,10 +67,12 @@ class RunPlan:
         return dict(self.target_info)
 
     @classmethod
-    def from_args(cls, args, job_world_size: Optional[int] = None) -> "RunPlan":
+    def from_args(cls, args, job_world_size: Optional[int] = None, load_target: bool = True) -> "RunPlan":
         """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong.
         ``job_world_size``: the ranks of the torchrun job the gate runs in (``--launcher
-        torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``)."""
+        torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``).
+        ``load_target=False`` (``--dry-run``): ``--target opacus`` is checked to be importable
+        and described from its files, not imported (an adapter ``MODULE:ATTR`` is loaded)."""
         from ..properties import PROPERTIES, Options, modes_problem
 
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
@@ -93,7 +95,7 @@ class RunPlan:
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
-        wide, horizon = parse_reach(args, world_sizes, job_world_size)
+        wide, horizon, wide_unavailable = parse_reach(args, world_sizes, job_world_size)
         resume_at = getattr(args, "resume_at", None)  # checkpoint/resume: the option of the property that takes it
         if resume_at is not None:
             for prop in PROPERTIES.values():
@@ -109,15 +111,16 @@ class RunPlan:
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
         explore, explore_note = parse_explore(args, job_world_size)
-        expectations = check_optional_pieces(args)
-        info = load_target_info(args.target)
+        expectations = check_optional_pieces(args, import_opacus=load_target)
+        info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
         for path in (reports.json, reports.junit, reports.markdown):
             if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
-                          wide_world_size=wide, horizon=horizon, meshes=tuple(meshes),
+                          wide_world_size=wide, wide_unavailable=wide_unavailable, horizon=horizon,
+                          meshes=tuple(meshes),
                           **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()))
@@ -164,10 +167,13 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     return default, ""
 
 
-def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int]:
-    """``(wide world size, horizon steps)`` from ``--wide-world-size`` / ``--horizon`` (defaults:
-    ``defaults.py``'s); ``UsageError`` for values that cannot run. Inside a torchrun job the
-    ranks are the job's: no wide world size unless it is the job's own (then it is in the matrix)."""
+def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int, str]:
+    """``(wide world size, horizon steps, why the wide world size cannot run here or "")`` from
+    ``--wide-world-size`` / ``--horizon`` (defaults: ``defaults.py``'s); ``UsageError``
+    for values that cannot run. The default wide world size on a backend that cannot give its ranks
+    (nccl on fewer GPUs) is kept, with the reason: its cases become ``skip`` verdicts saying so and
+    the run goes on; one given explicitly must run. Inside a torchrun job the ranks are the job's: no
+    wide world size unless it is the job's own (then it is in the matrix)."""
     from ..defaults import HORIZON_STEPS, WIDE_WORLD_SIZE
 
     wide = getattr(args, "wide_world_size", None)
@@ -181,11 +187,31 @@ def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> 
             raise UsageError("--wide-world-size: a torchrun job runs at its own world size only",
                              f"relaunch with {wide} ranks, or omit --wide-world-size")
         wide = 0
-    elif wide is None:
-        wide = WIDE_WORLD_SIZE
+    elif wide is None:  # --meshes without --world-sizes: only the meshes run (docs/meshes.md)
+        wide = WIDE_WORLD_SIZE if world_sizes else 0
+        unavailable = backend_shortfall(args.backend, wide) if wide and wide not in world_sizes else ""
+        if unavailable:
+            return wide, HORIZON_STEPS if horizon is None else horizon, unavailable
     if wide and wide not in world_sizes:
         parse_world_sizes(str(wide), args.backend)  # the backend must be able to run it
-    return wide, HORIZON_STEPS if horizon is None else horizon
+    return wide, HORIZON_STEPS if horizon is None else horizon, ""
+
+
+def backend_shortfall(backend: str, world_size: int) -> str:
+    """Why ``backend`` cannot give ``world_size`` ranks here, as a skip verdict's message ("" when
+    it can): for nccl, "needs 3 GPUs, 1 visible; run with --backend gloo for the 3-rank cases"."""
+    from ..harness import BackendUnavailable, check_backend
+
+    try:
+        check_backend(backend, world_size)
+    except (BackendUnavailable, ValueError) as e:
+        if backend == "nccl":
+            from ..harness.backends import visible_gpus
+
+            return (f"needs {world_size} GPUs, {visible_gpus()} visible; run with --backend gloo for the "
+                    f"{world_size}-rank cases")
+        return f"{e}; run with --backend gloo for the {world_size}-rank cases"
+    return ""
 
 
 def parse_world_sizes(text: str, backend: str) -> List[int]:
@@ -234,6 +260,9 @@ def parse_meshes(text: Optional[str], backend: str, job_world_size: Optional[int
         if job_world_size is None and backend == "gloo" and mesh.world_size > MAX_GLOO_WORLD_SIZE:
             raise UsageError(f"--meshes {mesh.label}: {mesh.world_size} gloo ranks is more than this gate runs on one "
                              f"host (max {MAX_GLOO_WORLD_SIZE})", hint)
+        if job_world_size is None and backend != "gloo" and backend_shortfall(backend, mesh.world_size):
+            raise UsageError(f"--meshes {mesh.label}: backend {backend!r} {backend_shortfall(backend, mesh.world_size)}",
+                             "name a mesh of as many ranks as GPUs, or use --backend gloo")
         meshes.append(mesh.label)
     return list(dict.fromkeys(meshes))
 
@@ -285,7 +314,14 @@ def parse_axes(args) -> Dict:
     return out
 
 
-def check_optional_pieces(args) -> Optional["Expectations"]:
+def _opacus_files_info() -> Dict[str, str]:
+    """``{"name", "version"}`` of ``--target opacus`` from the installed files, nothing imported."""
+    from .target_info import opacus_info
+
+    return {"name": "opacus", "version": (opacus_info() or {}).get("version", "unknown")}
+
+
+def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expectations"]:
     """The optional pieces the run needs are present -- the opacus it would test (``--target
     opacus``), hypothesis for ``--fuzz`` -- and the ``--expect`` file is valid: ``UsageError``
     naming the ``pip install`` (or the file's mistake) otherwise. Returns the parsed expectations."""
@@ -293,7 +329,13 @@ def check_optional_pieces(args) -> Optional["Expectations"]:
 
     if args.target == "opacus":
         try:
-            import opacus  # noqa: F401
+            if import_opacus:
+                import opacus  # noqa: F401
+            else:  # --dry-run: importable, not imported
+                import importlib.util
+
+                if importlib.util.find_spec("opacus") is None:
+                    raise ImportError("No module named 'opacus'")
         except ImportError as e:
             raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
                              "install your fork (pip install -e PATH) or upstream (pip install "

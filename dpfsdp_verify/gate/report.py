@@ -11,6 +11,7 @@ are unique within a run and stable across runs (JUnit history and CI reporters k
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -87,8 +88,20 @@ def dumps_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, ou
 
 def write_json(path: str, verdicts: List[Verdict], target: Dict[str, Any], backend: str,
                outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None, seed: Optional[int] = None) -> None:
-    with open(path, "w") as f:
-        f.write(dumps_json(verdicts, target, backend, outcome, exit_code, seed))
+    write_atomically(path, dumps_json(verdicts, target, backend, outcome, exit_code, seed))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it and a rename: a reader (or a
+    process that dies while writing it) sees the old report or the new one, never half of one."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _jsonable(o):
@@ -144,7 +157,9 @@ def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: O
     root = ET.Element("testsuites")
     root.append(suite)
     ET.indent(root)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    buf = io.BytesIO()
+    ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
+    write_atomically(path, buf.getvalue().decode("utf-8"))
 
 
 def norm_ratio_rows(verdicts: List[Verdict]) -> List[Dict[str, Any]]:
@@ -284,11 +299,11 @@ def exit_code(verdicts, outcome=None) -> int:
 def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
     the only thing on stdout (the table and messages go to stderr)."""
-    from .expectations import apply
+    from .expectations import apply, environment
 
     expectations, reports = plan.expectations, plan.reports
     backend, seed = plan.options.backend, plan.options.seed
-    outcome = apply(expectations, verdicts) if expectations is not None else None
+    outcome = apply(expectations, verdicts, environment(backend)) if expectations is not None else None
     code = exit_code(verdicts, outcome)
     json_to_stdout = reports.json == "-"
     out = sys.stderr if json_to_stdout else sys.stdout
@@ -319,23 +334,32 @@ def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     if seed is not None:
         print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
               file=out)
-    if reports.json:
-        if json_to_stdout:
-            sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
-            sys.stdout.flush()
-        else:
-            write_json(reports.json, verdicts, target, backend, outcome, code, seed)
+    if reports.json and json_to_stdout:
+        sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
+        sys.stdout.flush()
+    write_reports(plan, verdicts, target, outcome, code)
+    return code
+
+
+def write_reports(plan: "RunPlan", verdicts: List, target: Dict[str, Any], outcome: Optional["Outcome"], code: int,
+                  plot: bool = True) -> None:
+    """Every report file the plan asks for (``--json`` unless ``-``, ``--junit``, ``--markdown`` and,
+    with ``plot``, its PNG), each written atomically (``write_atomically``)."""
+    reports = plan.reports
+    backend, seed = plan.options.backend, plan.options.seed
+    if reports.json and reports.json != "-":
+        write_json(reports.json, verdicts, target, backend, outcome, code, seed)
     if reports.junit:
         write_junit(reports.junit, verdicts, target["name"], outcome)
     if reports.markdown:
         # a PNG for the CI artifacts, beside the page; the page does not link it (a step summary
         # cannot show a file from the runner's disk)
-        plot_norm_ratios(verdicts, os.path.splitext(reports.markdown)[0] + "-norm-ratio.png")
-        with open(reports.markdown, "w") as f:
-            f.write(to_markdown(verdicts, target, outcome))
-    return code
+        if plot:
+            plot_norm_ratios(verdicts, os.path.splitext(reports.markdown)[0] + "-norm-ratio.png")
+        write_atomically(reports.markdown, to_markdown(verdicts, target, outcome))
 
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERNAL", "SCHEMA_VERSION", "summary", "is_internal_error",
            "result_json", "to_json", "dumps_json", "write_json", "junit_names", "write_junit", "norm_ratio_rows",
-           "to_markdown", "plot_norm_ratios", "terminal_table", "exit_code", "finish"]
+           "to_markdown", "plot_norm_ratios", "terminal_table", "exit_code", "finish", "write_reports",
+           "write_atomically"]

@@ -23,17 +23,22 @@ MAX_WARM_GROUPS = 6
 
 
 class Progress:
-    """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr."""
+    """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr; each event is also
+    handed to ``also`` (a torchrun job's ``journal.Journal``), if given."""
 
-    def __init__(self, quiet: bool):
-        self.quiet, self.t0, self.done = quiet, time.monotonic(), 0
+    def __init__(self, quiet: bool, also=None):
+        self.quiet, self.t0, self.done, self.also = quiet, time.monotonic(), 0, also
 
     def started(self, property_id: str) -> None:
+        if self.also is not None:
+            self.also.started(property_id)
         if not self.quiet:
             print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] running {property_id} ...",
                   file=sys.stderr, flush=True)
 
     def __call__(self, verdict: Verdict) -> None:
+        if self.also is not None:
+            self.also(verdict)
         self.done += 1
         if self.quiet:
             return
@@ -42,11 +47,14 @@ class Progress:
               f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
 
 
-def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
+def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal=None) -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
-    exit code. ``where`` ends the banner (e.g. the torchrun job it runs in)."""
-    progress = Progress(plan.quiet)
+    exit code. ``where`` ends the banner (e.g. the torchrun job it runs in); ``journal``: a
+    ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0)."""
+    progress = Progress(plan.quiet, also=journal)
     target = target_info.describe_target(plan.options.target, plan.info)
+    if journal is not None:
+        journal.target = target
     opts = plan.options
     if not plan.quiet:
         print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
@@ -57,7 +65,10 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "") -> int:
                   "fixed run; docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)
+    verdicts = run_plan(plan, progress=progress, pool=pool)
+    if journal is not None:
+        journal.close()
+    return report.finish(plan, verdicts, target)
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,

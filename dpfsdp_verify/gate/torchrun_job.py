@@ -74,11 +74,20 @@ def cmd_run_torchrun(args) -> int:
 def _run_gate(args, pool: TorchrunPool) -> int:
     """Rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target."""
     from ..targets import load_target
+    from .journal import Journal
     from .run import execute
 
     plan = RunPlan.from_args(args, job_world_size=pool.world_size)
+    # the reports on disk as they must read should a rank process die (gloo's abort ends it
+    # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job
+    journal = Journal(plan, target={"name": plan.options.target})
+    pool.on_job = journal.on_job
     pool.prepare(load_target, plan.options.target)
-    return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks")
+    try:
+        return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
+    finally:
+        pool.on_job = None
+        journal.close()
 
 
 def _silence() -> None:

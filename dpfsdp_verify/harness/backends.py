@@ -22,7 +22,7 @@ current device.
 ``SIMULATED_ACCELERATOR_ENV`` (private, for the suite's own tests): a rank started with it set to
 ``cuda`` has its accelerator query answer ``cuda`` before anything else runs, as torch does on a
 GPU box, so the CPU test suite can show what a GPU box does to a gloo group
-(``tests/test_devices.py``).
+(``tests/harness/test_devices.py``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,25 @@ def _gloo_unavailable(world_size: int) -> Optional[str]:
     return None
 
 
-def _nccl_unavailable(world_size: int) -> Optional[str]:
+#: private: the GPU count the gate plans with instead of asking CUDA (``visible_gpus``); only the
+#: suite's tests set it, to plan nccl runs for a machine with that many GPUs on a CPU machine
+SIMULATED_GPUS_ENV = "_DPFSDP_VERIFY_SIMULATED_GPUS"
+
+
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process sees (0 without CUDA); ``SIMULATED_GPUS_ENV`` overrides it."""
+    simulated = os.environ.get(SIMULATED_GPUS_ENV)
+    if simulated:
+        return int(simulated)
     import torch
 
-    if not torch.cuda.is_available():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nccl_unavailable(world_size: int) -> Optional[str]:
+    n = visible_gpus()
+    if not n:
         return "backend 'nccl' needs CUDA GPUs; none is available on this machine"
-    n = torch.cuda.device_count()
     if n < world_size:
         return f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {n} GPU(s) visible"
     return None
@@ -187,5 +200,5 @@ def preferred_backend() -> str:
     return "gloo"
 
 
-__all__ = ["SIMULATED_ACCELERATOR_ENV", "pin_accelerator", "simulate_accelerator_from_env", "Backend", "BACKENDS",
+__all__ = ["SIMULATED_ACCELERATOR_ENV", "SIMULATED_GPUS_ENV", "visible_gpus", "pin_accelerator", "simulate_accelerator_from_env", "Backend", "BACKENDS",
            "NAMES", "get_backend", "rank_device", "preferred_backend"]

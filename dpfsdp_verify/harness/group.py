@@ -15,6 +15,10 @@ sentinels, so:
   peer never issued, or ranks issued different collectives under one sequence id, and nothing
   changed for ``proof.QUIET_S``) -> the same as a passed deadline, at once: ``hang`` /
   ``deadlock``, "deadlock proven after X s";
+* the caller's ``evidence`` (the gate: the ranks' progress trails) proves the ranks' step or pass
+  counts diverged, and nothing changed for ``proof.QUIET_S`` -> ``hang`` / ``step_divergence``,
+  "step divergence proven after X s" (``proof.py``: what that claims, and why it is sound
+  although the flight recorder may show none of the ranks' collectives);
 * the deadline passes with nothing proven -> dump every rank (stacks + flight recorder), end the
   group: ``hang`` / ``timeout``, naming the rank(s) busy outside collectives, their call site, the
   time since their last progress and the collective the others waited in
@@ -50,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from . import diagnose, wording
 from .backends import get_backend
 from .launch import Forker, RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
-from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch
+from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch, Evidence
 from .protocol import (Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
 
@@ -92,7 +96,9 @@ class GroupResult:
     """The outcome of one job on one group.
 
     ``status``: ``ok`` | ``error`` | ``hang``; ``diagnosis``: ``None`` | ``rank_crash`` |
-    ``deadlock`` (proven, ``proof.py``) | ``timeout`` (the deadline passed unproven); ``message``: one paragraph naming the rank(s) and what happened; ``details``:
+    ``deadlock`` (proven, ``proof.py``) | ``step_divergence`` (the caller's evidence proved the
+    ranks' counts diverged while they were stalled, ``proof.py``) | ``timeout`` (the deadline
+    passed unproven); ``message``: one paragraph naming the rank(s) and what happened; ``details``:
     the multi-line report (stacks, collective trace comparison) for a full log.
     """
 
@@ -154,6 +160,8 @@ class _JobWait:
     proven: Optional[str] = None
     #: ranks whose answer to the current probe round is outstanding
     probing: set = field(default_factory=set)
+    #: the caller's evidence of the ranks' progress (``proof.Evidence``), read with each probe round
+    evidence: Optional[Evidence] = None
 
 
 def check_backend(backend: str, world_size: int) -> None:
@@ -261,9 +269,12 @@ class WorkerGroup:
                 waiting.discard(r)
 
     # -- jobs --------------------------------------------------------------------------
-    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0) -> GroupResult:
+    def run(self, fn: Callable, args: tuple = (), kwargs: Optional[dict] = None, timeout: float = 60.0,
+            evidence: Optional[Evidence] = None) -> GroupResult:
         """Run ``fn(*args, **kwargs)`` on every rank; returns a ``GroupResult``. Never blocks past
-        ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner.
+        ``timeout`` + ~3 s; a deadlock the ranks' probes prove (see ``proof.py``) ends it sooner,
+        and so does a divergence ``evidence`` proves (``proof.Evidence``: read in this process
+        with each probe round, e.g. ``targets.progress.watch`` over the job's trail directory).
 
         Raises ``JobPicklingError`` if the job cannot be sent (nothing is run then). Anything that
         interrupts the wait (KeyboardInterrupt, pytest-timeout's exception, any BaseException)
@@ -281,15 +292,16 @@ class WorkerGroup:
                                    "arguments.") from e
         self._job_id += 1
         try:
-            return self._run(payload, timeout)
+            return self._run(payload, timeout, evidence)
         except BaseException:
             self.close(polite=False)
             raise
 
-    def _run(self, payload: bytes, timeout: float) -> GroupResult:
+    def _run(self, payload: bytes, timeout: float, evidence: Optional[Evidence] = None) -> GroupResult:
         """Ship the job, wait round by round until every rank answered, one crashed, a deadlock
-        is proven or the deadline (or an error's grace) passes; then conclude."""
+        (or a divergence) is proven or the deadline (or an error's grace) passes; then conclude."""
         w = self._send_job(payload, timeout)
+        w.evidence = evidence
         while len(w.results) < self.world_size and not w.crashed:
             if not self._wait_round(w):
                 break
@@ -324,7 +336,7 @@ class WorkerGroup:
         for obj in wait(pending + list(w.sentinels) + probes, timeout=max(0.0, wake - now)):
             self._take(w, obj)
         if w.watch is not None and not w.probing and w.first_error is None and not w.crashed:
-            w.proven = w.watch.check(set(w.results), time.monotonic())
+            w.proven = w.watch.check(set(w.results), time.monotonic(), w.evidence)
             if w.proven:
                 return False
         return True
@@ -373,7 +385,8 @@ class WorkerGroup:
             now = time.monotonic()
             unproven = {} if w.proven or w.watch is None else dict(idle_for=w.watch.idle_for(now),
                                                                     suspected=w.watch.candidate(set(w.results)))
-            self._finish_hang(out, running, timeout, proven=w.proven, after=now - w.t0, **unproven)
+            kind = w.watch.proof_kind if w.proven and w.watch is not None else None
+            self._finish_hang(out, running, timeout, proven=w.proven, after=now - w.t0, kind=kind, **unproven)
         elif any(not res.ok for res in w.results.values()):
             self._finish_raised(out)
         if any(res.dirty for res in w.results.values()):
@@ -464,12 +477,16 @@ class WorkerGroup:
 
     def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
                      after: float = 0.0, idle_for: Optional[Dict[int, float]] = None,
-                     suspected: Optional[str] = None) -> None:
+                     suspected: Optional[str] = None, kind: Optional[str] = None) -> None:
         out.fired_at = time.time()
         dumps, unresponsive = self.dump(list(range(self.world_size)))
-        report = diagnose.hang_report(dumps, running, unresponsive, proven=bool(proven))
+        report = diagnose.hang_report(dumps, running, unresponsive, proven=kind == "deadlock")
         out.status = "hang"
-        if proven:
+        if proven and kind == "step_divergence":
+            out.diagnosis = "step_divergence"
+            out.message, head = wording.diverged(dumps, running, proven, after, timeout)
+            report = head + report
+        elif proven:
             out.diagnosis = "deadlock"
             out.message, head = wording.deadlock(dumps, running, proven, after, timeout)
             report = head + report

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # is ``defaults.DEFAULT_TIMEOUT_S``: re-exported here, where the harness has always named it
 from ..defaults import DEFAULT_TIMEOUT_S
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
+from .proof import Evidence
 from .zygote import PRELOAD, Zygotes
 
 Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
@@ -108,15 +109,17 @@ class Pool:
         self.spares[key] = spare
 
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
-            env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> GroupResult:
-        """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` group; see ``WorkerGroup.run``."""
+            env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S,
+            evidence: Optional[Evidence] = None, **kwargs) -> GroupResult:
+        """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` group; see ``WorkerGroup.run``
+        (``evidence``: the caller's reading of the ranks' progress, ``proof.Evidence``)."""
         with self._lock:
             g = self.group(world_size, backend, env)
             key = self.key(world_size, backend, env)
             if self.spares_enabled and key in self._lost:
                 self._start_spare(key, g.job_modules or g.preload)
             try:
-                res = g.run(fn, args, kwargs, timeout=timeout)
+                res = g.run(fn, args, kwargs, timeout=timeout, evidence=evidence)
             finally:
                 if not self.reuse:
                     g.close()

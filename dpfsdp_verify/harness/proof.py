@@ -23,12 +23,31 @@ and, in both cases, no rank's probe has changed for ``QUIET_S``. A rank that is 
 (computing, sleeping, in a long Python loop between collectives) makes none of these true: its
 peers wait in a collective *it has not issued yet* while it is still in the job -- that is
 never a proof, and such a job runs to its deadline if it really never comes back.
+
+**Diverged progress** (a second kind of proof, of a narrower claim): the job's caller may give
+``evidence``, a function reading where each rank is in its own program -- the gate passes the ranks'
+progress trails (``targets.progress.watch``: logical steps begun and finished, physical passes per
+step, run ended). When it returns a sentence, the ranks' counts have diverged in a way that cannot
+un-happen: counts only grow, and the count of a step a rank finished or of a run it ended is
+final, so "rank 2 finished step 1 after 1 pass while ranks 0, 1 had begun 2" stays true whatever
+the ranks do next (a trail read while its rank writes it can only be behind). The watch decides
+the job on it once neither the evidence nor any rank's probe changed for ``QUIET_S`` -- the
+ranks are stalled -- and ``proof_kind`` is then ``"step_divergence"``. What it claims is that
+the counts diverged and the ranks stopped progressing, not that a collective can never complete:
+the flight recorder may see none of the ranks' collectives (a target's own process groups, a
+recorder that records nothing). It is sound for the verdict because no outcome of the job could
+change it: run on, such a job ends in gloo's abort on a mismatched collective (the same
+divergence, ``error``), a wait forever, or outputs whose pass counts differ, which the runner's
+own check fails as the same ``step_divergence``. Ranks that are merely at different points of a
+correct run (one still in pass 1 of a step another finished after 2 passes) never satisfy it:
+only final counts are compared with counts begun, and only when nothing moves. A deadlock
+proof, when there is one, is preferred (it says more).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Hashable, Optional, Set, Tuple
 
 from .protocol import Probe
 
@@ -63,14 +82,21 @@ def _text(entry: Tuple[str, str]) -> str:
     return f"{entry[0]} {entry[1]}"
 
 
+#: ``evidence()`` of a job's caller: ``(state, proof)``, ``state`` any value that changes when a rank
+#: progresses, ``proof`` the sentence that the ranks' counts diverged (``None``: nothing proven)
+Evidence = Callable[[], Tuple[Hashable, Optional[str]]]
+
+
 class DeadlockWatch:
-    """Collects one job's probes; ``check`` returns the proof sentence once one holds steadily."""
+    """Collects one job's probes; ``check`` returns the proof sentence once one holds steadily
+    (``proof_kind`` then says which: ``"deadlock"`` or ``"step_divergence"``)."""
 
     def __init__(self, world_size: int, job_id: int, quiet_s: float = QUIET_S):
         self.world_size, self.job_id, self.quiet_s = world_size, job_id, quiet_s
         self.latest: Dict[int, Probe] = {}
         self._state = None
         self._since = 0.0
+        self.proof_kind: Optional[str] = None
         #: per rank, when its probe last showed something new (a collective issued, the job
         #: finished): what a timeout's message reports as "since its last progress"
         self.changed_at: Dict[int, float] = {}
@@ -103,21 +129,33 @@ class DeadlockWatch:
         done = set(finished) | {r for r, p in self.latest.items() if p.done >= self.job_id}
         return stuck_reason(self.latest, done)
 
-    def check(self, finished: Set[int], now: float) -> Optional[str]:
-        """The proof (one sentence) if the ranks' pending collectives can never complete and the
-        ranks' state has not changed for ``quiet_s``; else ``None``. ``finished``: ranks whose
-        result the parent already holds."""
-        if len(self.latest) < self.world_size or any(p.error for p in self.latest.values()):
+    def check(self, finished: Set[int], now: float, evidence: Optional[Evidence] = None) -> Optional[str]:
+        """The proof (one sentence) if the ranks' pending collectives can never complete, or the
+        caller's ``evidence`` proves their counts diverged, and the ranks' state (probes and
+        evidence alike) has not changed for ``quiet_s``; else ``None``. ``finished``: ranks whose
+        result the parent already holds. Probes without a trace (recorder off) leave only the
+        evidence to prove anything."""
+        if len(self.latest) < self.world_size:
+            return None
+        traced = not any(p.error for p in self.latest.values())
+        if not traced and evidence is None:
             return None
         done = set(finished) | {r for r, p in self.latest.items() if p.done >= self.job_id}
-        state = tuple((r, r in done, tuple(sorted(p.recent.get(DEFAULT_PG, {}).items())))
-                      for r, p in sorted(self.latest.items()))
+        seen, proof = evidence() if evidence is not None else (None, None)
+        state = (tuple((r, r in done, tuple(sorted(p.recent.get(DEFAULT_PG, {}).items())))
+                       for r, p in sorted(self.latest.items())), seen)
         if state != self._state:
             self._state, self._since = state, now
             return None
         if now - self._since < self.quiet_s:
             return None
-        return stuck_reason(self.latest, done)
+        reason = stuck_reason(self.latest, done) if traced else None
+        if reason:
+            self.proof_kind = "deadlock"
+            return reason
+        if proof:
+            self.proof_kind = "step_divergence"
+        return proof
 
 
 def _progress_of(probe: Probe):
@@ -153,4 +191,4 @@ def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
 
 
 __all__ = ["PROBE_AFTER_S", "PROBE_EVERY_S", "QUIET_S", "DEFAULT_PG", "SIZE_MATCHED_OPS", "same_collective",
-           "DeadlockWatch", "stuck_reason"]
+           "Evidence", "DeadlockWatch", "stuck_reason"]

@@ -77,16 +77,24 @@ class JobDeadline(Exception):
 class TorchrunPool:
     """``Pool``'s interface (``run``, ``fresh_group``, ``close``) on the job's own ranks."""
 
-    def __init__(self, session: TorchrunSession):
+    def __init__(self, session: TorchrunSession, on_job: Optional[Callable] = None):
+        """``on_job(job, args, trail_dir)``: called on rank 0 just before it runs its share of each
+        job (``args``: the job function's positional arguments; ``trail_dir``: where rank 0's own
+        progress trail of the job is written, ``None`` without one), then ``on_job(None, None,
+        None)`` once the job's outcome is in: the gate keeps its report on disk as it would be if
+        the job ended the torchrun job (``gate/journal.py``)."""
         self.session = session
         self.world_size = session.world_size
         self.job = 0
         self.renew_next = False
         #: set once a rank never reported: no further job can run (see module docstring)
         self.broken: Optional[str] = None
+        self.on_job = on_job
 
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
-            env: Optional[Dict[str, str]] = None, timeout: float = 60.0, **kwargs) -> GroupResult:
+            env: Optional[Dict[str, str]] = None, timeout: float = 60.0, evidence=None, **kwargs) -> GroupResult:
+        """``Pool.run`` on the job's ranks. ``evidence`` is not read: there are no probes while a job
+        runs here (its trails come to rank 0 with the outcomes, and are judged after the job)."""
         if world_size != self.world_size:
             raise NotRunHere(f"not run at this size: needs world_size={world_size}; this torchrun job has "
                              f"{self.world_size} ranks")
@@ -103,9 +111,16 @@ class TorchrunPool:
         if self.renew_next:  # after the message: creating the group waits for every rank to join
             self.renew_next = False
             _renew(self.session)
-        mine = _execute(self.session, self.job, msg)
-        # a rank's collective that began just before the deadline times out one deadline later
-        outcomes = self._collect(self.job, t0 + 2 * timeout + REPORT_GRACE_S, mine)
+        trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-") if kwargs.get("progress_dir") else None
+        if self.on_job is not None:
+            self.on_job(self.job, args, trail_dir)
+        try:
+            mine = _execute(self.session, self.job, msg, trail_dir)
+            # a rank's collective that began just before the deadline times out one deadline later
+            outcomes = self._collect(self.job, t0 + 2 * timeout + REPORT_GRACE_S, mine)
+        finally:
+            if self.on_job is not None:
+                self.on_job(None, None, None)
         res = _group_result(outcomes, self.world_size, self.session.backend, timeout)
         res.seconds = time.monotonic() - t0
         progress_dir = kwargs.get("progress_dir")
@@ -253,10 +268,12 @@ class _Running:
         self.dump = None  # the rank's RankDump at the deadline
 
 
-def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
+def _execute(session: TorchrunSession, job: int, msg: dict, trail_dir: Optional[str] = None) -> dict:
     """Run the job on this rank under its deadline; ``{"result": JobResult, "trail", "overran",
-    "site", "in_collective"}``. The rank's process-wide state (environment, RNGs, default dtype,
-    grad mode) is as before afterwards: on rank 0 the gate's own code runs between jobs."""
+    "site", "in_collective"}``. ``trail_dir``: the directory for this rank's progress trail, when
+    the job keeps one (made here if not given; removed here). The rank's process-wide state
+    (environment, RNGs, default dtype, grad mode) is as before afterwards: on rank 0 the gate's own
+    code runs between jobs."""
     import torch
     import torch.distributed as dist
 
@@ -267,9 +284,8 @@ def _execute(session: TorchrunSession, job: int, msg: dict) -> dict:
     random.seed(0)  # every job starts from the spawned ranks' seeds (harness.rank.JOB_SEED)
     torch.manual_seed(0)
     fn, args, kwargs = pickle.loads(msg["payload"])
-    trail_dir = None
     if kwargs.get("progress_dir"):
-        trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
+        trail_dir = trail_dir or tempfile.mkdtemp(prefix="dpfsdp-progress-")
         kwargs = dict(kwargs, progress_dir=trail_dir)
     running = _Running()
     watchdog = threading.Thread(target=_watch, args=(session, running, job, deadline), daemon=True,

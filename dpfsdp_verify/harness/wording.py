@@ -15,8 +15,11 @@ from typing import Dict, List, Optional, Tuple
 
 from . import diagnose
 from .rank_groups import grouped, ranks_phrase, were
+from .proof import QUIET_S
 from .protocol import JobError, RankDump
 
+#: how long a divergence must hold with nothing moving (``proof.QUIET_S``), in words
+QUIET_TEXT = f"{QUIET_S:g} s"
 #: appended to a recovered deadlock's details
 RECOVERED = "\n(the ranks' process group was aborted and renewed; the warm ranks were kept for the next job)"
 
@@ -81,6 +84,20 @@ def deadlock(dumps: Dict[int, RankDump], running: List[int], proven: str, after:
     return message, f"deadlock proven after {after:.1f} s: {proven}.\n"
 
 
+def diverged(dumps: Dict[int, RankDump], running: List[int], proven: str, after: float,
+             timeout: float) -> Tuple[str, str]:
+    """``(message, head of the report)`` for a job the caller's evidence proved diverged (``proven``:
+    its sentence, e.g. where the ranks' pass counts part) ``after`` seconds into a job with deadline
+    ``timeout``, with no rank progressing: each rank's call site, and what the flight recorder
+    saw of the default group (it may have seen nothing of the divergence: not needed)."""
+    message = (f"step divergence proven after {after:.1f} s, before the {timeout:g} s deadline, from the ranks' "
+               f"progress ({proven}); no rank progressed for {QUIET_TEXT}")
+    sites = grouped({r: f"at {diagnose.call_site(dumps[r])}" for r in running if r in dumps})
+    if sites:
+        message += f" ({sites})"
+    return message, f"step divergence proven after {after:.1f} s from the ranks' progress: {proven}.\n"
+
+
 def hang_details(report: str, analysis: Optional[str], dumps: Dict[int, RankDump]) -> str:
     """A hang's details: the report, torch's analyser's finding (if any), every rank's stacks."""
     if analysis:
@@ -88,5 +105,5 @@ def hang_details(report: str, analysis: Optional[str], dumps: Dict[int, RankDump
     return report + "\n" + diagnose.format_stacks(dumps)
 
 
-__all__ = ["RECOVERED", "exit_text", "raised", "left_waiting", "where_others_were", "crashed", "deadlock",
-           "hang_details"]
+__all__ = ["RECOVERED", "QUIET_TEXT", "exit_text", "raised", "left_waiting", "where_others_were", "crashed", "deadlock",
+           "diverged", "hang_details"]

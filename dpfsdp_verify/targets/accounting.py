@@ -7,7 +7,7 @@ Mironov, Talwar and Zhang, "Renyi Differential Privacy of the Sampled Gaussian M
 (arXiv:1908.10530, section 3.3) -- the same one opacus' ``RDPAccountant`` and TF Privacy run --
 with the RDP -> (epsilon, delta) conversion of Balle et al. 2020 (arXiv:1905.09982, theorem 21)
 over opacus' default orders, so that on one history the two agree to rounding
-(``tests/test_accounting.py`` checks it against opacus' own). It sits with the targets as a
+(``tests/properties/test_accountant.py`` checks it against opacus' own). It sits with the targets as a
 helper for adapters: a target without an accountant of its own can use it
 (``fixtures.specimens:Correct`` does); ``properties/analysis/accountant.py`` computes the suite's epsilon
 with it.

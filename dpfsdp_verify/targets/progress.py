@@ -145,6 +145,8 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
         updated = os.path.getmtime(path)
         with open(path) as f:
             for line in f:
+                if not line.endswith("\n"):
+                    break  # a line being written (read while the rank runs): not there yet
                 parts = line.split()
                 if not parts:
                     continue
@@ -198,6 +200,47 @@ def passes_diverged(trails: List[Optional[Trail]]) -> bool:
         if len(done) > 1 or (done and any(n > max(done) for n in running)):
             return True
     return False
+
+
+def divergence(trails: List[Optional[Trail]]) -> Optional[str]:
+    """The sentence that ``diverged`` is true, told from counts that are final, or ``None``: what
+    the harness' watchdog may decide a job on while it runs (``watch``). Only trails of the same
+    run on every rank are compared (a job runs several runs in order; a rank's trail is its
+    latest run's)."""
+    if any(t is None for t in trails) or len(trails) < 2 or len({t.runs for t in trails}) != 1 \
+            or not diverged(trails):
+        return None
+    if passes_diverged(trails):
+        for k in range(max(t.begun for t in trails)):
+            done = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished > k}
+            running = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished <= k < t.begun}
+            most = max(done.values(), default=0)
+            ahead = {r: n for r, n in running.items() if n > most}
+            if len(set(done.values())) > 1 or (done and ahead):
+                said = {r: f"finished it after {n} physical pass(es)" for r, n in done.items()}
+                said.update({r: f"had begun {n} physical passes in it" for r, n in ahead.items()})
+                return f"in logical step {k + 1}, {grouped(said)}"
+    ended = [r for r, t in enumerate(trails) if t.ended]
+    for r in ended:
+        more = {q: f"began step {u.begun}" for q, u in enumerate(trails) if u.begun > trails[r].begun}
+        if more:
+            return f"rank {r} ended its run after {trails[r].finished} step(s), while {grouped(more)}"
+    return None  # unreachable while ``diverged`` holds
+
+
+def watch(directory: str, world_size: int):
+    """For the harness' watchdog (``WorkerGroup.run(..., evidence=)``): a function that reads every
+    rank's trail in ``directory`` and returns ``(state, proof)``: ``state`` changes whenever some
+    rank's trail does (a rank writing its trail is progressing), ``proof`` is ``divergence``'s
+    sentence (``None``: nothing proven). Counts only grow and a finished step's or an ended run's
+    are final, so a trail read while its rank writes it can be behind, never wrong the other way:
+    a divergence read once is one."""
+    def evidence():
+        trails = read(directory, world_size)
+        state = tuple(None if t is None else (t.runs, t.begun, t.finished, tuple(t.pass_counts), t.ended)
+                      for t in trails)
+        return state, divergence(trails)
+    return evidence
 
 
 def describe(trails: List[Optional[Trail]], proven: bool = True) -> str:

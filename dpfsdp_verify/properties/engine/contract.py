@@ -88,6 +88,10 @@ class Options:
     #: among ``world_sizes`` (there the whole matrix runs); 0: none. The gate's default is
     #: ``horizon.WIDE_WORLD_SIZE``; the Python API's is 0
     wide_world_size: int = 0
+    #: why ``wide_world_size`` cannot run here ("" when it can): the backend cannot give its ranks
+    #: (nccl on fewer GPUs). Its cases are then ``skip`` verdicts saying so and the run goes on
+    #: (the gate's default wide world size only: one a user names explicitly is a usage error)
+    wide_unavailable: str = ""
     #: steps of the long-horizon run each property with one runs (``horizon.py``: bugs that start
     #: late); 0: none. The gate's default is ``horizon.HORIZON_STEPS``; the Python API's is 0
     horizon: int = 0
@@ -528,7 +532,11 @@ class Property:
         firsts: Dict[Tuple[str, Optional[str]], Point] = {}
         for point in self.points(opts.with_(world_sizes=(w,))):
             firsts.setdefault((point.sampling, point.seeding), point)
-        return [item for point in firsts.values() for item in self.wide(point)]
+        items = [item for point in firsts.values() for item in self.wide(point)]
+        if opts.wide_unavailable:  # the machine cannot give these ranks: say so per case, run the rest
+            return [item.verdict("skip", None, opts.wide_unavailable) if isinstance(item, Case) else item
+                    for item in items]
+        return items
 
     def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's

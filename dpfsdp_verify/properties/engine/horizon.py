@@ -36,11 +36,15 @@ from .contract import Point
 
 
 def horizon_point(point: Point, models: Iterable[str], reductions: Iterable[str], dtypes: Iterable[str]) -> bool:
-    """Whether ``point`` runs its property's long run: the options ask for one, this is the
-    largest world size (>= 2) and the first point along the other axes: the fixed-sampling point
-    where fixed sampling is selected (the long run brings its own Poisson sampling), else the
-    first seeding's Poisson point."""
+    """Whether ``point`` runs its property's long run: the options ask for one, this is a 1-D
+    point at the largest of the run's 1-D world sizes (>= 2) and the first point along the other
+    axes: the fixed-sampling point where fixed sampling is selected (the long run brings its own
+    Poisson sampling), else the first seeding's Poisson point. A long run is 1-D: a 2-D mesh point
+    never runs one, and a run of meshes only (``--meshes`` without ``--world-sizes``: no 1-D world
+    size) has none."""
     o = point.options
+    if point.mesh or not o.world_sizes:
+        return False
     first = "fixed" if o.samplings is None or "fixed" in o.samplings else "poisson"
     first_seeding = point.seeding is None or o.seedings is None or point.seeding == o.seedings[0]
     return (o.horizon > 0 and point.world_size == max(o.world_sizes) >= 2 and point.precision == "fp32"

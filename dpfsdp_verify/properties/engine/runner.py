@@ -272,7 +272,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
     try:
         res = pool.run(run_many_on_rank, r0.target_ref, flat, world_size=r0.world_size, backend=r0.backend,
                        env=r0.mode.env_dict or None, timeout=min(case_deadline(r.deadline, timeout) for r in runs),
-                       progress_dir=trail_dir)
+                       evidence=progress.watch(trail_dir, r0.world_size), progress_dir=trail_dir)
         trails = progress.read(trail_dir, r0.world_size) if not res.ok else None
     except BackendUnavailable as e:
         for r in runs:
@@ -320,7 +320,7 @@ def _split_at_hang(runs: List[_Run], res: GroupResult, trails: Optional[list], s
     k = next(i for i, end in enumerate(ends) if index < end)
     done[runs[k]] = _Failed(res, len(runs) - 1, share, trails, attributed=True)
     before, after = runs[:k], runs[k + 1:]
-    proven = res.diagnosis == "deadlock"
+    proven = res.diagnosis in PROVEN
     if after and not (proven and (k > 0 or any_finished)):
         for r in after:
             done[r] = _NotRun(runs[k], proven)
@@ -354,7 +354,8 @@ def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -
             trail_dir = tempfile.mkdtemp(prefix="dpfsdp-progress-")
             try:
                 res = g.run(run_many_on_rank, (r.target_ref, specs), {"progress_dir": trail_dir},
-                            timeout=min([timeout] + ([r.deadline] if r.deadline else [])))
+                            timeout=min([timeout] + ([r.deadline] if r.deadline else [])),
+                            evidence=progress.watch(trail_dir, r.world_size))
                 trails = progress.read(trail_dir, r.world_size) if not res.ok else None
             finally:
                 shutil.rmtree(trail_dir, ignore_errors=True)
@@ -391,6 +392,9 @@ def with_checkpoint_dir(spec: RunSpec, root: str) -> RunSpec:
 #: placement it cannot take without changing the parameter's (torch 2.13: "aten.add_.Tensor: in-place
 #: operations that require placement changes are not supported. The input has placement ...")
 PLACEMENT_ERRORS = ("in-place operations that require placement changes are not supported",)
+#: a group's hang diagnoses that are proofs (``harness/proof.py``): a deadlock from the ranks' probes,
+#: a step divergence from their progress trails while they were stalled
+PROVEN = ("deadlock", "step_divergence")
 
 
 def placement_crash(res: GroupResult) -> Optional[int]:
@@ -439,7 +443,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
             if last:
                 msg += f" {last[0].upper()}{last[1:]}."
         evidence["busy_ranks"] = list(res.busy_ranks)
-    elif status == "hang" and diagnosis == "deadlock" and progress.diverged(trails) \
+    elif status == "hang" and diagnosis in PROVEN and progress.diverged(trails) \
             and not progress.passes_diverged(trails):
         diagnosis = "step_divergence"
         msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
@@ -448,12 +452,13 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                "local batches (or ranks whose streams differ) gives the ranks different step counts.")
         evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
                          "local_batch_sizes": [t.sizes for t in trails]})
-    elif (status == "error" or diagnosis == "deadlock") and progress.diverged(trails) \
+    elif (status == "error" or diagnosis in PROVEN) and progress.diverged(trails) \
             and any(t.accumulating for t in trails):
         # gradient accumulation: passes, not only steps, must agree; a crash here is the same divergence
         # (a pass's collectives met another kind of collective on a peer, e.g. a gradient gather)
         diagnosis = "step_divergence"
-        outcome = ("the run hangs" if status == "hang" else "a rank crashed in a mismatched collective")
+        outcome = ("a rank crashed in a mismatched collective" if status == "error" else
+                   "the ranks stalled" if res.diagnosis == "step_divergence" else "the run hangs")
         msg = (f"{lead}the ranks ran different numbers of logical steps or physical passes and {outcome}: "
                f"{progress.describe(trails)}. Every physical pass is a full FSDP forward/backward, so passes that "
                "differ pair their collectives across logical steps until one rank ends and the other waits "

@@ -1,0 +1,165 @@
+"""``dpfsdp-verify run --dry-run``: check the options and print the plan, start nothing.
+
+The same ``RunPlan.from_args`` as a real run (so a usage error is the same exit 2, one line), then
+each property's own ``plan`` -- the cases it would run and the ``skip`` verdicts it would give,
+with their reasons -- summed up per property and world size (or mesh), the backend and the GPUs
+it needs, and an estimate of the wall time from the benchmarks. No rank is started and
+``--target opacus`` is not imported (checked importable, described from its files). Not free:
+the property registry is built on torch (imported), and a property's plan computes the float64
+reference norms its clip bounds are picked from (~2-4 s of CPU for the default gate on this
+repository's 2-core machine; the cases printed are exactly those a run would judge).
+
+The estimate: each property's seconds in the default gate on 2 idle cores (docs/benchmarks.md,
+"Time against cores", ``python benchmarks/cores.py``), shared out equally among the cases that
+property runs in the default gate, times ``max(1, ranks / 2)`` for a case at more ranks than 2 cores
+hold; a rough figure (within ~50% on this repository's 2-core machine; more cores, fewer seconds;
+a loaded machine, more).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .plan import RunPlan
+
+#: wall seconds per property of the default gate on 2 idle cores (docs/benchmarks.md, "Time against
+#: cores", 2026-11-26: 63.4 s in all)
+BENCH_SECONDS_2_CORES = {"norm_fidelity": 16.7, "clipped_step": 5.1, "sensitivity_bound": 1.6,
+                         "noise_calibration": 16.6, "mode_equivalence": 4.8, "trajectory": 4.7,
+                         "deadlock_free": 5.3, "sampling_accounting": 0.7, "checkpoint_resume": 2.9}
+#: cases each property runs in the default gate (``dpfsdp-verify run --dry-run``, 2026-11-27: 137):
+#: the benchmark's seconds are shared out among them (planning them again here would cost seconds:
+#: a plan computes the reference norms its clip bounds are picked from)
+DEFAULT_GATE_CASES = {"norm_fidelity": 35, "clipped_step": 34, "sensitivity_bound": 6, "noise_calibration": 14,
+                      "mode_equivalence": 6, "trajectory": 18, "deadlock_free": 12, "sampling_accounting": 10,
+                      "checkpoint_resume": 2}
+#: a property the benchmark did not measure (a new one): this many seconds per case
+FALLBACK_SECONDS_PER_CASE = 0.5
+
+
+@dataclass
+class PropertyPlan:
+    property: str
+    #: cases to run per world size label (``"ws=2"``, ``"hsdp:2x2"``)
+    cases: Counter = field(default_factory=Counter)
+    #: ``(config label, reason)`` of each ``skip`` verdict the plan gives without running
+    skips: List[Tuple[str, str]] = field(default_factory=list)
+    #: the most ranks one of its cases needs
+    max_ranks: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Described:
+    properties: List[PropertyPlan]
+    backend: str
+    gpus_needed: int
+    gpus_visible: Optional[int]
+    seconds: float
+    fuzz: int = 0
+
+    @property
+    def n_cases(self) -> int:
+        return sum(sum(p.cases.values()) for p in self.properties)
+
+    @property
+    def n_skips(self) -> int:
+        return sum(len(p.skips) for p in self.properties)
+
+
+def _items(pid: str, options) -> list:
+    from ..properties import PROPERTIES
+
+    prop = PROPERTIES[pid]
+    return prop.plan(prop.with_defaults(options))
+
+
+def _seconds_per_case(pid: str) -> float:
+    """The benchmark's seconds of ``pid`` over the cases it runs in the default gate."""
+    total, n = BENCH_SECONDS_2_CORES.get(pid), DEFAULT_GATE_CASES.get(pid)
+    return total / n if total and n else FALLBACK_SECONDS_PER_CASE
+
+
+def describe(plan: RunPlan) -> Described:
+    """What ``plan`` would run, per property (module docstring)."""
+    from ..properties.engine.contract import Case
+    from ..verdict import config_label
+
+    opts = plan.options
+    out = []
+    for pid in plan.properties:
+        pp = PropertyPlan(pid)
+        per_case = _seconds_per_case(pid)
+        for item in _items(pid, opts):
+            if isinstance(item, Case):
+                where = item.spec.mesh or f"ws={item.world_size}"
+                pp.cases[where] += 1
+                pp.max_ranks = max(pp.max_ranks, item.world_size)
+                pp.seconds += per_case * max(1.0, item.world_size / 2)
+            else:
+                pp.skips.append((config_label(item.config), item.message))
+        out.append(pp)
+    ranks = max((p.max_ranks for p in out), default=0)
+    gpus_visible = None
+    if opts.backend != "gloo":
+        from ..harness.backends import visible_gpus
+
+        gpus_visible = visible_gpus()
+    return Described(out, opts.backend, ranks if opts.backend == "nccl" else 0, gpus_visible,
+                     sum(p.seconds for p in out), plan.fuzz)
+
+
+def format_plan(plan: RunPlan, d: Described) -> str:
+    o = plan.options
+    info = plan.info
+    sizes = ",".join(map(str, o.world_sizes)) or "none (meshes only)"
+    lines = [f"dry run: nothing started. target {o.target} ({info.get('name')} {info.get('version')}), "
+             f"backend {o.backend}, world sizes {sizes}"
+             + (f", wide world size {o.wide_world_size}" if o.wide_world_size else "")
+             + (f", meshes {','.join(o.meshes)}" if o.meshes else "")
+             + (f", long runs of {o.horizon} steps" if o.horizon and max(o.world_sizes, default=0) >= 2 else "")
+             + (f", --expect {plan.expectations.file}" if plan.expectations is not None else "")]
+    if d.backend == "nccl":
+        lines.append(f"GPUs needed: {d.gpus_needed} (one per rank; {d.gpus_visible} visible)")
+    else:
+        lines.append(f"GPUs needed: 0 ({d.backend} ranks compute on the CPU; at most "
+                     f"{max((p.max_ranks for p in d.properties), default=0)} ranks at once)")
+    width = max([len(p.property) for p in d.properties] + [8])
+    lines.append(f"{'property':<{width}}  cases  skipped  est.   where")
+    for p in d.properties:
+        where = ", ".join(f"{k}: {n}" for k, n in sorted(p.cases.items()))
+        lines.append(f"{p.property:<{width}}  {sum(p.cases.values()):>5}  {len(p.skips):>7}  {p.seconds:>4.0f}s  "
+                     f"{where or '-'}")
+    if d.n_skips:
+        lines.append(f"skipped without running ({d.n_skips}):")
+        for p in d.properties:
+            for label, reason in p.skips:
+                lines.append(f"  {p.property} {label}: {reason}")
+    if d.fuzz:
+        lines.append(f"plus {d.fuzz} fuzzed examples per fuzzable property (not in the estimate)")
+    lines.append(f"total: {d.n_cases + d.n_skips} verdicts, {d.n_cases} cases to run, {d.n_skips} skipped; "
+                 f"estimated {_duration(d.seconds)} on 2 idle cores (docs/benchmarks.md; rough)")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def dry_run(args, job_world_size: Optional[int] = None) -> int:
+    """``run --dry-run``: the plan on stdout, exit 0 (a usage error raises ``UsageError``: exit 2)."""
+    from .report import EXIT_OK
+
+    from ..properties.engine.runner import one_thread
+
+    plan = RunPlan.from_args(args, job_world_size=job_world_size, load_target=False)
+    with one_thread():  # the reference norms on one thread, as a run computes them
+        described = describe(plan)
+    print(format_plan(plan, described), file=sys.stdout, flush=True)
+    return EXIT_OK
+
+
+__all__ = ["BENCH_SECONDS_2_CORES", "Described", "PropertyPlan", "describe", "dry_run", "format_plan"]

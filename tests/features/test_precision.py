@@ -1,0 +1,137 @@
+"""Mixed precision (``docs/precision.md``): bf16 compute over float32 parameters, in the two forms
+users configure -- FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
+``torch.autocast(dtype=bf16)``.
+
+* the option: ``RunSpec.precision`` / ``Options.precisions`` / ``--precisions`` validate once (API
+  ``ValueError``, CLI exit 2 with one line); bf16 points run over float32 parameters; a property
+  that does not judge bf16 is a skip that says so; a target that does not declare a form gets a
+  failing "not checkable on this target" verdict, never a float32 run;
+* the bounds: derived from bf16's unit roundoff and the model (K = 3L + 2 roundings, n float32
+  additions), stated in every verdict's evidence;
+* ``Correct`` and upstream opacus pass norm_fidelity and clipped_step under both forms;
+  ``BF16AccumulatedNorms`` (norms in bf16, accumulated in bf16) fails norm_fidelity as ``undercount``
+  with its error several times the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import dpfsdp_verify.properties as props
+from dpfsdp_verify import models
+from dpfsdp_verify.gate import cli
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.properties.analysis.precision_bounds import precision_bound, UNIT_ROUNDOFF
+from dpfsdp_verify.properties.engine.contract import Options
+from dpfsdp_verify.properties.checks.norm_fidelity import prepare
+from dpfsdp_verify.targets import RunSpec
+from tests.verdict_helpers import assert_all_pass
+
+CORRECT = "fixtures.specimens:Correct"
+P = "fixtures.precision_specimens:"
+FORMS = ("bf16-fsdp", "bf16-autocast")
+
+
+# -- the option --------------------------------------------------------------------------------
+def test_runspec_and_options_refuse_bad_precisions():
+    with pytest.raises(ValueError, match="unknown precision 'bf16'"):
+        RunSpec(precision="bf16", dtype="float32")
+    with pytest.raises(ValueError, match="needs dtype='float32'"):
+        RunSpec(precision="bf16-fsdp", dtype="float64")
+    with pytest.raises(ValueError, match="choose from fp32,bf16-fsdp,bf16-autocast"):
+        Options(precisions=("fp16",))
+    with pytest.raises(ValueError, match="add float32 to the dtypes"):
+        Options(precisions=("bf16-fsdp",), dtypes=("float64",))
+    assert RunSpec(precision="bf16-autocast", dtype="float32").compute_dtype is not RunSpec().compute_dtype
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "--precisions", "bf16"], "--precisions 'bf16': choose from fp32,bf16-fsdp,bf16-autocast"),
+    (["run", "--precisions", "bf16-fsdp", "--dtypes", "float64"], "add float32 to the dtypes"),
+])
+def test_cli_precision_errors_exit_2_with_one_line(capsys, args, says):
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert says in err and "hint:" in err and len(err.splitlines()) == 1
+
+
+def test_bf16_points_run_over_float32_and_other_properties_skip_saying_why():
+    prop = PROPERTIES["norm_fidelity"]
+    opts = prop.options(CORRECT, world_sizes=(1,), models=("mlp",), reductions=("mean",),
+                        precisions=("fp32", "bf16-fsdp"))
+    points = prop.points(opts)
+    got = sorted({(p.precision, p.dtype) for p in points})
+    assert got == [("bf16-fsdp", "float32"), ("fp32", "float32"), ("fp32", "float64")]
+    case = next(c for c in prop.plan(opts) if c.spec.precision == "bf16-fsdp")
+    assert case.config()["precision"] == "bf16-fsdp" and "--precisions bf16-fsdp" in case.repro()
+    assert "precision" not in next(c for c in prop.plan(opts) if c.spec.precision == "fp32").config()
+    other = PROPERTIES["noise_calibration"]
+    [skip] = other.plan(other.options(CORRECT, precisions=("bf16-fsdp",)))
+    assert skip.status == "skip" and "precision fp32 only" in skip.message
+
+
+def test_bound_is_derived_from_the_unit_roundoff_and_the_model():
+    spec = prepare(RunSpec(model="mlp", dtype="float32", precision="bf16-fsdp", global_batch_size=4))
+    b = precision_bound(spec)
+    u = 2.0 ** -8
+    assert UNIT_ROUNDOFF["bfloat16"] == u and b.u == u
+    # fc1, norm, fc2 at the precision case's sizes (d_in=128, hidden=128, the default 10 classes)
+    assert (b.layers, b.roundings) == (3, 11) and models.MLP_CLASSES == 10
+    assert b.terms == 128 * 128 + 128 + 2 * 128 + 10 * 128 + 10
+    assert b.norm_rtol == pytest.approx(11 * u + b.terms * 2.0 ** -24, rel=1e-12)
+    assert "K = 3L + 2 = 11" in b.describe() and "2^-8" in b.describe()
+    assert precision_bound(RunSpec()) is None
+
+
+def test_a_target_without_the_form_is_not_checkable_not_run_in_fp32(pool):
+    vs = props.run("norm_fidelity", P + "NoMixedPrecision", pool=pool, world_sizes=(1,), models=("mlp",),
+                   reductions=("mean",), data_layouts=("split",), precisions=FORMS)
+    assert len(vs) == 2
+    for v in vs:
+        assert v.status == "fail" and "not checkable on this target" in v.message, v.message
+        assert v.config["precision"] in v.message and "Target.features" in v.message
+
+
+# -- Correct, upstream, and the bf16-accumulating specimen ----------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [CORRECT, "opacus"])
+def test_correct_and_upstream_pass_norm_fidelity_under_both_forms(pool, target):
+    vs = props.run("norm_fidelity", target, pool=pool, world_sizes=(1, 2), precisions=FORMS)
+    assert_all_pass(vs)
+    assert {v.config["precision"] for v in vs} == set(FORMS)
+    for v in vs:
+        assert "K = 3L + 2" in v.evidence["precision_bound"]
+        assert v.evidence["ratio_min"] >= 1 - v.evidence["rtol"] and v.evidence["ratio_max"] <= 1 + v.evidence["rtol"]
+
+
+def test_correct_passes_clipped_step_under_both_forms(pool):
+    vs = props.run("clipped_step", CORRECT, pool=pool, world_sizes=(1, 2), precisions=FORMS)
+    assert_all_pass(vs)
+    assert all(v.evidence["gradient_error_bound"] > 0 for v in vs)
+
+
+def test_upstream_passes_clipped_step_under_mean_and_keeps_its_sum_finding(pool):
+    vs = props.run("clipped_step", "opacus", pool=pool, world_sizes=(1, 2), models=("mlp",), precisions=FORMS,
+                   samplings=("fixed",))
+    by = {(v.config["world_size"], v.config["reduction"], v.config["precision"]): v for v in vs}
+    for (ws, red, _), v in by.items():
+        if ws == 2 and red == "sum":  # finding 2 (1/N under sum), whatever the precision
+            assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
+        else:
+            assert v.status == "pass", v.message
+
+
+def test_bf16_accumulated_norms_fail_norm_fidelity_as_undercount(pool):
+    vs = props.run("norm_fidelity", P + "BF16AccumulatedNorms", pool=pool, world_sizes=(1, 2), models=("mlp",),
+                   reductions=("mean",), precisions=FORMS)
+    assert len(vs) == 8
+    for v in vs:
+        assert (v.status, v.diagnosis) == ("fail", "undercount"), v.message
+        assert "beyond the error bf16 compute explains" in v.message
+        # well above the derived bound, not at its edge
+        assert 1 - v.evidence["ratio_max"] > 2.5 * v.evidence["rtol"], v.evidence
+
+
+def test_bf16_accumulated_norms_is_correct_in_fp32(pool):
+    assert_all_pass(props.run("norm_fidelity", P + "BF16AccumulatedNorms", pool=pool, world_sizes=(2,),
+                              models=("mlp",), reductions=("mean",), dtypes=("float32",)))

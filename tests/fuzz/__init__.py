@@ -1,0 +1,1 @@
+"""Tests of the fuzz drivers and strategies (fuzz/)."""

@@ -1,0 +1,139 @@
+"""Rank 0's reports in a torchrun job, kept on disk as they must read should a rank process die
+(issue 33 item 5, ``gate/journal.py``): without ranks (a plan, hand-fed events and a trail),
+then the 2-agent job on upstream opacus, whose gloo abort kills rank 0 in ``deadlock_free``'s
+accumulation case (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from importlib import resources
+
+import jsonschema
+import pytest
+
+from dpfsdp_verify.gate import cli
+from dpfsdp_verify.gate.journal import POLL_S, Journal
+from dpfsdp_verify.gate.plan import RunPlan
+from dpfsdp_verify.properties.engine.contract import Case
+
+SCHEMA = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
+
+
+def plan_of(tmp_path, *args):
+    argv = ["run", "--target", "fixtures.specimens:Correct", "--world-sizes", "2", "--horizon", "0",
+            "--wide-world-size", "0", "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64",
+            "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"), *args]
+    return RunPlan.from_args(cli.build_parser().parse_args(argv))
+
+
+def report(tmp_path):
+    with open(tmp_path / "r.json") as f:
+        data = json.load(f)
+    jsonschema.validate(data, SCHEMA)
+    return data
+
+
+def cases_of(journal, pid):
+    return [c for c in journal.items(pid) if isinstance(c, Case)]
+
+
+def test_the_report_on_disk_is_the_one_a_death_now_would_leave(tmp_path):
+    plan = plan_of(tmp_path, "--properties", "clipped_step,deadlock_free")
+    j = Journal(plan, {"name": "specimen-correct", "version": "0", "ref": "fixtures.specimens:Correct", "opacus": None})
+    j.started("clipped_step")
+    clipped = cases_of(j, "clipped_step")
+    for c in clipped:  # clipped_step's verdicts are in
+        j(c.verdict("pass", None, "ok"))
+    j.started("deadlock_free")
+    accum = next(c for c in cases_of(j, "deadlock_free") if c.config().get("local_batches") == "uneven_accum")
+    j.on_job(7, ("fixtures.specimens:Correct", list(accum.specs)), None)
+    data = report(tmp_path)
+    assert data["exit_code"] == 1
+    got = [(r["property"], r["status"], r["diagnosis"], r["config"].get("local_batches")) for r in data["results"]]
+    assert got[:len(clipped)] == [("clipped_step", "pass", None, None)] * len(clipped)
+    rest = data["results"][len(clipped):]
+    assert len(rest) == len(j.items("deadlock_free"))  # every planned configuration, none dropped
+    [dying] = [r for r in rest if r["status"] == "error"]
+    assert (dying["diagnosis"], dying["config"]["local_batches"]) == ("rank_crash", "uneven_accum")
+    assert dying["message"].startswith("the torchrun job ended while this configuration ran (job 7, run 1 of 1)")
+    assert all(r["status"] == "skip"
+               and r["message"].startswith("no verdict: the torchrun job ended in deadlock_free [")
+               for r in rest if r is not dying)
+    assert (tmp_path / "r.xml").read_text().count("<testcase") == len(data["results"])
+    # the job ended normally: no configuration is blamed any more, the property is between jobs
+    j.on_job(None, None, None)
+    data = report(tmp_path)
+    assert [r["diagnosis"] for r in data["results"] if r["status"] == "error"] == ["rank_crash"]
+    assert "between jobs" in next(r for r in data["results"] if r["status"] == "error")["message"]
+    j.close()
+
+
+def test_a_shared_job_blames_the_run_rank_0_is_in_and_later_properties_are_not_run(tmp_path):
+    plan = plan_of(tmp_path, "--properties", "norm_fidelity,clipped_step")
+    j = Journal(plan, {"name": "specimen-correct", "version": "0", "ref": "fixtures.specimens:Correct", "opacus": None})
+    j.started("norm_fidelity")
+    cases = cases_of(j, "norm_fidelity")
+    assert len(cases) >= 2
+    specs = [m.apply(s) for c in cases for m in c.modes for s in c.specs]
+    trails = tmp_path / "trail"
+    trails.mkdir()
+    (trails / "rank0.progress").write_text("run train\nbegin 0 2\nend 0\ndone\nrun train\nbegin 0 2\n")
+    j.on_job(3, ("fixtures.specimens:Correct", specs), str(trails))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the watcher follows the trail into run 2
+        data = report(tmp_path)
+        blamed = [r for r in data["results"] if r["status"] == "error"]
+        if blamed and "run 2 of" in blamed[0]["message"]:
+            break
+        time.sleep(POLL_S)
+    second = next(c for c in cases if any(m.apply(s) == specs[len(cases[0].specs) * len(cases[0].modes)]
+                                          for m in c.modes for s in c.specs))
+    assert [r["config"] for r in blamed] == [second.config()], blamed
+    later = [r for r in data["results"] if r["property"] == "clipped_step"]
+    assert later and all(r["status"] == "skip" and r["message"].startswith("not run: the torchrun job ended in "
+                                                                           "norm_fidelity [") for r in later)
+    assert len(later) == len(j.items("clipped_step"))
+    j.close()
+
+
+def test_no_report_file_no_journal(tmp_path):
+    plan = RunPlan.from_args(cli.build_parser().parse_args(["run", "--target", "fixtures.specimens:Correct",
+                                                            "--properties", "clipped_step", "--json", "-"]))
+    j = Journal(plan, {"name": "x"})
+    j.started("clipped_step")
+    assert not j.enabled and os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_gloos_abort_in_a_two_node_job_still_leaves_a_report(tmp_path):
+    """Issue 33 item 5's command (narrowed to the mlp, mean, float64 for time): upstream opacus at 4
+    ranks; deadlock_free's accumulation case makes gloo abort a rank (SIGABRT) and torchrun's agents
+    end the job. Every selected property has its verdicts in the report, the dying configuration
+    its error, and no process of the job outlives it (``two_agents`` proves it)."""
+    from tests.gate.test_torchrun_job import two_agents
+
+    path = tmp_path / "r.json"
+    codes, outs, ranks, seconds = two_agents(
+        tmp_path, ["--target", "opacus", "--properties", "norm_fidelity,clipped_step,deadlock_free", "--models", "mlp",
+                   "--loss-reductions", "mean", "--dtypes", "float64", "--json", str(path)], timeout=600)
+    both = "\n".join(outs)
+    assert any(c != 0 for c in codes), both[-3000:]
+    assert "SIGABRT" in both or "EnforceNotMet" in both, both[-3000:]  # the death this is about happened
+    assert path.exists(), both[-3000:]
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert data["exit_code"] == 1
+    results = data["results"]
+    assert {r["property"] for r in results} == {"norm_fidelity", "clipped_step", "deadlock_free"}
+    # the two properties before the crash were judged at 4 ranks, none left out
+    for pid in ("norm_fidelity", "clipped_step"):
+        mine = [r for r in results if r["property"] == pid]
+        assert mine and all(r["status"] != "skip" or "not run at this size" not in r["message"] for r in mine)
+        assert any(r["status"] in ("pass", "fail", "error") for r in mine)
+    crashed = [r for r in results if r["property"] == "deadlock_free" and r["status"] == "error"]
+    assert [r["config"].get("local_batches") for r in crashed][:1] == ["uneven_accum"], crashed
+    assert crashed[0]["diagnosis"] in ("rank_crash", "step_divergence")
+    others = [r for r in results if r["property"] == "deadlock_free" and r not in crashed]
+    assert others and all(r["message"] for r in others)  # each with its reason

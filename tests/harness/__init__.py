@@ -1,0 +1,1 @@
+"""Tests of the harness (harness/): launch, watchdog, proofs, zygotes, wording."""

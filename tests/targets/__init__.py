@@ -1,0 +1,1 @@
+"""Tests of the target contract and its helpers (targets/)."""
