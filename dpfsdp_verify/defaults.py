@@ -30,7 +30,7 @@ HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK = 0.25, 64
 #: seconds of configuration-space exploration a gate run adds after its fixed cases (``--explore``;
 #: docs/explore.md), shared among the explored properties: the default gate (~50 s idle) stays
 #: within ~60 s on 2 idle cores
-DEFAULT_EXPLORE_S = 10.0
+DEFAULT_EXPLORE_S = 8.0
 #: an environment variable that, when set, replaces ``DEFAULT_EXPLORE_S`` as the default of
 #: ``--explore`` (seconds; ``0``: fixed runs unless ``--explore`` is given). The package's own test
 #: suite sets it to 0 (tests/conftest.py), so a test that runs the gate judges the fixed cases it

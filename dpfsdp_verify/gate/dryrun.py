@@ -140,8 +140,12 @@ def format_plan(plan: RunPlan, d: Described) -> str:
                 lines.append(f"  {p.property} {label}: {reason}")
     if d.fuzz:
         lines.append(f"plus {d.fuzz} fuzzed examples per fuzzable property (not in the estimate)")
+    explore = getattr(plan, "explore", 0.0)
+    if explore > 0:
+        lines.append(f"plus {explore:g} s of configurations drawn beyond the fixed cases (--explore; docs/explore.md; "
+                     "in the estimate)")
     lines.append(f"total: {d.n_cases + d.n_skips} verdicts, {d.n_cases} cases to run, {d.n_skips} skipped; "
-                 f"estimated {_duration(d.seconds)} on 2 idle cores (docs/benchmarks.md; rough)")
+                 f"estimated {_duration(d.seconds + explore)} on 2 idle cores (docs/benchmarks.md; rough)")
     return "\n".join(lines)
 
 
