@@ -76,7 +76,7 @@ class RunPlan:
             world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
-        props = csv(args.properties) if args.properties else list(PROPERTIES)
+        props = csv(args.properties) if args.properties else [p for p, prop in PROPERTIES.items() if not prop.opt_in]
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown property {', '.join(unknown)}", f"choose from {', '.join(PROPERTIES)}")

@@ -376,6 +376,8 @@ class Property:
     #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
     #: a property that does not is told so in one ``skip`` verdict per mesh
     meshes: bool = False
+    #: not run by a gate run that names no ``--properties`` (it runs when named: e.g. ``privacy_audit``)
+    opt_in: bool = False
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
