@@ -25,9 +25,11 @@ confidence, whatever the implementation's bug is. A correct implementation's ``e
 its true epsilon with probability at most ``1 - confidence``; an ``eps_lb`` above the epsilon
 the accountant reports is a leak the accounting does not describe.
 
-Choosing the guess counts after looking at the scores would void the bound; ``audit`` takes a
-fixed list of ``(k_plus, k_minus)`` choices and splits the error probability among them
-(Bonferroni), so the best of them is still a valid bound.
+Choosing the guess counts (or the score) after looking at the scores would void the bound;
+``audit`` takes fixed score functions' values and a fixed list of ``(k_plus, k_minus)`` choices
+and splits the error probability among every pair (Bonferroni), so the best of them is still a
+valid bound. Any score computed from the released output alone is valid (post-processing); a
+score closer to the mechanism's likelihood ratio gives a tighter bound.
 
 Pure Python (``math`` only): the gate's only dependency is torch (a fork's CI may have neither
 numpy nor scipy). The binomial tails are sums of probabilities computed in log space
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 #: the theorem's usual confidence (the paper's); a property may ask for a stricter one
 CONFIDENCE = 0.95
@@ -131,6 +133,8 @@ class AuditResult:
     """The best of an audit's guess choices: its lower bound and how it was reached."""
 
     eps_lb: float
+    #: the name of the score whose guesses gave the bound
+    score: str
     k_plus: int
     k_minus: int
     r: int
@@ -138,31 +142,34 @@ class AuditResult:
     m: int
     delta: float
     confidence: float
-    #: how many guess choices shared the error probability (Bonferroni)
+    #: how many (score, guess choice) pairs shared the error probability (Bonferroni)
     choices: int
-    #: ``(k_plus, k_minus, r, v, eps_lb at the shared level)`` of every choice
-    table: Tuple[Tuple[int, int, int, int, float], ...] = ()
+    #: ``(score, k_plus, k_minus, r, v, eps_lb at the shared level)`` of every pair
+    table: Tuple[Tuple[str, int, int, int, int, float], ...] = ()
 
 
-def audit(scores: Sequence[float], secrets: Sequence[int], choices: Sequence[Tuple[int, int]], delta: float,
-          confidence: float = CONFIDENCE, m: Optional[int] = None) -> AuditResult:
-    """The one-run audit of ``scores`` against ``secrets`` for each ``(k_plus, k_minus)`` in
-    ``choices`` (fixed before the scores were seen), each at confidence ``1 - (1 - confidence) /
-    len(choices)``: the best bound is a bound at ``confidence``. ``m``: the canaries the
-    training had (default ``len(scores)``)."""
-    if not choices:
-        raise ValueError("need at least one (k_plus, k_minus) choice")
-    m = len(scores) if m is None else m
-    shared = 1.0 - (1.0 - confidence) / len(choices)
+def audit(scores: Mapping[str, Sequence[float]], secrets: Sequence[int], choices: Sequence[Tuple[int, int]],
+          delta: float, confidence: float = CONFIDENCE, m: Optional[int] = None) -> AuditResult:
+    """The one-run audit of each score vector in ``scores`` (``{name: one score per canary}``)
+    against ``secrets``, for each ``(k_plus, k_minus)`` in ``choices`` -- scores and choices fixed
+    before any score was seen -- each pair at confidence ``1 - (1 - confidence) / pairs``: the
+    best bound is then a bound at ``confidence``. ``m``: the canaries the training had (default:
+    the length of the score vectors)."""
+    if not choices or not scores:
+        raise ValueError("need at least one score vector and one (k_plus, k_minus) choice")
+    m = len(next(iter(scores.values()))) if m is None else m
+    pairs = len(scores) * len(choices)
+    shared = 1.0 - (1.0 - confidence) / pairs
     table, best = [], None
-    for k_plus, k_minus in choices:
-        r, v = count_correct(scores, secrets, k_plus, k_minus)
-        eps = epsilon_lower_bound(r, v, m, delta, shared)
-        table.append((k_plus, k_minus, r, v, eps))
-        if best is None or eps > best[4]:
-            best = table[-1]
-    k_plus, k_minus, r, v, eps = best
-    return AuditResult(eps, k_plus, k_minus, r, v, m, delta, confidence, len(choices), tuple(table))
+    for name, values in scores.items():
+        for k_plus, k_minus in choices:
+            r, v = count_correct(values, secrets, k_plus, k_minus)
+            eps = epsilon_lower_bound(r, v, m, delta, shared)
+            table.append((name, k_plus, k_minus, r, v, eps))
+            if best is None or eps > best[5]:
+                best = table[-1]
+    name, k_plus, k_minus, r, v, eps = best
+    return AuditResult(eps, name, k_plus, k_minus, r, v, m, delta, confidence, pairs, tuple(table))
 
 
 def guess_choices(m: int, fractions: Sequence[float]) -> List[Tuple[int, int]]:

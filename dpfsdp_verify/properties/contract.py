@@ -224,6 +224,9 @@ class Case:
             parts += ["--physical-batch-size", str(p)]
         if self.labels.get("resume_at"):
             parts += ["--resume-at", str(self.labels["resume_at"])]
+        if self.labels.get("audit_canaries"):  # the privacy audit's size
+            parts += ["--audit-canaries", str(self.labels["audit_canaries"]), "--audit-steps",
+                      str(self.labels["audit_steps"])]
         return " ".join(shlex.quote(p) for p in parts)
 
     def _replay_line(self) -> str:
