@@ -220,7 +220,9 @@ PROPERTY = Property(
     cases=cases, judge=judge, models=("canary",), layouts=("split",), reductions=("mean",), dtypes=("float32",),
     samplings=None, wide=wide, opt_in=True, check_params=check_params,
     params=(("audit_canaries", CANARIES), ("audit_steps", STEPS), ("audit_confidence", CONFIDENCE)),
-    false_alarm_rate=1.0 - CONFIDENCE)
+    # the theorem's bound per verdict (the claimed epsilon is at least the true one), times the three
+    # verdicts of a default run (world sizes 1, 2 and the wide 3); measured: ~0 (benchmarks/audit.py)
+    false_alarm_rate=3 * (1.0 - CONFIDENCE))
 
 
 __all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "audit_spec", "directions",
