@@ -36,7 +36,9 @@ SEQUENCE_MODELS = ("masked",)
 ZOO_MODELS = ("zoo",)
 #: samples of every scale (``ExtremeMLP``): per-sample norms from ~1 to ~1e20 in one batch
 EXTREME_MODELS = ("extreme",)
-MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS
+#: gradient canaries with secret membership (``CanaryEmbedding``): the privacy audit's model (``docs/audit.md``)
+AUDIT_MODELS = ("canary",)
+MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS + AUDIT_MODELS
 #: the input scale of sample ``i`` of an ``extreme`` batch: ``EXTREME_SCALES[i % 6]``. Its per-sample
 #: gradient norm is about the scale (``ExtremeMLP``): ~1, ~1e2, ~1e6 and ~1e20, whose square (1e40)
 #: overflows float32 (largest finite 3.4e38)
@@ -356,6 +358,41 @@ class ExtremeMLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+#: canaries of a ``canary`` model and batch unless ``canaries`` says otherwise
+CANARIES = 1000
+
+
+class CanaryEmbedding(nn.Module):
+    """White-box gradient canaries (``docs/audit.md``): one ``Embedding(canaries + 1, 2)`` whose
+    output is the logits, initialised to zero. Sample ``i`` of a ``canary`` batch is token ``i``
+    (canary ``i``, a *member*) or token ``canaries`` (the sink row: canary ``i`` is *out*), with
+    label 0. A member's per-sample gradient is ``softmax(0) - e_0 = (-1/2, 1/2)`` on row ``i`` and
+    zero everywhere else (norm 1/sqrt(2), the same for every canary while the parameters stay at
+    zero, i.e. at lr 0): each canary owns a row no other sample touches, and FSDP shards the rows
+    (dim 0) over the ranks, so the canaries are spread across shards while each rank's samples are
+    strided over the dataset. An *out* canary's gradient lands on the sink row only, which no score
+    reads: the canary rows are then distributed exactly as if the sample were absent (add/remove
+    DP), whatever else is released. The secrets are ``canary_secrets`` of the batch seed."""
+
+    def __init__(self, canaries: int = CANARIES):
+        super().__init__()
+        if canaries < 1:
+            raise ValueError(f"canaries={canaries} must be >= 1")
+        self.canary = nn.Embedding(canaries + 1, 2)
+        with torch.no_grad():
+            self.canary.weight.zero_()
+
+    def forward(self, idx):
+        return self.canary(idx)
+
+
+def canary_secrets(batch_size: int, seed: int) -> torch.Tensor:
+    """``[batch_size]`` secrets S_i in {-1, +1} (uniform, independent) of a ``canary`` batch drawn
+    from ``seed``: +1 puts canary ``i`` in the data (token ``i``), -1 leaves it out (the sink token)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (batch_size,), generator=g) * 2 - 1
+
+
 def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
     """``[batch_size]`` real lengths of a ``masked`` batch: sample ``i`` is full (``seq_len``) when
     ``i % 3 == 0``, all padding (0) when ``i % 3 == 1``, else drawn uniformly from ``1..seq_len-1``
@@ -399,13 +436,14 @@ MODEL_DIMS = {
     "masked": ("vocab", "seq_len", "d_model", "n_heads"),
     "zoo": ("vocab", "classes", "width"),
     "extreme": ("d_in", "hidden", "classes"),
+    "canary": ("canaries",),
 }
 #: keywords only the batch uses (``build_model`` accepts and ignores them)
 BATCH_DIMS = ("pad_fraction",)
 _BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
                "transformer": ("vocab", "seq_len", "pad_fraction"), "lora": ("d_in", "classes"),
                "tied": ("vocab", "seq_len", "pad_fraction"), "masked": ("vocab", "seq_len"),
-               "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes")}
+               "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes"), "canary": ("canaries",)}
 
 
 def _check_dims(name: str, dims: dict) -> None:
@@ -426,7 +464,8 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     """
     _check_dims(name, dims)
     ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
-            "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP}[name]
+            "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP,
+            "canary": CanaryEmbedding}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -451,6 +490,13 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     _check_dims(name, dims)
     d = {k: v for k, v in dims.items() if k in _BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
+    if name == "canary":
+        m = d.get("canaries", CANARIES)
+        if batch_size > m:
+            raise ValueError(f"a canary batch holds at most its {m} canaries, got batch_size={batch_size}")
+        secrets = canary_secrets(batch_size, seed)
+        tokens = torch.where(secrets > 0, torch.arange(batch_size), torch.full((batch_size,), m))
+        return Batch(tokens, torch.zeros(batch_size, dtype=torch.long), "cross_entropy")
     if name == "extreme":
         scale = torch.tensor([EXTREME_SCALES[i % len(EXTREME_SCALES)] for i in range(batch_size)], dtype=torch.float64)
         x = torch.randn(batch_size, d.get("d_in", MLP_IN), generator=g, dtype=torch.float64) * scale.unsqueeze(1)
@@ -488,4 +534,5 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
 
 
 __all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
-           "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES", "sequence_lengths"]
+           "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES", "sequence_lengths",
+           "CanaryEmbedding", "canary_secrets", "CANARIES", "AUDIT_MODELS"]

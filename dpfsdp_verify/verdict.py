@@ -33,7 +33,7 @@ RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_diver
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
                              "wrong_sample_rate", "non_gaussian_noise", "dependent_noise", "step_count_reset",
                              "noise_replayed", "mask_replayed", "noise_bypassed", "accountant_mismatch",
-                             "replica_divergence", "replicated_counted")
+                             "replica_divergence", "replicated_counted", "audit_violation")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
@@ -41,7 +41,7 @@ INTERNAL_ERROR = "internal_error"
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
                "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision",
-               "noise_multiplier", "momentum", "horizon", "mesh")
+               "noise_multiplier", "momentum", "horizon", "mesh", "audit_canaries", "audit_steps")
 
 
 @dataclass

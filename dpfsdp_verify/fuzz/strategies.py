@@ -167,7 +167,8 @@ def fixed_dims(world_size: int) -> st.SearchStrategy[Dict[str, object]]:
 
 
 MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
-                        "tied": tied_dims, "masked": masked_dims, "zoo": fixed_dims, "extreme": fixed_dims}
+                        "tied": tied_dims, "masked": masked_dims, "zoo": fixed_dims, "extreme": fixed_dims,
+                        "canary": fixed_dims}
 
 
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:

@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     execution.add_argument("--dry-run", action="store_true",
                            help="check the options and print the plan (cases per property and world size, skips "
                                 "and why, GPUs needed, estimated time); start nothing, exit 0 or 2")
+    what.add_argument("--audit-canaries", type=int, default=None, metavar="M",
+                      help="canaries of the opt-in privacy audit (default 1000; docs/audit.md)")
+    what.add_argument("--audit-steps", type=int, default=None, metavar="T",
+                      help="DP steps of the opt-in privacy audit (default 100; docs/audit.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
@@ -150,7 +154,8 @@ def cmd_list() -> int:
 
     print("properties (* can be fuzzed: --fuzz N, replay) and what each runs by default:")
     for pid, prop in PROPERTIES.items():
-        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
+        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {'(opt-in: runs only when --properties names it) ' if prop.opt_in else ''}"
+              f"{prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
               f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
               + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else "")

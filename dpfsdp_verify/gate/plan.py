@@ -78,7 +78,7 @@ class RunPlan:
             world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
-        props = csv(args.properties) if args.properties else list(PROPERTIES)
+        props = csv(args.properties) if args.properties else [p for p, prop in PROPERTIES.items() if not prop.opt_in]
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown property {', '.join(unknown)}", f"choose from {', '.join(PROPERTIES)}")
@@ -101,6 +101,18 @@ class RunPlan:
                     except ValueError as e:
                         raise UsageError(f"--resume-at {resume_at}: {str(e).split(': ', 1)[-1]}",
                                          "e.g. --resume-at 2") from None
+        audit = tuple((name, value) for name, value in (("audit_canaries", getattr(args, "audit_canaries", None)),
+                                                        ("audit_steps", getattr(args, "audit_steps", None)))
+                      if value is not None)  # the privacy audit's size: the options of the property that takes them
+        for name, value in audit:
+            for prop in PROPERTIES.values():
+                if prop.check_params is not None and name in dict(prop.params):
+                    try:
+                        prop.check_params({**dict(prop.params), name: value})
+                    except ValueError as e:
+                        flag = "--" + name.replace("_", "-")
+                        raise UsageError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}", f"e.g. {flag} "
+                                         f"{dict(prop.params)[name]}") from None
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
@@ -118,7 +130,7 @@ class RunPlan:
                           meshes=tuple(meshes),
                           **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
-                          + ((("resume_at", resume_at),) if resume_at is not None else ()))
+                          + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    expectations=expectations, reports=reports, quiet=args.quiet)
 

@@ -121,7 +121,7 @@ def _raising_prepare(spec):
 def test_a_bug_in_fuzzing_keeps_the_property_verdicts(pool, tmp_path, capsys, monkeypatch):
     """A fuzz recipe that raises is one internal_error verdict (exit 3) beside the verdicts the
     property's own cases already earned: the report keeps them."""
-    from verdict_helpers import run_gate
+    from tests.verdict_helpers import run_gate
 
     prop = PROPERTIES["norm_fidelity"]
     monkeypatch.setitem(PROPERTIES, "norm_fidelity", dataclasses.replace(

@@ -228,6 +228,9 @@ class Case:
             parts += ["--physical-batch-size", str(p)]
         if self.labels.get("resume_at"):
             parts += ["--resume-at", str(self.labels["resume_at"])]
+        if self.labels.get("audit_canaries"):  # the privacy audit's size
+            parts += ["--audit-canaries", str(self.labels["audit_canaries"]), "--audit-steps",
+                      str(self.labels["audit_steps"])]
         return " ".join(shlex.quote(p) for p in parts)
 
     def _replay_line(self) -> str:
@@ -380,6 +383,8 @@ class Property:
     #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
     #: a property that does not is told so in one ``skip`` verdict per mesh
     meshes: bool = False
+    #: not run by a gate run that names no ``--properties`` (it runs when named: e.g. ``privacy_audit``)
+    opt_in: bool = False
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
