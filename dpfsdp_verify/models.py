@@ -322,8 +322,9 @@ class LayerZoo(nn.Module):
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
             for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
                 norm.weight.uniform_(0.5, 1.5)
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias.uniform_(-0.5, 0.5)
+                bias = getattr(norm, "bias", None)
+                if bias is not None:
+                    bias.uniform_(-0.5, 0.5)
 
     def forward(self, idx):
         # a tanh after every layer: a norm right after a layer would cancel that layer's per-channel

@@ -21,7 +21,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .protocol import RankDump
 from .rank_groups import grouped, ranks_phrase, span
@@ -264,7 +264,8 @@ def _analyser_layout(fr: dict, rank: int, world_size: Optional[int] = None) -> d
     by the names the entries use."""
     fr = dict(fr)
     fr["rank"] = rank
-    ranks = next(iter(fr.get("pg_config", {}).values()), {}).get("ranks")
+    first_pg: Dict[str, Any] = next(iter(fr.get("pg_config", {}).values()), {})
+    ranks = first_pg.get("ranks")
     if ranks in (None, "[]", []) and world_size:
         # a process group created after an aborted one (``Renew``) is recorded with no ranks;
         # its entries are all in the default group, whose members are every rank

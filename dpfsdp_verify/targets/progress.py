@@ -166,14 +166,15 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
     return out
 
 
-def hung_run_index(trails: List[Optional[Trail]]) -> Optional[int]:
+def hung_run_index(trails: Optional[List[Optional[Trail]]]) -> Optional[int]:
     """After a hang of a job that ran several runs in order (``targets.run_many_on_rank``): the
     index of the first run some rank had not ended -- the one the job hung in (every run before it
     ended on every rank). ``None`` when a rank left no trail (nothing can be told)."""
     if not trails or any(t is None for t in trails):
         return None
+    known = [t for t in trails if t is not None]  # every trail, after the check above
     # a rank that ended its last run is between runs: the next one (index ``runs``) is where it is
-    return min(max(0, t.runs - (0 if t.ended else 1)) for t in trails)
+    return min(max(0, t.runs - (0 if t.ended else 1)) for t in known)
 
 
 def diverged(trails: List[Optional[Trail]]) -> bool:
@@ -183,18 +184,20 @@ def diverged(trails: List[Optional[Trail]]) -> bool:
     may be one step behind."""
     if any(t is None for t in trails) or len(trails) < 2:
         return False
-    return any(t.ended and any(u.begun > t.begun for u in trails) for t in trails) or passes_diverged(trails)
+    known = [t for t in trails if t is not None]  # every trail, after the check above
+    return any(t.ended and any(u.begun > t.begun for u in known) for t in known) or passes_diverged(trails)
 
 
 def passes_diverged(trails: List[Optional[Trail]]) -> bool:
     """True when some step's physical passes differ between ranks: ranks that finished the step
     ran different numbers, or a rank still in the step has begun more passes than a rank that
     finished it ran (a rank still in a step may simply not have reached its last pass yet)."""
-    if any(t is None for t in trails) or len(trails) < 2 or not any(t.accumulating for t in trails):
+    known = [t for t in trails if t is not None]
+    if len(known) < len(trails) or len(trails) < 2 or not any(t.accumulating for t in known):
         return False
-    for k in range(max(t.begun for t in trails)):
-        done = {t.pass_counts[k] for t in trails if t.finished > k}
-        running = [t.pass_counts[k] for t in trails if t.finished <= k < t.begun]
+    for k in range(max(t.begun for t in known)):
+        done = {t.pass_counts[k] for t in known if t.finished > k}
+        running = [t.pass_counts[k] for t in known if t.finished <= k < t.begun]
         if len(done) > 1 or (done and any(n > max(done) for n in running)):
             return True
     return False

@@ -32,7 +32,7 @@ that skips empty rounds takes fewer steps than nominal, which ``sampling_account
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from ...targets import RunSpec, accounting
 from .stats import chi2_quantile, chi2_two_sided_p
@@ -111,7 +111,7 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     # sigma: each told value against the noise of the steps it was told for
     for sigma, (ss, count) in sorted(by_sigma.items()):
         own = math.sqrt(ss / count) / unit
-        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, count) if sigma > 0 else 0.0
+        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, cast(int, count)) if sigma > 0 else 0.0  # [ss, count]
         if not p >= alpha:
             return _mismatch(spec, evidence, told, measured, (
                 f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "

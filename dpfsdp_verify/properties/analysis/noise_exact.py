@@ -13,7 +13,7 @@ privacy: repeated noise cancels in the difference of two releases.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -180,7 +180,8 @@ def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int
                     draws += 1
                     first = first or (i, k)
         if hit is not None:
-            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
+            first_run, first_step = cast(Tuple[int, int], first)  # set with the first hit
+            return n, int(hit.sum()), hit.numel(), draws, first_run, first_step
     return None
 
 

@@ -11,7 +11,7 @@ others clip with a norm that is not the sample's (utility, or the objective). ``
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Tuple
+from typing import List, Tuple, cast
 
 import torch
 
@@ -102,7 +102,8 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
                             ("InstanceNorm", ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"))):
         present = [by_type[m] for m in members if m in by_type]
         if len(present) > 1:
-            by_type[family] = tuple(sum((list(x[i]) for x in present), []) for i in range(3))
+            by_type[family] = cast(Tuple[List[str], List[str], List[str]],
+                                   tuple(sum((list(x[i]) for x in present), []) for i in range(3)))
     out: List[Tuple[str, torch.Tensor, str]] = []
     if len(by_type) > 1:
         for kind, (layers, params, biases) in by_type.items():

@@ -365,7 +365,7 @@ def _cross_rank_streams(case: Case, save, load, clean, k: int, noise_spec) -> Tu
         shared = shared_values(after[i], after[j], eps)
         if shared >= m and shared_values(before[i], before[j], eps) < m:
             hits.append((i, j, shared))
-    evidence = {"cross_rank_stream_shared_needed": m, "cross_rank_stream_false_alarm_bound": bound}
+    evidence: Dict[str, Any] = {"cross_rank_stream_shared_needed": m, "cross_rank_stream_false_alarm_bound": bound}
     if not hits:
         return None, evidence
     evidence["cross_rank_stream_shared"] = [list(h) for h in hits[:20]]
@@ -435,7 +435,7 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
                 worst = (r, lag, hits, batches)
     pairs = [sum(1 for t in range(k, spec.nominal_steps) if 0 <= t - lag < k) for lag in lags]
     m, bound = mask_false_alarm(spec.sample_rate, spec.dataset_size // ws, pairs, ws)
-    evidence = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
+    evidence: Dict[str, Any] = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
     if worst and m and len(worst[2]) >= m:
         r, lag, hits, batches = worst
         cause = ("The sampler's random state is not in the checkpoint and the resumed run seeds it as at the start"
@@ -456,6 +456,7 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
 def judge(case: Case, runs: Outputs) -> Verdict:
     ts, ns, ps, ms, tl, nl, pl, ml, full, clean = runs[0]
     k = case.specs[0].resume_at
+    evidence: Dict[str, Any]
     found, evidence = [], {"resume_at": k}
     traj, ev = _trajectory(case, ts, tl, full, k)
     evidence.update(ev)
@@ -471,7 +472,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                              **(mid[2] if mid else {})}
     if mid and not masks:
         masks = mid[:2] + ({},)
-    elif mid:  # one finding: the same sampler state replays at both resumes
+    elif mid and masks:  # one finding: the same sampler state replays at both resumes
         masks = (masks[0], masks[1] + f" The mid-epoch resume at step {mid_spec.resume_at} (q = "
                  f"{mid_spec.sample_rate:.3g}) replays too.", masks[2])
     cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])

@@ -38,7 +38,7 @@ names the first wrong step ("from step k (epoch e) on"), how many followed, and 
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -156,7 +156,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if "horizon" in case.labels:
         return judge_horizon(case, runs[0][0])
     ws = case.world_size
-    evidence: Dict[str, object] = {}
+    evidence: Dict[str, Any] = {}
     passed = []
     for j, (spec, outputs) in enumerate(zip(case.specs, runs[0])):
         tag = "" if j == 0 else "wide_"

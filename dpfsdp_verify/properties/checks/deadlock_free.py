@@ -55,7 +55,7 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 from ...verdict import Verdict
 from ..engine.contract import Case, Outputs, Point, Property
@@ -85,7 +85,7 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     b = 2 * ws
     out = {"even": tuple(tuple(range(r, b, ws)) for r in range(ws)), "single": tuple((r,) for r in range(ws))}
     if ws > 1:
-        uneven = [[] for _ in range(ws)]
+        uneven: List[List[int]] = [[] for _ in range(ws)]
         for i in range(b):  # rank 0 gets one extra, the last rank one fewer
             uneven[0 if i == b - 1 else i % ws].append(i)
         out["uneven"] = tuple(tuple(u) for u in uneven)

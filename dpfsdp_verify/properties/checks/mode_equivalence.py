@@ -46,7 +46,7 @@ from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
 from ..analysis.compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
-from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 
 STEPS = 2
 #: steps per model in the gate's cases: a mode that goes wrong only after a warm-up (a cache filled
@@ -84,7 +84,7 @@ def pair_local_batch(p: int) -> int:
     return 2 * p + 1
 
 
-def prepare(spec: RunSpec) -> Prepared:
+def prepare(spec: RunSpec) -> RunSpec:  # always a spec: never a reason to skip (``Prepared``)
     return with_picked_clip(spec)
 
 
@@ -140,7 +140,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                 problem = f"step {k}, rank {r}: the modes processed different samples"
             elif (sa.norms is None) != (sb.norms is None):
                 problem = f"step {k}, rank {r}: only one mode reports norms"
-            elif sa.norms is not None:
+            elif sa.norms is not None and sb.norms is not None:  # both or neither, by the check above
                 d = (sa.norms - sb.norms).abs()
                 if not bool((d <= atol + rtol * sa.norms.abs()).all()):  # NaN is never equal
                     rel = float((d / sa.norms.abs().clamp_min(1e-300)).max())

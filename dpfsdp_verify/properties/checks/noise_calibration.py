@@ -395,8 +395,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
     if not p_pairs >= alpha:
-        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
-        return case.verdict("fail", "dependent_noise", pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
+        draw_at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
+        return case.verdict("fail", "dependent_noise", pairs_message(draw_at[i], draw_at[j], r_ij, t_pairs, n_pairs, p_pairs,
                                                                       where, alpha), evidence)
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
     evidence["detects_std_error_big_shards"] = max(big)[0] if big else None

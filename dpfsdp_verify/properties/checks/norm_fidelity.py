@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
+from typing import Any, Dict
 
 import torch
 
@@ -139,7 +140,7 @@ def judge_spec(case: Case, outputs) -> Verdict:
     want = [ref[list(s.indices)] for s in steps]
     if bound is not None:  # bf16 compute: the bound derived from its unit roundoff, not the dtype's
         rtol, atol = bound.norm_rtol, 0.0
-    evidence = {"rtol": rtol, "atol": atol}
+    evidence: Dict[str, Any] = {"rtol": rtol, "atol": atol}
     if bound is not None:
         evidence["precision_bound"] = bound.describe()
     reported = None  # None: the target reports no norms; else (diagnosis or None, message)

@@ -14,7 +14,7 @@ applies. Plain functions of specs and rank outputs: the runner words them into v
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -251,7 +251,8 @@ def privacy_steps_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optio
     local batch held a sample. A resumed run's ``load`` half must count one per step from where
     it starts; where it starts (the steps restored from the checkpoint) is checkpoint_resume's to
     judge, against its ``save`` half. ``step_count_wrong``."""
-    counts = [[s.privacy_steps for s in o.steps] for o in outputs]
+    # Optional[int] each: a row with a None returns below before any arithmetic on it
+    counts: List[List[Any]] = [[s.privacy_steps for s in o.steps] for o in outputs]
     if all(c is None for row in counts for c in row):
         return None
     evidence = {"privacy_steps": counts}
