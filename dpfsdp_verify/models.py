@@ -298,7 +298,8 @@ class LayerZoo(nn.Module):
     Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
     bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
     as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
-    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in ``BASE_MODELS``: the norm property runs it once
+    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in
+    ``BASE_MODELS``: the norm property runs it once
     per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
     runs it everywhere."""
 

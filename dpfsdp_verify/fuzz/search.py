@@ -122,7 +122,8 @@ def _summary_verdict(prop: Property, opts: Options, world_size: int, modes, seed
     fuzz = {"examples": n, "seed": seed, "statuses": dict(seen)}
     config = {**prop.fuzz_config(opts, world_size, modes, models, dtypes), "fuzz": fuzz}
     if seen["pass"] == 0:
-        return Verdict(prop.id, "skip", config, message=f"all {n} fuzzed examples were skipped at world_size={world_size}",
+        return Verdict(prop.id, "skip", config, message=f"all {n} fuzzed examples were skipped at "
+                                                        f"world_size={world_size}",
                        evidence=fuzz, seconds=round(seconds, 3))
     return Verdict(prop.id, "pass", config,
                    message=(f"{seen['pass']} fuzzed configurations passed at world_size={world_size} "

@@ -86,7 +86,8 @@ def dumps_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, ou
 
 
 def write_json(path: str, verdicts: List[Verdict], target: Dict[str, Any], backend: str,
-               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None, seed: Optional[int] = None) -> None:
+               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None,
+               seed: Optional[int] = None) -> None:
     with open(path, "w") as f:
         f.write(dumps_json(verdicts, target, backend, outcome, exit_code, seed))
 
@@ -131,7 +132,8 @@ def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: O
         if x:
             entry = cast("Entry", cast("Outcome", outcome).entry_for(v))  # x: the outcome expects v
             ET.SubElement(case, "skipped", type="expected_failure",
-                          message=headline(f"expected {v.status} ({v.diagnosis}): {entry.describe_reason()}")).text = body
+                          message=headline(f"expected {v.status} ({v.diagnosis}): "
+                                           f"{entry.describe_reason()}")).text = body
         elif v.status == "fail":
             ET.SubElement(case, "failure", message=headline(head), type=v.diagnosis or "fail").text = body
         elif v.status in ("error", "hang"):

@@ -49,7 +49,8 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "") -> i
     target = target_info.describe_target(plan.options.target, plan.info)
     opts = plan.options
     if not plan.quiet:
-        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where,
+              file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
     return report.finish(plan, run_plan(plan, progress=progress, pool=pool), target)

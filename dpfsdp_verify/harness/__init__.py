@@ -3,9 +3,11 @@ crashes into verdicts with a diagnosis, and a warm pool.
 
 Parent side: ``group.py`` (watchdog, teardown), ``launch.py`` and ``zygote.py`` (ranks forked
 from warm zygotes, or spawned), ``proof.py`` (deadlocks proven from the
-ranks' probes before the deadline), ``pool.py`` (warm groups; ``pools.py``: ``JobPool``, what every pool offers), ``diagnose.py`` (stacks +
+ranks' probes before the deadline), ``pool.py`` (warm groups; ``pools.py``: ``JobPool``, what every pool offers),
+``diagnose.py`` (stacks +
 flight-recorder comparison), ``wording.py`` (what a verdict says), ``rank_groups.py`` (ranks
-told by state, as ranges). Rank side: ``rank.py``. The messages between them: ``protocol.py``. Both sides: ``backends.py`` (the backend table).
+told by state, as ranges). Rank side: ``rank.py``. The messages between them: ``protocol.py``. Both sides:
+``backends.py`` (the backend table).
 
     from dpfsdp_verify.harness import run
     result = run(my_job, world_size=2, timeout=30)   # my_job runs on every rank

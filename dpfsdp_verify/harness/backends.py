@@ -200,5 +200,6 @@ def preferred_backend() -> str:
     return "gloo"
 
 
-__all__ = ["SIMULATED_ACCELERATOR_ENV", "SIMULATED_GPUS_ENV", "visible_gpus", "pin_accelerator", "simulate_accelerator_from_env", "Backend", "BACKENDS",
+__all__ = ["SIMULATED_ACCELERATOR_ENV", "SIMULATED_GPUS_ENV", "visible_gpus", "pin_accelerator",
+           "simulate_accelerator_from_env", "Backend", "BACKENDS",
            "NAMES", "get_backend", "rank_device", "preferred_backend"]

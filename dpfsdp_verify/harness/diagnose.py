@@ -52,7 +52,7 @@ def entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
     out: Dict[str, Dict[int, dict]] = {}
     for e in (fr or {}).get("entries", []):
         seq = e.get("collective_seq_id")
-        if seq is None or seq < 0 or not e.get("is_p2p", False) is False:
+        if seq is None or seq < 0 or e.get("is_p2p", False) is not False:
             continue
         pg = e.get("process_group")
         key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)

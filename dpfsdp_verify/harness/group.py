@@ -92,7 +92,8 @@ class GroupResult:
     """The outcome of one job on one group.
 
     ``status``: ``ok`` | ``error`` | ``hang``; ``diagnosis``: ``None`` | ``rank_crash`` |
-    ``deadlock`` (proven, ``proof.py``) | ``timeout`` (the deadline passed unproven); ``message``: one paragraph naming the rank(s) and what happened; ``details``:
+    ``deadlock`` (proven, ``proof.py``) | ``timeout`` (the deadline passed unproven); ``message``: one paragraph naming
+    the rank(s) and what happened; ``details``:
     the multi-line report (stacks, collective trace comparison) for a full log.
     """
 

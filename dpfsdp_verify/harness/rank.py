@@ -317,7 +317,6 @@ def main(argv=None) -> None:
 
 def _join_group(cfg: RankConfig):
     """Create the process group, warm up and preload; returns ``(store, environment snapshot)``."""
-    import torch
     import torch.distributed as dist
 
     get_backend(cfg.backend).setup_rank(cfg.rank)

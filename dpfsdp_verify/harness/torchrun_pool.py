@@ -456,7 +456,8 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
                             for r in sorted(results) if not results[r].ok)
     wait_text = (f"{ranks_phrase(waited)} {were(waited)} left waiting in a collective until the {deadline:g} s "
                  "process-group timeout" if waited else "")
-    silent_text = (f"{ranks_phrase(silent)} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process died -- "
+    silent_text = (f"{ranks_phrase(silent)} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process "
+                   "died -- "
                    "e.g. gloo aborted it -- or is stuck where the deadline cannot reach, e.g. a long sleep)"
                    if silent else "")
     if raised:  # a rank raised on its own: the others waited for it
@@ -472,7 +473,8 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     if proof is not None:
         stuck = sorted(r for r, o in outcomes.items() if o is not None and not o["result"].ok)
         out.diagnosis = "deadlock"
-        out.message = f"deadlock proven at the {deadline:g} s deadline: {ranks_phrase(stuck)} can never finish ({proof})"
+        out.message = (f"deadlock proven at the {deadline:g} s deadline: {ranks_phrase(stuck)} can never finish "
+                       f"({proof})")
         sites = grouped({r: f"at {cast(dict, outcomes[r])['site']}" for r in stuck if cast(dict, outcomes[r])["site"]})
         if sites:
             out.message += f" ({sites})"
@@ -482,7 +484,8 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     out.diagnosis = "timeout"
     out.busy_ranks = busy + silent
     busy_at = grouped({r: f"at {cast(dict, outcomes[r])['site']}" for r in busy},
-                      between=lambda ranks: f" {were(ranks)} busy outside any collective at the {deadline:g} s deadline, ")
+                      between=lambda ranks: f" {were(ranks)} busy outside any collective at the {deadline:g} s "
+                                            "deadline, ")
     parts = [busy_at] if busy else []
     if silent:
         parts.append(silent_text)

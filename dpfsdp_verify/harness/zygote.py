@@ -20,7 +20,8 @@ dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
   cannot be changed after the fork, so a zygote forks only ranks whose environment equals its own
   but for the per-rank node variables, ``PYTHONPATH`` (read into ``sys.path`` above) and a few
   read only when used (``UNCHECKED_VARS``); a rank with another environment (a variable set since,
-  by a test say) is forked by zygotes started for it (``Zygotes``: up to 3 environments). Groups with variables of their own
+  by a test say) is forked by zygotes started for it (``Zygotes``: up to 3 environments). Groups with variables of their
+  own
   (``WorkerGroup(env=...)``: mode environments) are always spawned;
 * the parent-death signal follows the zygote (the rank's parent): the harness dies -> the zygote
   reads EOF on its socket and exits -> its ranks get SIGKILL. A rank also exits on EOF of its

@@ -274,7 +274,8 @@ def pytest_pyfunc_call(pyfuncitem):
             if text:
                 pyfuncitem.add_report_section("call", f"rank {r} {stream}", text)
     if result.status == "hang":
-        pytest.fail(f"HANG ({result.diagnosis}) at world_size={world}: {result.message}\n\n{result.details}", pytrace=False)
+        pytest.fail(f"HANG ({result.diagnosis}) at world_size={world}: {result.message}\n\n{result.details}",
+                    pytrace=False)
     if not result.ok:
         pytest.fail(f"{result.message}\n\n{result.details}", pytrace=False)
     return True

@@ -187,7 +187,8 @@ class _ExactBatches(torch.utils.data.Sampler):
 
 
 #: the messages of upstream's deliberate refusals of tied parameters (module docstring)
-TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP group")
+TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP "
+                                                      "group")
 
 
 class OpacusTarget(Target):
@@ -235,7 +236,6 @@ class OpacusTarget(Target):
         builds it from the user's loader; the dataset is the index column alone (the sampler
         reads only its length; the indices it yields are what is reported)."""
         from opacus.data_loader import DPDataLoader
-        from torch.utils.data import TensorDataset
 
         virtual = rank is not None or world_size is not None
         rank, world_size = rank_and_world(rank, world_size)

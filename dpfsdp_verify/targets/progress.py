@@ -7,7 +7,8 @@ logical step k, under gradient accumulation) and ``step_finished(k)`` append one
 (flushed, so the parent sees it even when the rank is later killed); ``run_ended()`` marks the
 end of a run. A target that learns a step's local batch size only from its passes (opacus'
 ``BatchMemoryManager`` yields physical batches) gives ``local_batch_size=None``: the trail then
-counts the step's size as the sum of its passes. Outside such a job the calls do nothing, so a target can always call them.
+counts the step's size as the sum of its passes. Outside such a job the calls do nothing, so a target can always call
+them.
 
 The parent (``properties.engine.runner``) reads every rank's file after a hang with ``read`` and tells
 the hang in DP terms: "rank 0 ended its run after 3 steps; rank 1 began step 4 (local batch 1)

@@ -160,7 +160,8 @@ def independence(noise, names, ws):
     out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
                            [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
     out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
-                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
+                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i]))
+                           for n in names])
     return out
 
 
@@ -243,7 +244,7 @@ def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, p
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
                       "p_shard_sum_min": min(sum_ps, default=None),
                       "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
-        for r, ratio, p, k in shard_stats:
+        for r, ratio, p, _k in shard_stats:
             if not p >= alpha:
                 failures.append(("scale", n, r, ratio, p))
         p_mean = normal_two_sided_p(z_mean)

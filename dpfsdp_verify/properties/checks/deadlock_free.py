@@ -29,7 +29,8 @@ Deadlines: a deadlock is *proven* within ~1-2 s whatever the deadline (the harne
 ``proof.py``); the deadline only ends a run nothing proved stuck, and that is ``hang`` /
 ``timeout`` naming the busy rank, never ``deadlock``. The Poisson and accumulation scenarios state
 built-in deadlines, ``POISSON_DEADLINE_S`` / ``ACCUM_DEADLINE_S`` (a correct run takes about a
-second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under the user's
+second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under
+the user's
 timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-in ``D``
 -- at the default timeout the built-in one, raised in proportion by a longer ``--timeout``, never
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.

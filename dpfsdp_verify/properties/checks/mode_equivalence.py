@@ -45,7 +45,8 @@ from ...modes import Mode
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
-from ..analysis.compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
+from ..analysis.compare import (fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close,
+                                tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 
 STEPS = 2
@@ -187,7 +188,8 @@ def _noise_problem(noised_a, clean_a, noised_b, clean_b, evidence) -> Tuple[Opti
     z = math.log(vb / va) / math.sqrt(4.0 / n) if va > 0 and vb > 0 else float("inf")
     evidence.update({"noise_std_ratio": math.sqrt(vb / va) if va > 0 else float("inf"), "noise_z": z})
     if not abs(z) <= NOISE_Z:  # NaN fails
-        return (f"with noise on, the noise released in one logical step has std ratio {fmt(math.sqrt(vb / va)) if va > 0 else 'inf'} "
+        return ("with noise on, the noise released in one logical step has std ratio "
+                f"{fmt(math.sqrt(vb / va)) if va > 0 else 'inf'} "
                 f"(second mode / first, over {n} coordinates, z = {fmt(z)}): accumulation must add the noise once per "
                 "logical step with the same std (noise at every physical pass multiplies its variance by the number "
                 "of passes: more noise than the accountant assumes -- a utility loss; less is a privacy loss)"), ""

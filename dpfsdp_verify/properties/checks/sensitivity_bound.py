@@ -199,7 +199,8 @@ def judge_extreme(case: Case, ranks) -> Verdict:
             x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
             where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
                 "its rank's local batch of exactly 1" if local[r] == 1 else
-                f"the last of an odd local batch of {local[r]}" if local[r] % 2 and i == ranks[r].steps[k].indices[-1] else
+                f"the last of an odd local batch of {local[r]}" if local[r] % 2
+                and i == ranks[r].steps[k].indices[-1] else
                 f"in a local batch of {local[r]}"))
             if n > 1.8e19:  # its square exceeds float32's largest value
                 where += " (its squared norm overflows float32)"

@@ -537,7 +537,8 @@ def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size:
         if not isinstance(dataset_size, int) or dataset_size < 1:
             return f"dataset size {dataset_size!r}: must be an integer >= 1"
         if dataset_size < world_size:
-            return f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own no sample"
+            return (f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own "
+                    "no sample")
         q = sample_rate or POISSON_DEFAULTS[0]
         if int(q * dataset_size) < 1:
             return (f"expected batch int(q * dataset size) = int({q} * {dataset_size}) is 0 (opacus would divide by "

@@ -181,7 +181,8 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     evidence = {"step_counts": counts, "local_batch_sizes": brief}
     if len(set(counts)) > 1:
         return ("step_divergence", (
-            f"the ranks took different numbers of steps: {grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
+            "the ranks took different numbers of steps: "
+            f"{grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
             f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
             "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
             "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
@@ -227,7 +228,8 @@ def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[T
                 return ("mismatch", f"rank {o.rank}, step {k}: no physical passes reported for physical_batch_size={p} "
                         "(StepOutput.physical_batches): does the target implement gradient accumulation?", evidence)
             if max(sizes) > p or sum(sizes) != len(s.indices):
-                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local batch "
+                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local "
+                                    "batch "
                         f"of {len(s.indices)} with physical_batch_size={p}: each pass must hold at most p samples and "
                         "the passes together exactly the step's samples", evidence)
     steps = min((len(c) for c in counts), default=0)

@@ -491,5 +491,6 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
 
 
-__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
+__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case",
+           "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_verdict"]
