@@ -300,7 +300,8 @@ class LayerZoo(nn.Module):
     Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
     bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
     as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
-    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in ``BASE_MODELS``: the norm property runs it once
+    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in
+    ``BASE_MODELS``: the norm property runs it once
     per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
     runs it everywhere."""
 
@@ -324,8 +325,9 @@ class LayerZoo(nn.Module):
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
             for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
                 norm.weight.uniform_(0.5, 1.5)
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias.uniform_(-0.5, 0.5)
+                bias = getattr(norm, "bias", None)
+                if bias is not None:
+                    bias.uniform_(-0.5, 0.5)
 
     def forward(self, idx):
         # a tanh after every layer: a norm right after a layer would cancel that layer's per-channel

@@ -16,6 +16,7 @@ the gate process raised (a bug in a check). The CLI exits 3 when any verdict car
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
@@ -67,7 +68,7 @@ class Verdict:
         d.pop("details")
         return d
 
-    @property
+    @builtins.property  # the field ``property`` shadows the builtin in this class body
     def label(self) -> str:
         """``property [config label]``: the name of this verdict in messages, reports and
         expectations (``config_label``)."""

@@ -22,7 +22,7 @@ them in ``RunSpec.model_kwargs`` as sorted ``(key, value)`` pairs.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union, cast
 
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -176,7 +176,8 @@ def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, objec
     ``world_size``. Raises ``InvalidArgument`` for an unknown model."""
     if model not in MODEL_DIM_STRATEGIES:
         raise InvalidArgument(f"unknown model {model!r}; choose from {MODEL_NAMES}")
-    return MODEL_DIM_STRATEGIES[model](world_size)
+    # each draws a Dict[str, int] or Dict[str, object]: read-only here, so a Dict[str, object]
+    return cast(st.SearchStrategy[Dict[str, object]], MODEL_DIM_STRATEGIES[model](world_size))
 
 
 def global_batch_sizes(world_size: int, *, min_per_rank: int = 1, min_value: int = 1,
@@ -328,7 +329,7 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_M
     splits = tuple(draw(batch_splits(split_of, ws, min_per_rank=min_per_rank)) for _ in range(steps))
     rank_batches = splits if (layout == "split" and path == "explicit") else None
     model_seed, batch_seed = (draw(st.integers(0, 3)), draw(st.integers(1, 4))) if seeds else (0, 1)
-    poisson: Dict[str, object] = {}
+    poisson: Dict[str, Any] = {}  # RunSpec's Poisson fields
     if tuple(sampling_values) != ("fixed",):
         sampling = draw(st.sampled_from(tuple(sampling_values)))
         params = draw(poisson_params(ws))  # drawn on both branches: equal-length choice sequences

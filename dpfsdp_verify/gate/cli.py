@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the run's statistical seed (default: a fresh one, printed; --seed S replays a run)")
     loops.add_argument("--physical-batch-size", type=int, default=None, metavar="P",
                        help="gradient accumulation in physical batches of at most P samples, for the properties "
-                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; docs/loops.md)")
+                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; "
+                            "docs/loops.md)")
     loops.add_argument("--resume-at", type=int, default=None, metavar="K",
                        help="checkpoint after K steps and resume in fresh ranks, for the properties with the option "
                             "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
@@ -234,7 +235,8 @@ def _scale_parser(sub) -> None:
     sc.add_argument("--physical-batch-size", type=int, default=None,
                     help="BatchMemoryManager's max_physical_batch_size (gradient accumulation); default: none")
     sc.add_argument("--seeding", default="per_rank", help="same, per_rank or unseeded (default per_rank)")
-    sc.add_argument("--steps", type=int, default=1000, help="nominal steps per rank, rounded up to epochs (default 1000)")
+    sc.add_argument("--steps", type=int, default=1000, help="nominal steps per rank, rounded up to epochs (default "
+                                                            "1000)")
     sc.add_argument("--world-sizes", default="8,64,512,1024", help="comma list (default 8,64,512,1024)")
     sc.add_argument("--seed", type=int, default=0, help="sampling seed of the first epoch (default 0)")
     sc.add_argument("--json", default=None, metavar="PATH|-", help="write the figures as JSON (docs/scale.md)")

@@ -229,7 +229,8 @@ def parse_meshes(text: Optional[str], backend: str, job_world_size: Optional[int
             raise UsageError(f"--meshes {mesh.label}: {mesh.world_size} gloo ranks is more than this gate runs on one "
                              f"host (max {MAX_GLOO_WORLD_SIZE})", hint)
         if job_world_size is None and backend != "gloo" and backend_shortfall(backend, mesh.world_size):
-            raise UsageError(f"--meshes {mesh.label}: backend {backend!r} {backend_shortfall(backend, mesh.world_size)}",
+            raise UsageError(f"--meshes {mesh.label}: backend {backend!r} "
+                             f"{backend_shortfall(backend, mesh.world_size)}",
                              "name a mesh of as many ranks as GPUs, or use --backend gloo")
         meshes.append(mesh.label)
     return list(dict.fromkeys(meshes))

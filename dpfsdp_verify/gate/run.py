@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from ..harness import Pool
+from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
 from ..properties.engine.runner import Fuzzer, run_property
 from ..verdict import Verdict, config_label
@@ -47,7 +47,7 @@ class Progress:
               f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
 
 
-def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal=None) -> int:
+def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", journal=None) -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
     exit code. ``where`` ends the banner (e.g. the torchrun job it runs in); ``journal``: a
     ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0)."""
@@ -57,7 +57,8 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal
         journal.target = target
     opts = plan.options
     if not plan.quiet:
-        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where,
+              file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
     verdicts = run_plan(plan, progress=progress, pool=pool)
@@ -67,7 +68,7 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
-             pool: Optional[Pool] = None) -> List[Verdict]:
+             pool: Optional[JobPool] = None) -> List[Verdict]:
     """Every selected property's verdicts (then its fuzz runs', with ``--fuzz``), in plan order.
     Never raises for a target's failure: a property that cannot run becomes an ``error`` verdict
     saying why."""

@@ -186,7 +186,8 @@ def test_rank_zero_log_collective_every_16_steps_deadlocks_at_step_16(pool):
 
 
 def test_rank_zero_dropping_small_batches_from_the_third_epoch_diverges(pool):
-    one_failure(judged(pool, "deadlock_free", H + "RankZeroDropsSmallBatchesFromThirdEpoch", long_only, horizon=20), "hang",
+    one_failure(judged(pool, "deadlock_free", H + "RankZeroDropsSmallBatchesFromThirdEpoch", long_only, horizon=20),
+                "hang",
                 "step_divergence", "the ranks took different numbers of steps")
 
 

@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify import models, reference
@@ -82,7 +81,8 @@ def _run(pool, target, ws=2):
 @pytest.mark.parametrize("name, words", [
     ("NormRegistryMissesGroupNorm", "leave out every GroupNorm layer (GroupNorm layer 'gn'): a norm registry without "
                                     "GroupNorm; its parameters (gn.weight, gn.bias)"),
-    ("ConvBiasLeftOutOfNorm", "leave out the bias of every convolution layer (convolution layers 'conv1d', 'conv2d', 'conv3d')"),
+    ("ConvBiasLeftOutOfNorm", "leave out the bias of every convolution layer (convolution layers 'conv1d', 'conv2d', "
+                              "'conv3d')"),
 ])
 def test_layer_missing_from_the_norm_registry_is_named(pool, name, words):
     [v] = _run(pool, L + name)

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from dpfsdp_verify.harness import wait_gone
-from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.verdict import DIAGNOSES, STATUSES
 import dpfsdp_verify.properties as props  # noqa: E402
 from tests.verdict_helpers import assert_all_pass, by, without_extra_noise_cases
@@ -56,7 +55,8 @@ def test_correct_specimen_step_sensitivity_noise_trajectory(pool):
 
 
 def test_correct_specimen_transformer_step_sum_reduction(pool):
-    assert_all_pass(run(pool, "clipped_step", "Correct", world_sizes=(2,), models=("transformer",), reductions=("sum",)))
+    assert_all_pass(run(pool, "clipped_step", "Correct", world_sizes=(2,), models=("transformer",),
+                        reductions=("sum",)))
 
 
 def test_correct_specimen_modes_equivalent_and_deadlock_free(pool):

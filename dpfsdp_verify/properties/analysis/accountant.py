@@ -32,7 +32,7 @@ that skips empty rounds takes fewer steps than nominal, which ``sampling_account
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from ...targets import RunSpec, accounting
 from .stats import chi2_quantile, chi2_two_sided_p
@@ -76,7 +76,7 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     for i, run in enumerate(noisy):
         histories = [o.accountant_history for o in run]
         if any(h != histories[0] for h in histories):
-            return (f"the ranks' accountants were told different things in one run: "
+            return ("the ranks' accountants were told different things in one run: "
                     + "; ".join(f"rank {o.rank}: {_fmt_history(o.accountant_history or [])}" for o in run)
                     + ". The accountant is one for the run: ranks that disagree report different epsilons for "
                     "the same release", evidence)
@@ -105,13 +105,14 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     q_hat = _observed_rate(spec, noisy[0]) if spec.poisson else None
     if q_hat is not None:
         evidence["measured_rate"] = q_hat
-    told = f"sigma {', '.join(f'{s:.6g}' for s in sorted(by_sigma))} and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}"
+    told = (f"sigma {', '.join(f'{s:.6g}' for s in sorted(by_sigma))} "
+            f"and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}")
     measured = f"sigma {sigma_hat:.4g}" + (f" and q {spec.sample_rate:.6g} (the run's draws: {q_hat:.4g})"
                                           if q_hat is not None else "")
     # sigma: each told value against the noise of the steps it was told for
     for sigma, (ss, count) in sorted(by_sigma.items()):
         own = math.sqrt(ss / count) / unit
-        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, count) if sigma > 0 else 0.0
+        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, cast(int, count)) if sigma > 0 else 0.0  # [ss, count]
         if not p >= alpha:
             return _mismatch(spec, evidence, told, measured, (
                 f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "
@@ -217,7 +218,8 @@ def describe(evidence: Dict) -> str:
             f"and q {', '.join(f'{x:.6g}' for x in evidence['told_rates'])}")
     if evidence.get("reported_epsilon") is not None:
         lo, hi = evidence["independent_interval"]
-        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the suite's "
+        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the "
+                 "suite's "
                  f"RDP epsilon of the measured mechanism: {evidence['independent_epsilon']:.4g}, {lo:.4g}..{hi:.4g})")
     return text
 

@@ -13,7 +13,7 @@ privacy: repeated noise cancels in the difference of two releases.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -130,12 +130,13 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
             cause = ("the generator is re-seeded every step, so each release repeats the last one's noise"
                      if lag == 1 else f"a pool of {lag} noise vectors reused in turn: the releases at steps k "
                      f"and k+{lag} carry the same noise")
-            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
+            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run "
+                       f"{ri})",
                        cause)
         if ri != rj and si != sj and ti == tj and seeds is not None:
             d_seed, d_step = seeds[rj] - seeds[ri], si - sj
-            shifted = (f"the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
-                       f"the same noise d steps apart" if d_seed == d_step else
+            shifted = ("the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
+                       "the same noise d steps apart" if d_seed == d_step else
                        "noise reused across training jobs with different noise seeds, shifted in steps")
             return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
                        f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
@@ -156,7 +157,8 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
     if flipped:
         what = (what.replace("the same noise values", "the same noise values, one negated,")
                 .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
-        cause += " (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their difference)"
+        cause += (" (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their "
+                  "difference)")
     return what, cause
 
 
@@ -180,7 +182,8 @@ def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int
                     draws += 1
                     first = first or (i, k)
         if hit is not None:
-            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
+            first_run, first_step = cast(Tuple[int, int], first)  # set with the first hit
+            return n, int(hit.sum()), hit.numel(), draws, first_run, first_step
     return None
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -78,7 +78,7 @@ def tensor_pair_dependence(stacked: Dict[str, torch.Tensor], names: Sequence[str
         p = min(1.0, 2 * min(chi2_sf(t, k), k * chi2_sf(top, 1))) if math.isfinite(t) else 0.0
         if best is None or p < best[0]:
             best = (p, a, b, float(r.mean()), worst, float(r[worst]), k)
-    p, a, b, mean_r, worst, worst_r, k = best
+    p, a, b, mean_r, worst, worst_r, k = cast(Tuple[float, str, str, float, int, float, int], best)  # pairs: not empty
     return PairDependence(a, b, min(1.0, p * len(pairs)), mean_r, worst, worst_r, len(pairs), k)
 
 
@@ -160,7 +160,8 @@ def independence(noise, names, ws):
     out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
                            [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
     out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
-                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
+                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i]))
+                           for n in names])
     return out
 
 
@@ -215,6 +216,7 @@ def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, p
     evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
     shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
     test pooled over the 1-D tensors (``None`` without any)."""
+    failures: List[Tuple[str, str, Optional[int], float, float]]  # (test, tensor(s), shard rank or None, stat, p)
     tensors, failures, shard_power, sum_failures = {}, [], [], []
     for n in names:
         x = stacked[n]
@@ -242,7 +244,7 @@ def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, p
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
                       "p_shard_sum_min": min(sum_ps, default=None),
                       "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
-        for r, ratio, p, k in shard_stats:
+        for r, ratio, p, _k in shard_stats:
             if not p >= alpha:
                 failures.append(("scale", n, r, ratio, p))
         p_mean = normal_two_sided_p(z_mean)

@@ -153,7 +153,8 @@ def kurtosis_z(x: torch.Tensor) -> Tuple[float, float]:
     mean = 3.0 * (n - 1) / (n + 1)
     var = 24.0 * n * (n - 2) * (n - 3) / ((n + 1) ** 2 * (n + 3) * (n + 5))
     x_std = (b2 - mean) / math.sqrt(var)
-    beta1 = 6.0 * (n * n - 5 * n + 2) / ((n + 7) * (n + 9)) * math.sqrt(6.0 * (n + 3) * (n + 5) / (n * (n - 2) * (n - 3)))
+    beta1 = (6.0 * (n * n - 5 * n + 2) / ((n + 7) * (n + 9))
+             * math.sqrt(6.0 * (n + 3) * (n + 5) / (n * (n - 2) * (n - 3))))
     a = 6.0 + 8.0 / beta1 * (2.0 / beta1 + math.sqrt(1 + 4.0 / beta1 ** 2))
     denom = 1 + x_std * math.sqrt(2 / (a - 4))
     if denom == 0:

@@ -2,7 +2,8 @@
 
 DP meaning: the released gradient must be exactly ``(sum_i min(1, C/||g_i||) g_i) / D`` before
 noise (an epsilon ``e`` in the coefficient's denominator, ``C/(||g_i|| + e)``, is accepted for any
-``0 <= e <= reference.MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the signal-to-noise ratio the privacy accounting assumed (a smaller
+``0 <= e <= reference.MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the
+signal-to-noise ratio the privacy accounting assumed (a smaller
 signal is relatively more noise: utility lost; a sample scaled up beyond its clip is a bigger
 influence than analysed).
 
@@ -15,13 +16,15 @@ floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Sp
 sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
 the reference recomputes it on the realised batch (the union of what the ranks drew) with the
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
-realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
+realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option
+``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
 of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
 at p = 3 is [2, 2] -- whether the target splits evenly or in chunks of p) and must still equal the
 unsplit reference step (noise 0). An empty logical batch is ``trajectory``'s to check (one step
 cannot be made to draw one). A failure tests simple explanations against the numbers and says which one fits: a
-constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
+constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a
+clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
 ``clipfit.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
@@ -38,7 +41,7 @@ names the first wrong step ("from step k (epoch e) on"), how many followed, and 
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -53,7 +56,8 @@ from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.norm_hypotheses import sequence_weights
-from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
+from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_gradient_bound,
+                                         precision_spec)
 
 FIT_RTOL = 1e-6
 
@@ -156,7 +160,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if "horizon" in case.labels:
         return judge_horizon(case, runs[0][0])
     ws = case.world_size
-    evidence: Dict[str, object] = {}
+    evidence: Dict[str, Any] = {}
     passed = []
     for j, (spec, outputs) in enumerate(zip(case.specs, runs[0])):
         tag = "" if j == 0 else "wide_"
@@ -211,7 +215,8 @@ def judge_horizon(case: Case, outputs) -> Verdict:
             f"from step {k} (counted from 0; epoch {k // per_epoch + 1}) on, the DP step differs from the reference "
             f"in a {where}: {len(wrong)} of the {steps - k} steps from step {k} differ"
             + (f", the {k} before it equal the reference" if k else "")
-            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after a "
+            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after "
+              "a "
             "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
     return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "
                         f"on its realised batch in a {where}", evidence)
@@ -346,7 +351,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     if abs(k - 1) > FIT_RTOL and float((got - k * want).abs().max()) <= FIT_RTOL * float(want.abs().max()):
         why = ""
         realised, expected = len(indices), spec.expected_batch_size
-        if spec.poisson and spec.reduction == "mean" and realised != expected and abs(k - expected / realised) < FIT_RTOL:
+        if (spec.poisson and spec.reduction == "mean" and realised != expected
+                and abs(k - expected / realised) < FIT_RTOL):
             why = (f" = int(q*N)/realised batch = {expected}/{realised}: the step is normalised by the batch it "
                    f"happened to draw ({realised} samples) instead of opacus' expected batch size int(q*N) = "
                    f"{expected}. The divisor then depends on which samples were drawn: the released mean is not "

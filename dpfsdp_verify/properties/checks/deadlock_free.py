@@ -29,7 +29,8 @@ Deadlines: a deadlock is *proven* within ~1-2 s whatever the deadline (the harne
 ``proof.py``); the deadline only ends a run nothing proved stuck, and that is ``hang`` /
 ``timeout`` naming the busy rank, never ``deadlock``. The Poisson and accumulation scenarios state
 built-in deadlines, ``POISSON_DEADLINE_S`` / ``ACCUM_DEADLINE_S`` (a correct run takes about a
-second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under the user's
+second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under
+the user's
 timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-in ``D``
 -- at the default timeout the built-in one, raised in proportion by a longer ``--timeout``, never
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.
@@ -55,7 +56,7 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 from ...verdict import Verdict
 from ..engine.contract import Case, Outputs, Point, Property
@@ -85,7 +86,7 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     b = 2 * ws
     out = {"even": tuple(tuple(range(r, b, ws)) for r in range(ws)), "single": tuple((r,) for r in range(ws))}
     if ws > 1:
-        uneven = [[] for _ in range(ws)]
+        uneven: List[List[int]] = [[] for _ in range(ws)]
         for i in range(b):  # rank 0 gets one extra, the last rank one fewer
             uneven[0 if i == b - 1 else i % ws].append(i)
         out["uneven"] = tuple(tuple(u) for u in uneven)

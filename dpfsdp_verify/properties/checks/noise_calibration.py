@@ -45,7 +45,8 @@ Deterministic checks first (no statistics needed):
   zero-noise and repeat checks only.
 
 Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the two exact-only cases
-(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from ``LOCAL_RANK``
+(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from
+``LOCAL_RANK``
 or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
 noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
 shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
@@ -102,7 +103,8 @@ from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.noise_exact import (bf16_fraction, noise_differences, repeat_quantum, repeated_noise, resampled_run,
                           silent_shard, unnoised_in_some_draw, unnoised_message)
-from ..wording.noise_messages import (independence_message, late_message, low_rank_message, pairs_message, scale_message,
+from ..wording.noise_messages import (independence_message, late_message, low_rank_message, pairs_message,
+                                      scale_message,
                              shape_message, tensor_pair_message)
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
@@ -395,8 +397,9 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
     if not p_pairs >= alpha:
-        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
-        return case.verdict("fail", "dependent_noise", pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
+        draw_at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
+        return case.verdict("fail", "dependent_noise", pairs_message(draw_at[i], draw_at[j], r_ij, t_pairs, n_pairs,
+                                                                     p_pairs,
                                                                       where, alpha), evidence)
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
     evidence["detects_std_error_big_shards"] = max(big)[0] if big else None

@@ -10,7 +10,8 @@ compared with ``reference.dp_sgd_trajectory``. K is 6 on the mlp and 3 on the tr
 ``steps``): a bug that switches on a few steps into training (a warm-up, a cache) is seen on the
 mlp if it starts by step index 5. Under Poisson sampling the K steps are the first K of Poisson
 sampling over as many epochs as they need (``Point.spec``), on ``POISSON_PER_RANK`` samples per rank
-(no rank draws an empty batch but with probability 1e-8, so the verdict does not hang on the seed), each step's reference batch the union
+(no rank draws an empty batch but with probability 1e-8, so the verdict does not hang on the seed), each step's
+reference batch the union
 of what the ranks drew, normalised by opacus' expected batch size int(q*N); a realised batch that
 differs from it shows a realised-batch normaliser (named in the message; the pass message says in
 how many steps the two differed). Diagnosis ``mismatch``; the message names the first step whose
@@ -63,7 +64,8 @@ import torch
 from ... import reference
 from ...verdict import Verdict
 from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
-from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
+from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,
+                                reference_model,
                       replica_problem, tensors_close, tolerance, trainable_names)
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis.stats import chi2_two_sided_p
@@ -183,7 +185,8 @@ def short_of_rounds(spec, outputs):
         return None
     msg = f"the ranks reported {counts} steps; {spec.nominal_steps} were asked for"
     if spec.poisson and not spec.steps and max(counts) < spec.nominal_steps:
-        msg += (f" ({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch} Poisson rounds, each a DP step even when "
+        msg += (f" ({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch} Poisson rounds, each a DP step even "
+                "when "
                 "its batch is empty). Rounds were skipped: a skipped round releases nothing, so whether a step "
                 "happened depends on who was sampled (an output the privacy accounting does not cover), and the "
                 "accountant, which counts steps taken, composes fewer rounds than the sampling ran. An empty "
@@ -291,10 +294,12 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
                 f"reference by up to {fmt(err)} relative (worst {name!r}) at world_size={ws}: the last update, "
                 f"{n_steps - 1}, is the first that differs." + _realised_normaliser(spec, batches, outputs, off, rtol,
                                                                                    atol)), evidence)
-    exercised = (f"; realised batch != int(q*N) = {spec.expected_batch_size} in {off} of {n_steps} steps (empty batches aside)"
+    exercised = (f"; realised batch != int(q*N) = {spec.expected_batch_size} in {off} of {n_steps} steps (empty "
+                 "batches aside)"
                  if spec.poisson and spec.reduction == "mean" else "")
     return case.verdict("pass", None, f"{n_steps} steps at world_size={ws} follow the single-process trajectory "
-                        f"(losses {', '.join(f'{x:.6g}' if x == x else 'none (empty batch)' for x in losses)}{exercised})", evidence)
+                        f"(losses {', '.join(f'{x:.6g}' if x == x else 'none (empty batch)' for x in losses)}"
+                        f"{exercised})", evidence)
 
 
 def _moved(prev, buf, lr, names):

@@ -36,10 +36,11 @@ fresh seed and prints it) tests fresh randomness and ``--seed`` replays a run ex
 
 from __future__ import annotations
 
+import builtins
 import shlex
 import traceback
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 from ... import modes as modes_mod
 from ...harness import DEFAULT_TIMEOUT_S
@@ -178,7 +179,7 @@ class Case:
             raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh_groups} fresh groups its "
                              f"number of specs, {len(self.specs)} in all")
 
-    @property
+    @builtins.property  # the field ``property`` shadows the builtin in this class body
     def mode(self) -> Mode:
         return self.modes[0]
 
@@ -205,7 +206,7 @@ class Case:
         (the CLI has no layout filter: both layouts the property checks are re-run); for a fuzzed
         case the ``replay`` line of its drawn spec."""
         if self.drawn is not None:
-            return self._replay_line()
+            return self._replay_line(self.drawn)
         where = ["--meshes", self.spec.mesh] if self.spec.mesh else ["--world-sizes", str(self.world_size)]
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
                  *where, "--grad-sample-mode", self.spec.grad_sample_mode,
@@ -233,9 +234,9 @@ class Case:
                       str(self.labels["audit_steps"])]
         return " ".join(shlex.quote(p) for p in parts)
 
-    def _replay_line(self) -> str:
+    def _replay_line(self, drawn: RunSpec) -> str:
         parts = ["dpfsdp-verify", "replay", "--target", self.target_ref, "--property", self.property,
-                 "--world-size", str(self.world_size), "--spec", self.drawn.to_json()]
+                 "--world-size", str(self.world_size), "--spec", drawn.to_json()]
         if self.backend != "gloo":
             parts += ["--backend", self.backend]
         parts += modes_mod.cli_args(self.modes, always=len(self.modes) > 1)
@@ -469,7 +470,8 @@ class Property:
                                     f"tolerances are derived for those); the selected precision is "
                                     f"{','.join(opts.precisions or ())}", precision=",".join(opts.precisions or ()))]
         if not self.sampling_points(opts):
-            return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
+            on_axis = cast(Tuple[str, ...], self.samplings)  # None: sampling_points is never empty
+            return [self.skip(opts, f"{self.id} runs under {' and '.join(on_axis)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
         unmeshed = [] if self.meshes else [
@@ -497,7 +499,7 @@ class Property:
     def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's
         ``prepare``; the ``skip`` verdict when ``prepare`` cannot use it."""
-        ready = self.fuzz.prepare(spec)
+        ready = cast(FuzzRecipe, self.fuzz).prepare(spec)  # only a fuzzable property's cases are fuzzed
         case = Case(self.id, opts.target, ready if isinstance(ready, RunSpec) else spec, world_size, tuple(modes),
                     backend=opts.backend, doing="fuzzed configuration", drawn=spec)
         return case.verdict("skip", None, ready) if isinstance(ready, str) else case
@@ -540,7 +542,8 @@ def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size:
         if not isinstance(dataset_size, int) or dataset_size < 1:
             return f"dataset size {dataset_size!r}: must be an integer >= 1"
         if dataset_size < world_size:
-            return f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own no sample"
+            return (f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own "
+                    "no sample")
         q = sample_rate or POISSON_DEFAULTS[0]
         if int(q * dataset_size) < 1:
             return (f"expected batch int(q * dataset size) = int({q} * {dataset_size}) is 0 (opacus would divide by "

@@ -14,7 +14,7 @@ applies. Plain functions of specs and rank outputs: the runner words them into v
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -181,7 +181,8 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     evidence = {"step_counts": counts, "local_batch_sizes": brief}
     if len(set(counts)) > 1:
         return ("step_divergence", (
-            f"the ranks took different numbers of steps: {grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
+            "the ranks took different numbers of steps: "
+            f"{grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
             f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
             "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
             "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
@@ -227,7 +228,8 @@ def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[T
                 return ("mismatch", f"rank {o.rank}, step {k}: no physical passes reported for physical_batch_size={p} "
                         "(StepOutput.physical_batches): does the target implement gradient accumulation?", evidence)
             if max(sizes) > p or sum(sizes) != len(s.indices):
-                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local batch "
+                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local "
+                                    "batch "
                         f"of {len(s.indices)} with physical_batch_size={p}: each pass must hold at most p samples and "
                         "the passes together exactly the step's samples", evidence)
     steps = min((len(c) for c in counts), default=0)
@@ -251,7 +253,8 @@ def privacy_steps_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optio
     local batch held a sample. A resumed run's ``load`` half must count one per step from where
     it starts; where it starts (the steps restored from the checkpoint) is checkpoint_resume's to
     judge, against its ``save`` half. ``step_count_wrong``."""
-    counts = [[s.privacy_steps for s in o.steps] for o in outputs]
+    # Optional[int] each: a row with a None returns below before any arithmetic on it
+    counts: List[List[Any]] = [[s.privacy_steps for s in o.steps] for o in outputs]
     if all(c is None for row in counts for c in row):
         return None
     evidence = {"privacy_steps": counts}
