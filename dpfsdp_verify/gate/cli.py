@@ -155,8 +155,8 @@ def cmd_list() -> int:
 
     print("properties (* can be fuzzed: --fuzz N, replay) and what each runs by default:")
     for pid, prop in PROPERTIES.items():
-        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {'(opt-in: runs only when --properties names it) ' if prop.opt_in else ''}"
-              f"{prop.meaning}")
+        opt_in = "(opt-in: runs only when --properties names it) " if prop.opt_in else ""
+        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {opt_in}{prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
               f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
               + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else "")

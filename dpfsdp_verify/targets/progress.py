@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, cast
 
 from ..harness.rank_groups import by_state, grouped, span
 
@@ -211,24 +211,26 @@ def divergence(trails: List[Optional[Trail]]) -> Optional[str]:
     the harness' watchdog may decide a job on while it runs (``watch``). Only trails of the same
     run on every rank are compared (a job runs several runs in order; a rank's trail is its
     latest run's)."""
-    if any(t is None for t in trails) or len(trails) < 2 or len({t.runs for t in trails}) != 1 \
-            or not diverged(trails):
+    if any(t is None for t in trails):
+        return None
+    known = cast(List[Trail], trails)  # none is None (checked above)
+    if len(known) < 2 or len({t.runs for t in known}) != 1 or not diverged(trails):
         return None
     if passes_diverged(trails):
-        for k in range(max(t.begun for t in trails)):
-            done = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished > k}
-            running = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished <= k < t.begun}
+        for k in range(max(t.begun for t in known)):
+            done = {r: t.pass_counts[k] for r, t in enumerate(known) if t.finished > k}
+            running = {r: t.pass_counts[k] for r, t in enumerate(known) if t.finished <= k < t.begun}
             most = max(done.values(), default=0)
             ahead = {r: n for r, n in running.items() if n > most}
             if len(set(done.values())) > 1 or (done and ahead):
                 said = {r: f"finished it after {n} physical pass(es)" for r, n in done.items()}
                 said.update({r: f"had begun {n} physical passes in it" for r, n in ahead.items()})
                 return f"in logical step {k + 1}, {grouped(said)}"
-    ended = [r for r, t in enumerate(trails) if t.ended]
+    ended = [r for r, t in enumerate(known) if t.ended]
     for r in ended:
-        more = {q: f"began step {u.begun}" for q, u in enumerate(trails) if u.begun > trails[r].begun}
+        more = {q: f"began step {u.begun}" for q, u in enumerate(known) if u.begun > known[r].begun}
         if more:
-            return f"rank {r} ended its run after {trails[r].finished} step(s), while {grouped(more)}"
+            return f"rank {r} ended its run after {known[r].finished} step(s), while {grouped(more)}"
     return None  # unreachable while ``diverged`` holds
 
 

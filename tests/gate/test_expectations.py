@@ -85,7 +85,8 @@ def test_missing_file_names_the_bundled_ones(capsys):
 def test_shipped_file_parses_and_lists_the_upstream_findings():
     exp = expectations.load("opacus-1.6.0")
     assert exp.file == SHIPPED
-    got = {(e.property, tuple(e.status) if isinstance(e.status, list) else e.status, tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
+    got = {(e.property, tuple(e.status) if isinstance(e.status, list) else e.status,
+            tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
             tuple(sorted((k, tuple(v) if isinstance(v, list) else tuple(v.items()) if isinstance(v, dict) else v)
                          for k, v in e.config.items())))
            for e in exp.entries}

@@ -101,7 +101,7 @@ def test_audit_shares_the_confidence_among_every_score_and_choice():
     res = ab.audit({"good": good, "noise": noise}, secrets, choices, 1e-5, 0.95)
     assert res.choices == 6 and res.score == "good" and len(res.table) == 6
     level = 1 - 0.05 / 6
-    for name, kp, km, r, v, eps in res.table:
+    for _name, _kp, _km, r, v, eps in res.table:
         assert eps == ab.epsilon_lower_bound(r, v, 1000, 1e-5, level)
     assert res.eps_lb == max(row[5] for row in res.table)
     alone = ab.audit({"good": good}, secrets, choices, 1e-5, 0.95)

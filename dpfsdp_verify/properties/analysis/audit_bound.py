@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple, cast
 
 #: the theorem's usual confidence (the paper's); a property may ask for a stricter one
 CONFIDENCE = 0.95
@@ -168,7 +168,7 @@ def audit(scores: Mapping[str, Sequence[float]], secrets: Sequence[int], choices
             table.append((name, k_plus, k_minus, r, v, eps))
             if best is None or eps > best[5]:
                 best = table[-1]
-    name, k_plus, k_minus, r, v, eps = best
+    name, k_plus, k_minus, r, v, eps = cast(Tuple[str, int, int, int, int, float], best)  # choices: not empty
     return AuditResult(eps, name, k_plus, k_minus, r, v, m, delta, confidence, pairs, tuple(table))
 
 

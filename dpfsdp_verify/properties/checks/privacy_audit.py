@@ -46,7 +46,7 @@ judges that). False alarms: a correct target fails a verdict with probability at
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Dict, Iterator, List, Union
 
 import torch
 
@@ -195,7 +195,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"(eps_lb, at confidence {conf:g}), above the epsilon {source} ({claimed:.4g} at delta {DELTA:g}; "
             f"{rdp_note}): the training leaks more about its canaries than "
             f"its privacy claim allows ({setup}). Members' mean observation y = D<G, u>/C is "
-            f"{evidence['member_mean_y']:.3g} per step (a correct run: q = {q:g}); out canaries' {evidence['out_mean_y']:.3g} "
+            f"{evidence['member_mean_y']:.3g} per step (a correct run: q = {q:g}); out canaries' "
+            f"{evidence['out_mean_y']:.3g} "
             "(0). Typical causes: a parameter group left out of clipping, a shard or rank released without noise, "
             "a sampler that includes samples more often than q."), evidence)
     return case.verdict("pass", None, (
