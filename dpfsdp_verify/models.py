@@ -297,8 +297,10 @@ class MaskedEncoder(nn.Module):
 class LayerZoo(nn.Module):
     """Every layer type opacus 1.6.0's ghost clipping samples, each with its parameters, in one tiny
     classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
-    Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
-    bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
+    Conv1d (groups 2, dilation 2) -> Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d
+    -> Linear, with a Conv2d of stride 2 and groups 2 on a side branch into the Linear (every conv
+    with its bias, every norm affine; a norm that leaves out convs with stride, groups or dilation
+    != 1 undercounts). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
     as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
     3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in
     ``BASE_MODELS``: the norm property runs it once
@@ -316,12 +318,16 @@ class LayerZoo(nn.Module):
         self.rms = nn.RMSNorm(width)
         self.conv1d = nn.Conv1d(width, width, kernel_size=3, padding=1)
         self.in1d = nn.InstanceNorm1d(width, affine=True)
+        # grouped and dilated (dilation 2, padding 2: the length stays 8)
+        self.conv1d_gd = nn.Conv1d(width, width, kernel_size=3, padding=2, dilation=2, groups=2)
         self.conv2d = nn.Conv2d(width, width, kernel_size=3, padding=1)
+        # strided and grouped, on a side branch into the classifier (2 x 4 -> 1 x 2)
+        self.conv2d_sg = nn.Conv2d(width, width, kernel_size=3, stride=2, padding=1, groups=2)
         self.gn = nn.GroupNorm(2, width)
         self.in2d = nn.InstanceNorm2d(width, affine=True)
         self.conv3d = nn.Conv3d(width, width, kernel_size=3, padding=1)
         self.in3d = nn.InstanceNorm3d(width, affine=True)
-        self.fc = nn.Linear(width * self.SEQ_LEN, classes)
+        self.fc = nn.Linear(width * self.SEQ_LEN + width * 2, classes)
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
             for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
                 norm.weight.uniform_(0.5, 1.5)
@@ -335,9 +341,11 @@ class LayerZoo(nn.Module):
         b, t = idx.shape[0], torch.tanh
         x = t(self.rms(t(self.ln(self.tok(idx)))))                         # [B, 8, w]
         x = t(self.in1d(t(self.conv1d(x.transpose(1, 2)))))               # [B, w, 8]
+        x = t(self.conv1d_gd(x))                                          # [B, w, 8]
         x = t(self.in2d(t(self.gn(t(self.conv2d(x.reshape(b, -1, 2, 4)))))))  # [B, w, 2, 4]
+        side = t(self.conv2d_sg(x))                                       # [B, w, 1, 2]
         x = t(self.in3d(t(self.conv3d(x.reshape(b, -1, 2, 2, 2)))))       # [B, w, 2, 2, 2]
-        return self.fc(x.flatten(1))
+        return self.fc(torch.cat([x.flatten(1), side.flatten(1)], dim=1))
 
 
 class ExtremeMLP(nn.Module):

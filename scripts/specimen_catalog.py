@@ -109,7 +109,8 @@ def markdown(items: List[Specimen]) -> str:
              "pass; **other** is an adapter or scenario that is neither (an old adapter, a crash, a hang);",
              "**base** is shared machinery of other specimens. Run any with `dpfsdp-verify run --target REF`.", "",
              f"{len(items)} implementations: {bugs} bug specimens, "
-             f"{sum(s.kind == 'correct' for s in items)} correct variants, {sum(s.kind == 'other' for s in items)} other, "
+             f"{sum(s.kind == 'correct' for s in items)} correct variants, "
+             f"{sum(s.kind == 'other' for s in items)} other, "
              f"{sum(s.kind == 'base' for s in items)} bases.", "",
              "| specimen (`--target`) | kind | what it is | tests and benchmarks that run it |", "|---|---|---|---|"]
     for s in items:

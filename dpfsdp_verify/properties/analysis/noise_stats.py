@@ -189,6 +189,31 @@ def step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:
     return out
 
 
+def scale_dispersion(noise, names) -> Optional[Tuple[float, int, float, float, float]]:
+    """Whether the noise std varies from release to release, whatever its level and shape:
+    ``(statistic, degrees of freedom, p, smallest, largest per-release std / pooled std)``, ``None``
+    with fewer than 2 releases. Each release's mean square ``v_k`` over its ``m_k`` coordinates
+    has variance ``v^2 (kappa - 1) / m_k`` under one scale, ``kappa`` the noise's kurtosis measured
+    *within* releases (each standardised by its own RMS, so a mixture of scales across releases does
+    not inflate it, and Laplace noise of one scale is not read as a varying one); ``sum_k (v_k -
+    v)^2 / (v^2 (kappa - 1) / m_k) ~ chi^2(K - 1)`` (v the pooled mean square). Upper tail: a std
+    that follows the realised Poisson batch, or a schedule, spreads the ``v_k`` far beyond it."""
+    flat = [torch.cat([step[n].reshape(-1).to(torch.float64) for n in names]) for run in noise for step in run]
+    flat = [x for x in flat if x.numel() >= 2]
+    if len(flat) < 2:
+        return None
+    ms = torch.tensor([float(x.numel()) for x in flat], dtype=torch.float64)
+    vs = torch.stack([x.pow(2).mean() for x in flat])
+    if not bool((vs > 0).all()):
+        return None
+    kappa = float(sum(float((x.pow(2) / v).pow(2).sum()) for x, v in zip(flat, vs)) / float(ms.sum()))
+    v = float((vs * ms).sum() / ms.sum())
+    stat = float(((vs - v).pow(2) / (v * v * max(kappa - 1.0, 1e-12) / ms)).sum())
+    dof = len(flat) - 1
+    ratios = (vs / v).sqrt()
+    return stat, dof, chi2_sf(stat, dof), float(ratios.min()), float(ratios.max())
+
+
 def late_scale_change(scales, alpha: float, from_first: bool = False):
     """A scale that changes part-way through the runs, as ``(first step k, failing releases from k on,
     releases from k on, std ratios before k)``, or ``None``: releases failing their per-step test (at
@@ -278,4 +303,4 @@ def shape_stats(stacked, names, ws: int, alpha: float, power: float) -> Tuple[fl
 
 
 __all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound", "independence",
-           "shards", "shard_sizes", "step_scales", "late_scale_change", "scale_stats", "shape_stats"]
+           "shards", "shard_sizes", "step_scales", "scale_dispersion", "late_scale_change", "scale_stats", "shape_stats"]
