@@ -83,12 +83,13 @@ def test_scale_dispersion_tells_a_varying_std_from_a_heavy_tailed_one():
     laplace = torch.distributions.Laplace(0.0, 1.0)
     torch.manual_seed(0)
     ps = {"gauss": [], "laplace": []}
-    for trial in range(5):
+    for _trial in range(5):
         gauss = [[{"w": torch.randn(3280, generator=g, dtype=torch.float64)} for _ in range(12)] for _ in range(2)]
         lap = [[{"w": laplace.sample((3280,)).to(torch.float64)} for _ in range(12)] for _ in range(2)]
         ps["gauss"].append(scale_dispersion(gauss, ["w"])[2])
         ps["laplace"].append(scale_dispersion(lap, ["w"])[2])
     assert min(ps["gauss"]) > 1e-4 and min(ps["laplace"]) > 1e-4, ps
-    mixed = [[{"w": torch.randn(3280, generator=g, dtype=torch.float64) * (0.5 + 1.5 * float(torch.rand(1, generator=g)))}
+    mixed = [[{"w": torch.randn(3280, generator=g, dtype=torch.float64)
+               * (0.5 + 1.5 * float(torch.rand(1, generator=g)))}
               for _ in range(12)] for _ in range(2)]
     assert scale_dispersion(mixed, ["w"])[2] < 1e-12

@@ -186,7 +186,8 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
             evidence["epsilon_steps"] = k
             return _text(spec, told, measured, (
                 f"it reports epsilon {r:.4g} at delta {delta:g}, the RDP epsilon of {k} step(s) of the measured "
-                f"mechanism (sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; q {history[1]:.6g}), "
+                f"mechanism (sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; "
+                f"q {history[1]:.6g}), "
                 f"while the run took {history[2]} steps (the suite's RDP epsilon of them: {eps:.4g}, "
                 f"{eps_lo:.4g}..{eps_hi:.4g}): the told sigma and q match the noise and the sampler, but the epsilon "
                 f"composes {k} of the {history[2]} releases (a step count {'short' if k < history[2] else 'long'} by "

@@ -150,7 +150,8 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
             if seeds is not None and seeds[rj] - seeds[ri] == ra - rb:
                 d = ra - rb
                 cause = (f"the ranks' noise seeds overlap across training jobs: rank r under noise seed s {d:+d} draws "
-                         f"what rank r {d:+d} draws under seed s (e.g. a generator seeded noise_seed + rank: rank {ra} of seed {seeds[ri]} is rank {rb} of "
+                         f"what rank r {d:+d} draws under seed s (e.g. a generator seeded noise_seed + rank: rank {ra} "
+                         f"of seed {seeds[ri]} is rank {rb} of "
                          f"seed {seeds[rj]}), so jobs with nearby seeds release the same noise on different ranks")
             else:
                 cause = ("the ranks' noise seeds overlap across training jobs: one rank's stream under one noise seed "
@@ -287,4 +288,5 @@ def resampled_run(runs) -> Optional[int]:
 
 
 __all__ = ["WINDOW", "noise_differences", "repeat_quantum", "noise_windows", "repeated_noise", "unnoised_in_some_draw",
-           "unnoised_message", "unnoised_draws", "empty_round_unnoised", "silent_shard", "bf16_fraction", "resampled_run"]
+           "unnoised_message", "unnoised_draws", "empty_round_unnoised", "silent_shard", "bf16_fraction",
+           "resampled_run"]

@@ -303,4 +303,5 @@ def shape_stats(stacked, names, ws: int, alpha: float, power: float) -> Tuple[fl
 
 
 __all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound", "independence",
-           "shards", "shard_sizes", "step_scales", "scale_dispersion", "late_scale_change", "scale_stats", "shape_stats"]
+           "shards", "shard_sizes", "step_scales", "scale_dispersion", "late_scale_change", "scale_stats",
+           "shape_stats"]

@@ -232,8 +232,10 @@ def judge_horizon(case: Case, outputs) -> Verdict:
             # is e = 0), so the step is judged against the reference at the target's own
             names = sorted(step.gradient)
             if all(n in first and first[n].shape == step.gradient[n].shape for n in names):
-                eps = fit_clip_epsilon(lambda e: _flat(_dataset_step(spec, grads, norms, indices, e).gradient, names),
-                                       _flat(first, names))
+                def at(e: float, i=indices, n=names) -> torch.Tensor:
+                    return _flat(_dataset_step(spec, grads, norms, i, e).gradient, n)
+
+                eps = fit_clip_epsilon(at, _flat(first, names))
                 own = _dataset_step(spec, grads, norms, indices, eps)
                 if tensors_close(first, own.gradient, rtol, atol):
                     step = own
@@ -259,10 +261,10 @@ def judge_horizon(case: Case, outputs) -> Verdict:
             + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after "
               "a "
             "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
-    own = (f" (at the target's own clip epsilon, {min(epsilons):.3g}..{max(epsilons):.3g}, inside the accepted 0.."
-           f"{reference.MAX_CLIP_EPSILON:g})" if epsilons else "")
+    own_note = (f" (at the target's own clip epsilon, {min(epsilons):.3g}..{max(epsilons):.3g}, inside the accepted "
+                f"0..{reference.MAX_CLIP_EPSILON:g})" if epsilons else "")
     return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "
-                        f"on its realised batch{own} in a {where}", evidence)
+                        f"on its realised batch{own_note} in a {where}", evidence)
 
 
 def _dataset_step(spec: RunSpec, grads, norms: torch.Tensor, indices: List[int],
@@ -478,6 +480,7 @@ PROPERTY = Property(
     fuzz=FuzzRecipe(draw=(("layouts", ("split",)), ("min_global_batch", 2)), prepare=prepare))
 
 
-__all__ = ["FIT_RTOL", "prepare", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "BF16_LOOSE_CLIP", "TAGS", "SHORT_LAYER_MODEL",
-           "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge", "judge_horizon",
+__all__ = ["FIT_RTOL", "prepare", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "BF16_LOOSE_CLIP", "TAGS",
+           "SHORT_LAYER_MODEL", "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge",
+           "judge_horizon",
            "judge_spec", "own_epsilon_step", "judge_precision", "explain", "PROPERTY"]

@@ -101,8 +101,9 @@ from ..analysis.compare import reference_model, replica_problem, shard_divisor, 
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
-from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum, repeated_noise, resampled_run,
-                          silent_shard, unnoised_in_some_draw, unnoised_message)
+from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
+                                    repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
+                                    unnoised_message)
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
                                       pairs_message, scale_message, shape_message, tensor_pair_message,
                                       varying_scale_message)

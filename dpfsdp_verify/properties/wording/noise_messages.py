@@ -149,5 +149,5 @@ def tensor_pair_message(pair, at, where: str, alpha: float) -> str:
             "tensor cancels in a sum or difference of the two released tensors.")
 
 
-__all__ = ["empty_round_message", "varying_scale_message", "late_message", "shape_message", "independence_message", "pairs_message", "scale_message", "mesh_ratios",
-           "low_rank_message", "tensor_pair_message"]
+__all__ = ["empty_round_message", "varying_scale_message", "late_message", "shape_message", "independence_message",
+           "pairs_message", "scale_message", "mesh_ratios", "low_rank_message", "tensor_pair_message"]
