@@ -26,7 +26,8 @@ from ...modes import Mode
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
-from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
+from . import releases
+from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
                         poisson_problem, privacy_steps_problem, tf32_problem)
 
 
@@ -122,6 +123,9 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       (``prechecks.physical_problem``);
     * a target that reports its privacy step count counts one per DP step on every rank
       (``prechecks.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
+    * a target that reports its accountant reports, at the end of every run, a history of the steps
+      the run took (restored ones included) at the run's sigma and q, and the RDP epsilon of it
+      (``prechecks.accountant_history_problem``: else ``fail`` / ``accountant_mismatch``);
     * a float32 case computed with TF32 in force (the target re-enabled it) cannot be judged at
       float32 tolerances: a ``fail`` saying so (``prechecks.tf32_problem``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
@@ -156,7 +160,8 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
             else:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
-            found = found or physical_problem(spec, ranks) or privacy_steps_problem(spec, ranks)
+            found = (found or physical_problem(spec, ranks) or privacy_steps_problem(spec, ranks)
+                     or accountant_history_problem(spec, ranks))
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
@@ -170,6 +175,9 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
+    ledger = releases.current()  # every noisy run is evidence for the noise at every step (engine/releases.py)
+    if ledger is not None:
+        ledger.add(case, outputs)
     return prop.judge(case, outputs)
 
 
