@@ -351,7 +351,7 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
                    "made" if len(told) < taken else "the epsilon it reports is that of more releases than were made "
                    "(over-reported)")
         return ("accountant_mismatch", f"the accountant was told {len(told)} step(s) ({_fmt(history)}) but the run took "
-                f"{taken}{where}: {how}. {meaning}.", dict(evidence, steps_taken=taken))
+                f"{taken}{where}: {how}. {meaning[0].upper()}{meaning[1:]}.", dict(evidence, steps_taken=taken))
     sigma = float(spec.noise_multiplier)
     wrong = sorted({s for s, _ in told if abs(s - sigma) > TOLD_RTOL * max(sigma, 1e-300)})
     if wrong:
