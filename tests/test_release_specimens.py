@@ -70,8 +70,8 @@ def test_noise_scaled_by_max_norm_fails_where_batches_are_below_c(pool):
     only_failure(found, "mismatch", "PRIVACY VIOLATION", "made for deadlock_free")
 
 
-@pytest.mark.parametrize("variant", ["Correct", "CorrectNoiseFromRankZero", "CorrectSqrtWsAveraged",
-                                     "CorrectBoxMuller", "CorrectOneBufferSliced"])
+@pytest.mark.parametrize("variant", ["Correct"] + [pytest.param(v, marks=pytest.mark.slow) for v in (
+    "CorrectNoiseFromRankZero", "CorrectSqrtWsAveraged", "CorrectBoxMuller", "CorrectOneBufferSliced")])
 def test_correct_variants_pass(pool, variant):
     target = ("fixtures.specimens:" if variant == "Correct" else R) + variant
     for pid, select in (("trajectory", update_cases), ("deadlock_free", poisson_scenarios)):

@@ -152,3 +152,13 @@ def test_accountant_history_on_every_run():
     want = accounting.epsilon([(1.0, 0.25, 4)], 1e-5)
     assert accountant_history_problem(asked, _with_history(outs, [(1.0, 0.25, 4)], want)) is None
     assert "epsilon" in accountant_history_problem(asked, _with_history(outs, [(1.0, 0.25, 4)], want / 2))[1]
+
+
+def test_noise_tied_to_the_local_batch_max_norm_is_named():
+    spec = SPEC.with_(max_grad_norm=100.0, lr=0.0)  # every local batch below C
+    model = reference_model(spec)
+    grads = reference.per_sample_grads(model, reference_batch(spec, 0), spec.reduction)
+    norms = reference.per_sample_norms(grads)
+    own = [float(norms[r::2].max()) / 100.0 for r in range(2)]
+    f = run_tests(decompose(spec, 2, fake_run(spec.with_(steps=1), factor=lambda t, r: own[r])), ALPHA_TEST)
+    assert f.kind == "scale" and f.scope == "max_norm", f

@@ -83,6 +83,9 @@ class Cell:
     df: float
     total: float
     var: float
+    #: min(1, the rank's local batch's largest norm / C) (1 for an empty batch): the factor a noise std
+    #: tied to the batch's largest clipped norm would carry here (a cause ``run_tests`` can name)
+    own_max: float = 1.0
 
 
 @dataclass
@@ -161,11 +164,11 @@ def _columns(spec: RunSpec, step: int, indices: List[int], params: Optional[Dict
     return torch.cat([grads[n].reshape(len(indices), -1).to(torch.float64) for n in names], dim=1).T
 
 
-_SPAN_CACHE: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_SPAN_CACHE: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]" = OrderedDict()
 
 
 def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str], numel: int):
-    """``(clean sum, U)``: the reference's clipped sum ``G c`` and an orthonormal basis of the span of
+    """``(clean sum, U, norms)``: the reference's clipped sum ``G c`` and an orthonormal basis of the span of
     the batch's per-sample gradients ``G`` (``[P, rank]``), or ``None`` for a batch too large to
     project off (``MAX_SPAN_FRACTION``). At the initial model (``params`` ``None``: lr 0 runs, whose
     repeats share batches) cached: callers must not modify them."""
@@ -181,8 +184,9 @@ def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str]
     if indices and len(indices) > MAX_SPAN_FRACTION * numel:
         return None
     g = _columns(spec, step, indices, params, names)
+    norms = g.pow(2).sum(0).sqrt() if g.numel() else torch.zeros(0, dtype=torch.float64)
     if g.numel():
-        coef = reference.clip_coefficients(g.pow(2).sum(0).sqrt(), spec.max_grad_norm)
+        coef = reference.clip_coefficients(norms, spec.max_grad_norm)
         clean = g @ coef
         u, s, _ = torch.linalg.svd(g, full_matrices=False)
         u = u[:, s > s.max() * 1e-9] if len(s) and float(s.max()) > 0 else u[:, :0]
@@ -190,10 +194,10 @@ def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str]
         clean = torch.zeros(numel, dtype=torch.float64)
         u = torch.zeros(numel, 0, dtype=torch.float64)
     if key is not None:
-        _SPAN_CACHE[key] = (clean, u)
+        _SPAN_CACHE[key] = (clean, u, norms)
         while len(_SPAN_CACHE) > 64:
             _SPAN_CACHE.popitem(last=False)
-    return clean, u
+    return clean, u, norms
 
 
 def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
@@ -239,16 +243,19 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
             out.skipped.append((t, f"its batch of {len(indices)} samples spans too much of the {released.numel()} "
                                 "coordinates"))
             continue
-        clean, u = span
+        clean, u, norms = span
         raw = released - clean
+        position = {i: p for p, i in enumerate(indices)}
         proj = raw - u @ (u.T @ raw) if u.shape[1] else raw
         z = proj / unit
         for r, idx in enumerate(index):
             if not len(idx):
                 continue
             ur = u[idx]
+            mine = [position[i] for i in ranks[r].steps[j].indices if i in position] if r < len(ranks) else []
+            own = min(1.0, float(norms[mine].max()) / spec.max_grad_norm) if mine and not spec.mesh else 1.0
             out.cells.append(Cell(t, r, float(z[idx].pow(2).sum()), float(len(idx) - ur.pow(2).sum()),
-                                  float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum())))
+                                  float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum()), own))
             raw_cells.append((t, r, raw[idx] / unit))
         if spec.precision == "fp32":
             # on-grid within what rounding and the clip-epsilon latitude leave in the raw residual
@@ -349,6 +356,15 @@ def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
     ranks = sorted({c.rank for c in run.cells})
     per_rank = {r: _scale([c for c in run.cells if c.rank == r]) for r in ranks} if len(ranks) > 1 else {}
     bad_ranks = [r for r in ranks if r in per_rank and not per_rank[r][1] >= alpha]
+    if (not p >= alpha or bad_steps or bad_ranks) and any(c.own_max < 1 for c in run.cells):
+        # the noise std tied to each local batch's largest clipped norm: every cell scaled back by it fits
+        ss = sum(c.ss / c.own_max ** 2 for c in run.cells)
+        df = sum(c.df for c in run.cells)
+        if chi2_two_sided_p(ss, df) >= alpha:
+            below = sorted({(c.step, c.rank) for c in run.cells if c.own_max < 1})
+            return Finding("scale", ratio=ratio, p=p, steps=tuple(sorted({t for t, _ in below})),
+                           ranks=tuple(sorted({r for _, r in below})), scope="max_norm",
+                           detail=f"{len(below)} of {len(run.cells)}")
     if not p >= alpha or bad_steps or bad_ranks:
         # where: from a step on (a change part-way), on some ranks, or everywhere
         if bad_steps and len(steps) > 2:

@@ -475,7 +475,10 @@ def _continues(case: Case, save, load, full, k: int, spec) -> Tuple[Optional[tup
             continue
         t = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
         whole = [sorted(s.indices) for s in full[r].steps]
-        shifted = next((d for d in (1, 2, 3, -1) if got and got == whole[k + d:k + d + len(got)]), None)
+        def overlap(d):  # the resumed batches against the uninterrupted run's d steps later, where both exist
+            pairs = [(got[j], whole[k + d + j]) for j in range(len(got)) if 0 <= k + d + j < len(whole)]
+            return bool(pairs) and any(a for a, _ in pairs) and all(a == b for a, b in pairs)
+        shifted = next((d for d in (1, 2, 3, -1) if overlap(d)), None)
         how = (f"they are the uninterrupted run's batches {shifted} step(s) {'later' if shifted > 0 else 'earlier'}: "
                f"the resumed sampler {'skips' if shifted > 0 else 'repeats'} {abs(shifted)} mask(s) at the resume"
                if shifted else "the resumed sampler does not continue the stream where the checkpoint left it")

@@ -76,6 +76,13 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
     elif f.scope == "rank":
         place = (f"on {_ranks(f.ranks)}'s shard: the noise std is {f.ratio:.3f} x sigma*C/D over every step "
                  f"({f.detail} x)")
+    elif f.scope == "max_norm":
+        place = (f"where a rank's local batch has no sample above C: the noise std follows min(C, the local "
+                 f"batch's largest norm) / C, which every (step, rank) release fits once scaled back by it "
+                 f"({f.detail} releases had all their samples below C, at {_steps(f.steps)}; pooled std "
+                 f"{f.ratio:.3f} x sigma*C/D). A noise scale set by the batch's own largest clipped norm is "
+                 "data-dependent: it is sigma*C only when some sample is clipped, and the Gaussian mechanism's "
+                 "sensitivity is C whatever the batch")
     elif f.scope == "step":
         place = f"at {_steps(f.steps)}: the noise std is {f.ratio:.3f} x sigma*C/D (the worst step)"
     else:
