@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
-import sys
 import time
 import traceback
 from dataclasses import asdict, replace
@@ -89,9 +87,6 @@ class Ledger:
             torch.set_num_threads(threads)
             self.seconds += time.monotonic() - t0
             self.cpu_seconds += time.process_time() - c0
-            if os.environ.get("DPFSDP_RELEASES_DEBUG"):
-                print(f"[releases] {case.property} {config_label(case.config())}: {time.monotonic() - t0:.3f}s",
-                      file=sys.stderr)
 
     def verdicts(self, opts: Options) -> List[Verdict]:
         t0 = time.monotonic()
