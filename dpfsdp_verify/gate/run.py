@@ -13,6 +13,7 @@ from typing import Callable, List, Optional
 
 from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
+from ..properties.engine import releases
 from ..properties.engine.runner import Fuzzer, run_property
 from ..verdict import Verdict, config_label
 from . import report, target_info
@@ -81,15 +82,29 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
              + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0))
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS, sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
+    # every noisy run any property makes feeds the release judge (properties/engine/releases.py)
+    ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
     try:
-        for pid in plan.properties:
-            if progress and hasattr(progress, "started"):
-                progress.started(pid)
+        with releases.collecting(ledger):
+            for pid in plan.properties:
+                if progress and hasattr(progress, "started"):
+                    progress.started(pid)
+                t0 = time.monotonic()
+                try:
+                    found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
+                except Exception as e:  # a bug in a check or an unloadable target: report, go on
+                    found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
+                for v in found:
+                    verdicts.append(v)
+                    if progress:
+                        progress(v)
+        if ledger is not None:
             t0 = time.monotonic()
             try:
-                found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
-            except Exception as e:  # a bug in a check or an unloadable target: report, go on
-                found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
+                found = ledger.verdicts(opts)
+            except Exception as e:  # a bug in the release judge: exit 3, the verdicts above still stand
+                found = [PROPERTIES[releases.PROPERTY_ID].internal_error(opts, "judging every release for",
+                                                                          e, time.monotonic() - t0)]
             for v in found:
                 verdicts.append(v)
                 if progress:

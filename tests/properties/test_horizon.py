@@ -79,8 +79,9 @@ def test_default_gate_plans_a_third_rank_and_the_long_runs():
                                                                  "deadlock_free": 1}
     for cs in longs.values():
         for c in cs:
-            assert (c.world_size, c.spec.sampling, c.spec.steps, c.spec.epochs) == (2, "poisson", 48, 12)
-            assert c.config()["horizon"] == 48 and c.isolate
+            assert (c.world_size, c.spec.sampling, c.spec.steps, c.spec.epochs) == (2, "poisson", HORIZON_STEPS,
+                                                                                       HORIZON_STEPS // 4)
+            assert c.config()["horizon"] == HORIZON_STEPS and c.isolate
     # the exact-only noise cases run at 3 ranks too, the wide mlp's rows sharded unevenly there (a
     # rank * local_rows offset is wrong only then)
     noise = {c.spec.model: c for c in wide["noise_calibration"]}

@@ -44,7 +44,14 @@ the diagnosis):
   < 1e-12 per verdict); and no two ranks draw the same
   non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
   steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
-  defaults). Both catch ranks that all restore rank 0's random state.
+  defaults). Both catch ranks that all restore rank 0's random state;
+* the sampler continues (Poisson, ``same`` / ``per_rank`` seeding): the resumed run's batches after step k
+  are those of the same run never interrupted (an eleventh run, in the last fresh group) -- a sampler
+  that restores its state and then skips a mask (or repeats one) fails ``mismatch``, naming the shift.
+
+The accountant's history and epsilon after the resume are the runner's check of every run
+(``prechecks.accountant_history_problem``): a load half's history must hold the k restored steps and
+the steps after them, no fewer (emptied, one short), no more (restored twice) -- ``accountant_mismatch``.
 """
 
 from __future__ import annotations
@@ -126,8 +133,8 @@ def cases(point: Point):
     (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
                                                                      ("trajectory", "noise", "poisson")))
     ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
-    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 6),
+    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0), poisson)
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 7),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 
@@ -463,8 +470,40 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
     return None, evidence
 
 
+def _continues(case: Case, save, load, full, k: int, spec) -> Tuple[Optional[tuple], dict]:
+    """Under a seeded sampler (``same`` / ``per_rank``) the resumed run's batches after step k are
+    the uninterrupted run's (``full``: the same spec, never checkpointed): a sampler that restores
+    its state and then draws a mask more (or fewer), or restores another state, takes other batches
+    than the run that was never interrupted. Exact (no statistics); ``unseeded`` is not judged."""
+    if spec.seeding == "unseeded":
+        return None, {"sampler_continues": "not judged (unseeded)"}
+    ws = case.world_size
+    for r in range(ws):
+        got = [sorted(s.indices) for s in load[r].steps]
+        want = [sorted(s.indices) for s in full[r].steps[k:k + len(got)]]
+        if got == want:
+            continue
+        t = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
+        whole = [sorted(s.indices) for s in full[r].steps]
+        def overlap(d):  # the resumed batches against the uninterrupted run's d steps later, where both exist
+            pairs = [(got[j], whole[k + d + j]) for j in range(len(got)) if 0 <= k + d + j < len(whole)]
+            return bool(pairs) and any(a for a, _ in pairs) and all(a == b for a, b in pairs)
+        shifted = next((d for d in (1, 2, 3, -1) if overlap(d)), None)
+        how = (f"they are the uninterrupted run's batches {shifted} step(s) {'later' if shifted > 0 else 'earlier'}: "
+               f"the resumed sampler {'skips' if shifted > 0 else 'repeats'} {abs(shifted)} mask(s) at the resume"
+               if shifted else "the resumed sampler does not continue the stream where the checkpoint left it")
+        evidence = {"rank": r, "resumed_batches": got, "uninterrupted_batches": want}
+        return ("mismatch", (
+            f"rank {r}'s Poisson batches after the resume at step {k} are not the uninterrupted run's (same sampling "
+            f"seed, {spec.seeding!r} seeding): step {k + t} draws {got[t] if t < len(got) else None} where the run "
+            f"that was never interrupted draws {want[t] if t < len(want) else None}; {how} (world_size={ws}). The "
+            "resumed run is not the run that was never interrupted: its sampler state did not survive the "
+            "checkpoint exactly."), evidence), evidence
+    return None, {"sampler_continues": True}
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
-    ts, ns, ps, ms, tl, nl, pl, ml, full, clean = runs[0]
+    ts, ns, ps, ms, tl, nl, pl, ml, full, clean, pfull = runs[0]
     k = case.specs[0].resume_at
     evidence: Dict[str, Any]
     found, evidence = [], {"resume_at": k}
@@ -494,7 +533,9 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if not cross_masks:
         cross_masks, ev = _cross_rank_masks(case, ms, ml, mid_spec.resume_at, mid_spec)
         evidence["mid_epoch"].update(ev)
-    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks) if f]
+    continues, ev = _continues(case, ps, pl, pfull, k, case.specs[2])
+    evidence.update(ev)
+    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks, continues) if f]
     for f in found:
         evidence.update(f[2])
     if found:
@@ -504,7 +545,10 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes at world_size={case.world_size}: "
         "parameters after every step equal the uninterrupted run's and the reference's (momentum "
         f"{case.spec.momentum}), "
-        f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
+        f"the privacy step count continues at {k + 1} (and the accountant's history holds every step: the runner's "
+        f"check of every run), the Poisson batches after the resume are the uninterrupted run's"
+        f"{'' if case.specs[2].seeding != 'unseeded' else ' (not judged: unseeded)'}, no noise released after the "
+        f"resume repeats earlier noise "
         f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
         f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g}; mid-epoch resume at step "
         f"{evidence['mid_epoch']['resume_at']}: {evidence['mid_epoch']['mask_false_alarm_bound']:.2g})"

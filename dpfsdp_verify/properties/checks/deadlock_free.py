@@ -5,7 +5,10 @@ DP meaning: none directly -- but a DP job that hangs on some batch compositions 
 work around by changing sampling (dropping Poisson sampling, padding batches), which silently
 changes the privacy accounting. Poisson sampling makes uneven and empty local batches normal.
 
-Scenarios (each its own job, so a hang is attributed to it), two steps each, noise on:
+Every scenario runs with noise on and C between the two largest norms of its batch (``upper_clip``: the
+outcome does not depend on C; the runs feed the release judge, ``engine/releases.py``, where a noise
+scale tied to the batch's norms shows). Scenarios (each its own job, so a hang is attributed to it),
+two steps each:
 ``even`` (the plain split), ``uneven`` (rank 0 gets more samples than the last rank), ``single``
 (one sample per rank), ``empty`` (the last rank gets none). Any hang is ``hang``/``deadlock``
 with the harness's account of where the collective sequences diverge; a crash is
@@ -59,6 +62,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ...verdict import Verdict
+from ..analysis.compare import reference_norms
 from ..engine.contract import Case, Outputs, Point, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
@@ -95,11 +99,23 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     return out
 
 
+def upper_clip(spec):
+    """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
+    dataset): the largest sample clipped, the others not. The scenarios' outcome does not depend on
+    C; their noisy releases feed the release judge (``engine/releases.py``), where a noise scale
+    that depends on the batch's norms shows only on batches whose samples are all below C (at C = 1
+    every sample of the gate's models is clipped)."""
+    norms = sorted(float(x) for x in reference_norms(spec))
+    if len(norms) < 2 or norms[-1] - norms[-2] < 1e-6 * norms[-1]:
+        return spec
+    return spec.with_(max_grad_norm=(norms[-1] + norms[-2]) / 2)
+
+
 def poisson_spec(point: Point, seeding: str):
     ws = point.world_size
     n = 2 * ws + 1
-    return point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
-                      seeding=seeding, steps=0, noise_multiplier=1.0)
+    return upper_clip(point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
+                                 seeding=seeding, steps=0, noise_multiplier=1.0))
 
 
 def cases(point: Point):
@@ -112,8 +128,8 @@ def cases(point: Point):
         if only is not None and name not in only:
             continue
         sizes = [len(s) for s in split]
-        spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                          rank_batches=(split,) * STEPS)
+        spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                                     rank_batches=(split,) * STEPS))
         fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
                                 doing=f"{name} local batches {sizes}", isolate=True))
     last = [c for c in fixed if c.labels["local_batches"] == "empty"]
@@ -133,7 +149,7 @@ def cases(point: Point):
             only is None or "poisson_horizon" in only):
         # the long run (horizon.py): a collective only some ranks issue every k steps, or a sampler that
         # changes after some epochs, hangs here and nowhere in the short scenarios
-        spec = horizon_spec(point, noise_multiplier=1.0)
+        spec = upper_clip(horizon_spec(point, noise_multiplier=1.0))
         yield point.case(spec, labels={"local_batches": "poisson_horizon", **horizon_labels(spec)}, doing=(
             f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
             f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)
@@ -147,8 +163,8 @@ def accum_cases(point: Point, only):
             continue
         if name == "uneven_accum":
             split = scenarios(point.world_size)["uneven"]
-            spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                              rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P)
+            spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                                         rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P))
             what = f"uneven local batches {[len(s) for s in split]}"
         else:
             spec = poisson_spec(point, "per_rank").with_(epochs=ACCUM_EPOCHS, physical_batch_size=ACCUM_P)

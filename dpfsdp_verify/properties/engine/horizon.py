@@ -12,7 +12,7 @@ cannot show there:
   harness gives each rank a node of its own, so ``LOCAL_RANK`` is 0 everywhere:
   ``harness.node_env``) each property with a ``Property.wide`` runs the few cheap cases such a bug
   hits: noise (exact checks), norms, pass-count agreement;
-* **bugs that start late** -- a clip cap dropped from step 6, noise reduced from step 40, a change
+* **bugs that start late** -- a clip cap dropped from step 6 or 50, noise reduced from step 40 or 64, a change
   from the third Poisson epoch, a log-metric collective on rank 0 every 16 steps -- are right for
   the first steps. Each property with a long run runs one (``horizon_point``): ``Options.horizon``
   steps (the gate's default ``HORIZON_STEPS``) of DP-SGD's Poisson sampling (``horizon_spec``:
@@ -33,8 +33,9 @@ from .contract import Point
 
 #: the gate's wide world size (``--wide-world-size``)
 WIDE_WORLD_SIZE = 3
-#: the gate's long-run length in steps (``--horizon``): 12 Poisson epochs of 4 steps, past step 40
-HORIZON_STEPS = 48
+#: the gate's long-run length in steps (``--horizon``): 18 Poisson epochs of 4 steps, past step 64 (a noise
+#: schedule halving at step 64, a clip cap dropped at step 50: issue 32; each long run ~1.5x a 48-step one)
+HORIZON_STEPS = 72
 #: q of the long runs, and samples per rank: an expected local batch of 16, so an empty local batch
 #: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
 #: opacus' does) takes every step, and the long runs judge the late steps, not that finding

@@ -26,7 +26,8 @@ from ...modes import Mode
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
-from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
+from . import releases
+from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
                         poisson_problem, privacy_steps_problem, tf32_problem)
 
 
@@ -122,6 +123,11 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       (``prechecks.physical_problem``);
     * a target that reports its privacy step count counts one per DP step on every rank
       (``prechecks.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
+    * a target that reports its accountant reports, at the end of every run, a history of the steps
+      the run took (restored ones included) at the run's sigma and q, and the RDP epsilon of it
+      (``prechecks.accountant_history_problem``: else ``fail`` / ``accountant_mismatch``, given once the
+      property's own judgement passed, so that a property judging the accountant itself -- against
+      the noise it measured -- words that finding, and a property's own failure is not hidden);
     * a float32 case computed with TF32 in force (the target re-enabled it) cannot be judged at
       float32 tolerances: a ``fail`` saying so (``prechecks.tf32_problem``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
@@ -136,6 +142,7 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
 
 
 def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
+    accountant = None  # the first run whose accountant is wrong: judged once the property's own verdict passes
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
             spec = mode.apply(spec)
@@ -157,6 +164,9 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
             found = found or physical_problem(spec, ranks) or privacy_steps_problem(spec, ranks)
+            if accountant is None:
+                told = accountant_history_problem(spec, ranks)
+                accountant = (told[0], told[1] + where, told[2]) if told else None
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
@@ -170,7 +180,16 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    return prop.judge(case, outputs)
+    ledger = releases.current()  # every noisy run is evidence for the noise at every step (engine/releases.py)
+    if ledger is not None:
+        ledger.add(case, outputs)
+    verdict = prop.judge(case, outputs)
+    if accountant is not None and verdict.status == "pass":
+        # after the property's own verdict: a property that judges the accountant itself against what it
+        # measured (noise_calibration) words its finding with the measured mechanism
+        diagnosis, message, evidence = accountant
+        return case.verdict("fail", diagnosis, message, {**verdict.evidence, **evidence})
+    return verdict
 
 
 # -- running -----------------------------------------------------------------------------------
