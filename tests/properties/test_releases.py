@@ -9,7 +9,6 @@ tests/test_release_specimens.py (slow)."""
 import copy
 import math
 
-import pytest
 import torch
 
 from dpfsdp_verify import reference

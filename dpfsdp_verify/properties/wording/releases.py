@@ -5,7 +5,7 @@ one a known mistake gives, that mistake."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..analysis.releases import Finding, RunReleases
 
