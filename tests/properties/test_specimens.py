@@ -182,7 +182,8 @@ def test_duplicated_samples_and_early_return_are_named(pool):
     for prop in ("clipped_step", "trajectory"):
         vs = run(pool, prop, "DuplicatedSamples", world_sizes=(2,), models=("mlp",), reductions=("mean",),
                  dtypes=("float64",))
-        assert len(vs) == (3 if prop == "trajectory" else 1)  # trajectory: its noisy-update cases too (float64, float32)
+        # trajectory: its noisy-update cases too (float64, float32)
+        assert len(vs) == (3 if prop == "trajectory" else 1)
         for v in vs:
             assert (v.status, v.diagnosis) == ("fail", "mismatch")
             assert "rank 1, step 0: processed samples" in v.message and "foreign" in v.message

@@ -485,7 +485,7 @@ def _continues(case: Case, save, load, full, k: int, spec) -> Tuple[Optional[tup
             continue
         t = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
         whole = [sorted(s.indices) for s in full[r].steps]
-        def overlap(d):  # the resumed batches against the uninterrupted run's d steps later, where both exist
+        def overlap(d, got=got, whole=whole):  # the resumed batches against the uninterrupted run's d steps later
             pairs = [(got[j], whole[k + d + j]) for j in range(len(got)) if 0 <= k + d + j < len(whole)]
             return bool(pairs) and any(a for a, _ in pairs) and all(a == b for a, b in pairs)
         shifted = next((d for d in (1, 2, 3, -1) if overlap(d)), None)

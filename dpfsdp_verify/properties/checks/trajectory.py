@@ -36,10 +36,10 @@ not cover), and the accountant, which counts steps taken, composes fewer rounds 
 ran. Both are ``mismatch`` with a message saying which.
 
 The noisy update (one case per world size: fixed sampling, ``"mean"``, the first model and dtype, and
-a second in float32 where that dtype is another; not run when the options select only ``"sum"``): every other check of the default gate that looks
-at parameters runs at noise 0, and those that add noise use lr 0, so nothing else sees whether the
-noise the target *reports* is the noise it *applies*. ``UPDATE_STEPS`` steps at noise multiplier
-``UPDATE_SIGMA`` with SGD momentum mu (option ``update_momentum``, 0.9): the parameters after each
+a second in float32 where that dtype is another; not run when the options select only ``"sum"``):
+every other check of the default gate that looks at parameters runs at noise 0, and those that add
+noise use lr 0, so nothing else sees whether the noise the target *reports* is the noise it
+*applies*. ``UPDATE_STEPS`` steps at noise multiplier ``UPDATE_SIGMA`` with SGD momentum mu (option ``update_momentum``, 0.9): the parameters after each
 step t must equal ``p_{t-1} - lr * b_t``, ``b_t = mu * b_{t-1} + g_t`` (``b_0 = g_0``), over the
 gradients g_t the target released at that step and its own reported p_{t-1} (the initial model
 for t = 0), to ``compare.tolerance``. The check is exact, not statistical: a noise that misses the

@@ -14,7 +14,7 @@ applies. Plain functions of specs and rank outputs: the runner words them into v
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -324,16 +324,16 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
     histories = [o.accountant_history for o in outputs]
     if all(h is None for h in histories):
         return None
-    evidence = {"accountant_history": histories[0], "accountant": outputs[0].accountant}
+    evidence: Dict[str, Any] = {"accountant_history": histories[0], "accountant": outputs[0].accountant}
     where = f" (a resumed run's load half, resumed after step {spec.resume_at})" if spec.phase == "load" else ""
-    if any(h is None for h in histories) or any(list(map(tuple, h)) != list(map(tuple, histories[0]))
-                                                for h in histories):
+    first = list(map(tuple, histories[0] or ()))
+    if any(h is None for h in histories) or any(list(map(tuple, h or ())) != first for h in histories):
+        told_by = [_fmt(o.accountant_history) if o.accountant_history is not None else "none" for o in outputs]
         return ("accountant_mismatch", "the ranks' accountants report different histories for one run: "
-                + "; ".join(f"rank {o.rank}: {_fmt(o.accountant_history) if o.accountant_history is not None else 'none'}"
-                            for o in outputs)
+                + "; ".join(f"rank {o.rank}: {t}" for o, t in zip(outputs, told_by))
                 + where + ". The accountant is one for the run: ranks that disagree report different epsilons for "
                 "the same release", evidence)
-    history = histories[0]
+    history = cast(list, histories[0])  # every rank's, none None (checked above)
     told = _expand(history)
     taken = spec.first_step + len(outputs[0].steps)
     if len(told) != taken:
@@ -353,8 +353,8 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
         meaning = ("PRIVACY VIOLATION in the accounting: the epsilon it reports is that of fewer releases than were "
                    "made" if len(told) < taken else "the epsilon it reports is that of more releases than were made "
                    "(over-reported)")
-        return ("accountant_mismatch", f"the accountant was told {len(told)} step(s) ({_fmt(history)}) but the run took "
-                f"{taken}{where}: {how}. {meaning[0].upper()}{meaning[1:]}.", dict(evidence, steps_taken=taken))
+        return ("accountant_mismatch", f"the accountant was told {len(told)} step(s) ({_fmt(history)}) but the run "
+                f"took {taken}{where}: {how}. {meaning[0].upper()}{meaning[1:]}.", dict(evidence, steps_taken=taken))
     sigma = float(spec.noise_multiplier)
     wrong = sorted({s for s, _ in told if abs(s - sigma) > TOLD_RTOL * max(sigma, 1e-300)})
     if wrong:
@@ -381,7 +381,7 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
             return ("accountant_mismatch", f"the ranks report different epsilons for one run ({reported}){where}",
                     evidence)
         want = accounting.epsilon(history, spec.accountant_delta)
-        got = float(reported[0])
+        got = float(cast(float, reported[0]))  # every rank's the same, one not None
         rdp = outputs[0].accountant == "rdp"
         low = want * (1 - 1e-6) * (1.0 if rdp else TIGHTER_FLOOR)
         high = want * (1 + 1e-6) if rdp else math.inf
@@ -395,5 +395,5 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
     return None
 
 
-__all__ = ["accountant_history_problem", "TOLD_RTOL", "frozen_problem", "device_facts", "tf32_problem", "non_finite", "all_padding_note", "data_problem",
-           "poisson_problem", "physical_problem", "privacy_steps_problem"]
+__all__ = ["accountant_history_problem", "TOLD_RTOL", "frozen_problem", "device_facts", "tf32_problem", "non_finite",
+           "all_padding_note", "data_problem", "poisson_problem", "physical_problem", "privacy_steps_problem"]

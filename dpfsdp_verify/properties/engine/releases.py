@@ -37,8 +37,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
-from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests, run_tests,
-                                 tests_of)
+from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
+                                 run_tests, tests_of)
 from ..wording.releases import finding_message, pass_message, pooled_message
 from .contract import Case, Options, Outputs
 
@@ -74,7 +74,8 @@ class Ledger:
                     last: Dict[object, dict] = {}
                     for spec, ranks in zip(case.specs, runs):
                         spec = mode.apply(spec)
-                        key = repr(sorted((k, v) for k, v in asdict(spec).items() if k not in ("phase", "checkpoint_dir")))
+                        key = repr(sorted((k, v) for k, v in asdict(spec).items()
+                                          if k not in ("phase", "checkpoint_dir")))
                         start = last.get(key) if spec.phase == "load" else None
                         if spec.phase == "save" and ranks and ranks[0].steps:
                             last[key] = ranks[0].steps[-1].parameters

@@ -27,8 +27,8 @@ from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
 from . import releases
-from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
-                        poisson_problem, privacy_steps_problem, tf32_problem)
+from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
+                        non_finite, physical_problem, poisson_problem, privacy_steps_problem, tf32_problem)
 
 
 #: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``

@@ -47,7 +47,8 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
 
 
 def where(owner: str, config: str, run: RunReleases) -> str:
-    return f"in a run made for {owner} [{config}] ({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, D={run.divisor:g})"
+    return (f"in a run made for {owner} [{config}] ({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, "
+            f"D={run.divisor:g})")
 
 
 def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
@@ -66,8 +67,8 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
                 "attack on the Gaussian mechanism), which the Gaussian accounting does not cover.")
     if f.kind == "mean":
         return (f"the released noise is not centred {at}: its mean over every coordinate and step is {f.ratio:+.3g} "
-                f"sigma*C per coordinate (two-sided p = {f.p:.2g} < {alpha:.2g}). Noise with a bias moves every release "
-                "the same way: the mechanism is not the Gaussian one the accountant assumes.")
+                f"sigma*C per coordinate (two-sided p = {f.p:.2g} < {alpha:.2g}). Noise with a bias moves every "
+                "release the same way: the mechanism is not the Gaussian one the accountant assumes.")
     less = f.ratio < 1
     lead = "PRIVACY VIOLATION: too little noise" if less else "too much noise (utility lost)"
     if f.scope == "from":
