@@ -35,23 +35,23 @@ nothing: whether a step happened then depends on who was sampled (an output the 
 not cover), and the accountant, which counts steps taken, composes fewer rounds than the sampling
 ran. Both are ``mismatch`` with a message saying which.
 
-The noisy update (one case per world size: fixed sampling, ``"mean"``, the first model and dtype, and
-a second in float32 where that dtype is another; not run when the options select only ``"sum"``):
-every other check of the default gate that looks at parameters runs at noise 0, and those that add
-noise use lr 0, so nothing else sees whether the noise the target *reports* is the noise it
-*applies*. ``UPDATE_STEPS`` steps at noise multiplier ``UPDATE_SIGMA`` with SGD momentum mu (option ``update_momentum``, 0.9): the parameters after each
-step t must equal ``p_{t-1} - lr * b_t``, ``b_t = mu * b_{t-1} + g_t`` (``b_0 = g_0``), over the
-gradients g_t the target released at that step and its own reported p_{t-1} (the initial model
-for t = 0), to ``compare.tolerance``. The check is exact, not statistical: a noise that misses the
-update moves the parameters by ~lr * sigma * C / D, orders of magnitude above rounding. A failure
-names its cause from the reference's clean clipped gradient at the reported parameters (checked to
-``UPDATE_CAUSE_RTOL``): ``noise_bypassed`` when the parameters follow the clean gradients (noise only
-in the reported ``p.grad``: no privacy) or the noise kept out of the momentum buffer (the buffer
-holds clean gradients: a step's privacy loss up to 1/(1 - mu^2) the stated one), else ``mismatch``.
-A target that does not declare ``"momentum"`` (``Target.features``) gets the runner's "not
-checkable" fail for this case (config ``momentum``), as for ``checkpoint_resume``; through the API
-``update_momentum=0`` checks the plain-SGD update on such a target.
-"""
+The noisy update (one case per world size: fixed sampling, ``"mean"``, the first model and dtype,
+and a second in float32 where that dtype is another; not run when the options select only
+``"sum"``): every other check of the default gate that looks at parameters runs at noise 0, and
+those that add noise use lr 0, so nothing else sees whether the noise the target *reports* is the
+noise it *applies*. ``UPDATE_STEPS`` steps at noise multiplier ``UPDATE_SIGMA`` with SGD momentum mu
+(option ``update_momentum``, 0.9): the parameters after each step t must equal ``p_{t-1} - lr *
+b_t``, ``b_t = mu * b_{t-1} + g_t`` (``b_0 = g_0``), over the gradients g_t the target released at
+that step and its own reported p_{t-1} (the initial model for t = 0), to ``compare.tolerance``. The
+check is exact, not statistical: a noise that misses the update moves the parameters by ~lr * sigma
+* C / D, orders of magnitude above rounding. A failure names its cause from the reference's clean
+clipped gradient at the reported parameters (checked to ``UPDATE_CAUSE_RTOL``): ``noise_bypassed``
+when the parameters follow the clean gradients (noise only in the reported ``p.grad``: no privacy)
+or the noise kept out of the momentum buffer (the buffer holds clean gradients: a step's privacy
+loss up to 1/(1 - mu^2) the stated one), else ``mismatch``. A target that does not declare
+``"momentum"`` (``Target.features``) gets the runner's "not checkable" fail for this case (config
+``momentum``), as for ``checkpoint_resume``; through the API ``update_momentum=0`` checks the
+plain-SGD update on such a target. """
 
 from __future__ import annotations
 
