@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     axes = {"models": tuple(args.models.split(","))} if args.models else {}
     if args.precisions:
         axes["precisions"] = tuple(args.precisions.split(","))
-    registry = [p for p in REGISTRY if not args.properties or p.id in args.properties.split(",")]
+    # an opt-in property (the privacy audit: benchmarks/audit.py) only when named
+    registry = [p for p in REGISTRY if (p.id in args.properties.split(",") if args.properties else not p.opt_in)]
     if args.seed is None:
         import random
 

@@ -44,7 +44,8 @@ def clopper_pearson(k: int, n: int, level: float = 0.95):
         return (lo + hi) / 2
     a = (1 - level) / 2
     low = 0.0 if k == 0 else solve(tail_ge, a)
-    high = 1.0 if k == n else solve(lambda p: 1 - (1 - tail_ge(p) + math.comb(n, k) * p ** k * (1 - p) ** (n - k)), 1 - a)
+    high = 1.0 if k == n else solve(lambda p: 1 - (1 - tail_ge(p) + math.comb(n, k) * p ** k * (1 - p) ** (n - k)),
+                                    1 - a)
     return low, high
 
 
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
             # so each verdict's per-test level and draws are the gate's; only the selected ones run
             opts = prop.options(args.target, world_sizes=(1, 2), seed=first + run, timeout=120)
             cases = [c for c in prop.plan(opts) if not c.fresh_groups and c.world_size in world_sizes
-                     and c.spec.sampling in args.samplings.split(",") and c.spec.reduction in args.reductions.split(",")]
+                     and c.spec.sampling in args.samplings.split(",")
+                     and c.spec.reduction in args.reductions.split(",")]
             verdicts = judge_cases(prop, cases, pool, opts.timeout)
             failed = [v for v in verdicts if v.status != "pass"]
             counts["runs with a failure"] += bool(failed)

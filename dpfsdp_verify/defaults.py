@@ -8,6 +8,8 @@ writes one of these numbers (``tests/test_space.py`` greps for strays); a proper
 (``Property.params``: ``physical_batch_size``, ``resume_at``...) keep their defaults in the
 property, and ``dpfsdp-verify list`` prints them."""
 
+from typing import Any, Dict
+
 #: upstream opacus' FSDP ghost-clipping mode: what the suite runs unless told otherwise
 DEFAULT_GRAD_SAMPLE_MODE = "ghost_fsdp"
 #: a Poisson point's q and samples per rank unless the options name others: local batch 2 over a
@@ -21,8 +23,9 @@ MAX_GLOO_WORLD_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
 #: the gate's wide world size (``--wide-world-size``; ``properties/engine/horizon.py``)
 WIDE_WORLD_SIZE = 3
-#: the gate's long-run length in steps (``--horizon``): 12 Poisson epochs of 4 steps, past step 40
-HORIZON_STEPS = 48
+#: the gate's long-run length in steps (``--horizon``): 18 Poisson epochs of 4 steps, past step 64 (a noise
+#: schedule halving at step 64, a clip cap dropped at step 50: issue 32; each long run ~1.5x a 48-step one)
+HORIZON_STEPS = 72
 #: q of the long runs, and samples per rank: an expected local batch of 16, so an empty local batch
 #: (0.75^64 ~ 1e-8 per rank and step) never happens -- a sampler that skips empty batches (upstream
 #: opacus' does) takes every step, and the long runs judge the late steps, not that finding
@@ -39,7 +42,7 @@ EXPLORE_ENV = "DPFSDP_VERIFY_EXPLORE"
 #: the largest world size exploration draws (capped further by the host's cores: ``space.explore_max_world_size``)
 EXPLORE_MAX_WORLD_SIZE = 8
 #: what a ``RunSpec`` is unless a property says otherwise (``targets.base.RunSpec``'s field defaults)
-SPEC_DEFAULTS = dict(model="mlp", model_seed=0, global_batch_size=8, batch_seed=1, data_layout="split",
+SPEC_DEFAULTS: Dict[str, Any] = dict(model="mlp", model_seed=0, global_batch_size=8, batch_seed=1, data_layout="split",
                      reduction="mean", max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=1234, steps=1, lr=0.5,
                      dtype="float64", sampling="fixed", seeding="same", precision="fp32")
 #: ``dpfsdp-verify scale`` (docs/scale.md): nominal steps per rank, the world sizes it projects to,
@@ -48,5 +51,6 @@ SCALE_STEPS, SCALE_WORLD_SIZES, SCALE_SEED = 1000, (8, 64, 512, 1024), 0
 
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
            "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
-           "DEFAULT_EXPLORE_S", "EXPLORE_ENV", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS", "SCALE_WORLD_SIZES",
+           "DEFAULT_EXPLORE_S", "EXPLORE_ENV", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS",
+           "SCALE_WORLD_SIZES",
            "SCALE_SEED"]

@@ -30,8 +30,12 @@ install.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Dict, Optional
 
+#: hypothesis' names, or ``None`` each where it is not installed (hence ``Any``)
+HealthCheck: Any
+settings: Any
+DirectoryBasedExampleDatabase: Any
 try:
     from hypothesis import HealthCheck, settings
     from hypothesis.database import DirectoryBasedExampleDatabase
@@ -76,7 +80,7 @@ def register_profiles(root: Optional[str] = None) -> None:
     path = database_path(root)
     if _registered_root == path:
         return
-    common = dict(deadline=None, print_blob=True, suppress_health_check=_SUPPRESSED)
+    common: Dict[str, Any] = dict(deadline=None, print_blob=True, suppress_health_check=_SUPPRESSED)
     settings.register_profile(PREFIX + "ci", max_examples=10, derandomize=True, database=None, **common)
     db = DirectoryBasedExampleDatabase(path)
     settings.register_profile(PREFIX + "dev", max_examples=25, database=db, **common)

@@ -36,7 +36,9 @@ SEQUENCE_MODELS = ("masked",)
 ZOO_MODELS = ("zoo",)
 #: samples of every scale (``ExtremeMLP``): per-sample norms from ~1 to ~1e20 in one batch
 EXTREME_MODELS = ("extreme",)
-MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS
+#: gradient canaries with secret membership (``CanaryEmbedding``): the privacy audit's model (``docs/audit.md``)
+AUDIT_MODELS = ("canary",)
+MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS + AUDIT_MODELS
 #: the input scale of sample ``i`` of an ``extreme`` batch: ``EXTREME_SCALES[i % 6]``. Its per-sample
 #: gradient norm is about the scale (``ExtremeMLP``): ~1, ~1e2, ~1e6 and ~1e20, whose square (1e40)
 #: overflows float32 (largest finite 3.4e38)
@@ -295,10 +297,13 @@ class MaskedEncoder(nn.Module):
 class LayerZoo(nn.Module):
     """Every layer type opacus 1.6.0's ghost clipping samples, each with its parameters, in one tiny
     classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
-    Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d -> Linear (every conv with its
-    bias, every norm affine). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
+    Conv1d (groups 2, dilation 2) -> Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d
+    -> Linear, with a Conv2d of stride 2 and groups 2 on a side branch into the Linear (every conv
+    with its bias, every norm affine; a norm that leaves out convs with stride, groups or dilation
+    != 1 undercounts). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
     as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
-    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in ``BASE_MODELS``: the norm property runs it once
+    3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in
+    ``BASE_MODELS``: the norm property runs it once
     per world size (a layer left out of a target's norm registry is then named); ``--models zoo``
     runs it everywhere."""
 
@@ -313,17 +318,22 @@ class LayerZoo(nn.Module):
         self.rms = nn.RMSNorm(width)
         self.conv1d = nn.Conv1d(width, width, kernel_size=3, padding=1)
         self.in1d = nn.InstanceNorm1d(width, affine=True)
+        # grouped and dilated (dilation 2, padding 2: the length stays 8)
+        self.conv1d_gd = nn.Conv1d(width, width, kernel_size=3, padding=2, dilation=2, groups=2)
         self.conv2d = nn.Conv2d(width, width, kernel_size=3, padding=1)
+        # strided and grouped, on a side branch into the classifier (2 x 4 -> 1 x 2)
+        self.conv2d_sg = nn.Conv2d(width, width, kernel_size=3, stride=2, padding=1, groups=2)
         self.gn = nn.GroupNorm(2, width)
         self.in2d = nn.InstanceNorm2d(width, affine=True)
         self.conv3d = nn.Conv3d(width, width, kernel_size=3, padding=1)
         self.in3d = nn.InstanceNorm3d(width, affine=True)
-        self.fc = nn.Linear(width * self.SEQ_LEN, classes)
+        self.fc = nn.Linear(width * self.SEQ_LEN + width * 2, classes)
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
             for norm in (self.ln, self.rms, self.in1d, self.gn, self.in2d, self.in3d):
                 norm.weight.uniform_(0.5, 1.5)
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias.uniform_(-0.5, 0.5)
+                bias = getattr(norm, "bias", None)
+                if bias is not None:
+                    bias.uniform_(-0.5, 0.5)
 
     def forward(self, idx):
         # a tanh after every layer: a norm right after a layer would cancel that layer's per-channel
@@ -331,9 +341,11 @@ class LayerZoo(nn.Module):
         b, t = idx.shape[0], torch.tanh
         x = t(self.rms(t(self.ln(self.tok(idx)))))                         # [B, 8, w]
         x = t(self.in1d(t(self.conv1d(x.transpose(1, 2)))))               # [B, w, 8]
+        x = t(self.conv1d_gd(x))                                          # [B, w, 8]
         x = t(self.in2d(t(self.gn(t(self.conv2d(x.reshape(b, -1, 2, 4)))))))  # [B, w, 2, 4]
+        side = t(self.conv2d_sg(x))                                       # [B, w, 1, 2]
         x = t(self.in3d(t(self.conv3d(x.reshape(b, -1, 2, 2, 2)))))       # [B, w, 2, 2, 2]
-        return self.fc(x.flatten(1))
+        return self.fc(torch.cat([x.flatten(1), side.flatten(1)], dim=1))
 
 
 class ExtremeMLP(nn.Module):
@@ -354,6 +366,41 @@ class ExtremeMLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.tanh(self.fc1(x)))
+
+
+#: canaries of a ``canary`` model and batch unless ``canaries`` says otherwise
+CANARIES = 1000
+
+
+class CanaryEmbedding(nn.Module):
+    """White-box gradient canaries (``docs/audit.md``): one ``Embedding(canaries + 1, 2)`` whose
+    output is the logits, initialised to zero. Sample ``i`` of a ``canary`` batch is token ``i``
+    (canary ``i``, a *member*) or token ``canaries`` (the sink row: canary ``i`` is *out*), with
+    label 0. A member's per-sample gradient is ``softmax(0) - e_0 = (-1/2, 1/2)`` on row ``i`` and
+    zero everywhere else (norm 1/sqrt(2), the same for every canary while the parameters stay at
+    zero, i.e. at lr 0): each canary owns a row no other sample touches, and FSDP shards the rows
+    (dim 0) over the ranks, so the canaries are spread across shards while each rank's samples are
+    strided over the dataset. An *out* canary's gradient lands on the sink row only, which no score
+    reads: the canary rows are then distributed exactly as if the sample were absent (add/remove
+    DP), whatever else is released. The secrets are ``canary_secrets`` of the batch seed."""
+
+    def __init__(self, canaries: int = CANARIES):
+        super().__init__()
+        if canaries < 1:
+            raise ValueError(f"canaries={canaries} must be >= 1")
+        self.canary = nn.Embedding(canaries + 1, 2)
+        with torch.no_grad():
+            self.canary.weight.zero_()
+
+    def forward(self, idx):
+        return self.canary(idx)
+
+
+def canary_secrets(batch_size: int, seed: int) -> torch.Tensor:
+    """``[batch_size]`` secrets S_i in {-1, +1} (uniform, independent) of a ``canary`` batch drawn
+    from ``seed``: +1 puts canary ``i`` in the data (token ``i``), -1 leaves it out (the sink token)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (batch_size,), generator=g) * 2 - 1
 
 
 def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
@@ -399,13 +446,14 @@ MODEL_DIMS = {
     "masked": ("vocab", "seq_len", "d_model", "n_heads"),
     "zoo": ("vocab", "classes", "width"),
     "extreme": ("d_in", "hidden", "classes"),
+    "canary": ("canaries",),
 }
 #: keywords only the batch uses (``build_model`` accepts and ignores them)
 BATCH_DIMS = ("pad_fraction",)
 _BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"),
                "transformer": ("vocab", "seq_len", "pad_fraction"), "lora": ("d_in", "classes"),
                "tied": ("vocab", "seq_len", "pad_fraction"), "masked": ("vocab", "seq_len"),
-               "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes")}
+               "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes"), "canary": ("canaries",)}
 
 
 def _check_dims(name: str, dims: dict) -> None:
@@ -426,7 +474,8 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     """
     _check_dims(name, dims)
     ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
-            "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP}[name]
+            "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP,
+            "canary": CanaryEmbedding}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -451,6 +500,13 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     _check_dims(name, dims)
     d = {k: v for k, v in dims.items() if k in _BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
+    if name == "canary":
+        m = d.get("canaries", CANARIES)
+        if batch_size > m:
+            raise ValueError(f"a canary batch holds at most its {m} canaries, got batch_size={batch_size}")
+        secrets = canary_secrets(batch_size, seed)
+        tokens = torch.where(secrets > 0, torch.arange(batch_size), torch.full((batch_size,), m))
+        return Batch(tokens, torch.zeros(batch_size, dtype=torch.long), "cross_entropy")
     if name == "extreme":
         scale = torch.tensor([EXTREME_SCALES[i % len(EXTREME_SCALES)] for i in range(batch_size)], dtype=torch.float64)
         x = torch.randn(batch_size, d.get("d_in", MLP_IN), generator=g, dtype=torch.float64) * scale.unsqueeze(1)
@@ -488,4 +544,5 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
 
 
 __all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
-           "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES", "sequence_lengths"]
+           "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES", "sequence_lengths",
+           "CanaryEmbedding", "canary_secrets", "CANARIES", "AUDIT_MODELS"]

@@ -59,7 +59,8 @@ class Mode:
 
 DEFAULT_MODES: Tuple[Mode, ...] = (Mode(),)
 #: how to give two modes, for messages that ask for them
-TWO_MODES_EXAMPLE = "e.g. --mode-env immediate:OPACUS_USE_DEFERRED_NORM=0 --mode-env deferred:OPACUS_USE_DEFERRED_NORM=1"
+TWO_MODES_EXAMPLE = ("e.g. --mode-env immediate:OPACUS_USE_DEFERRED_NORM=0 "
+                     "--mode-env deferred:OPACUS_USE_DEFERRED_NORM=1")
 
 
 def parse(item: str) -> Mode:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -225,7 +225,7 @@ def with_all_trainable(model: nn.Module) -> nn.Module:
 
 def per_sample_norms(grads: Grads) -> torch.Tensor:
     """``[B]`` L2 norms of each sample's gradient over all parameters together."""
-    sq = sum(g.reshape(g.shape[0], -1).pow(2).sum(dim=1) for g in grads.values())
+    sq = cast(torch.Tensor, sum(g.reshape(g.shape[0], -1).pow(2).sum(dim=1) for g in grads.values()))
     return sq.sqrt()
 
 
@@ -310,6 +310,7 @@ def dp_sgd_trajectory(model: nn.Module, batches: Sequence[Batch], *, lr: float, 
     ``dp_sgd_gradient``. The input model is not modified.
     """
     m = copy.deepcopy(model).to(torch.float64)
+    bufs: Dict[str, torch.Tensor]
     losses, history, bufs = [], [], {}
 
     def update(p: torch.Tensor, name: str, g: torch.Tensor) -> None:

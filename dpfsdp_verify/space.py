@@ -114,8 +114,8 @@ class Integer(Axis):
     explore: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
-        if self.explore is not None and (self.explore[0] < self.lo or (self.hi is not None and self.explore[1] > self.hi)
-                                         or self.explore[0] > self.explore[1]):
+        ex = self.explore
+        if ex is not None and (ex[0] < self.lo or (self.hi is not None and ex[1] > self.hi) or ex[0] > ex[1]):
             raise ValueError(f"axis {self.name}: explore range {self.explore} outside {self.lo}..{self.hi}")
 
     def check(self, value: Any) -> Optional[str]:
@@ -129,7 +129,8 @@ class Integer(Axis):
         return None
 
     def describe(self) -> str:
-        return f"{self.lo}..{'' if self.hi is None else self.hi}" + (f" ({self.none}: none)" if self.none is not None else "")
+        none = f" ({self.none}: none)" if self.none is not None else ""
+        return f"{self.lo}..{'' if self.hi is None else self.hi}" + none
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def explore_max_world_size(cores: Optional[int] = None) -> int:
     no more than two ranks per core (ranks on an oversubscribed host are slow, not wrong; more
     would spend the budget on scheduling) and at least 2."""
     cores = cores or os.cpu_count() or 1
-    hi = AXES["world_size"].explore[1]  # type: ignore[attr-defined, index]
+    hi = AXES["world_size"].explore[1]  # type: ignore[attr-defined]
     return max(2, min(hi, 2 * cores))
 
 
@@ -276,7 +277,8 @@ def combination_problem(world_size: int = 1, dtype: str = "float64", precision: 
     if precision != "fp32" and dtype != "float32":
         return f"precision {precision} is bf16 compute over float32 parameters: it needs dtype float32, not {dtype}"
     if mesh and (sampling != "fixed" or physical_batch_size or resume_at or data_layout != "split"):
-        return f"mesh {mesh}: 2-D meshes run fixed, split batches only (no Poisson, accumulation, resume or replicated data)"
+        return (f"mesh {mesh}: 2-D meshes run fixed, split batches only (no Poisson, accumulation, resume or "
+                "replicated data)")
     if resume_at and physical_batch_size:
         return "resume_at with physical_batch_size: resume without accumulation"
     if resume_at and resume_at >= steps:

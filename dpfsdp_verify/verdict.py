@@ -16,6 +16,7 @@ the gate process raised (a bug in a check). The CLI exits 3 when any verdict car
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
@@ -27,13 +28,13 @@ FAILING = ("fail", "hang", "error")
 #: one per DP step, a bug in a check, a rank refused by DTensor for a tensor whose placement differs
 #: from its parameter's)
 RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
-                 "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch")
+                 "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch", "accountant_mismatch")
 #: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
 #: (``Property.diagnoses``); the report schema's enum is this list (tests/properties/test_contract.py ties them)
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
                              "wrong_sample_rate", "non_gaussian_noise", "dependent_noise", "step_count_reset",
-                             "noise_replayed", "mask_replayed", "noise_bypassed", "accountant_mismatch",
-                             "replica_divergence", "replicated_counted")
+                             "noise_replayed", "mask_replayed", "noise_bypassed",
+                             "replica_divergence", "replicated_counted", "audit_violation")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the
@@ -41,7 +42,8 @@ INTERNAL_ERROR = "internal_error"
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
                "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision",
-               "noise_multiplier", "momentum", "horizon", "mesh", "explore")
+               "noise_multiplier", "momentum", "horizon", "mesh", "audit_canaries", "audit_steps", "releases",
+               "explore")
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Verdict:
         d.pop("details")
         return d
 
-    @property
+    @builtins.property  # the field ``property`` shadows the builtin in this class body
     def label(self) -> str:
         """``property [config label]``: the name of this verdict in messages, reports and
         expectations (``config_label``)."""

@@ -98,7 +98,7 @@ DEFAULT_NAMES = ("DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_
                  "HORIZON_SAMPLES_PER_RANK", "DEFAULT_EXPLORE_S")
 #: a seed picked by arithmetic on a literal or another seed: ``point.seed(4242 + ws)``, ``noise_seed=base + 3``
 SEED_FIELD = re.compile(r"\b(noise|sampling|batch|model)_seed\s*=\s*(?!seed_for|adjacent|point\.seed_for|"
-                        r"point\.poisson_seed)[^,)\n]*[+*]")
+                        r"point\.poisson_seed\(\))[^,)\n]*[+*]")
 #: the contract's own seed arithmetic (RunSpec semantics every target implements, documented in
 #: targets/base.py): not a stream picked by a check
 SEMANTICS = {"targets/base.py", "targets/opacus_target.py", "properties/analysis/compare.py", "gate/scale.py"}
@@ -134,7 +134,8 @@ def test_every_default_and_seed_is_defined_once():
                         strays.append(f"{rel}:{node.lineno}: assigns the default {name.id} (defaults.py's)")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "seed" \
                     and rel.startswith("properties/"):
-                strays.append(f"{rel}:{node.lineno}: Point.seed(base) picks a stream by offset: use point.seed_for(name)")
+                strays.append(f"{rel}:{node.lineno}: Point.seed(base) picks a stream by offset: "
+                              "use point.seed_for(name)")
             if isinstance(node, ast.keyword) and node.arg == "default" and rel == "gate/cli.py" \
                     and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float)) \
                     and not isinstance(node.value.value, bool) and node.value.value != 0:
@@ -144,7 +145,8 @@ def test_every_default_and_seed_is_defined_once():
             strays += [f"{rel}: a seed picked by offset: {m.group(0)!r}" for m in SEED_FIELD.finditer(code)]
             if "crc32" in code:
                 strays.append(f"{rel}: a seed hashed by hand (crc32): use space.seed_for")
-        if re.search(r"world_sizes\s*:[^=]*=\s*\(\s*1\s*,\s*2\s*\)", code) or re.search(r"=\s*\"1,2\"", path.read_text()):
+        if (re.search(r"world_sizes\s*:[^=]*=\s*\(\s*1\s*,\s*2\s*\)", code)
+                or re.search(r"=\s*\"1,2\"", path.read_text())):
             strays.append(f"{rel}: the default world sizes written again (defaults.DEFAULT_WORLD_SIZES)")
     assert not strays, "\n".join(strays)
 
@@ -162,4 +164,4 @@ def test_the_grep_sees_a_stray(tmp_path):
 def test_the_docs_option_table_is_the_space():
     text = (ROOT / "docs" / "explore.md").read_text()
     table = text.split("<!-- space-table -->")[1].split("<!-- /space-table -->")[0].strip()
-    assert table == space.option_table(), "regenerate: python -c 'from dpfsdp_verify import space; print(space.option_table())'"
+    assert table == space.option_table(), "regenerate it from space.option_table()"

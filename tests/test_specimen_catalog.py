@@ -10,7 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _catalog():
-    spec = importlib.util.spec_from_file_location("specimen_catalog", os.path.join(REPO, "scripts", "specimen_catalog.py"))
+    spec = importlib.util.spec_from_file_location("specimen_catalog", os.path.join(REPO, "scripts",
+                                                                                   "specimen_catalog.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 from .. import modes as modes_mod
-from ..harness import Pool
+from ..harness import JobPool, Pool
 from ..modes import Mode
 from ..properties import PROPERTIES, Property, fuzzable
 from ..properties.engine import runner
@@ -40,7 +40,7 @@ def fuzzable_property(property_id: str) -> Property:
     return prop
 
 
-def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: Optional[Pool] = None,
+def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: Optional[JobPool] = None,
                   settings=None, **options) -> List[Verdict]:
     """``n_examples`` examples at each world size and mode group, one verdict each. ``options`` are
     a property call's keywords (``world_sizes``, ``modes``, ``models``, ``dtypes``,
@@ -51,7 +51,7 @@ def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: O
     return fuzz_examples(prop, prop.options(target_ref, **options), n_examples, pool, settings)
 
 
-def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional[Pool] = None,
+def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional[JobPool] = None,
                   settings=None) -> List[Verdict]:
     """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
     of the options' world sizes and mode groups, each run and judged by ``runner.check_example``
@@ -70,7 +70,7 @@ def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional
             pool.close()
 
 
-def check_example(property_id: str, opts: Options, spec: RunSpec, world_size: int, *, pool: Pool,
+def check_example(property_id: str, opts: Options, spec: RunSpec, world_size: int, *, pool: JobPool,
                   modes: Sequence[Mode] = ()) -> Verdict:
     """The property's verdict for one spec at one world size (what ``dpfsdp-verify replay`` runs)."""
     return runner.check_example(fuzzable_property(property_id), opts, spec, world_size, pool, modes)

@@ -95,7 +95,8 @@ class _Explorer:
             if self.found_at is None:
                 self.found_at, self.found_draw = time.monotonic(), sum(self.seen.values())
             # the spec as run (the recipe's prepare applied): what the replay line re-runs
-            raise Counterexample(v, self.prop.explore.prepare(spec, knobs) if self.prop.explore else spec)
+            ready = self.prop.explore.prepare(spec, knobs) if self.prop.explore else spec
+            raise Counterexample(v, ready if isinstance(ready, RunSpec) else spec)
 
     def run(self, ws: int, spec: RunSpec, knobs: dict) -> Verdict:
         with runner.one_thread():
@@ -110,6 +111,7 @@ class _Explorer:
         settings = Settings(max_examples=ROUND_EXAMPLES, database=None, derandomize=False, deadline=None,
                             report_multiple_bugs=False, print_blob=True, phases=(Phase.generate, Phase.shrink),
                             suppress_health_check=list(HealthCheck))
+        assert self.prop.explore is not None
         strategy = strategies.explore_specs(self.max_world_size, grad_sample_mode=self.opts.grad_sample_mode,
                                             **self.prop.explore.draw_kwargs())
         def example(drawn):
@@ -135,7 +137,8 @@ class _Explorer:
         return Verdict(v.property, v.status, {**v.config, "explore": explore}, diagnosis=v.diagnosis,
                        evidence=evidence, repro=v.repro, seconds=round(time.monotonic() - self.t0, 3),
                        message=(f"exploration found a failing configuration (draw {self.found_draw} of run seed "
-                                f"{self.opts.seed}; {run - self.found_draw} more to shrink it); shrunk to the smallest: "
+                                f"{self.opts.seed}; {run - self.found_draw} more to shrink it); shrunk to the "
+                                "smallest: "
                                 f"{strategies.spec_summary(found.spec, v.config.get('world_size') or 1)}, lr "
                                 f"{found.spec.lr:g}, C {found.spec.max_grad_norm:.4g}. {v.message}"),
                        details="\n".join(["hypothesis: " + n for n in notes] + ([v.details] if v.details else [])))
@@ -159,7 +162,7 @@ class _Explorer:
             f"docs/explore.md)"))
 
     def _more(self) -> str:
-        kw = self.prop.explore.draw_kwargs()
+        kw = self.prop.explore.draw_kwargs() if self.prop.explore is not None else {}
         parts = []
         if "poisson" in kw.get("samplings", ("poisson",)):
             parts.append("Poisson sampling" + (" and runs up to 200 steps" if kw.get("long_runs", True) else ""))

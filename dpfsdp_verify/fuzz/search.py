@@ -20,7 +20,7 @@ import json
 import random
 import time
 from collections import Counter
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
@@ -30,7 +30,7 @@ from ..hypothesis_profiles import profile_settings
 from ..modes import Mode
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
-from ..properties.engine.contract import Options, Property, modes_problem
+from ..properties.engine.contract import FuzzRecipe, Options, Property, modes_problem
 from . import strategies
 
 DEFAULT_MODELS = ("mlp", "transformer")
@@ -57,9 +57,9 @@ def spec_strategy(prop: Property, world_size: int, opts: Options):
     Every rank gets at least one sample: opacus' own data paths never give a rank an empty batch
     (its distributed Poisson sampler skips them), so an empty one would test the adapter, not the
     target."""
-    draw = dict(models=tuple(opts.models or DEFAULT_MODELS), grad_sample_mode=opts.grad_sample_mode,
+    draw: Dict[str, Any] = dict(models=tuple(opts.models or DEFAULT_MODELS), grad_sample_mode=opts.grad_sample_mode,
                 dtype_values=tuple(opts.dtypes or DEFAULT_DTYPES), min_per_rank=1)
-    draw.update(prop.fuzz.draw_kwargs())
+    draw.update(cast(FuzzRecipe, prop.fuzz).draw_kwargs())  # only a fuzzable property is fuzzed
     return strategies.run_specs(world_size, **draw)
 
 
@@ -72,7 +72,8 @@ def fuzz_groups(prop: Property, opts: Options, n_examples: int, check: Check,
     verdicts: List[Verdict] = []
     for ws in sorted(set(opts.world_sizes)):
         if not groups:
-            verdicts.append(prop.skip(opts, modes_problem(prop, opts.modes), world_size=ws))
+            # no mode group: the modes' problem is named
+            verdicts.append(prop.skip(opts, cast(str, modes_problem(prop, opts.modes)), world_size=ws))
         for modes in groups:
             verdicts.append(search(prop, opts, ws, modes, n_examples, check, settings=settings))
     return verdicts
@@ -101,7 +102,7 @@ def search(prop: Property, opts: Options, world_size: int, modes: Sequence[Mode]
             raise Counterexample(v, spec)
 
     # a database key per (property, target, world size, modes): a saved failure replays where it failed
-    example._hypothesis_internal_add_digest = repr((prop.id, opts.target, world_size, sorted(
+    cast(Any, example)._hypothesis_internal_add_digest = repr((prop.id, opts.target, world_size, sorted(
         (m.label, list(m.env)) for m in modes))).encode()
     test = run_settings(hypothesis_seed(seed)(given(strategy)(example)))
     try:
@@ -121,7 +122,8 @@ def _summary_verdict(prop: Property, opts: Options, world_size: int, modes, seed
     fuzz = {"examples": n, "seed": seed, "statuses": dict(seen)}
     config = {**prop.fuzz_config(opts, world_size, modes, models, dtypes), "fuzz": fuzz}
     if seen["pass"] == 0:
-        return Verdict(prop.id, "skip", config, message=f"all {n} fuzzed examples were skipped at world_size={world_size}",
+        return Verdict(prop.id, "skip", config, message=f"all {n} fuzzed examples were skipped at "
+                                                        f"world_size={world_size}",
                        evidence=fuzz, seconds=round(seconds, 3))
     return Verdict(prop.id, "pass", config,
                    message=(f"{seen['pass']} fuzzed configurations passed at world_size={world_size} "

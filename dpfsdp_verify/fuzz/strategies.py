@@ -22,7 +22,7 @@ them in ``RunSpec.model_kwargs`` as sorted ``(key, value)`` pairs.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union, cast
 
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -170,7 +170,8 @@ def fixed_dims(world_size: int) -> st.SearchStrategy[Dict[str, object]]:
 
 
 MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": transformer_dims, "lora": lora_dims,
-                        "tied": tied_dims, "masked": masked_dims, "zoo": fixed_dims, "extreme": fixed_dims}
+                        "tied": tied_dims, "masked": masked_dims, "zoo": fixed_dims, "extreme": fixed_dims,
+                        "canary": fixed_dims}
 
 
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:
@@ -178,7 +179,8 @@ def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, objec
     ``world_size``. Raises ``InvalidArgument`` for an unknown model."""
     if model not in MODEL_DIM_STRATEGIES:
         raise InvalidArgument(f"unknown model {model!r}; choose from {MODEL_NAMES}")
-    return MODEL_DIM_STRATEGIES[model](world_size)
+    # each draws a Dict[str, int] or Dict[str, object]: read-only here, so a Dict[str, object]
+    return cast(st.SearchStrategy[Dict[str, object]], MODEL_DIM_STRATEGIES[model](world_size))
 
 
 def global_batch_sizes(world_size: int, *, min_per_rank: int = 1, min_value: int = 1,
@@ -330,7 +332,7 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_M
     splits = tuple(draw(batch_splits(split_of, ws, min_per_rank=min_per_rank)) for _ in range(steps))
     rank_batches = splits if (layout == "split" and path == "explicit") else None
     model_seed, batch_seed = (draw(st.integers(0, 3)), draw(st.integers(1, 4))) if seeds else (0, 1)
-    poisson: Dict[str, object] = {}
+    poisson: Dict[str, Any] = {}  # RunSpec's Poisson fields
     if tuple(sampling_values) != ("fixed",):
         sampling = draw(st.sampled_from(tuple(sampling_values)))
         params = draw(poisson_params(ws))  # drawn on both branches: equal-length choice sequences
@@ -365,7 +367,7 @@ def _no_short_rows(dims: Dict[str, object], ws: int) -> Dict[str, object]:
 
 
 def _int_range(name: str) -> Tuple[int, int]:
-    return AXES[name].explore  # type: ignore[attr-defined, return-value]
+    return AXES[name].explore  # type: ignore[attr-defined]
 
 
 @st.composite
@@ -377,7 +379,8 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     (``dpfsdp_verify.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
     (default ``space.explore_max_world_size()``), a model of ``models`` at its default size or a
     variant (``model_dims``: conv groups, widths, norms...), the reduction, precision and dtype
-    (a bf16 form over float32; a variant's every dim 0 at least the world size: ``_no_short_rows``), fixed batches of 1..64 samples per rank (``local_batch``) or
+    (a bf16 form over float32; a variant's every dim 0 at least the world size: ``_no_short_rows``),
+    fixed batches of 1..64 samples per rank (``local_batch``) or
     Poisson sampling (q as opacus derives it for a local batch of 1..64 over 1..64 samples per rank,
     ``same`` or ``per_rank`` seeding), one step -- or, with ``long_runs``, a Poisson run of up to
     200 steps at lr 0 on the mlp (every step judged against the same parameters; its local batch

@@ -30,7 +30,8 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED, SCALE_STEPS,
+from ..defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED,
+                        SCALE_STEPS,
                         SCALE_WORLD_SIZES, WIDE_WORLD_SIZE)
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "tensor parallel; docs/meshes.md); without --world-sizes only the meshes run")
     matrix.add_argument("--wide-world-size", type=int, default=None, metavar="W",
                         help="a world size >= 3 for a few cheap cases that rank-index bugs hit (rank %% 2, "
-                             f"LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default {WIDE_WORLD_SIZE}; docs/horizon.md)")
+                             f"LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default {WIDE_WORLD_SIZE}; "
+                             "docs/horizon.md)")
     matrix.add_argument("--models", default=None,
                         help="comma list of mlp,conv,transformer, lora,tied (docs/finetune.md), masked "
                              "(docs/sequences.md)")
@@ -127,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the run's statistical seed (default: a fresh one, printed; --seed S replays a run)")
     loops.add_argument("--physical-batch-size", type=int, default=None, metavar="P",
                        help="gradient accumulation in physical batches of at most P samples, for the properties "
-                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; docs/loops.md)")
+                            "with the option physical_batch_size (default: theirs, 'dpfsdp-verify list'; "
+                            "docs/loops.md)")
     loops.add_argument("--resume-at", type=int, default=None, metavar="K",
                        help="checkpoint after K steps and resume in fresh ranks, for the properties with the option "
                             "resume_at (default: theirs, 'dpfsdp-verify list'; docs/resume.md)")
@@ -137,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     execution.add_argument("--dry-run", action="store_true",
                            help="check the options and print the plan (cases per property and world size, skips "
                                 "and why, GPUs needed, estimated time); start nothing, exit 0 or 2")
+    what.add_argument("--audit-canaries", type=int, default=None, metavar="M",
+                      help="canaries of the opt-in privacy audit (default 1000; docs/audit.md)")
+    what.add_argument("--audit-steps", type=int, default=None, metavar="T",
+                      help="DP steps of the opt-in privacy audit (default 100; docs/audit.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")
@@ -159,7 +166,8 @@ def cmd_list() -> int:
 
     print("properties (* can be fuzzed: --fuzz N, replay) and what each runs by default:")
     for pid, prop in PROPERTIES.items():
-        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {prop.meaning}")
+        opt_in = "(opt-in: runs only when --properties names it) " if prop.opt_in else ""
+        print(f"  {pid + (' *' if prop.fuzz else ''):<20} {opt_in}{prop.meaning}")
         print(f"  {'':<20} models {','.join(prop.models)}; layouts {','.join(prop.layouts)}; reductions "
               f"{','.join(prop.reductions)}; dtypes {','.join(prop.dtypes)}"
               + (f"; precisions {','.join(prop.precisions)} (--precisions)" if len(prop.precisions) > 1 else "")

@@ -21,23 +21,9 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .plan import RunPlan
-
-#: wall seconds per property of the default gate on 2 idle cores (docs/benchmarks.md, "Time against
-#: cores", 2026-11-26: 63.4 s in all)
-BENCH_SECONDS_2_CORES = {"norm_fidelity": 16.7, "clipped_step": 5.1, "sensitivity_bound": 1.6,
-                         "noise_calibration": 16.6, "mode_equivalence": 4.8, "trajectory": 4.7,
-                         "deadlock_free": 5.3, "sampling_accounting": 0.7, "checkpoint_resume": 2.9}
-#: cases each property runs in the default gate (``dpfsdp-verify run --dry-run``, 2026-11-27: 137):
-#: the benchmark's seconds are shared out among them (planning them again here would cost seconds:
-#: a plan computes the reference norms its clip bounds are picked from)
-DEFAULT_GATE_CASES = {"norm_fidelity": 35, "clipped_step": 34, "sensitivity_bound": 6, "noise_calibration": 14,
-                      "mode_equivalence": 6, "trajectory": 18, "deadlock_free": 12, "sampling_accounting": 10,
-                      "checkpoint_resume": 2}
-#: a property the benchmark did not measure (a new one): this many seconds per case
-FALLBACK_SECONDS_PER_CASE = 0.5
 
 
 @dataclass
@@ -77,22 +63,17 @@ def _items(pid: str, options) -> list:
     return prop.plan(prop.with_defaults(options))
 
 
-def _seconds_per_case(pid: str) -> float:
-    """The benchmark's seconds of ``pid`` over the cases it runs in the default gate."""
-    total, n = BENCH_SECONDS_2_CORES.get(pid), DEFAULT_GATE_CASES.get(pid)
-    return total / n if total and n else FALLBACK_SECONDS_PER_CASE
-
-
 def describe(plan: RunPlan) -> Described:
     """What ``plan`` would run, per property (module docstring)."""
     from ..properties.engine.contract import Case
+    from ..properties.engine.costs import seconds_per_case
     from ..verdict import config_label
 
     opts = plan.options
     out = []
     for pid in plan.properties:
         pp = PropertyPlan(pid)
-        per_case = _seconds_per_case(pid)
+        per_case = seconds_per_case(pid)
         for item in _items(pid, opts):
             if isinstance(item, Case):
                 where = item.spec.mesh or f"ws={item.world_size}"
@@ -166,4 +147,4 @@ def dry_run(args, job_world_size: Optional[int] = None) -> int:
     return EXIT_OK
 
 
-__all__ = ["BENCH_SECONDS_2_CORES", "Described", "PropertyPlan", "describe", "dry_run", "format_plan"]
+__all__ = ["Described", "PropertyPlan", "describe", "dry_run", "format_plan"]

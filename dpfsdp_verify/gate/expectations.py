@@ -202,7 +202,8 @@ class Entry:
 
     def label(self) -> str:
         cfg = " ".join(f"{k}={_fmt(v)}" for k, v in self.config.items())
-        return f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "") + f": {_fmt(self.status)} ({_fmt(self.diagnosis)})"
+        head = f"#{self.index} {self.property}" + (f" {cfg}" if cfg else "")
+        return head + f": {_fmt(self.status)} ({_fmt(self.diagnosis)})"
 
     def describe_reason(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
@@ -261,7 +262,8 @@ def parse(text: str, file: str = "<expectations>", properties: Optional[Sequence
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ExpectationsError(f"{name}: not valid TOML: {e}", "see the format in docs/gate.md (Expectations)") from None
+        raise ExpectationsError(f"{name}: not valid TOML: {e}",
+                                "see the format in docs/gate.md (Expectations)") from None
     unknown = [k for k in data if k not in _TOP_KEYS]
     if unknown:
         raise ExpectationsError(f"{name}: unknown top-level key {', '.join(map(repr, unknown))}",

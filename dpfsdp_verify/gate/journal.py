@@ -89,7 +89,7 @@ class Journal:
             self.write()
         if job is not None and self._trail and self.enabled:
             self._stop = threading.Event()
-            self._watcher = threading.Thread(target=self._watch, args=(self._stop,), daemon=True,
+            self._watcher = threading.Thread(target=self._watch, args=(self._stop, self._trail), daemon=True,
                                              name="dpfsdp-journal")
             self._watcher.start()
 
@@ -99,11 +99,11 @@ class Journal:
             self._watcher.join()
             self._watcher = None
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _watch(self, stop: threading.Event, trail: str) -> None:
         """While a job runs: follow rank 0's trail, and rewrite the reports when it enters another run."""
         from ..targets import progress
 
-        directory = os.path.dirname(self._trail)
+        directory = os.path.dirname(trail)
         while not stop.wait(POLL_S):
             try:
                 [t] = progress.read(directory, 1)

@@ -82,7 +82,7 @@ class RunPlan:
             world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
-        props = csv(args.properties) if args.properties else list(PROPERTIES)
+        props = csv(args.properties) if args.properties else [p for p, prop in PROPERTIES.items() if not prop.opt_in]
         unknown = [p for p in props if p not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown property {', '.join(unknown)}", f"choose from {', '.join(PROPERTIES)}")
@@ -105,6 +105,18 @@ class RunPlan:
                     except ValueError as e:
                         raise UsageError(f"--resume-at {resume_at}: {str(e).split(': ', 1)[-1]}",
                                          "e.g. --resume-at 2") from None
+        audit = tuple((name, value) for name, value in (("audit_canaries", getattr(args, "audit_canaries", None)),
+                                                        ("audit_steps", getattr(args, "audit_steps", None)))
+                      if value is not None)  # the privacy audit's size: the options of the property that takes them
+        for name, value in audit:
+            for prop in PROPERTIES.values():
+                if prop.check_params is not None and name in dict(prop.params):
+                    try:
+                        prop.check_params({**dict(prop.params), name: value})
+                    except ValueError as e:
+                        flag = "--" + name.replace("_", "-")
+                        raise UsageError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}", f"e.g. {flag} "
+                                         f"{dict(prop.params)[name]}") from None
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
@@ -123,7 +135,7 @@ class RunPlan:
                           meshes=tuple(meshes),
                           **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
-                          + ((("resume_at", resume_at),) if resume_at is not None else ()))
+                          + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    explore=explore, explore_note=explore_note, expectations=expectations, reports=reports,
                    quiet=args.quiet)
@@ -157,7 +169,8 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
             raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: not a number of seconds",
                              f"e.g. {EXPLORE_ENV}=0") from None
         if AXES["explore"].check(default):
-            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: must be >= 0 seconds", f"e.g. {EXPLORE_ENV}=0")
+            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: must be >= 0 seconds",
+                             f"e.g. {EXPLORE_ENV}=0")
         if default == 0:
             return 0.0, ""
     try:
@@ -261,7 +274,8 @@ def parse_meshes(text: Optional[str], backend: str, job_world_size: Optional[int
             raise UsageError(f"--meshes {mesh.label}: {mesh.world_size} gloo ranks is more than this gate runs on one "
                              f"host (max {MAX_GLOO_WORLD_SIZE})", hint)
         if job_world_size is None and backend != "gloo" and backend_shortfall(backend, mesh.world_size):
-            raise UsageError(f"--meshes {mesh.label}: backend {backend!r} {backend_shortfall(backend, mesh.world_size)}",
+            raise UsageError(f"--meshes {mesh.label}: backend {backend!r} "
+                             f"{backend_shortfall(backend, mesh.world_size)}",
                              "name a mesh of as many ranks as GPUs, or use --backend gloo")
         meshes.append(mesh.label)
     return list(dict.fromkeys(meshes))

@@ -18,14 +18,14 @@ import os
 import platform
 import sys
 import xml.etree.ElementTree as ET
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 from .. import __version__
 from ..harness.rank_groups import headline
 from ..verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .expectations import Outcome
+    from .expectations import Entry, Outcome
     from .plan import RunPlan
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -87,7 +87,8 @@ def dumps_json(verdicts: List[Verdict], target: Dict[str, Any], backend: str, ou
 
 
 def write_json(path: str, verdicts: List[Verdict], target: Dict[str, Any], backend: str,
-               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None, seed: Optional[int] = None) -> None:
+               outcome: Optional["Outcome"] = None, exit_code: Optional[int] = None,
+               seed: Optional[int] = None) -> None:
     write_atomically(path, dumps_json(verdicts, target, backend, outcome, exit_code, seed))
 
 
@@ -142,9 +143,10 @@ def write_junit(path: str, verdicts: List[Verdict], target_name: str, outcome: O
         head = f"[{v.diagnosis}] {v.message}" if v.diagnosis else v.message
         body = head + (f"\nrepro: {v.repro}" if v.repro else "") + (f"\n\n{v.details}" if v.details else "")
         if x:
-            entry = outcome.entry_for(v)
+            entry = cast("Entry", cast("Outcome", outcome).entry_for(v))  # x: the outcome expects v
             ET.SubElement(case, "skipped", type="expected_failure",
-                          message=headline(f"expected {v.status} ({v.diagnosis}): {entry.describe_reason()}")).text = body
+                          message=headline(f"expected {v.status} ({v.diagnosis}): "
+                                           f"{entry.describe_reason()}")).text = body
         elif v.status == "fail":
             ET.SubElement(case, "failure", message=headline(head), type=v.diagnosis or "fail").text = body
         elif v.status in ("error", "hang"):
@@ -206,7 +208,7 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
     for v in verdicts:
         status = _badge(_status_text(v, outcome))
         if outcome is not None and outcome.is_expected(v):
-            status += f" #{outcome.entry_for(v).index}"
+            status += f" #{cast('Entry', outcome.entry_for(v)).index}"
         lines.append(f"| `{v.property}` | {_md(config_label(v.config))} | {status} | "
                      f"{v.diagnosis or ''} | {v.seconds:.1f} |")
     rows = norm_ratio_rows(verdicts)

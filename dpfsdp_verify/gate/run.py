@@ -11,8 +11,9 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from ..harness import Pool
+from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
+from ..properties.engine import releases
 from ..properties.engine.runner import Fuzzer, run_property
 from ..verdict import Verdict, config_label
 from . import report, target_info
@@ -47,7 +48,7 @@ class Progress:
               f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
 
 
-def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal=None) -> int:
+def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", journal=None) -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
     exit code. ``where`` ends the banner (e.g. the torchrun job it runs in); ``journal``: a
     ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0)."""
@@ -57,7 +58,8 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal
         journal.target = target
     opts = plan.options
     if not plan.quiet:
-        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where, file=sys.stderr,
+        print(target_info.banner(target, opts.backend, opts.world_sizes, plan.properties, opts.meshes) + where,
+              file=sys.stderr,
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
         if plan.explore > 0:
@@ -72,7 +74,7 @@ def execute(plan: RunPlan, pool: Optional[Pool] = None, where: str = "", journal
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
-             pool: Optional[Pool] = None) -> List[Verdict]:
+             pool: Optional[JobPool] = None) -> List[Verdict]:
     """Every selected property's verdicts (then its fuzz runs', with ``--fuzz``), in plan order.
     Never raises for a target's failure: a property that cannot run becomes an ``error`` verdict
     saying why."""
@@ -90,15 +92,29 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
                     | ({opts.wide_world_size} - {0})) + len(opts.meshes)
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
+    # every noisy run any property makes feeds the release judge (properties/engine/releases.py)
+    ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
     try:
-        for pid in plan.properties:
-            if progress and hasattr(progress, "started"):
-                progress.started(pid)
+        with releases.collecting(ledger):
+            for pid in plan.properties:
+                if progress and hasattr(progress, "started"):
+                    progress.started(pid)
+                t0 = time.monotonic()
+                try:
+                    found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
+                except Exception as e:  # a bug in a check or an unloadable target: report, go on
+                    found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
+                for v in found:
+                    verdicts.append(v)
+                    if progress:
+                        progress(v)
+        if ledger is not None:
             t0 = time.monotonic()
             try:
-                found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
-            except Exception as e:  # a bug in a check or an unloadable target: report, go on
-                found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
+                found = ledger.verdicts(opts)
+            except Exception as e:  # a bug in the release judge: exit 3, the verdicts above still stand
+                found = [PROPERTIES[releases.PROPERTY_ID].internal_error(opts, "judging every release for",
+                                                                          e, time.monotonic() - t0)]
             for v in found:
                 verdicts.append(v)
                 if progress:

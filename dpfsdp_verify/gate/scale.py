@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -145,7 +145,7 @@ def draw(target: Target, cfg: ScaleConfig, world_size: int) -> Draws:
             refused = str(e)
     if hasattr(target, "sample_masks") and refused is None:
         nominal = np.zeros((trials, T, world_size), dtype=np.int64)
-        taken: List[List[np.ndarray]] = [[None] * world_size for _ in range(trials)]
+        taken = cast(List[List[np.ndarray]], [[None] * world_size for _ in range(trials)])  # all filled below
         specs = [cfg.spec(t) for t in range(trials)]
         for r in range(world_size):  # rank outer: a target may reuse its sampler across seeds
             for t in range(trials):
@@ -158,8 +158,8 @@ def draw(target: Target, cfg: ScaleConfig, world_size: int) -> Draws:
                        dtype=np.int64) for r in range(world_size)] for t in range(trials)]
     lock_step = all(len(s) == T for row in taken for s in row)
     # every rank took every nominal step: the steps are aligned, so the nominal sizes are seen
-    nominal = np.stack([np.stack(row, 1) for row in taken]) if lock_step else None
-    return Draws(world_size, taken, nominal, "sample_batches", refused=refused)
+    seen = np.stack([np.stack(row, 1) for row in taken]) if lock_step else None
+    return Draws(world_size, taken, seen, "sample_batches", refused=refused)
 
 
 def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
@@ -176,7 +176,7 @@ def _verify_masks(target: Target, cfg: ScaleConfig, world_size: int) -> int:
         spec = cfg.spec(t)
         if spec.seeding == "unseeded":
             spec = spec.with_(seeding="per_rank")
-        indices, masks, took = target.sample_masks(spec, r, world_size)
+        indices, masks, took = cast(Any, target).sample_masks(spec, r, world_size)  # optional: ``draw`` checked
         replay = [indices[m].tolist() for m, k in zip(masks, took) if k]
         real = [[int(i) for i in b] for b in target.sample_batches(spec, rank=r, world_size=world_size)]
         if replay != real:
@@ -314,6 +314,7 @@ def world_size_figures(cfg: ScaleConfig, d: Draws) -> dict:
         return {"mc": m if n else None, "ci": [lo, hi] if n > 1 else None, "n": n, "closed_form": closed,
                 "agrees": None if closed is None or n < 2 else bool(lo <= closed <= hi)}
 
+    out: Dict[str, Any]
     out = {"world_size": ws, "expected_local_batch": b, "rank_samples": sorted({int(v) for v in n_r}),
            "trials": cfg.trials, "steps_per_epoch": T, "source": d.source, "verified_pairs": d.verified_pairs,
            "skips_empty": skips, "nominal_steps_seen": d.nominal is not None, "fast_path_refused": d.refused}
@@ -338,8 +339,8 @@ def world_size_figures(cfg: ScaleConfig, d: Draws) -> dict:
     else:
         out["first_divergence_step"] = {"mc": None, "closed_form": cf["first_divergence_step"], "agrees": None}
     # steps paired across ranks by order (what FSDP's collectives do): j < min_r K_r
-    paired = [np.stack([s[: min(len(x) for x in row)] for s in row], 1) for row in d.taken]   # [K, ws]
-    paired = np.concatenate(paired, 0) if paired else np.zeros((0, ws), dtype=np.int64)
+    per_trial = [np.stack([s[: min(len(x) for x in row)] for s in row], 1) for row in d.taken]   # [K, ws]
+    paired = np.concatenate(per_trial, 0) if per_trial else np.zeros((0, ws), dtype=np.int64)
     if p:
         passes = np.maximum(1, -(-paired // p))
         differ = int((passes != passes[:, :1]).any(1).sum())

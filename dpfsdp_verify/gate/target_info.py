@@ -37,7 +37,8 @@ def opacus_info(import_it: bool = False) -> Optional[Dict[str, Any]]:
     mod = sys.modules.get("opacus")
     if mod is None and import_it:
         try:
-            import opacus as mod  # noqa: F401
+            import opacus as imported
+            mod = imported
         except ImportError:
             return None
     if mod is not None:

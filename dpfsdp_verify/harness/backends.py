@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, cast
 
 
 def _gloo_unavailable(world_size: int) -> Optional[str]:
@@ -127,7 +127,7 @@ def pin_accelerator(device_type: str) -> None:
     import torch
 
     answer = torch.device(device_type)
-    torch._C._get_accelerator = lambda: answer
+    torch._C._get_accelerator = cast(Any, lambda: answer)  # replaced, not called here: its stub types the original
 
 
 def simulate_accelerator_from_env() -> None:
@@ -200,5 +200,6 @@ def preferred_backend() -> str:
     return "gloo"
 
 
-__all__ = ["SIMULATED_ACCELERATOR_ENV", "SIMULATED_GPUS_ENV", "visible_gpus", "pin_accelerator", "simulate_accelerator_from_env", "Backend", "BACKENDS",
+__all__ = ["SIMULATED_ACCELERATOR_ENV", "SIMULATED_GPUS_ENV", "visible_gpus", "pin_accelerator",
+           "simulate_accelerator_from_env", "Backend", "BACKENDS",
            "NAMES", "get_backend", "rank_device", "preferred_backend"]

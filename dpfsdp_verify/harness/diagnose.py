@@ -21,7 +21,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .protocol import RankDump
 from .rank_groups import grouped, ranks_phrase, span
@@ -52,7 +52,7 @@ def entries_by_group(fr: Optional[dict]) -> Dict[str, Dict[int, dict]]:
     out: Dict[str, Dict[int, dict]] = {}
     for e in (fr or {}).get("entries", []):
         seq = e.get("collective_seq_id")
-        if seq is None or seq < 0 or not e.get("is_p2p", False) is False:
+        if seq is None or seq < 0 or e.get("is_p2p", False) is not False:
             continue
         pg = e.get("process_group")
         key = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
@@ -264,7 +264,8 @@ def _analyser_layout(fr: dict, rank: int, world_size: Optional[int] = None) -> d
     by the names the entries use."""
     fr = dict(fr)
     fr["rank"] = rank
-    ranks = next(iter(fr.get("pg_config", {}).values()), {}).get("ranks")
+    first_pg: Dict[str, Any] = next(iter(fr.get("pg_config", {}).values()), {})
+    ranks = first_pg.get("ranks")
     if ranks in (None, "[]", []) and world_size:
         # a process group created after an aborted one (``Renew``) is recorded with no ranks;
         # its entries are all in the default group, whose members are every rank

@@ -49,13 +49,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import diagnose, wording
 from .backends import get_backend
 from .launch import Forker, RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch, Evidence
-from .protocol import (Abort, Dump, DumpRequest, Job, JobResult, Probe, ProbeRequest, RankConfig,
+from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
 
 #: After a rank raises, how long the others get to finish before the group is ended.
@@ -262,7 +262,7 @@ class WorkerGroup:
                     r = sentinels[obj]
                     raise GroupStartError(f"rank {r} exited during start-up "
                                           f"({wording.exit_text(self.procs[r].poll())})\n" + self._logs_tail())
-                r = self.job_conns.index(obj)
+                r = self.job_conns.index(cast(Connection, obj))  # not a sentinel: a job connection
                 msg = recv(obj)
                 if not isinstance(msg, Ready):
                     raise GroupStartError(f"rank {r} sent {msg!r} instead of Ready")
@@ -356,7 +356,7 @@ class WorkerGroup:
             except (EOFError, OSError):
                 return  # the rank is dying: its sentinel says how
             if isinstance(msg, Probe):
-                w.watch.update(msg, time.monotonic())
+                cast(DeadlockWatch, w.watch).update(msg, time.monotonic())  # probes are asked only with a watch
                 self._note_modules(msg.modules)
             return
         r = self.job_conns.index(obj)
@@ -383,7 +383,7 @@ class WorkerGroup:
             self._finish_error_with_stuck(out, running)
         elif running:
             now = time.monotonic()
-            unproven = {} if w.proven or w.watch is None else dict(idle_for=w.watch.idle_for(now),
+            unproven: Dict[str, Any] = {} if w.proven or w.watch is None else dict(idle_for=w.watch.idle_for(now),
                                                                     suspected=w.watch.candidate(set(w.results)))
             kind = w.watch.proof_kind if w.proven and w.watch is not None else None
             self._finish_hang(out, running, timeout, proven=w.proven, after=now - w.t0, kind=kind, **unproven)
@@ -422,7 +422,7 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     return False
                 if isinstance(msg, Ready):
-                    waiting.discard(self.job_conns.index(obj))
+                    waiting.discard(self.job_conns.index(cast(Connection, obj)))
                 # a Result here is the aborted job's: its error is the abort's, not news
         return True
 
@@ -458,7 +458,8 @@ class WorkerGroup:
     # -- verdicts ----------------------------------------------------------------------
     def _finish_raised(self, out: GroupResult) -> None:
         out.status, out.diagnosis = "error", "rank_crash"
-        out.message, out.details = wording.raised({r: out.results[r].error for r in out.failed_ranks()})
+        # a failed rank's result carries its error
+        out.message, out.details = wording.raised({r: cast(JobError, out.results[r].error) for r in out.failed_ranks()})
 
     def _finish_error_with_stuck(self, out: GroupResult, running: List[int]) -> None:
         self._finish_raised(out)
@@ -476,7 +477,7 @@ class WorkerGroup:
         self.close(polite=False)
 
     def _finish_hang(self, out: GroupResult, running: List[int], timeout: float, proven: Optional[str] = None,
-                     after: float = 0.0, idle_for: Optional[Dict[int, float]] = None,
+                     after: float = 0.0, idle_for: Optional[Dict[int, Tuple[float, bool]]] = None,
                      suspected: Optional[str] = None, kind: Optional[str] = None) -> None:
         out.fired_at = time.time()
         dumps, unresponsive = self.dump(list(range(self.world_size)))
@@ -521,7 +522,7 @@ class WorkerGroup:
         dumps: Dict[int, RankDump] = {}
         deadline = time.monotonic() + DUMP_TIMEOUT_S
         while asked and time.monotonic() < deadline:
-            for c in wait(list(asked), timeout=max(0.0, deadline - time.monotonic())):
+            for c in cast(List[Connection], wait(list(asked), timeout=max(0.0, deadline - time.monotonic()))):
                 try:
                     msg = recv(c)
                 except (EOFError, OSError):

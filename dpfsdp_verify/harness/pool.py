@@ -2,7 +2,8 @@
 
 Starting a rank as a new interpreter costs seconds (``import torch`` + rendezvous); the pool forks
 its ranks from zygotes instead (``zygote.py``: torch and opacus imported once per pool, a rank in
-milliseconds + rendezvous); running a job on a warm group costs milliseconds. ``Pool.run`` ships a job to the group for its key, starting one if
+milliseconds + rendezvous); running a job on a warm group costs milliseconds. ``Pool.run`` ships a job to the group for
+its key, starting one if
 needed. A group that hung, crashed or was left dirty is ended by ``WorkerGroup.run`` itself; the
 pool notices and starts a fresh one on the next job, so one bad job never skips the rest.
 Jobs that need environment variables at process start (e.g. ``OPACUS_USE_DEFERRED_NORM``) get

@@ -47,7 +47,7 @@ proof, when there is one, is preferred (it says more).
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Hashable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Set, Tuple
 
 from .protocol import Probe
 
@@ -94,7 +94,7 @@ class DeadlockWatch:
     def __init__(self, world_size: int, job_id: int, quiet_s: float = QUIET_S):
         self.world_size, self.job_id, self.quiet_s = world_size, job_id, quiet_s
         self.latest: Dict[int, Probe] = {}
-        self._state = None
+        self._state: Optional[tuple] = None
         self._since = 0.0
         self.proof_kind: Optional[str] = None
         #: per rank, when its probe last showed something new (a collective issued, the job
@@ -168,7 +168,8 @@ def stuck_reason(probes: Dict[int, Probe], done: Set[int]) -> Optional[str]:
     running = sorted(r for r in probes if r not in done)
     if not running:
         return None
-    last = {r: probes[r].last(DEFAULT_PG) for r in probes}
+    # Optional[int] each (None: the rank issued no collective), checked before every comparison
+    last: Dict[int, Any] = {r: probes[r].last(DEFAULT_PG) for r in probes}
     for r in running:
         if last[r] is None:
             continue

@@ -162,7 +162,8 @@ class Probe:
     whose ``Result`` the rank has already sent (so ``done >= job_id`` proves the rank finished
     that job). ``recent``: per process group (the recorder's group name, ``"0"`` = the default
     group), the newest flight-recorder entries this rank issued, ``{seq_id: (op, sizes)}`` e.g.
-    ``{3: ("gloo:all_reduce", "[[5]]")}``. ``error``: why there is no trace (recorder off...), in which case ``recent`` is
+    ``{3: ("gloo:all_reduce", "[[5]]")}``. ``error``: why there is no trace (recorder off...), in which case ``recent``
+    is
     empty and nothing can be proven from it."""
 
     rank: int

@@ -23,6 +23,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Union
 
 from .backends import get_backend, simulate_accelerator_from_env
 from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
@@ -120,7 +121,7 @@ def forget_aborted_entries() -> None:
     try:
         import torch
 
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)).get("entries", [])  # type: ignore[attr-defined]  # private, absent from torch's stubs
         _fr_floor = max((e.get("record_id", 0) for e in entries), default=_fr_floor)
     except Exception:
         pass
@@ -141,7 +142,7 @@ def dump_state(rank: int) -> RankDump:
     try:
         import torch
 
-        raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)
+        raw = torch._C._distributed_c10d._dump_fr_trace(True, _FR_STACKS)  # type: ignore[attr-defined]  # private, absent from torch's stubs
         dump.flight_recorder = current_entries(pickle.loads(raw))
     except Exception as e:  # older torch, or recorder off: degrade to stacks only
         dump.flight_recorder_error = f"{type(e).__name__}: {e}"
@@ -156,9 +157,9 @@ def probe_state(rank: int, job_id: int) -> Probe:
     try:
         import torch
 
-        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
-    except Exception as e:  # recorder off or older torch: the parent then waits for the deadline
-        probe.error = f"{type(e).__name__}: {e}"
+        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))  # type: ignore[attr-defined]  # private, absent from torch's stubs
+    except Exception as err:  # recorder off or older torch: the parent then waits for the deadline
+        probe.error = f"{type(err).__name__}: {err}"
         return probe
     for e in fr.get("entries", []):
         seq = e.get("collective_seq_id", -1)
@@ -174,6 +175,7 @@ def probe_state(rank: int, job_id: int) -> Probe:
 
 
 def _serve_dumps(conn: Connection, rank: int, backend: str) -> None:
+    reply: Union[Probe, Dump]
     while True:
         try:
             msg = recv(conn)
@@ -315,7 +317,6 @@ def main(argv=None) -> None:
 
 def _join_group(cfg: RankConfig):
     """Create the process group, warm up and preload; returns ``(store, environment snapshot)``."""
-    import torch
     import torch.distributed as dist
 
     get_backend(cfg.backend).setup_rank(cfg.rank)

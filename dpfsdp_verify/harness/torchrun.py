@@ -31,7 +31,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .rank_groups import grouped, ranks_phrase, were
 
@@ -79,7 +79,7 @@ class TorchrunSession:
             return f"not run: {self.broken}"
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=deadline), None)
         t0 = time.monotonic()
-        outcome = {"ok": True}
+        outcome: Dict[str, Any] = {"ok": True}
         try:
             body()
         except (KeyboardInterrupt, SystemExit):

@@ -48,10 +48,10 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, cast
 
 from . import diagnose
-from .group import GroupResult, NotRunHere
+from .group import GroupResult, NotRunHere, WorkerGroup
 from .protocol import JobError, JobResult
 from .rank import current_entries, dump_state, forget_aborted_entries
 from .torchrun import REPORT_GRACE_S, TorchrunSession, is_pg_timeout
@@ -107,7 +107,7 @@ class TorchrunPool:
         msg = {"kind": "job", "payload": pickle.dumps((fn, args, kwargs)), "deadline": float(timeout),
                "env": dict(env or {}), "renew": self.renew_next}
         t0 = time.monotonic()
-        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps(msg))
+        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps(msg))  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
         if self.renew_next:  # after the message: creating the group waits for every rank to join
             self.renew_next = False
             _renew(self.session)
@@ -134,7 +134,7 @@ class TorchrunPool:
             self.broken = (f"{ranks_phrase(silent)} of this torchrun job never reported the outcome of an earlier job "
                            "(died, or stuck outside any collective); its process group cannot be renewed without "
                            "them")
-        elif not res.ok or any(o["result"].dirty for o in outcomes.values()):
+        elif not res.ok or any(cast(dict, o)["result"].dirty for o in outcomes.values()):  # none silent
             self.renew_next = True  # every rank renews its group on the next job's message
         return res
 
@@ -163,7 +163,7 @@ class TorchrunPool:
         not for a rank's first import on a loaded node."""
         self.job += 1
         payload = pickle.dumps((load, args))
-        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "payload": payload}))
+        self.session.store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "prepare", "payload": payload}))  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
         _prepare(payload)
         until = time.monotonic() + timeout
         for r in range(1, self.world_size):
@@ -174,7 +174,8 @@ class TorchrunPool:
             except Exception:  # a rank that is not ready: its first job names it
                 pass
 
-    def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None):
+    def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None
+                    ) -> WorkerGroup:
         raise NotRunHere("not run in a torchrun job: needs fresh rank processes (each run the first thing its "
                          "processes do), which only the spawning launcher starts; run this property without "
                          "--launcher torchrun")
@@ -184,7 +185,7 @@ class TorchrunPool:
         store = self.session.store
         self.job += 1
         try:
-            store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "stop", "code": int(code)}))
+            store.set(f"{PREFIX}job/{self.job}", pickle.dumps({"kind": "stop", "code": int(code)}))  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
             store.set(f"{PREFIX}stop", str(int(code)))
             deadline = time.monotonic() + BYE_S
             for r in range(1, self.world_size):
@@ -216,12 +217,12 @@ def serve(session: TorchrunSession) -> int:
             return int(msg["code"])
         if msg["kind"] == "prepare":
             _prepare(msg["payload"])
-            store.set(f"{PREFIX}res/{job}/{session.rank}", b"ready")
+            store.set(f"{PREFIX}res/{job}/{session.rank}", b"ready")  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
             continue
         if msg.get("renew"):
             _renew(session)
         out = _execute(session, job, msg)
-        store.set(f"{PREFIX}res/{job}/{session.rank}", pickle.dumps(out))
+        store.set(f"{PREFIX}res/{job}/{session.rank}", pickle.dumps(out))  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
 
 
 #: what a target's first FSDP step imports lazily (seconds on a loaded node): imported before the
@@ -349,7 +350,7 @@ def _watch(session: TorchrunSession, running: _Running, job: int, deadline: floa
         time.sleep(min(0.2, max(0.0, t_end - time.monotonic())))
         if running.job != job:
             return
-    main = threading.main_thread().ident
+    main = cast(int, threading.main_thread().ident)  # a started thread has an ident
     while True:
         with running.lock:
             if running.job != job:
@@ -406,7 +407,7 @@ def _proof(outcomes: Dict[int, Optional[dict]], finished: List[int]) -> Optional
     for r, d in sorted(dumps.items()):
         mine = diagnose.entries_by_group(d.flight_recorder)
         for p in finished:
-            theirs = outcomes[p].get("newest") or {}
+            theirs = cast(dict, outcomes[p]).get("newest") or {}  # a finished rank reported
             for group, seqs in mine.items():
                 if seqs and group in theirs and max(seqs) > theirs[group]:
                     entry = diagnose.describe_entry(seqs[max(seqs)])
@@ -421,7 +422,7 @@ def _newest_collectives() -> Dict[str, int]:
     try:
         import torch
 
-        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))
+        fr = current_entries(pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False)))  # type: ignore[attr-defined]  # private, absent from torch's stubs
         return {g: max(seqs) for g, seqs in diagnose.entries_by_group(fr).items() if seqs}
     except Exception:
         return {}
@@ -471,7 +472,8 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
                             for r in sorted(results) if not results[r].ok)
     wait_text = (f"{ranks_phrase(waited)} {were(waited)} left waiting in a collective until the {deadline:g} s "
                  "process-group timeout" if waited else "")
-    silent_text = (f"{ranks_phrase(silent)} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process died -- "
+    silent_text = (f"{ranks_phrase(silent)} never reported within {2 * deadline + REPORT_GRACE_S:g} s (the process "
+                   "died -- "
                    "e.g. gloo aborted it -- or is stuck where the deadline cannot reach, e.g. a long sleep)"
                    if silent else "")
     if raised:  # a rank raised on its own: the others waited for it
@@ -487,8 +489,9 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
     if proof is not None:
         stuck = sorted(r for r, o in outcomes.items() if o is not None and not o["result"].ok)
         out.diagnosis = "deadlock"
-        out.message = f"deadlock proven at the {deadline:g} s deadline: {ranks_phrase(stuck)} can never finish ({proof})"
-        sites = grouped({r: f"at {outcomes[r]['site']}" for r in stuck if outcomes[r]["site"]})
+        out.message = (f"deadlock proven at the {deadline:g} s deadline: {ranks_phrase(stuck)} can never finish "
+                       f"({proof})")
+        sites = grouped({r: f"at {cast(dict, outcomes[r])['site']}" for r in stuck if cast(dict, outcomes[r])["site"]})
         if sites:
             out.message += f" ({sites})"
         dumps = {r: o["dump"] for r, o in outcomes.items() if o is not None and o.get("dump") is not None}
@@ -496,8 +499,9 @@ def _group_result(outcomes: Dict[int, Optional[dict]], world_size: int, backend:
         return out
     out.diagnosis = "timeout"
     out.busy_ranks = busy + silent
-    busy_at = grouped({r: f"at {outcomes[r]['site']}" for r in busy},
-                      between=lambda ranks: f" {were(ranks)} busy outside any collective at the {deadline:g} s deadline, ")
+    busy_at = grouped({r: f"at {cast(dict, outcomes[r])['site']}" for r in busy},
+                      between=lambda ranks: f" {were(ranks)} busy outside any collective at the {deadline:g} s "
+                                            "deadline, ")
     parts = [busy_at] if busy else []
     if silent:
         parts.append(silent_text)

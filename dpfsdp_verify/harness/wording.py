@@ -11,7 +11,7 @@ Like the rest of the harness, it knows nothing of DP: a job is any function run 
 from __future__ import annotations
 
 import signal
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from . import diagnose
 from .rank_groups import grouped, ranks_phrase, were
@@ -61,7 +61,7 @@ def where_others_were(dumps: Dict[int, RankDump], running: List[int], unresponsi
     return "\n--- where the other ranks were ---\n" + diagnose.hang_report(dumps, running, unresponsive)
 
 
-def crashed(codes: Dict[int, Optional[int]], running: List[int]) -> str:
+def crashed(codes: Mapping[int, Optional[int]], running: List[int]) -> str:
     """The message of rank processes that died (``codes``: rank -> exit code or -signal), ranks
     that ended alike told once ("ranks 0-6 died (killed by SIGKILL)")."""
     what = grouped({r: f"died ({exit_text(code)})" for r, code in codes.items()})

@@ -20,7 +20,8 @@ dpfsdp_verify.harness.rank`` would have been, as far as the rank can tell:
   cannot be changed after the fork, so a zygote forks only ranks whose environment equals its own
   but for the per-rank node variables, ``PYTHONPATH`` (read into ``sys.path`` above) and a few
   read only when used (``UNCHECKED_VARS``); a rank with another environment (a variable set since,
-  by a test say) is forked by zygotes started for it (``Zygotes``: up to 3 environments). Groups with variables of their own
+  by a test say) is forked by zygotes started for it (``Zygotes``: up to 3 environments). Groups with variables of their
+  own
   (``WorkerGroup(env=...)``: mode environments) are always spawned;
 * the parent-death signal follows the zygote (the rank's parent): the harness dies -> the zygote
   reads EOF on its socket and exits -> its ranks get SIGKILL. A rank also exits on EOF of its
@@ -68,7 +69,7 @@ import time
 import traceback
 import warnings
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from . import wording
 from .launch import NODE_VARS
@@ -117,7 +118,7 @@ class ForkedRank:
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
             if not _readable(self.pidfd, timeout):
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", cast(float, timeout))  # None never times out
             self.returncode = self.zygote.exit_code(self.pid)
         return self.returncode
 
@@ -315,9 +316,9 @@ class Zygotes:
             if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
                 if z is not None:
                     z.close()
-                zygotes[i] = Zygote(env, self.preload + tuple(m + "?" for m in self.learned))
-                self.started_pids.append(zygotes[i].pid)
-        reason = zygotes[index].wait_ready(self.start_timeout)
+                zygotes[i] = z = Zygote(env, self.preload + tuple(m + "?" for m in self.learned))
+                self.started_pids.append(z.pid)
+        reason = cast(Zygote, zygotes[index]).wait_ready(self.start_timeout)  # every slot filled above
         if reason is not None:
             self._give_up(f"zygote {index} could not start: {reason}")
             return None
@@ -428,7 +429,7 @@ def _become_rank(cfg: dict, env: Dict[str, str], cwd: str, fds: List[int], zygot
         sys.path[:] = rank_sys_path(cwd, env.get("PYTHONPATH", ""), interpreter_path)
         importlib.invalidate_caches()  # files written since the zygote started (test modules...)
         cfg = dict(cfg, job_fd=job_fd, diag_fd=diag_fd, parent_pid=zygote_pid)
-        sys.argv = [importlib.util.find_spec(RANK_MODULE).origin, json.dumps(cfg)]
+        sys.argv = [cast(Any, importlib.util.find_spec(RANK_MODULE)).origin, json.dumps(cfg)]  # ours: found
         runpy.run_module(RANK_MODULE, run_name="__main__", alter_sys=True)  # exits itself (os._exit)
         code = 0
     except SystemExit as e:  # as the interpreter would exit
@@ -469,7 +470,8 @@ def _serve(ctl: socket.socket, interpreter_path: List[str], wake_r: int, wake_w:
     """Fork a rank per request, import what the harness learned, until EOF (the harness is gone)."""
     unsafe = None  # why forking became unsafe after a learned import
     while True:
-        ready = select.select([ctl, wake_r], [], [])[0]
+        watched: List[Union[socket.socket, int]] = [ctl, wake_r]
+        ready = select.select(watched, [], [])[0]
         if wake_r in ready:
             try:
                 os.read(wake_r, 4096)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Optional, cast
 
 import pytest
 
@@ -186,6 +186,7 @@ def _marker_args(item):
                     f"accepted: {', '.join(MARKER_KWARGS)}", pytrace=False)
     if len(m.args) > 1:
         pytest.fail("@pytest.mark.distributed takes at most one positional argument (world_size)", pytrace=False)
+    problem: Optional[str]
     try:
         world_size = int(_item_world_size(item, m))
         backend = kw.get("backend", "gloo")
@@ -273,7 +274,8 @@ def pytest_pyfunc_call(pyfuncitem):
             if text:
                 pyfuncitem.add_report_section("call", f"rank {r} {stream}", text)
     if result.status == "hang":
-        pytest.fail(f"HANG ({result.diagnosis}) at world_size={world}: {result.message}\n\n{result.details}", pytrace=False)
+        pytest.fail(f"HANG ({result.diagnosis}) at world_size={world}: {result.message}\n\n{result.details}",
+                    pytrace=False)
     if not result.ok:
         pytest.fail(f"{result.message}\n\n{result.details}", pytrace=False)
     return True
@@ -282,10 +284,11 @@ def pytest_pyfunc_call(pyfuncitem):
 def _run_collectively(item, world: int, timeout: float) -> bool:
     """torchrun mode: run the body here, on every rank at once, and agree on the outcome
     through the store (``harness.torchrun.TorchrunSession.run_test``)."""
-    if world != _torchrun.world_size:
-        pytest.skip(f"needs world_size={world}; this torchrun job has {_torchrun.world_size} ranks")
+    session = cast(TorchrunSession, _torchrun)  # called only while the plugin holds a session
+    if world != session.world_size:
+        pytest.skip(f"needs world_size={world}; this torchrun job has {session.world_size} ranks")
     kwargs = _test_kwargs(item)
-    failure = _torchrun.run_test(item.nodeid, lambda: item.obj(**kwargs), timeout)
+    failure = session.run_test(item.nodeid, lambda: item.obj(**kwargs), timeout)
     if failure is None:
         return True
     if failure.startswith("skip: "):

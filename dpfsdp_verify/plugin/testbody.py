@@ -13,7 +13,8 @@ import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from importlib.machinery import ModuleSpec
+from typing import Optional, cast
 
 
 def _import_rewritten(name: str, path: str):
@@ -32,7 +33,8 @@ def _import_rewritten(name: str, path: str):
     tree = ast.parse(source, filename=path)
     rewrite_asserts(tree, source, path)
     code = compile(tree, path, "exec", dont_inherit=True)
-    spec = importlib.util.spec_from_file_location(name, path)
+    # a spec for a file location is never None (only a loader-less name is)
+    spec = cast(ModuleSpec, importlib.util.spec_from_file_location(name, path))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:

@@ -27,11 +27,11 @@ from typing import Dict, List, Union
 
 from ..verdict import Verdict
 from .checks import (checkpoint_resume, clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
-                      sampling_accounting, sensitivity_bound, trajectory)
+                      privacy_audit, sampling_accounting, sensitivity_bound, trajectory)
 from .engine.contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
 from .engine.runner import run_property
 
-#: every property, in the order the gate runs and reports them
+#: every property, in the order the gate runs and reports them (an ``opt_in`` one only when named)
 REGISTRY = (
     norm_fidelity.PROPERTY,
     clipped_step.PROPERTY,
@@ -42,6 +42,7 @@ REGISTRY = (
     deadlock_free.PROPERTY,
     sampling_accounting.PROPERTY,
     checkpoint_resume.PROPERTY,
+    privacy_audit.PROPERTY,  # opt-in: runs only when named (--properties privacy_audit)
 )
 
 PROPERTIES: Dict[str, Property] = by_id(REGISTRY)

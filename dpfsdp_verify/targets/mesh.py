@@ -109,7 +109,8 @@ class Mesh:
     def tensor_groups(self) -> List[List[int]]:
         """Tensor-parallel peers (a row under ``tp``): the same samples, one whole model between them."""
         a, b = self.shape
-        return [[i * b + j for j in range(b)] for i in range(a)] if self.tensor_parallel else [[r] for r in range(a * b)]
+        return [[i * b + j for j in range(b)] for i in range(a)] if self.tensor_parallel else [[r]
+                                                                                               for r in range(a * b)]
 
     def data_ranks(self) -> List[int]:
         """One rank per data slice (the first of each TP group): whose reports make up the batch."""

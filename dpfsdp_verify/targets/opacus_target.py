@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -187,7 +187,8 @@ class _ExactBatches(torch.utils.data.Sampler):
 
 
 #: the messages of upstream's deliberate refusals of tied parameters (module docstring)
-TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP group")
+TYING_REFUSALS = ("Parameter tying is not supported", "is shared with a parameter already managed by another FSDP "
+                                                      "group")
 
 
 class OpacusTarget(Target):
@@ -212,7 +213,7 @@ class OpacusTarget(Target):
         if b % world_size:
             raise ValueError(f"split data needs global_batch_size divisible by world_size "
                              f"({b} % {world_size} != 0); pass rank_batches for an uneven split")
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_size=b // world_size, sampler=sampler)
 
     def _poisson_loader(self, spec: RunSpec, dataset, rank: int, world_size: int):
@@ -221,7 +222,7 @@ class OpacusTarget(Target):
         from torch.utils.data.distributed import DistributedSampler
 
         spec.check_world_size(world_size)
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_size=opacus_local_batch_size(spec, world_size), sampler=sampler)
 
     def _poisson_dataset(self, spec: RunSpec):
@@ -235,7 +236,6 @@ class OpacusTarget(Target):
         builds it from the user's loader; the dataset is the index column alone (the sampler
         reads only its length; the indices it yields are what is reported)."""
         from opacus.data_loader import DPDataLoader
-        from torch.utils.data import TensorDataset
 
         virtual = rank is not None or world_size is not None
         rank, world_size = rank_and_world(rank, world_size)
@@ -346,6 +346,8 @@ class OpacusTarget(Target):
         """Every batch the loader yields through forward, backward and ``optimizer.step()``; a
         logical step ends where the optimizer really stepped (always, without accumulation)."""
         accumulating = bool(spec.physical_batch_size)
+        norm_parts: List[Optional[torch.Tensor]]
+        losses: List[Tuple[float, int]]  # (mean loss, samples) per physical batch
         k, index_parts, norm_parts, losses = spec.first_step, [], [], []
         on = device()
         # under accumulation the loader yields physical batches: the step budget counts logical
@@ -372,7 +374,7 @@ class OpacusTarget(Target):
             named = list(module.named_parameters())
             index = torch.cat([torch.as_tensor(i).reshape(-1) for i in index_parts])
             indices = [int(i) for i in index] if spec.poisson else step_indices(index, spec, k)
-            norms = None if any(n is None for n in norm_parts) else torch.cat(norm_parts)
+            norms = None if any(n is None for n in norm_parts) else torch.cat(cast(List[torch.Tensor], norm_parts))
             out.steps.append(StepOutput(
                 indices=indices, norms=norms, loss=self._step_loss(spec, losses),
                 gradient=gather_named(named, "grad"), parameters=gather_named(named, "param"),

@@ -7,7 +7,8 @@ logical step k, under gradient accumulation) and ``step_finished(k)`` append one
 (flushed, so the parent sees it even when the rank is later killed); ``run_ended()`` marks the
 end of a run. A target that learns a step's local batch size only from its passes (opacus'
 ``BatchMemoryManager`` yields physical batches) gives ``local_batch_size=None``: the trail then
-counts the step's size as the sum of its passes. Outside such a job the calls do nothing, so a target can always call them.
+counts the step's size as the sum of its passes. Outside such a job the calls do nothing, so a target can always call
+them.
 
 The parent (``properties.engine.runner``) reads every rank's file after a hang with ``read`` and tells
 the hang in DP terms: "rank 0 ended its run after 3 steps; rank 1 began step 4 (local batch 1)
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, cast
 
 from ..harness.rank_groups import by_state, grouped, span
 
@@ -168,14 +169,15 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
     return out
 
 
-def hung_run_index(trails: List[Optional[Trail]]) -> Optional[int]:
+def hung_run_index(trails: Optional[List[Optional[Trail]]]) -> Optional[int]:
     """After a hang of a job that ran several runs in order (``targets.run_many_on_rank``): the
     index of the first run some rank had not ended -- the one the job hung in (every run before it
     ended on every rank). ``None`` when a rank left no trail (nothing can be told)."""
     if not trails or any(t is None for t in trails):
         return None
+    known = [t for t in trails if t is not None]  # every trail, after the check above
     # a rank that ended its last run is between runs: the next one (index ``runs``) is where it is
-    return min(max(0, t.runs - (0 if t.ended else 1)) for t in trails)
+    return min(max(0, t.runs - (0 if t.ended else 1)) for t in known)
 
 
 def diverged(trails: List[Optional[Trail]]) -> bool:
@@ -185,18 +187,20 @@ def diverged(trails: List[Optional[Trail]]) -> bool:
     may be one step behind."""
     if any(t is None for t in trails) or len(trails) < 2:
         return False
-    return any(t.ended and any(u.begun > t.begun for u in trails) for t in trails) or passes_diverged(trails)
+    known = [t for t in trails if t is not None]  # every trail, after the check above
+    return any(t.ended and any(u.begun > t.begun for u in known) for t in known) or passes_diverged(trails)
 
 
 def passes_diverged(trails: List[Optional[Trail]]) -> bool:
     """True when some step's physical passes differ between ranks: ranks that finished the step
     ran different numbers, or a rank still in the step has begun more passes than a rank that
     finished it ran (a rank still in a step may simply not have reached its last pass yet)."""
-    if any(t is None for t in trails) or len(trails) < 2 or not any(t.accumulating for t in trails):
+    known = [t for t in trails if t is not None]
+    if len(known) < len(trails) or len(trails) < 2 or not any(t.accumulating for t in known):
         return False
-    for k in range(max(t.begun for t in trails)):
-        done = {t.pass_counts[k] for t in trails if t.finished > k}
-        running = [t.pass_counts[k] for t in trails if t.finished <= k < t.begun]
+    for k in range(max(t.begun for t in known)):
+        done = {t.pass_counts[k] for t in known if t.finished > k}
+        running = [t.pass_counts[k] for t in known if t.finished <= k < t.begun]
         if len(done) > 1 or (done and any(n > max(done) for n in running)):
             return True
     return False
@@ -207,24 +211,26 @@ def divergence(trails: List[Optional[Trail]]) -> Optional[str]:
     the harness' watchdog may decide a job on while it runs (``watch``). Only trails of the same
     run on every rank are compared (a job runs several runs in order; a rank's trail is its
     latest run's)."""
-    if any(t is None for t in trails) or len(trails) < 2 or len({t.runs for t in trails}) != 1 \
-            or not diverged(trails):
+    if any(t is None for t in trails):
+        return None
+    known = cast(List[Trail], trails)  # none is None (checked above)
+    if len(known) < 2 or len({t.runs for t in known}) != 1 or not diverged(trails):
         return None
     if passes_diverged(trails):
-        for k in range(max(t.begun for t in trails)):
-            done = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished > k}
-            running = {r: t.pass_counts[k] for r, t in enumerate(trails) if t.finished <= k < t.begun}
+        for k in range(max(t.begun for t in known)):
+            done = {r: t.pass_counts[k] for r, t in enumerate(known) if t.finished > k}
+            running = {r: t.pass_counts[k] for r, t in enumerate(known) if t.finished <= k < t.begun}
             most = max(done.values(), default=0)
             ahead = {r: n for r, n in running.items() if n > most}
             if len(set(done.values())) > 1 or (done and ahead):
                 said = {r: f"finished it after {n} physical pass(es)" for r, n in done.items()}
                 said.update({r: f"had begun {n} physical passes in it" for r, n in ahead.items()})
                 return f"in logical step {k + 1}, {grouped(said)}"
-    ended = [r for r, t in enumerate(trails) if t.ended]
+    ended = [r for r, t in enumerate(known) if t.ended]
     for r in ended:
-        more = {q: f"began step {u.begun}" for q, u in enumerate(trails) if u.begun > trails[r].begun}
+        more = {q: f"began step {u.begun}" for q, u in enumerate(known) if u.begun > known[r].begun}
         if more:
-            return f"rank {r} ended its run after {trails[r].finished} step(s), while {grouped(more)}"
+            return f"rank {r} ended its run after {known[r].finished} step(s), while {grouped(more)}"
     return None  # unreachable while ``diverged`` holds
 
 

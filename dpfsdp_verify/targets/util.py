@@ -6,13 +6,16 @@ specimen in ``fixtures/``) reports exactly the same shapes and names as the buil
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
 
 from .. import models
 from .base import RunSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def world() -> Tuple[int, int]:
@@ -108,7 +111,7 @@ def full_tensors(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     ``torch.chunk`` semantics: only trailing ranks hold fewer rows, possibly none), so the ranks'
     blocks concatenated and cut at ``dim0`` rows are the full tensor."""
     out: List = [None] * len(tensors)
-    batch = [(i, t) for i, t in enumerate(tensors) if _dim0_sharded(t)]
+    batch = [(i, cast("DTensor", t)) for i, t in enumerate(tensors) if _dim0_sharded(t)]
     if batch:
         mesh = batch[0][1].device_mesh
         batch = [(i, t) for i, t in batch if t.device_mesh == mesh]
@@ -157,10 +160,10 @@ def gather_named(named: Iterable[Tuple[str, torch.nn.Parameter]], what: str) -> 
     """``{bare name: full float64 tensor}`` of ``what`` (``"grad"`` or ``"param"``); a missing
     gradient is reported as zeros (the parameter got no signal and no noise). One collective for
     all of FSDP2's shards (``full_tensors``)."""
-    named = [(strip_prefixes(name), p, p if what == "param" else p.grad) for name, p in named]
-    full = iter(full_tensors([t for _, _, t in named if t is not None]))
+    found = [(strip_prefixes(name), p, p if what == "param" else p.grad) for name, p in named]
+    full = iter(full_tensors([t for _, _, t in found if t is not None]))
     return {name: next(full) if t is not None else torch.zeros(p.shape, dtype=torch.float64)
-            for name, p, t in named}
+            for name, p, t in found}
 
 
 def global_dataset(spec: RunSpec) -> models.Batch:
@@ -227,7 +230,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state: Dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

@@ -198,7 +198,8 @@ def test_upstream_accumulation_diverges_at_three_ranks(pool):
     vs = run(pool, "deadlock_free", "opacus", world_sizes=(3,), local_batches=ACCUM, timeout=60)
     ok = len(vs) == 2
     for v in vs:
-        ok &= v.status in ("hang", "error") and v.diagnosis == "step_divergence" and "physical passes per step" in v.message
+        ok &= v.status in ("hang",
+                           "error") and v.diagnosis == "step_divergence" and "physical passes per step" in v.message
         passes = v.evidence.get("physical_passes_per_step", [])
         ok &= len(passes) == 3 and len({tuple(p) for p in passes}) > 1
     if ok:

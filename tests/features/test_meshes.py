@@ -10,7 +10,8 @@ import torch
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.gate import cli
-from dpfsdp_verify.targets.mesh import Mesh, MeshError, rank_samples, replica_positions, split_norm_sq, world_summed_norms
+from dpfsdp_verify.targets.mesh import (Mesh, MeshError, rank_samples, replica_positions, split_norm_sq,
+                                        world_summed_norms)
 from dpfsdp_verify.properties.engine.contract import Options
 from dpfsdp_verify.targets.base import RunSpec
 from dpfsdp_verify.verdict import DIAGNOSES

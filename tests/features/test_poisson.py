@@ -6,6 +6,7 @@ divergence from a random start."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import random
@@ -16,7 +17,6 @@ from hypothesis import find
 from dpfsdp_verify import fuzz
 from dpfsdp_verify import strategies as dps
 from dpfsdp_verify.hypothesis_profiles import active_profile, profile_settings
-from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.engine.prechecks import poisson_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 from dpfsdp_verify.verdict import DIAGNOSES
@@ -59,7 +59,7 @@ def test_poisson_spec_is_frozen_hashable_picklable_and_round_trips_json():
     s = poisson(seeding="per_rank", epochs=3, sampling_seed=2)
     assert pickle.loads(pickle.dumps(s)) == s and hash(s) == hash(pickle.loads(pickle.dumps(s)))
     assert fuzz.spec_from_json(fuzz.spec_to_json(s)) == s
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.sample_rate = 0.5
     assert (s.expected_batch_size, s.steps_per_epoch, s.nominal_steps) == (2, 4, 12)
     assert poisson(steps=5, epochs=3).nominal_steps == 5

@@ -135,3 +135,26 @@ def test_bf16_accumulated_norms_fail_norm_fidelity_as_undercount(pool):
 def test_bf16_accumulated_norms_is_correct_in_fp32(pool):
     assert_all_pass(props.run("norm_fidelity", P + "BF16AccumulatedNorms", pool=pool, world_sizes=(2,),
                               models=("mlp",), reductions=("mean",), dtypes=("float32",)))
+
+
+def test_missing_clip_min_fails_under_bf16(pool):
+    """Issue 32: ``NoClipMin`` passed clipped_step under bf16 at 0.7x the derived bound (the mid-norm
+    C leaves the unclipped samples within a few % of C on the bf16 models). The first bf16 point now
+    also runs C = min norm/100 and C = 2 x max norm (no sample clipped): there NoClipMin is 5-7x the
+    bound, ``Correct`` 0.025x (deterministic: fixed batches, no seed)."""
+    import dpfsdp_verify.properties as props
+
+    kw = dict(pool=pool, world_sizes=(1,), models=("mlp",), reductions=("mean",), samplings=("fixed",),
+              precisions=("bf16-fsdp", "bf16-autocast"), horizon=0, timeout=120)
+    vs = props.run("clipped_step", "fixtures.specimens:NoClipMin", **kw)
+    bf16 = [v for v in vs if v.config.get("precision", "fp32") != "fp32"]
+    assert [(v.status, v.diagnosis) for v in bf16] == [("fail", "mismatch")] * 2, [v.message for v in bf16]
+    for v in bf16:
+        assert "at C = 2 x max norm" in v.message and "every coefficient must be 1" in v.message, v.message
+    vs = props.run("clipped_step", "fixtures.specimens:Correct", **kw)
+    bf16 = [v for v in vs if v.config.get("precision", "fp32") != "fp32"]
+    assert bf16 and all(v.status == "pass" for v in bf16), [v.message for v in bf16]
+    for v in bf16:
+        e = v.evidence
+        assert {"wide_rank0_grad_error", "loose_rank0_grad_error"} <= set(e)
+        assert e["loose_rank0_grad_error"] < 0.1 * e["loose_gradient_error_bound"]

@@ -86,8 +86,10 @@ def test_cli_refuses_a_bad_resume_at(capsys, value):
 def test_plan_fresh_halves():
     prop = PROPERTIES["checkpoint_resume"]
     [case] = prop.plan(prop.with_defaults(Options.build("t", world_sizes=[2])))
-    assert case.fresh_groups == 2 and case.fresh_jobs == (4, 6) and case.config()["resume_at"] == 2
-    assert [s.phase for s in case.specs] == ["save"] * 4 + ["load"] * 4 + ["", ""]
+    assert case.fresh_groups == 2 and case.fresh_jobs == (4, 7) and case.config()["resume_at"] == 2
+    assert [s.phase for s in case.specs] == ["save"] * 4 + ["load"] * 4 + ["", "", ""]
+    # the last: the first Poisson run never checkpointed (the resumed batches must continue it)
+    assert case.specs[-1] == case.specs[2].with_(resume_at=0, phase="", checkpoint_dir="")
     assert [s.checkpoint_dir for s in case.specs[:4]] == [s.checkpoint_dir for s in case.specs[4:8]]
     assert case.specs[2].poisson and case.specs[0].momentum > 0 and case.specs[1].noise_multiplier > 0
     # the second mask run resumes mid-epoch: k = 2 of epochs of int(1/q) = 3 steps

@@ -68,7 +68,9 @@ def test_shape_edge_bug_is_found_and_shrunk_to_the_minimal_shape(pool, settings)
     assert v2.evidence["reproduce_failure"].startswith("@reproduce_failure(")
     assert "world_size=2" in v2.message and "hidden=1" in v2.message
     # it is minimal: the same spec passes with an even dim 0, or on one rank; the repro fails again
-    check = lambda s, ws: fuzz.check_example("norm_fidelity", Options(target=SHAPE_EDGE), s, ws, pool=p)
+    def check(s, ws):
+        return fuzz.check_example("norm_fidelity", Options(target=SHAPE_EDGE), s, ws, pool=p)
+
     assert check(spec.with_(model_kwargs=(("classes", 2), ("d_in", 1), ("hidden", 2))), 2).status == "pass"
     assert check(spec, 1).status == "pass"
     assert check(spec, 2).status == "fail"

@@ -117,7 +117,8 @@ def test_help_shows_groups_and_imports_no_torch():
         res = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpfsdp_verify", *args], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-2000:]
-        imported = [line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")]
+        imported = [line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines()
+                    if line.startswith("import time:")]
         assert "dpfsdp_verify.gate.cli" in imported
         assert not [m for m in imported if m == "torch" or m.startswith("torch.")], args
     out = res.stdout
@@ -182,7 +183,8 @@ def test_upstream_opacus_verdicts(tmp_path):
 @pytest.mark.slow
 def test_fork_with_planted_sqrt_n_bug(tmp_path, pool, monkeypatch, capsys):
     j, md = tmp_path / "r.json", tmp_path / "r.md"
-    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.sqrtn_fork.target:ForkTarget", "--properties", "norm_fidelity",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.sqrtn_fork.target:ForkTarget",
+                 "--properties", "norm_fidelity",
                 "--world-sizes", "1,2", "--models", "mlp", "--loss-reductions", "mean", "--json", str(j),
                 "--markdown", str(md))
     assert r.returncode == 1, r.stderr
@@ -201,7 +203,8 @@ def test_fork_with_planted_sqrt_n_bug(tmp_path, pool, monkeypatch, capsys):
 @pytest.mark.slow
 def test_crashing_mode_is_an_error_not_a_hang(tmp_path, pool, monkeypatch, capsys):
     j = tmp_path / "r.json"
-    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1", "--properties",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.gate_specimens:DeferredCrashesOnRank1",
+                 "--properties",
                 "mode_equivalence", "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean",
                 "--mode-env", "immediate:OPACUS_USE_DEFERRED_NORM=0", "--mode-env",
                 "deferred:OPACUS_USE_DEFERRED_NORM=1", "--timeout", "30", "--json", str(j))
@@ -220,7 +223,8 @@ def test_fuzz_option_adds_shrunk_fuzz_verdicts(tmp_path, pool, monkeypatch, caps
     from dpfsdp_verify import harness
 
     j = tmp_path / "r.json"
-    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.shape_edge:FloorShardNorms", "--properties", "norm_fidelity",
+    r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.shape_edge:FloorShardNorms", "--properties",
+                 "norm_fidelity",
                 "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean", "--fuzz", "10",
                 "--json", str(j))
     assert r.returncode == 1, r.stderr

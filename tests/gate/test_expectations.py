@@ -85,7 +85,8 @@ def test_missing_file_names_the_bundled_ones(capsys):
 def test_shipped_file_parses_and_lists_the_upstream_findings():
     exp = expectations.load("opacus-1.6.0")
     assert exp.file == SHIPPED
-    got = {(e.property, tuple(e.status) if isinstance(e.status, list) else e.status, tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
+    got = {(e.property, tuple(e.status) if isinstance(e.status, list) else e.status,
+            tuple(e.diagnosis) if isinstance(e.diagnosis, list) else e.diagnosis,
             tuple(sorted((k, tuple(v) if isinstance(v, list) else tuple(v.items()) if isinstance(v, dict) else v)
                          for k, v in e.config.items())))
            for e in exp.entries}
@@ -102,7 +103,8 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
                    ("sampling_accounting", "fail", "wrong_sample_rate", (("dataset", "divisible"), ("world_size", 1))),
                    ("sampling_accounting", "fail", "refused", (("dataset", "fractional_rate"), ("world_size", 1))),
                    ("sampling_accounting", "fail", "correlated_sampling", (("dataset", "divisible"),
-                                                                           ("seeding", "same"), ("world_size", ">= 2"))),
+                                                                           ("seeding", "same"), ("world_size",
+                                                                                                 ">= 2"))),
                    ("sampling_accounting", "fail", ("step_divergence", "wrong_sample_rate"),
                     (("dataset", "divisible"), ("seeding", ("per_rank", "unseeded")), ("world_size", ">= 2"))),
                    ("sampling_accounting", "fail", ("step_divergence", "wrong_sample_rate"),
@@ -269,7 +271,8 @@ def test_gate_with_shipped_expectations_exits_0_on_upstream(tmp_path):
     r = run_cli(*SELECTION, "--expect", "opacus-1.6.0", "--json", str(j), "--junit", str(x), "--markdown", str(md))
     assert r.returncode == 0, r.stdout + r.stderr
     report, by_red = _results(j)
-    assert (by_red["sum"]["status"], by_red["sum"]["diagnosis"], by_red["sum"]["expected"]) == ("fail", "mismatch", True)
+    assert (by_red["sum"]["status"], by_red["sum"]["diagnosis"], by_red["sum"]["expected"]) == ("fail", "mismatch",
+                                                                                                True)
     assert by_red["sum"]["expectation"]["index"] == 1
     assert (by_red["mean"]["status"], by_red["mean"]["expected"]) == ("pass", False)
     assert report["summary"]["fail"] == 1 and report["summary"]["expected"] == 1 and report["exit_code"] == 0

@@ -12,7 +12,8 @@ import zipfile
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "gpu_check.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                      "gpu_check.py")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ never on stderr, and never again in pytest's "Captured log" / "Captured stderr" 
 
 from __future__ import annotations
 
-import os
 import xml.etree.ElementTree as ET
 
 import pytest

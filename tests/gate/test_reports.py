@@ -121,14 +121,15 @@ def _raising_prepare(spec):
 def test_a_bug_in_fuzzing_keeps_the_property_verdicts(pool, tmp_path, capsys, monkeypatch):
     """A fuzz recipe that raises is one internal_error verdict (exit 3) beside the verdicts the
     property's own cases already earned: the report keeps them."""
-    from verdict_helpers import run_gate
+    from tests.verdict_helpers import run_gate
 
     prop = PROPERTIES["norm_fidelity"]
     monkeypatch.setitem(PROPERTIES, "norm_fidelity", dataclasses.replace(
         prop, fuzz=dataclasses.replace(prop.fuzz, prepare=_raising_prepare)))
     j = tmp_path / "r.json"
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.specimens:Correct", "--properties",
-                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--wide-world-size", "0", "--fuzz", "2", "-q",
+                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--wide-world-size", "0", "--fuzz", "2",
+                 "-q",
                  "--json", str(j))
     assert r.returncode == 3, r.stderr
     rep = json.loads(j.read_text())

@@ -129,7 +129,7 @@ def test_simulated_gpu_box_the_pin_is_what_keeps_gloo_on_the_cpu():
         # a fresh group (the undone pin must not leak into a warm one)
         res = pool.run(_opacus_on_simulated_box, True, world_size=2, env={**SIMULATED, "X": "unpinned"}, timeout=120)
         assert res.ok, res.message
-        for answer, status, trace, correct in res.values():
+        for _answer, status, trace, correct in res.values():
             # the failure the H100 box showed, as far as a CPU build of torch can go: FSDP2's default
             # mesh is built on CUDA and fully_shard asks CUDA for the parameters' device
             # (which CUDA call stops a CPU build first depends on LOCAL_RANK, which the harness sets

@@ -114,7 +114,8 @@ def test_last_progress_of_many_ranks_gives_their_seconds_as_a_range():
     for r, t in enumerate(trails):
         t.last_line, t.updated = "pass 0 1 1", 100.0 - r / 1000
     text = progress.last_progress(trails, list(range(1024)), 102.0)
-    assert text == "last progress of ranks 0-1023: began physical pass 2 (size 1) of step 1, 2.0-3.0 s before the deadline"
+    assert text == ("last progress of ranks 0-1023: began physical pass 2 (size 1) of step 1, 2.0-3.0 s before the "
+                    "deadline")
 
 
 def test_crash_of_1024_ranks_is_one_clause():

@@ -160,7 +160,8 @@ HARNESS_THAT_DIES = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_zygotes_and_their_ranks_die_with_the_harness():
-    out = subprocess.run([sys.executable, "-c", HARNESS_THAT_DIES, os.path.dirname(os.path.dirname(__file__))], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", HARNESS_THAT_DIES, os.path.dirname(os.path.dirname(__file__))],
+                         capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stderr
     pids = json.loads(out.stdout)

@@ -316,7 +316,8 @@ def test_torchrun_mode(pytester, tagged):
     t0 = time.monotonic()
     res = pytester.run(_torchrun(), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        "127.0.0.1:0", "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
-                       "-k", "allreduce or rank_1 or session_goes_on or test_a_ or test_b_ or test_c_ or test_d_", "-rA",
+                       "-k", "allreduce or rank_1 or session_goes_on or test_a_ or test_b_ or test_c_ or test_d_",
+                       "-rA",
                        "--junitxml=report.xml", timeout=240)
     elapsed = time.monotonic() - t0
     out = res.stdout.str()

@@ -14,7 +14,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify.targets import accounting
 from dpfsdp_verify.properties.analysis.accountant import accountant_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
-from tests.verdict_helpers import assert_all_pass, without_extra_noise_cases
+from tests.verdict_helpers import without_extra_noise_cases
 
 S = "fixtures.accountant_specimens:"
 CORRECT = "fixtures.specimens:Correct"

@@ -89,3 +89,48 @@ def test_trajectory_names_a_first_local_batch_of_one():
                NS(steps=[NS(indices=[6, 7]), NS(indices=[8, 9]), NS(indices=[0, 10])])]
     assert "update 1 is the first with a local batch of one sample (rank(s) [0])" in _first_drift_cause(outputs, 1)
     assert "state carried between steps" in _first_drift_cause(outputs, 2)
+
+
+def test_rounding_level_epsilon_fit_counts_as_zero():
+    """An exact ``min(1, C/||g||)`` read back through float64 rounding fits an epsilon of ~1e-15 of
+    either sign (-8.88e-16 measured on the 48-step Poisson run): within the fit's rounding scale
+    (``epsilon_rounding``), so 0 -- an accepted clip, never "the wrong sign" -- while a looser clip
+    by 1e-6 is still named one."""
+    from dpfsdp_verify.properties.analysis.clipfit import (describe_clip_fit, epsilon_rounding,
+                                                          fit_clip_coefficients)
+
+    norms = torch.tensor([2.1, 3.3, 4.0, 4.7, 5.9, 7.5], dtype=torch.float64)
+    c = 4.404
+    for e in (-8.88e-16, 1.78e-15):
+        coef = (c / (norms + e)).clamp(max=1.0)
+        assert abs(e) <= epsilon_rounding(coef, norms, c)
+        fit = fit_clip_coefficients(coef, norms, c, 1e-9)
+        assert fit is None or fit.kind != "epsilon", describe_clip_fit(fit, c)
+    # the scale is rounding's, far below any epsilon a fork writes
+    assert epsilon_rounding((c / norms).clamp(max=1.0), norms, c) < 1e-13
+    looser = (c / (norms - 1e-6)).clamp(max=1.0)
+    fit = fit_clip_coefficients(looser, norms, c, 1e-9)
+    assert fit is not None and fit.kind == "epsilon" and fit.value == pytest.approx(-1e-6, rel=1e-6)
+    assert "wrong sign" in describe_clip_fit(fit, c)
+
+
+def test_long_run_judges_the_targets_own_epsilon(pool):
+    """The 48-step Poisson run of clipped_step judges each step at the target's own accepted clip
+    epsilon, as the one-step cases do: ``C/max(||g||, C)`` passes it (it failed at seeds 12345 and
+    573172995, "an epsilon of the wrong sign"), and a looser clip still fails it, named looser."""
+    kw = dict(world_sizes=(2,), models=("mlp",), reductions=("mean",), dtypes=("float64",), samplings=("fixed",),
+              horizon=48, seed=12345)
+    vs = run(pool, "clipped_step", F + "ClipByMaxNormC", **kw)
+    long = [v for v in vs if "horizon" in v.config]
+    assert len(long) == 1
+    assert_all_pass(vs)
+    assert "own clip epsilon" in long[0].message and long[0].evidence["clip_epsilon"] < 1e-12, long[0].message
+
+
+@pytest.mark.slow  # test_rounding_level_epsilon_fit_counts_as_zero covers the fit; this the long run's path
+def test_long_run_still_fails_a_looser_clip(pool):
+    kw = dict(world_sizes=(2,), models=("mlp",), reductions=("mean",), dtypes=("float64",), samplings=("fixed",),
+              horizon=48, seed=12345)
+    vs = [v for v in run(pool, "clipped_step", F + "ClipNegativeEpsilon", **kw) if "horizon" in v.config]
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", "mismatch")]
+    assert "min(1, C/(||g_i|| - 1e-06))" in vs[0].message and "looser" in vs[0].message, vs[0].message

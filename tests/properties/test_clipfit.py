@@ -72,8 +72,9 @@ def test_only_the_coefficients_rounding_cannot_move_are_judged():
 
 
 def test_correct_passes_the_tiny_models_that_failed_it(pool):
-    check = lambda spec, ws, target=CORRECT: fuzz.check_example("norm_fidelity", Options(target=target), spec, ws,
-                                                                 pool=pool)
+    def check(spec, ws, target=CORRECT):
+        return fuzz.check_example("norm_fidelity", Options(target=target), spec, ws, pool=pool)
+
     v = check(FLOAT32_PAIR, 1)
     assert v.status == "pass", v.message
     assert "no sample's clip coefficient can be recovered" in v.message and "2 of 2 sample(s) not judged" in v.message

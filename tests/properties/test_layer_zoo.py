@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
 
 import dpfsdp_verify.properties as props
 from dpfsdp_verify import models, reference
@@ -82,7 +81,8 @@ def _run(pool, target, ws=2):
 @pytest.mark.parametrize("name, words", [
     ("NormRegistryMissesGroupNorm", "leave out every GroupNorm layer (GroupNorm layer 'gn'): a norm registry without "
                                     "GroupNorm; its parameters (gn.weight, gn.bias)"),
-    ("ConvBiasLeftOutOfNorm", "leave out the bias of every convolution layer (convolution layers 'conv1d', 'conv2d', 'conv3d')"),
+    ("ConvBiasLeftOutOfNorm", "leave out the bias of every convolution layer (convolution layers 'conv1d', "
+                              "'conv1d_gd', 'conv2d', 'conv2d_sg', 'conv3d')"),
 ])
 def test_layer_missing_from_the_norm_registry_is_named(pool, name, words):
     [v] = _run(pool, L + name)
@@ -106,3 +106,27 @@ def test_no_parameter_of_a_default_model_is_shorter_than_eight_ranks(name):
     rows = {n: p.shape[0] for n, p in models.build_model(name).named_parameters()}
     assert min(rows.values()) >= 8, rows
     assert all(r % 4 and r % 3 for r in rows.values() if r < 32), rows  # uneven shards at 3 and 4 ranks
+
+
+def test_zoo_has_strided_grouped_and_dilated_convs():
+    """Issue 32: convs with stride / groups / dilation != 1 (opacus' conv sampler takes all three) are
+    in the zoo, and the float64 reference's per-sample gradients of them equal autograd's per-sample
+    loop (``test_reference_on_the_zoo_loop_equals_vmap_and_every_parameter_counts`` compares all)."""
+    zoo = models.build_model("zoo", 0, dtype=torch.float64)
+    convs = [m for m in zoo.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d))]
+    assert any(any(s != 1 for s in m.stride) for m in convs)
+    assert any(m.groups != 1 for m in convs) and any(any(d != 1 for d in m.dilation) for m in convs)
+    batch = models.make_batch("zoo", 4, 3, dtype=torch.float64)
+    loop = reference.per_sample_grads(zoo, batch, "mean", method="loop")
+    vmap = reference.per_sample_grads(zoo, batch, "mean", method="vmap")
+    for n in ("conv1d_gd.weight", "conv1d_gd.bias", "conv2d_sg.weight", "conv2d_sg.bias"):
+        assert float(loop[n].abs().max()) > 0
+        assert torch.allclose(loop[n], vmap[n], rtol=1e-10, atol=1e-13), n
+
+
+def test_conv_variants_left_out_of_the_norm_fail_the_default_zoo_case(pool):
+    """The default gate's zoo case (norm_fidelity, once per world size) fails a norm that skips the
+    convs with stride / groups / dilation != 1 (before: no model had one, and it passed)."""
+    [v] = _run(pool, L + "ConvVariantsLeftOutOfNorm", ws=1)
+    assert (v.status, v.diagnosis) == ("fail", "undercount"), v.message
+    assert "undercount the true norms" in v.message and v.config["model"] == "zoo"

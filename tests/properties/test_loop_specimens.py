@@ -54,3 +54,12 @@ def test_samplers_that_are_not_poisson_are_correlated_sampling(pool):
         bad = _failing(vs)
         assert bad, f"{name} passed sampling_accounting"
         assert {v.diagnosis for v in bad} == {"correlated_sampling"}, name
+
+
+@pytest.mark.xfail(strict=True, reason="a known escape (docs/precision.md): clip coefficients rounded to bf16 put a "
+                   "clipped sample up to 2^-9 above C, inside the bf16 step bound; sensitivity_bound judges fp32 only")
+def test_bf16_rounded_clip_coefficients_are_not_caught_under_bf16(pool):
+    vs = props.run("clipped_step", A + "BF16ClipCoefficientsUnderMixedPrecision", pool=pool, world_sizes=(1,),
+                   models=("mlp",), reductions=("mean",), samplings=("fixed",), precisions=("bf16-autocast",),
+                   timeout=120)
+    assert vs and _failing(vs), "every bf16 case passed"

@@ -16,7 +16,8 @@ from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.checks import noise_calibration as nc
 from dpfsdp_verify.properties.analysis import noise_stats
 from dpfsdp_verify.properties.engine.contract import Options
-from dpfsdp_verify.properties.analysis.stats import detectable_std_ratios, kurtosis_z, normal_two_sided_p, pairwise_dependence
+from dpfsdp_verify.properties.analysis.stats import (detectable_std_ratios, kurtosis_z, normal_two_sided_p,
+                                                     pairwise_dependence)
 from dpfsdp_verify.verdict import CONFIG_KEYS, DIAGNOSES
 import dpfsdp_verify.properties as props  # noqa: E402
 from tests.verdict_helpers import assert_all_pass, without_extra_noise_cases

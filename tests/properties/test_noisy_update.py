@@ -17,9 +17,11 @@ from tests.verdict_helpers import assert_all_pass
 AUDIT = "fixtures.audit_noise_specimens:"
 CORRECT = "fixtures.specimens:Correct"
 TRAJ = PROPERTIES["trajectory"]
-#: the property with its noisy-update cases only (the noise-0 cases are other tests' subject)
+#: the property with its float64 noisy-update cases only (the noise-0 cases are other tests' subject; the
+#: float32 twin of each, which feeds the release judge, passes Correct and upstream in the default gate and
+#: is judged by the same code)
 UPDATE_ONLY = dataclasses.replace(TRAJ, cases=lambda point: [c for c in TRAJ.cases(point)
-                                                             if c.spec.noise_multiplier])
+                                                             if c.spec.noise_multiplier and c.spec.dtype == "float64"])
 
 
 def run(pool, target, **kw):
@@ -31,7 +33,9 @@ def run(pool, target, **kw):
 def test_one_update_case_per_world_size_in_the_default_plan():
     plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT)))
     noisy = [c for c in plan if c.spec.noise_multiplier]
-    assert [c.world_size for c in noisy] == [1, 2]
+    # per world size: the first dtype's, and a float32 twin (lr > 0 in float32 for the release judge)
+    assert [(c.world_size, c.spec.dtype) for c in noisy] == [(1, "float64"), (1, "float32"), (2, "float64"),
+                                                             (2, "float32")]
     for c in noisy:
         assert (c.spec.model, c.spec.reduction, c.spec.momentum, c.spec.steps) == ("mlp", "mean", 0.9, 3)
         assert c.spec.lr > 0 and c.config()["momentum"] == 0.9 and c.config()["noise_multiplier"] == 1.0
@@ -44,7 +48,7 @@ def test_no_update_case_under_sum_only():
     plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT, reductions=("sum",), samplings=("fixed",))))
     assert plan and not [c for c in plan if c.spec.noise_multiplier]
     plan = TRAJ.plan(TRAJ.with_defaults(Options(target=CORRECT, reductions=("sum", "mean"), samplings=("fixed",))))
-    assert [c.spec.reduction for c in plan if c.spec.noise_multiplier] == ["mean", "mean"]
+    assert [c.spec.reduction for c in plan if c.spec.noise_multiplier] == ["mean"] * 4
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, True, "0.9"])

@@ -32,7 +32,7 @@ that skips empty rounds takes fewer steps than nominal, which ``sampling_account
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from ...targets import RunSpec, accounting
 from .stats import chi2_quantile, chi2_two_sided_p
@@ -76,7 +76,7 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     for i, run in enumerate(noisy):
         histories = [o.accountant_history for o in run]
         if any(h != histories[0] for h in histories):
-            return (f"the ranks' accountants were told different things in one run: "
+            return ("the ranks' accountants were told different things in one run: "
                     + "; ".join(f"rank {o.rank}: {_fmt_history(o.accountant_history or [])}" for o in run)
                     + ". The accountant is one for the run: ranks that disagree report different epsilons for "
                     "the same release", evidence)
@@ -105,13 +105,14 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     q_hat = _observed_rate(spec, noisy[0]) if spec.poisson else None
     if q_hat is not None:
         evidence["measured_rate"] = q_hat
-    told = f"sigma {', '.join(f'{s:.6g}' for s in sorted(by_sigma))} and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}"
+    told = (f"sigma {', '.join(f'{s:.6g}' for s in sorted(by_sigma))} "
+            f"and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}")
     measured = f"sigma {sigma_hat:.4g}" + (f" and q {spec.sample_rate:.6g} (the run's draws: {q_hat:.4g})"
                                           if q_hat is not None else "")
     # sigma: each told value against the noise of the steps it was told for
     for sigma, (ss, count) in sorted(by_sigma.items()):
         own = math.sqrt(ss / count) / unit
-        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, count) if sigma > 0 else 0.0
+        p = chi2_two_sided_p(ss / (sigma * unit) ** 2, cast(int, count)) if sigma > 0 else 0.0  # [ss, count]
         if not p >= alpha:
             return _mismatch(spec, evidence, told, measured, (
                 f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "
@@ -177,6 +178,23 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
     high = eps_hi * (1 + RDP_RTOL) if mechanism == "rdp" else math.inf
     if low <= r <= high:
         return None
+    if mechanism == "rdp":
+        # sigma and q were checked against the measured mechanism before: the epsilon's own step count
+        # is what is left to name, where some other count of the same (sigma, q) gives the reported one
+        k = _steps_for(r, history[1], s_lo, s_hi, sigma_hat, delta, history[2])
+        if k is not None:
+            evidence["epsilon_steps"] = k
+            return _text(spec, told, measured, (
+                f"it reports epsilon {r:.4g} at delta {delta:g}, the RDP epsilon of {k} step(s) of the measured "
+                f"mechanism (sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; "
+                f"q {history[1]:.6g}), "
+                f"while the run took {history[2]} steps (the suite's RDP epsilon of them: {eps:.4g}, "
+                f"{eps_lo:.4g}..{eps_hi:.4g}): the told sigma and q match the noise and the sampler, but the epsilon "
+                f"composes {k} of the {history[2]} releases (a step count {'short' if k < history[2] else 'long'} by "
+                f"{abs(history[2] - k)})"), tail=(
+                " The epsilon a user reads must compose every release made: with fewer steps than were taken it is "
+                "too small." if k < history[2] else " An epsilon of more steps than were taken overstates the "
+                "privacy loss (utility of the guarantee, not privacy).")), evidence
     bound = (f"the RDP interval {eps_lo:.4g}..{eps_hi:.4g}" if mechanism == "rdp" else
              f"{TIGHTER_FLOOR:g} x its lower end {eps_lo:.4g} (a {mechanism!r} accountant may be tighter than RDP, not "
              "that much)")
@@ -184,6 +202,29 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
         f"it reports epsilon {r:.4g} at delta {delta:g}; the suite's own RDP accountant on the measured mechanism "
         f"(sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; q {history[1]:.6g}; {history[2]} "
         f"steps) gives {eps:.4g}, and {r:.4g} is outside {bound}")), evidence
+
+
+def _steps_for(reported: float, q: float, s_lo: float, s_hi: float, sigma_hat: float, delta: float,
+               taken: int) -> Optional[int]:
+    """The step count ``k != taken`` (1 .. 4 x taken) whose RDP epsilon of (sigma, q, k) holds
+    ``reported`` for some sigma in ``s_lo..s_hi`` (relative ``RDP_RTOL``), nearest at ``sigma_hat``;
+    ``None`` if there is none. The epsilon grows with k, so a bisection at ``sigma_hat`` finds it."""
+    def eps(sigma, k):
+        return accounting.epsilon([(sigma, q, k)], delta)
+
+    lo, hi = 1, 4 * max(taken, 1)
+    if not eps(sigma_hat, lo) <= reported <= eps(sigma_hat, hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if eps(sigma_hat, mid) <= reported:
+            lo = mid
+        else:
+            hi = mid
+    for k in sorted((lo, hi), key=lambda k: abs(eps(sigma_hat, k) - reported)):
+        if k != taken and eps(s_hi, k) * (1 - RDP_RTOL) <= reported <= eps(s_lo, k) * (1 + RDP_RTOL):
+            return k
+    return None
 
 
 def _mismatch(spec, evidence, told, measured, why, specs, runs, sigma_hat, total_n, alpha):
@@ -201,11 +242,15 @@ def _mismatch(spec, evidence, told, measured, why, specs, runs, sigma_hat, total
     return _text(spec, told, measured, why) + eps_note, evidence
 
 
-def _text(spec: RunSpec, told: str, measured: str, why: str) -> str:
+#: the end of a told-parameter message: what a wrong sigma or q does to the epsilon
+PARAMETER_TAIL = (" The epsilon a user reads is computed from what the accountant is told: with a larger sigma or a "
+                  "smaller q than the noise and the sampler have, it is too small (e.g. sigma*sqrt(N) and q/N "
+                  "composed across N ranks).")
+
+
+def _text(spec: RunSpec, told: str, measured: str, why: str, tail: str = PARAMETER_TAIL) -> str:
     return (f"PRIVACY ACCOUNTING: the accountant does not describe the mechanism that ran: {why}. Told {told}; "
-            f"measured {measured} (C={spec.max_grad_norm:g}, D={spec.divisor:g}). The epsilon a user reads is "
-            "computed from what the accountant is told: with a larger sigma or a smaller q than the noise and "
-            "the sampler have, it is too small (e.g. sigma*sqrt(N) and q/N composed across N ranks).")
+            f"measured {measured} (C={spec.max_grad_norm:g}, D={spec.divisor:g}).{tail}")
 
 
 def describe(evidence: Dict) -> str:
@@ -217,7 +262,8 @@ def describe(evidence: Dict) -> str:
             f"and q {', '.join(f'{x:.6g}' for x in evidence['told_rates'])}")
     if evidence.get("reported_epsilon") is not None:
         lo, hi = evidence["independent_interval"]
-        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the suite's "
+        text += (f", and reports epsilon {evidence['reported_epsilon']:.4g} at delta {evidence['delta']:g} (the "
+                 "suite's "
                  f"RDP epsilon of the measured mechanism: {evidence['independent_epsilon']:.4g}, {lo:.4g}..{hi:.4g})")
     return text
 

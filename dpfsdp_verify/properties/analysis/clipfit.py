@@ -268,12 +268,40 @@ class CoefficientFit:
     max_error: float
 
 
-def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol: float
-                          ) -> Optional[CoefficientFit]:
+def epsilon_rounding(coef: torch.Tensor, norms: torch.Tensor, c: float,
+                     coef_error: Optional[torch.Tensor] = None) -> float:
+    """How far from 0 rounding alone can put a clip epsilon fitted to the clipped samples' measured
+    coefficients ``coef`` (true norms ``norms``, bound ``c``), as ``fit_clip_coefficients`` fits it:
+    ``e = C/c_i - ||g_i||``, so an error ``dc_i`` in a coefficient moves ``e`` by
+    ``C dc_i / c_i^2`` -- the coefficient's own rounding (``coef_error``, e.g.
+    ``RecoveredCoefficients.rounding_error``: the target's rounding amplified by the fit's
+    conditioning; else one float64 unit roundoff of it) through that amplification -- and the
+    subtraction from ``||g_i||`` rounds once more (``u ||g_i||``). The largest over the clipped
+    samples, times ``ROUNDING_MARGIN`` (the estimates are typical sizes, not bounds). An epsilon
+    of the wrong sign this small is float64 rounding of ``min(1, C/||g_i||)`` exactly (measured:
+    -8.9e-16 and 1.8e-15 at norms ~4, against a scale of ~1e-14), not a looser clip."""
+    coef, norms = coef.to(torch.float64), norms.to(torch.float64)
+    clipped = (coef > 0) & (coef < 1)
+    if not bool(clipped.any()):
+        return 0.0
+    u = unit_roundoff(torch.float64)
+    err = coef_error.to(torch.float64)[clipped] if coef_error is not None else torch.zeros(int(clipped.sum()),
+                                                                                           dtype=torch.float64)
+    k = coef[clipped]
+    err = torch.maximum(err, u * k)
+    scale = c * err / k.pow(2) + u * (norms[clipped] + c / k)
+    return ROUNDING_MARGIN * float(scale.max())
+
+
+def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol: float,
+                          coef_error: Optional[torch.Tensor] = None) -> Optional[CoefficientFit]:
     """The first coefficient error (``CoefficientFit`` kinds, in that order) whose one parameter,
     estimated from ``coef`` (measured per-sample coefficients) and ``norms`` (the true norms),
     predicts every coefficient within ``tol`` (relative to max(1, the prediction)); ``None`` if
-    none fits. Only called for coefficients that differ from ``min(1, C/(n + 1e-6))``."""
+    none fits. Only called for coefficients that differ from ``min(1, C/(n + 1e-6))``. A fitted
+    epsilon within rounding of 0 (``epsilon_rounding``, from ``coef_error``: each coefficient's
+    rounding error) counts as 0; an epsilon the gate accepts (``0 <= e <= MAX_CLIP_EPSILON``) is
+    no error, so never the fit returned."""
     coef, norms = coef.to(torch.float64), norms.to(torch.float64)
     if not len(coef) or not bool(torch.isfinite(coef).all()):
         return None
@@ -293,7 +321,11 @@ def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol
     candidates.append(("cap", cap, raw.clamp(max=cap)))
     if bool(clipped.any()):
         e = float((c / coef[clipped] - norms[clipped]).median())
-        if e > -float(norms.min()):
+        if abs(e) <= epsilon_rounding(coef, norms, c, coef_error):
+            e = 0.0  # rounding of an exact min(1, C/||g_i||), not an epsilon of either sign
+        if 0.0 <= e <= reference.MAX_CLIP_EPSILON:
+            pass  # an accepted clip form: not the error sought
+        elif e > -float(norms.min()):
             candidates.append(("epsilon", e, (c / (norms + e)).clamp(max=1.0)))
     k = float(coef @ true / (true @ true))
     candidates.append(("scale", k, k * true))
@@ -326,7 +358,8 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 
 
-__all__ = ["clip_at_quantile", "pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable", "ROUNDING_MARGIN",
-           "amplification", "rounding_floor", "norm_rounding", "RecoveredCoefficients",
+__all__ = ["clip_at_quantile", "pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable",
+           "ROUNDING_MARGIN",
+           "amplification", "rounding_floor", "epsilon_rounding", "norm_rounding", "RecoveredCoefficients",
            "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "CoefficientFit",
            "fit_clip_coefficients", "describe_clip_fit"]

@@ -237,6 +237,7 @@ def fmt(x: float) -> str:
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``)
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
-           "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios", "data_outputs",
+           "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios",
+           "data_outputs",
            "shard_divisor", "replica_problem", "processed_indices", "global_loss", "max_rel_diff", "tensors_close",
            "close", "fmt"]

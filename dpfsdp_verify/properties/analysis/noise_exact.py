@@ -13,7 +13,7 @@ privacy: repeated noise cancels in the difference of two releases.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -130,15 +130,33 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
             cause = ("the generator is re-seeded every step, so each release repeats the last one's noise"
                      if lag == 1 else f"a pool of {lag} noise vectors reused in turn: the releases at steps k "
                      f"and k+{lag} carry the same noise")
-            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run {ri})",
+            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run "
+                       f"{ri})",
                        cause)
         if ri != rj and si != sj and ti == tj and seeds is not None:
             d_seed, d_step = seeds[rj] - seeds[ri], si - sj
-            shifted = (f"the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
-                       f"the same noise d steps apart" if d_seed == d_step else
+            shifted = ("the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
+                       "the same noise d steps apart" if d_seed == d_step else
                        "noise reused across training jobs with different noise seeds, shifted in steps")
             return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
                        f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
+        if ri != rj and ws > 1 and ti == tj and shard_of(na, oi) != shard_of(nb, oj):
+            # another rank's shard in another run: the ranks' seeds overlap across jobs, not a seed ignored
+            ra, rb = shard_of(na, oi), shard_of(nb, oj)
+            what = (f"rank {ra}'s shard of {na!r} at step {si} of run {ri}"
+                    + (f" (noise seed {seeds[ri]})" if seeds is not None else "")
+                    + f" carries the noise rank {rb}'s shard carries at step {sj} of run {rj}"
+                    + (f" (noise seed {seeds[rj]})" if seeds is not None else ""))
+            if seeds is not None and seeds[rj] - seeds[ri] == ra - rb:
+                d = ra - rb
+                cause = (f"the ranks' noise seeds overlap across training jobs: rank r under noise seed s {d:+d} draws "
+                         f"what rank r {d:+d} draws under seed s (e.g. a generator seeded noise_seed + rank: rank {ra} "
+                         f"of seed {seeds[ri]} is rank {rb} of "
+                         f"seed {seeds[rj]}), so jobs with nearby seeds release the same noise on different ranks")
+            else:
+                cause = ("the ranks' noise seeds overlap across training jobs: one rank's stream under one noise seed "
+                         "is another rank's under another")
+            return 2, (what, cause)
         if ri != rj:
             return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
                        f"different noise seeds (runs {ri} and {rj})",
@@ -156,7 +174,8 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
     if flipped:
         what = (what.replace("the same noise values", "the same noise values, one negated,")
                 .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
-        cause += " (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their difference)"
+        cause += (" (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their "
+                  "difference)")
     return what, cause
 
 
@@ -180,8 +199,47 @@ def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int
                     draws += 1
                     first = first or (i, k)
         if hit is not None:
-            return n, int(hit.sum()), hit.numel(), draws, first[0], first[1]
+            first_run, first_step = cast(Tuple[int, int], first)  # set with the first hit
+            return n, int(hit.sum()), hit.numel(), draws, first_run, first_step
     return None
+
+
+def unnoised_draws(runs, names, spec: RunSpec) -> List[Tuple[int, int]]:
+    """Every ``(run, step)`` draw with a coordinate released with exactly zero noise (the criterion of
+    ``unnoised_in_some_draw``), in order."""
+    clean = runs[0][0].steps
+    exact_everywhere = spec.torch_dtype == torch.float64
+    found = []
+    for i, run in enumerate(runs[1:]):
+        for k, (st, c) in enumerate(zip(run[0].steps, clean)):
+            for n in names:
+                zero = st.gradient[n] == c.gradient[n]
+                if not exact_everywhere:
+                    zero &= c.gradient[n] == 0
+                if bool(zero.any()):
+                    found.append((i, k))
+                    break
+    return found
+
+
+def empty_round_unnoised(runs, names, spec: RunSpec) -> Optional[Tuple[int, int, int, int, List[int]]]:
+    """Whether the draws released without noise are exactly the ones a rank drew an empty local
+    batch in: ``(unnoised draws, draws with an empty local batch, first run, first step, the ranks
+    empty there)`` when every unnoised draw had a rank with an empty batch and every draw whose
+    ranks all drew samples is noised; ``None`` otherwise. Then the noise scale depends on the batch
+    (scaled by its norms or its size: zero when nothing was drawn), not on what it touched."""
+    unnoised = unnoised_draws(runs, names, spec)
+    if not unnoised:
+        return None
+
+    def empty_ranks(i, k):
+        return [r for r, o in enumerate(runs[1 + i]) if k < len(o.steps) and not o.steps[k].indices]
+
+    if not all(empty_ranks(i, k) for i, k in unnoised):
+        return None
+    empty = sum(1 for i, run in enumerate(runs[1:]) for k in range(len(run[0].steps)) if empty_ranks(i, k))
+    i, k = unnoised[0]
+    return len(unnoised), empty, i, k, empty_ranks(i, k)
 
 
 def unnoised_message(unnoised, ws: int, where: str) -> str:
@@ -230,4 +288,5 @@ def resampled_run(runs) -> Optional[int]:
 
 
 __all__ = ["WINDOW", "noise_differences", "repeat_quantum", "noise_windows", "repeated_noise", "unnoised_in_some_draw",
-           "unnoised_message", "silent_shard", "bf16_fraction", "resampled_run"]
+           "unnoised_message", "unnoised_draws", "empty_round_unnoised", "silent_shard", "bf16_fraction",
+           "resampled_run"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -78,7 +78,7 @@ def tensor_pair_dependence(stacked: Dict[str, torch.Tensor], names: Sequence[str
         p = min(1.0, 2 * min(chi2_sf(t, k), k * chi2_sf(top, 1))) if math.isfinite(t) else 0.0
         if best is None or p < best[0]:
             best = (p, a, b, float(r.mean()), worst, float(r[worst]), k)
-    p, a, b, mean_r, worst, worst_r, k = best
+    p, a, b, mean_r, worst, worst_r, k = cast(Tuple[float, str, str, float, int, float, int], best)  # pairs: not empty
     return PairDependence(a, b, min(1.0, p * len(pairs)), mean_r, worst, worst_r, len(pairs), k)
 
 
@@ -160,7 +160,8 @@ def independence(noise, names, ws):
     out["step"] = pairs_of([run[k][n] for run in noise for k in range(1, len(run)) for n in names],
                            [run[k - 1][n] for run in noise for k in range(1, len(run)) for n in names])
     out["run"] = pairs_of([noise[i][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names],
-                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i])) for n in names])
+                          [noise[i - 1][k][n] for i in range(1, len(noise)) for k in range(len(noise[i]))
+                           for n in names])
     return out
 
 
@@ -186,6 +187,31 @@ def step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:
             m = sum(step[n].numel() for n in names)
             out.append((i, k, math.sqrt(t / m), chi2_two_sided_p(t, m)))
     return out
+
+
+def scale_dispersion(noise, names) -> Optional[Tuple[float, int, float, float, float]]:
+    """Whether the noise std varies from release to release, whatever its level and shape:
+    ``(statistic, degrees of freedom, p, smallest, largest per-release std / pooled std)``, ``None``
+    with fewer than 2 releases. Each release's mean square ``v_k`` over its ``m_k`` coordinates
+    has variance ``v^2 (kappa - 1) / m_k`` under one scale, ``kappa`` the noise's kurtosis measured
+    *within* releases (each standardised by its own RMS, so a mixture of scales across releases does
+    not inflate it, and Laplace noise of one scale is not read as a varying one); ``sum_k (v_k -
+    v)^2 / (v^2 (kappa - 1) / m_k) ~ chi^2(K - 1)`` (v the pooled mean square). Upper tail: a std
+    that follows the realised Poisson batch, or a schedule, spreads the ``v_k`` far beyond it."""
+    flat = [torch.cat([step[n].reshape(-1).to(torch.float64) for n in names]) for run in noise for step in run]
+    flat = [x for x in flat if x.numel() >= 2]
+    if len(flat) < 2:
+        return None
+    ms = torch.tensor([float(x.numel()) for x in flat], dtype=torch.float64)
+    vs = torch.stack([x.pow(2).mean() for x in flat])
+    if not bool((vs > 0).all()):
+        return None
+    kappa = float(sum(float((x.pow(2) / v).pow(2).sum()) for x, v in zip(flat, vs)) / float(ms.sum()))
+    v = float((vs * ms).sum() / ms.sum())
+    stat = float(((vs - v).pow(2) / (v * v * max(kappa - 1.0, 1e-12) / ms)).sum())
+    dof = len(flat) - 1
+    ratios = (vs / v).sqrt()
+    return stat, dof, chi2_sf(stat, dof), float(ratios.min()), float(ratios.max())
 
 
 def late_scale_change(scales, alpha: float, from_first: bool = False):
@@ -215,6 +241,7 @@ def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, p
     evidence's ``tensors``), the failed tests as ``(test, tensor, rank, value, p)`` in order, each
     shard's power as tested ``(detectable std error, tensor, rank, coordinates)``, and the scale
     test pooled over the 1-D tensors (``None`` without any)."""
+    failures: List[Tuple[str, str, Optional[int], float, float]]  # (test, tensor(s), shard rank or None, stat, p)
     tensors, failures, shard_power, sum_failures = {}, [], [], []
     for n in names:
         x = stacked[n]
@@ -242,7 +269,7 @@ def scale_stats(stacked, names, ws: int, s: float, alpha: float, n_draws: int, p
                       "p_scale_min": min(p for _, _, p, _ in shard_stats), "z_mean": z_mean,
                       "p_shard_sum_min": min(sum_ps, default=None),
                       "shard_coordinates": weakest[3], "detects_std_error": weakest[0]}
-        for r, ratio, p, k in shard_stats:
+        for r, ratio, p, _k in shard_stats:
             if not p >= alpha:
                 failures.append(("scale", n, r, ratio, p))
         p_mean = normal_two_sided_p(z_mean)
@@ -276,4 +303,5 @@ def shape_stats(stacked, names, ws: int, alpha: float, power: float) -> Tuple[fl
 
 
 __all__ = ["PairDependence", "tensor_pair_dependence", "LowRank", "low_rank", "low_rank_bound", "independence",
-           "shards", "shard_sizes", "step_scales", "late_scale_change", "scale_stats", "shape_stats"]
+           "shards", "shard_sizes", "step_scales", "scale_dispersion", "late_scale_change", "scale_stats",
+           "shape_stats"]

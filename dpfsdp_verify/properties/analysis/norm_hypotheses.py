@@ -11,7 +11,7 @@ others clip with a norm that is not the sample's (utility, or the objective). ``
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Tuple
+from typing import List, Tuple, cast
 
 import torch
 
@@ -57,8 +57,10 @@ def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
         for first, group in ties.items():
             rest = base + sum(sq(sum(uses[u] for u in other)) for f, other in ties.items() if f != first)
             for u in group:
-                out.append(((rest + sq(uses[u])).sqrt(), f"take the tied parameter {first!r} (also {', '.join(group[1:])}) "
-                            f"from its use as {u!r} only: each use's hook sets the parameter's norm, the last one wins; "
+                out.append(((rest + sq(uses[u])).sqrt(), f"take the tied parameter {first!r} (also "
+                                                         f"{', '.join(group[1:])}) "
+                            f"from its use as {u!r} only: each use's hook sets the parameter's norm, the last one "
+                            "wins; "
                             "its per-sample gradient is the sum over all its uses"))
             out.append(((rest + sum(sq(uses[u]) for u in group)).sqrt(), f"add the squared norms of the tied parameter "
                         f"{first!r}'s uses ({', '.join(group)}) as if they were separate parameters: the norm of "
@@ -81,7 +83,8 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     the per-sample code forgets). Such a target trains the missing parameters with the coefficients
     the other layers' norms give: a sample's norm is undercounted, so it can contribute more than
     C. The conv types together ("convolution") and the InstanceNorm types together are hypotheses
-    too (a registry keyed by their base class). Cached per model and batch; only types that hold a trainable parameter, and not when the
+    too (a registry keyed by their base class). Cached per model and batch; only types that hold a trainable parameter,
+    and not when the
     model has a single layer type (nothing would be left)."""
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size)
@@ -102,7 +105,8 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
                             ("InstanceNorm", ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"))):
         present = [by_type[m] for m in members if m in by_type]
         if len(present) > 1:
-            by_type[family] = tuple(sum((list(x[i]) for x in present), []) for i in range(3))
+            by_type[family] = cast(Tuple[List[str], List[str], List[str]],
+                                   tuple(sum((list(x[i]) for x in present), []) for i in range(3)))
     out: List[Tuple[str, torch.Tensor, str]] = []
     if len(by_type) > 1:
         for kind, (layers, params, biases) in by_type.items():

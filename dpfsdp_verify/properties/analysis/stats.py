@@ -16,12 +16,12 @@ def _f64(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float64)
 
 
-def chi2_cdf(t: float, k: int) -> float:
+def chi2_cdf(t: float, k: float) -> float:
     """P(chi^2_k <= t): the regularised lower incomplete gamma P(k/2, t/2)."""
     return float(torch.special.gammainc(_f64(k / 2), _f64(t / 2)))
 
 
-def chi2_sf(t: float, k: int) -> float:
+def chi2_sf(t: float, k: float) -> float:
     return float(torch.special.gammaincc(_f64(k / 2), _f64(t / 2)))
 
 
@@ -29,7 +29,7 @@ def norm_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def chi2_two_sided_p(t: float, k: int) -> float:
+def chi2_two_sided_p(t: float, k: float) -> float:
     """Two-sided p-value of ``t`` under chi^2_k (0 for a non-finite ``t``)."""
     if not math.isfinite(t):
         return 0.0
@@ -153,7 +153,8 @@ def kurtosis_z(x: torch.Tensor) -> Tuple[float, float]:
     mean = 3.0 * (n - 1) / (n + 1)
     var = 24.0 * n * (n - 2) * (n - 3) / ((n + 1) ** 2 * (n + 3) * (n + 5))
     x_std = (b2 - mean) / math.sqrt(var)
-    beta1 = 6.0 * (n * n - 5 * n + 2) / ((n + 7) * (n + 9)) * math.sqrt(6.0 * (n + 3) * (n + 5) / (n * (n - 2) * (n - 3)))
+    beta1 = (6.0 * (n * n - 5 * n + 2) / ((n + 7) * (n + 9))
+             * math.sqrt(6.0 * (n + 3) * (n + 5) / (n * (n - 2) * (n - 3))))
     a = 6.0 + 8.0 / beta1 * (2.0 / beta1 + math.sqrt(1 + 4.0 / beta1 ** 2))
     denom = 1 + x_std * math.sqrt(2 / (a - 4))
     if denom == 0:

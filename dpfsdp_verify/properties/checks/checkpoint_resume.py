@@ -44,7 +44,14 @@ the diagnosis):
   < 1e-12 per verdict); and no two ranks draw the same
   non-empty mask over their shards (sample i at shard position i // ws) at ``min(2, post-resume
   steps)`` steps -- ``correlated_sampling`` (bound ``C(ws, 2) C(steps, m) p^m``: 2.3e-10 at the
-  defaults). Both catch ranks that all restore rank 0's random state.
+  defaults). Both catch ranks that all restore rank 0's random state;
+* the sampler continues (Poisson, ``same`` / ``per_rank`` seeding): the resumed run's batches after step k
+  are those of the same run never interrupted (an eleventh run, in the last fresh group) -- a sampler
+  that restores its state and then skips a mask (or repeats one) fails ``mismatch``, naming the shift.
+
+The accountant's history and epsilon after the resume are the runner's check of every run
+(``prechecks.accountant_history_problem``): a load half's history must hold the k restored steps and
+the steps after them, no fewer (emptied, one short), no more (restored twice) -- ``accountant_mismatch``.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ import torch
 from ... import reference
 from ...verdict import Verdict
 from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
-from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close, tolerance,
+from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close,
+                                tolerance,
                       trainable_names)
 from ..engine.contract import Case, Outputs, Point, Property
 
@@ -92,7 +100,8 @@ def check_params(params: Dict[str, Any]) -> None:
     if steps < 2:
         raise ValueError(f"checkpoint_resume: steps={steps} must be >= 2 (a step before the checkpoint and one after)")
     if not 1 <= k < steps:
-        raise ValueError(f"checkpoint_resume: resume_at={k} must be in 1..{steps - 1} (the checkpoint is taken after step k "
+        raise ValueError(f"checkpoint_resume: resume_at={k} must be in 1..{steps - 1} (the checkpoint is taken after "
+                         "step k "
                          f"of steps={steps}, and at least one step must follow it)")
 
 
@@ -124,8 +133,8 @@ def cases(point: Point):
     (ts, tl), (ns, nl), (ps, pl) = (_halves(s, k, n) for s, n in zip((traj, noise, poisson),
                                                                      ("trajectory", "noise", "poisson")))
     ms, ml = _halves(mid, k_mid, "poisson-mid-epoch")
-    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0))
-    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 6),
+    specs = (ts, ns, ps, ms, tl, nl, pl, ml, traj, noise.with_(noise_multiplier=0.0), poisson)
+    yield point.case(traj, specs, labels={"resume_at": k}, fresh_groups=2, fresh_jobs=(4, 7),
                      doing=f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes")
 
 
@@ -149,7 +158,8 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
                         f"(rank {r}: up to {fmt(err)} relative, {name!r}): the trajectory property judges that; the "
                         "resume cannot be judged against it", {}), {}
         for t in range(steps):
-            for other, what in ((full[r].steps[t].parameters, "the uninterrupted run"), (ref.steps[t], "the reference")):
+            for other, what in ((full[r].steps[t].parameters, "the uninterrupted run"), (ref.steps[t],
+                                                                                         "the reference")):
                 if tensors_close(resumed[t], other, rtol, atol):
                     continue
                 err, name = max_rel_diff(resumed[t], other)
@@ -263,7 +273,8 @@ def _noise(case: Case, save, load, clean, k: int, noise_spec) -> Tuple[Optional[
 
 def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Optional[tuple]:
     """After the resume, shards of one tensor (dim-0 chunks: different ranks' draws; uneven ones
-    compared over the shorter one's length) must not carry equal noise at the same step -- a pair is flagged only if it was distinct at every
+    compared over the shorter one's length) must not carry equal noise at the same step -- a pair is flagged only if it
+    was distinct at every
     step before the resume (equal before is noise_calibration's finding, not the resume's). Equal
     as in ``_noise`` (every coordinate within ``NOISE_EQUAL`` s, >= ``NOISE_MIN_NUMEL``
     coordinates): false alarm < 1e-12 per pair."""
@@ -299,7 +310,8 @@ def _cross_rank_noise(case: Case, save, load, clean, k: int, noise_spec) -> Opti
         f"at step {t0}, " + ", ".join(f"{n!r} shards {i} and {j}" for n, i, j in first[:4])
         + f" ({len(hits)} equal shard pair(s) over steps {sorted({t for t, _ in hits})}, none equal before the resume; "
         f"world_size={ws}). The resumed ranks restored the same noise generator state (e.g. every rank loads rank "
-        "0's): the shards then carry the same noise (the shorter one a prefix of the longer), so a coordinate's noise is known from another's "
+        "0's): the shards then carry the same noise (the shorter one a prefix of the longer), so a coordinate's noise "
+        "is known from another's "
         "and the noise is not independent across the update (a correct run shows this with probability < 1e-12 "
         "per pair)."), {"cross_rank_equal_noise": [[t, *x] for t, x in hits[:20]]})
 
@@ -365,7 +377,7 @@ def _cross_rank_streams(case: Case, save, load, clean, k: int, noise_spec) -> Tu
         shared = shared_values(after[i], after[j], eps)
         if shared >= m and shared_values(before[i], before[j], eps) < m:
             hits.append((i, j, shared))
-    evidence = {"cross_rank_stream_shared_needed": m, "cross_rank_stream_false_alarm_bound": bound}
+    evidence: Dict[str, Any] = {"cross_rank_stream_shared_needed": m, "cross_rank_stream_false_alarm_bound": bound}
     if not hits:
         return None, evidence
     evidence["cross_rank_stream_shared"] = [list(h) for h in hits[:20]]
@@ -414,11 +426,15 @@ def _cross_rank_masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tu
                 steps = [k + t for t in hits]
                 evidence.update({"ranks": [a, b], "equal_mask_steps": steps})
                 return ("correlated_sampling", (
-                    f"PRIVACY VIOLATION: after the resume at step {k} ranks {a} and {b} draw the same Poisson mask over "
-                    f"their shards at steps {steps} (shard positions {[pos[a][t] for t in hits]}; world_size={ws}): the "
+                    f"PRIVACY VIOLATION: after the resume at step {k} ranks {a} and {b} draw the same Poisson mask "
+                    "over "
+                    f"their shards at steps {steps} (shard positions {[pos[a][t] for t in hits]}; world_size={ws}): "
+                    "the "
                     "resumed ranks restored the same sampler state (e.g. every rank loads rank 0's), so sample "
-                    f"{b} + {ws}j is in the batch exactly when sample {a} + {ws}j is -- not the independent Poisson subsampling the "
-                    f"accountant assumes (a correct sampler shows this with probability <= {bound:.2g})."), evidence), evidence
+                    f"{b} + {ws}j is in the batch exactly when sample {a} + {ws}j is -- not the independent Poisson "
+                    "subsampling the "
+                    f"accountant assumes (a correct sampler shows this with probability <= {bound:.2g})."),
+                    evidence), evidence
     return None, evidence
 
 
@@ -435,7 +451,7 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
                 worst = (r, lag, hits, batches)
     pairs = [sum(1 for t in range(k, spec.nominal_steps) if 0 <= t - lag < k) for lag in lags]
     m, bound = mask_false_alarm(spec.sample_rate, spec.dataset_size // ws, pairs, ws)
-    evidence = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
+    evidence: Dict[str, Any] = {"mask_replays_needed": m, "mask_false_alarm_bound": bound}
     if worst and m and len(worst[2]) >= m:
         r, lag, hits, batches = worst
         cause = ("The sampler's random state is not in the checkpoint and the resumed run seeds it as at the start"
@@ -447,15 +463,49 @@ def _masks(case: Case, save, load, k: int, spec) -> Tuple[Optional[tuple], dict]
         return ("mask_replayed", (
             f"PRIVACY VIOLATION: rank {r}'s Poisson sampler replays its masks after the resume at step {k}: steps "
             f"{hits} draw exactly the batches of steps {[t - lag for t in hits]} ({[batches[t] for t in hits]}) "
-            f"at world_size={ws}. {cause}: those steps' batches are the same draw, not the independent Poisson subsamples the "
+            f"at world_size={ws}. {cause}: those steps' batches are the same draw, not the independent Poisson "
+            "subsamples the "
             f"accountant's amplification assumes (a correct sampler shows this with probability <= {bound:.2g})."),
             evidence), evidence
     return None, evidence
 
 
+def _continues(case: Case, save, load, full, k: int, spec) -> Tuple[Optional[tuple], dict]:
+    """Under a seeded sampler (``same`` / ``per_rank``) the resumed run's batches after step k are
+    the uninterrupted run's (``full``: the same spec, never checkpointed): a sampler that restores
+    its state and then draws a mask more (or fewer), or restores another state, takes other batches
+    than the run that was never interrupted. Exact (no statistics); ``unseeded`` is not judged."""
+    if spec.seeding == "unseeded":
+        return None, {"sampler_continues": "not judged (unseeded)"}
+    ws = case.world_size
+    for r in range(ws):
+        got = [sorted(s.indices) for s in load[r].steps]
+        want = [sorted(s.indices) for s in full[r].steps[k:k + len(got)]]
+        if got == want:
+            continue
+        t = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
+        whole = [sorted(s.indices) for s in full[r].steps]
+        def overlap(d, got=got, whole=whole):  # the resumed batches against the uninterrupted run's d steps later
+            pairs = [(got[j], whole[k + d + j]) for j in range(len(got)) if 0 <= k + d + j < len(whole)]
+            return bool(pairs) and any(a for a, _ in pairs) and all(a == b for a, b in pairs)
+        shifted = next((d for d in (1, 2, 3, -1) if overlap(d)), None)
+        how = (f"they are the uninterrupted run's batches {shifted} step(s) {'later' if shifted > 0 else 'earlier'}: "
+               f"the resumed sampler {'skips' if shifted > 0 else 'repeats'} {abs(shifted)} mask(s) at the resume"
+               if shifted else "the resumed sampler does not continue the stream where the checkpoint left it")
+        evidence = {"rank": r, "resumed_batches": got, "uninterrupted_batches": want}
+        return ("mismatch", (
+            f"rank {r}'s Poisson batches after the resume at step {k} are not the uninterrupted run's (same sampling "
+            f"seed, {spec.seeding!r} seeding): step {k + t} draws {got[t] if t < len(got) else None} where the run "
+            f"that was never interrupted draws {want[t] if t < len(want) else None}; {how} (world_size={ws}). The "
+            "resumed run is not the run that was never interrupted: its sampler state did not survive the "
+            "checkpoint exactly."), evidence), evidence
+    return None, {"sampler_continues": True}
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
-    ts, ns, ps, ms, tl, nl, pl, ml, full, clean = runs[0]
+    ts, ns, ps, ms, tl, nl, pl, ml, full, clean, pfull = runs[0]
     k = case.specs[0].resume_at
+    evidence: Dict[str, Any]
     found, evidence = [], {"resume_at": k}
     traj, ev = _trajectory(case, ts, tl, full, k)
     evidence.update(ev)
@@ -471,7 +521,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                              **(mid[2] if mid else {})}
     if mid and not masks:
         masks = mid[:2] + ({},)
-    elif mid:  # one finding: the same sampler state replays at both resumes
+    elif mid and masks:  # one finding: the same sampler state replays at both resumes
         masks = (masks[0], masks[1] + f" The mid-epoch resume at step {mid_spec.resume_at} (q = "
                  f"{mid_spec.sample_rate:.3g}) replays too.", masks[2])
     cross_noise = _cross_rank_noise(case, ns, nl, clean, k, case.specs[1])
@@ -483,7 +533,9 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if not cross_masks:
         cross_masks, ev = _cross_rank_masks(case, ms, ml, mid_spec.resume_at, mid_spec)
         evidence["mid_epoch"].update(ev)
-    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks) if f]
+    continues, ev = _continues(case, ps, pl, pfull, k, case.specs[2])
+    evidence.update(ev)
+    found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks, continues) if f]
     for f in found:
         evidence.update(f[2])
     if found:
@@ -491,8 +543,12 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     steps = case.spec.steps
     return case.verdict("pass", None, (
         f"{steps} DP steps checkpointed after {k} and resumed in fresh rank processes at world_size={case.world_size}: "
-        f"parameters after every step equal the uninterrupted run's and the reference's (momentum {case.spec.momentum}), "
-        f"the privacy step count continues at {k + 1}, no noise released after the resume repeats earlier noise "
+        "parameters after every step equal the uninterrupted run's and the reference's (momentum "
+        f"{case.spec.momentum}), "
+        f"the privacy step count continues at {k + 1} (and the accountant's history holds every step: the runner's "
+        f"check of every run), the Poisson batches after the resume are the uninterrupted run's"
+        f"{'' if case.specs[2].seeding != 'unseeded' else ' (not judged: unseeded)'}, no noise released after the "
+        f"resume repeats earlier noise "
         f"({evidence['noise_shard_pairs_compared']} shard pairs compared) and the Poisson sampler replays no masks "
         f"(false-alarm bound {evidence['mask_false_alarm_bound']:.2g}; mid-epoch resume at step "
         f"{evidence['mid_epoch']['resume_at']}: {evidence['mid_epoch']['mask_false_alarm_bound']:.2g})"

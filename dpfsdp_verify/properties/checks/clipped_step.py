@@ -2,7 +2,8 @@
 
 DP meaning: the released gradient must be exactly ``(sum_i min(1, C/||g_i||) g_i) / D`` before
 noise (an epsilon ``e`` in the coefficient's denominator, ``C/(||g_i|| + e)``, is accepted for any
-``0 <= e <= reference.MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the signal-to-noise ratio the privacy accounting assumed (a smaller
+``0 <= e <= reference.MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the
+signal-to-noise ratio the privacy accounting assumed (a smaller
 signal is relatively more noise: utility lost; a sample scaled up beyond its clip is a bigger
 influence than analysed).
 
@@ -15,13 +16,15 @@ floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Sp
 sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
 the reference recomputes it on the realised batch (the union of what the ranks drew) with the
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
-realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
+realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option
+``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
 of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
 at p = 3 is [2, 2] -- whether the target splits evenly or in chunks of p) and must still equal the
 unsplit reference step (noise 0). An empty logical batch is ``trajectory``'s to check (one step
 cannot be made to draw one). A failure tests simple explanations against the numbers and says which one fits: a
-constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a clip
+constant factor (1/world_size; int(q*N)/realised batch: a realised-batch normaliser; a physical-batch normaliser), a
+clip
 coefficient error fitted to the coefficients recovered from the released gradient (a bound k*C,
 a floor, a cap such as a missing ``min(1, .)``, the norm's epsilon, a scale:
 ``clipfit.fit_clip_coefficients``), or wrong norms. The diagnosis is ``mismatch``. Once per world
@@ -38,7 +41,7 @@ names the first wrong step ("from step k (epoch e) on"), how many followed, and 
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
@@ -46,14 +49,16 @@ from ... import reference
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
 from ...verdict import Verdict
-from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon, pick_clip_bound,
+from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon,
+                                pick_clip_bound,
                       recover_clip_coefficients)
 from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
                       smallest_norm, tensors_close, tolerance)
 from ..engine.contract import Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.norm_hypotheses import sequence_weights
-from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_gradient_bound, precision_spec
+from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_gradient_bound,
+                                         precision_spec)
 
 FIT_RTOL = 1e-6
 
@@ -66,7 +71,7 @@ def prepare(spec: RunSpec) -> Prepared:
     return spec.with_(max_grad_norm=c)
 
 
-def explore_prepare(spec: RunSpec, knobs: Dict[str, object]) -> Prepared:
+def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     """An explored configuration (docs/explore.md) with C at its drawn quantile of the reference
     norms (``clipfit.clip_at_quantile``), noise 0."""
     return spec.with_(max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))),
@@ -90,6 +95,11 @@ WIDE_CLIP = 0.01
 #: opacus 1.6.0 releases a gradient whose placement differs from its parameter's
 #: (``placement_mismatch``, docs/findings.md, finding 3)
 SHORT_LAYER_MODEL, SHORT_LAYER_DIMS = "transformer", (("d_ff", 1),)
+#: a mixed-precision point's third bound: this many times the largest reference norm, so no sample
+#: is clipped and the coefficient is min(1, .)'s cap alone (a missing cap scales every sample by >= 2)
+BF16_LOOSE_CLIP = 2.0
+#: the tags of a case's specs' evidence: the mid-norm C, C = min norm/100, the loose C (bf16)
+TAGS = ("", "wide_", "loose_")
 
 
 def poisson_dataset_size(world_size: int) -> int:
@@ -119,8 +129,18 @@ def cases(point: Point):
     # not depend on them) shows what the coefficient does far above C
     if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
         specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
+    elif point.sampling == "fixed" and spec.precision != "fp32" and _first_bf16(point):
+        # bf16 compute runs in float32 only, so the first_of_axes point above is never a bf16 one: its
+        # first point runs the small C too, and a C no sample reaches (BF16_LOOSE_CLIP x the largest
+        # norm): at the mid-norm C the unclipped samples' norms are within a few % of C on the
+        # PRECISION_DIMS models, where a missing min(1, .) moves the step less than bf16's derived
+        # bound (0.7x it on the mlp); with every sample below C/2 it scales each by >= 2
+        norms = reference_norms(ready)
+        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(norms)))
+        specs.append(ready.with_(max_grad_norm=BF16_LOOSE_CLIP * float(norms.max())))
     yield point.case(ready, specs, doing="one DP step with noise 0"
-                     + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else ""))
+                     + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else "")
+                     + (f" and C = {BF16_LOOSE_CLIP:g} x max norm" if len(specs) > 2 else ""))
     if horizon_point(point, MODELS, REDUCTIONS, DTYPES):
         # the long run (horizon.py): every step of a long Poisson run against the reference step on its
         # batch (lr 0: the same parameters at every step), so a clip changed from step k shows at step k
@@ -134,6 +154,13 @@ def cases(point: Point):
             # a job of its own: a crash re-runs every run of a shared job one by one
             yield point.case(short, doing="one DP step with noise 0 on a layer with fewer rows than ranks",
                              labels={"model_kwargs": dict(SHORT_LAYER_DIMS)}, isolate=True)
+
+
+def _first_bf16(point: Point) -> bool:
+    """Whether ``point`` is its world size's first mixed-precision point along the model and
+    reduction axes (its dtype is float32, the one bf16 compute runs in)."""
+    o = point.options
+    return point.model == (o.models or MODELS)[0] and point.reduction == (o.reductions or REDUCTIONS)[0]
 
 
 def _runs_short_layer(point: Point, spec: RunSpec) -> bool:
@@ -168,22 +195,26 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     if "horizon" in case.labels:
         return judge_horizon(case, runs[0][0])
     ws = case.world_size
-    evidence: Dict[str, object] = {}
+    evidence: Dict[str, Any] = {}
     passed = []
     for j, (spec, outputs) in enumerate(zip(case.specs, runs[0])):
-        tag = "" if j == 0 else "wide_"
+        tag = TAGS[j]
         problem = judge_spec(case, spec, outputs, evidence, tag)
         if problem:
-            if j:
+            if j == 1:
                 problem = (f"at C = min norm/100 = {spec.max_grad_norm:.4g} (every sample's norm >= 100 C; the "
                            f"mid-norm C = {case.spec.max_grad_norm:.4g} passes): {problem}")
+            elif j == 2:
+                problem = (f"at C = {BF16_LOOSE_CLIP:g} x max norm = {spec.max_grad_norm:.4g} (no sample reaches C: "
+                           f"every coefficient must be 1; the mid-norm C = {case.spec.max_grad_norm:.4g} and C = min "
+                           f"norm/100 pass): {problem}")
             return case.verdict("fail", "mismatch", problem, evidence)
         own = f" with epsilon {evidence[tag + 'clip_epsilon']:.3g}" if tag + "clip_epsilon" in evidence else ""
         passed.append(f"{evidence[tag + 'clipped']} of {evidence[tag + 'samples']} samples clipped at "
                       f"C={spec.max_grad_norm:.4g}{own}")
     if "gradient_error_bound" in evidence:  # mixed precision: judged against its derived bound
         ratio = max(v / evidence["gradient_error_bound"] for k, v in evidence.items()
-                    if k.endswith("_grad_error") and not k.startswith("wide_"))
+                    if k.endswith("_grad_error") and not k.startswith(TAGS[1:]))
         return case.verdict("pass", None, (
             f"DP step equals the reference within its {case.spec.precision} bound at world_size={ws} "
             f"({'; '.join(passed)}; distance {fmt(ratio)} x the bound)"), evidence)
@@ -204,9 +235,24 @@ def judge_horizon(case: Case, outputs) -> Verdict:
     # lr 0: every step's parameters are the initial ones, so each sample's gradient is computed once
     grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec), spec.reduction)
     norms = reference.per_sample_norms(grads)
+    epsilons = set()  # the clip epsilons the steps were judged at, where not opacus'
     for k in range(steps):
         indices = processed_indices(outputs, k, spec)
         step = _dataset_step(spec, grads, norms, indices)
+        first = outputs[0].steps[k].gradient
+        if indices and not tensors_close(first, step.gradient, rtol, atol):
+            # as judge_spec does: any epsilon in [0, MAX_CLIP_EPSILON] is DP-SGD's clip (C/max(||g||, C)
+            # is e = 0), so the step is judged against the reference at the target's own
+            names = sorted(step.gradient)
+            if all(n in first and first[n].shape == step.gradient[n].shape for n in names):
+                def at(e: float, i=indices, n=names) -> torch.Tensor:
+                    return _flat(_dataset_step(spec, grads, norms, i, e).gradient, n)
+
+                eps = fit_clip_epsilon(at, _flat(first, names))
+                own = _dataset_step(spec, grads, norms, indices, eps)
+                if tensors_close(first, own.gradient, rtol, atol):
+                    step = own
+                    epsilons.add(eps)
         for r, o in enumerate(outputs):
             if not tensors_close(o.steps[k].gradient, step.gradient, rtol, atol):
                 err, name = max_rel_diff(o.steps[k].gradient, step.gradient)
@@ -214,6 +260,8 @@ def judge_horizon(case: Case, outputs) -> Verdict:
                 break
     evidence = {"steps": steps, "max_grad_norm": spec.max_grad_norm, "wrong_steps": [w[0] for w in wrong],
                 "steps_per_epoch": per_epoch}
+    if epsilons:
+        evidence["clip_epsilon"] = max(epsilons)
     where = (f"{steps}-step run of Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size} "
              f"({spec.epochs} epochs of {per_epoch}) at world_size={ws}, C={spec.max_grad_norm:.4g}")
     if wrong:
@@ -223,18 +271,23 @@ def judge_horizon(case: Case, outputs) -> Verdict:
             f"from step {k} (counted from 0; epoch {k // per_epoch + 1}) on, the DP step differs from the reference "
             f"in a {where}: {len(wrong)} of the {steps - k} steps from step {k} differ"
             + (f", the {k} before it equal the reference" if k else "")
-            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after a "
+            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after "
+              "a "
             "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
+    own_note = (f" (at the target's own clip epsilon, {min(epsilons):.3g}..{max(epsilons):.3g}, inside the accepted "
+                f"0..{reference.MAX_CLIP_EPSILON:g})" if epsilons else "")
     return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "
-                        f"on its realised batch in a {where}", evidence)
+                        f"on its realised batch{own_note} in a {where}", evidence)
 
 
-def _dataset_step(spec: RunSpec, grads, norms: torch.Tensor, indices: List[int]) -> reference.DPStep:
+def _dataset_step(spec: RunSpec, grads, norms: torch.Tensor, indices: List[int],
+                  clip_epsilon: float = reference.CLIP_EPSILON) -> reference.DPStep:
     """The reference DP-SGD step (noise 0) on the samples ``indices`` of the dataset whose per-sample
-    gradients ``grads`` and norms ``norms`` are given (``reference.dp_sgd_gradient``'s arithmetic)."""
+    gradients ``grads`` and norms ``norms`` are given (``reference.dp_sgd_gradient``'s arithmetic),
+    clipped with ``min(1, C/(||g_i|| + clip_epsilon))``."""
     idx = torch.tensor(indices, dtype=torch.long)
     mine = {n: g[idx] for n, g in grads.items()}
-    coef = reference.clip_coefficients(norms[idx], spec.max_grad_norm)
+    coef = reference.clip_coefficients(norms[idx], spec.max_grad_norm, clip_epsilon)
     summed = reference.clipped_sum(mine, coef)
     divisor = float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0
     zero = {n: torch.zeros_like(g) for n, g in summed.items()}
@@ -358,7 +411,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     if abs(k - 1) > FIT_RTOL and float((got - k * want).abs().max()) <= FIT_RTOL * float(want.abs().max()):
         why = ""
         realised, expected = len(indices), spec.expected_batch_size
-        if spec.poisson and spec.reduction == "mean" and realised != expected and abs(k - expected / realised) < FIT_RTOL:
+        if (spec.poisson and spec.reduction == "mean" and realised != expected
+                and abs(k - expected / realised) < FIT_RTOL):
             why = (f" = int(q*N)/realised batch = {expected}/{realised}: the step is normalised by the batch it "
                    f"happened to draw ({realised} samples) instead of opacus' expected batch size int(q*N) = "
                    f"{expected}. The divisor then depends on which samples were drawn: the released mean is not "
@@ -397,7 +451,8 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     if wrong_norms:
         return f"{head}: {wrong_norms}"
     if fits:
-        fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol)
+        fit = fit_clip_coefficients(rec.coefficients[seen], step.norms[seen], spec.max_grad_norm, tol,
+                                    None if rec.rounding_error is None else rec.rounding_error[seen])
         if fit is not None:
             return (f"{head}: the clip coefficients recovered from its gradient are "
                     f"{describe_clip_fit(fit, spec.max_grad_norm)} (fits {int(seen.sum())} samples to "
@@ -441,6 +496,8 @@ PROPERTY = Property(
     explore=ExploreRecipe(prepare=explore_prepare, labels=explore_labels))
 
 
-__all__ = ["FIT_RTOL", "prepare", "explore_prepare", "explore_labels", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP", "SHORT_LAYER_MODEL",
-           "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge", "judge_horizon",
+__all__ = ["FIT_RTOL", "prepare", "explore_prepare", "explore_labels", "MODELS", "REDUCTIONS", "DTYPES", "WIDE_CLIP",
+           "BF16_LOOSE_CLIP", "TAGS",
+           "SHORT_LAYER_MODEL", "SHORT_LAYER_DIMS", "poisson_dataset_size", "cases", "reference_step", "judge",
+           "judge_horizon",
            "judge_spec", "own_epsilon_step", "judge_precision", "explain", "PROPERTY"]

@@ -5,7 +5,10 @@ DP meaning: none directly -- but a DP job that hangs on some batch compositions 
 work around by changing sampling (dropping Poisson sampling, padding batches), which silently
 changes the privacy accounting. Poisson sampling makes uneven and empty local batches normal.
 
-Scenarios (each its own job, so a hang is attributed to it), two steps each, noise on:
+Every scenario runs with noise on and C between the two largest norms of its batch (``upper_clip``: the
+outcome does not depend on C; the runs feed the release judge, ``engine/releases.py``, where a noise
+scale tied to the batch's norms shows). Scenarios (each its own job, so a hang is attributed to it),
+two steps each:
 ``even`` (the plain split), ``uneven`` (rank 0 gets more samples than the last rank), ``single``
 (one sample per rank), ``empty`` (the last rank gets none). Any hang is ``hang``/``deadlock``
 with the harness's account of where the collective sequences diverge; a crash is
@@ -29,7 +32,8 @@ Deadlines: a deadlock is *proven* within ~1-2 s whatever the deadline (the harne
 ``proof.py``); the deadline only ends a run nothing proved stuck, and that is ``hang`` /
 ``timeout`` naming the busy rank, never ``deadlock``. The Poisson and accumulation scenarios state
 built-in deadlines, ``POISSON_DEADLINE_S`` / ``ACCUM_DEADLINE_S`` (a correct run takes about a
-second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under the user's
+second; the margin is for targets slower per step), which ``runner.case_deadline`` turns into the job's deadline under
+the user's
 timeout: ``min(timeout, max(D, D * timeout / DEFAULT_TIMEOUT_S))`` for a built-in ``D``
 -- at the default timeout the built-in one, raised in proportion by a longer ``--timeout``, never
 longer than the ``--timeout`` given. The other scenarios run under the timeout itself.
@@ -55,9 +59,10 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 from ...verdict import Verdict
+from ..analysis.compare import reference_norms
 from ..engine.contract import Case, Outputs, Point, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
@@ -85,7 +90,7 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     b = 2 * ws
     out = {"even": tuple(tuple(range(r, b, ws)) for r in range(ws)), "single": tuple((r,) for r in range(ws))}
     if ws > 1:
-        uneven = [[] for _ in range(ws)]
+        uneven: List[List[int]] = [[] for _ in range(ws)]
         for i in range(b):  # rank 0 gets one extra, the last rank one fewer
             uneven[0 if i == b - 1 else i % ws].append(i)
         out["uneven"] = tuple(tuple(u) for u in uneven)
@@ -94,11 +99,23 @@ def scenarios(ws: int) -> Dict[str, tuple]:
     return out
 
 
+def upper_clip(spec):
+    """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
+    dataset): the largest sample clipped, the others not. The scenarios' outcome does not depend on
+    C; their noisy releases feed the release judge (``engine/releases.py``), where a noise scale
+    that depends on the batch's norms shows only on batches whose samples are all below C (at C = 1
+    every sample of the gate's models is clipped)."""
+    norms = sorted(float(x) for x in reference_norms(spec))
+    if len(norms) < 2 or norms[-1] - norms[-2] < 1e-6 * norms[-1]:
+        return spec
+    return spec.with_(max_grad_norm=(norms[-1] + norms[-2]) / 2)
+
+
 def poisson_spec(point: Point, seeding: str):
     ws = point.world_size
     n = 2 * ws + 1
-    return point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
-                      seeding=seeding, steps=0, noise_multiplier=1.0)
+    return upper_clip(point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
+                                 seeding=seeding, steps=0, noise_multiplier=1.0))
 
 
 def cases(point: Point):
@@ -111,8 +128,8 @@ def cases(point: Point):
         if only is not None and name not in only:
             continue
         sizes = [len(s) for s in split]
-        spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                          rank_batches=(split,) * STEPS)
+        spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                                     rank_batches=(split,) * STEPS))
         fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
                                 doing=f"{name} local batches {sizes}", isolate=True))
     last = [c for c in fixed if c.labels["local_batches"] == "empty"]
@@ -132,7 +149,7 @@ def cases(point: Point):
             only is None or "poisson_horizon" in only):
         # the long run (horizon.py): a collective only some ranks issue every k steps, or a sampler that
         # changes after some epochs, hangs here and nowhere in the short scenarios
-        spec = horizon_spec(point, noise_multiplier=1.0)
+        spec = upper_clip(horizon_spec(point, noise_multiplier=1.0))
         yield point.case(spec, labels={"local_batches": "poisson_horizon", **horizon_labels(spec)}, doing=(
             f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
             f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)
@@ -146,8 +163,8 @@ def accum_cases(point: Point, only):
             continue
         if name == "uneven_accum":
             split = scenarios(point.world_size)["uneven"]
-            spec = point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                              rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P)
+            spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
+                                         rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P))
             what = f"uneven local batches {[len(s) for s in split]}"
         else:
             spec = poisson_spec(point, "per_rank").with_(epochs=ACCUM_EPOCHS, physical_batch_size=ACCUM_P)

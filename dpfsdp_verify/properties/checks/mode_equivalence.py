@@ -45,8 +45,9 @@ from ...modes import Mode
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip
-from ..analysis.compare import fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close, tolerance
-from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..analysis.compare import (fmt, max_rel_diff, norm_ratios, processed_indices, reference_norms, tensors_close,
+                                tolerance)
+from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 
 STEPS = 2
 #: steps per model in the gate's cases: a mode that goes wrong only after a warm-up (a cache filled
@@ -84,7 +85,7 @@ def pair_local_batch(p: int) -> int:
     return 2 * p + 1
 
 
-def prepare(spec: RunSpec) -> Prepared:
+def prepare(spec: RunSpec) -> RunSpec:  # always a spec: never a reason to skip (``Prepared``)
     return with_picked_clip(spec)
 
 
@@ -99,7 +100,7 @@ def poisson_pair_spec(point: Point) -> RunSpec:
     o = point.options
     return prepare(point.spec(sampling="poisson", sample_rate=o.sample_rate or q,
                               dataset_size=o.dataset_size or per_rank * point.world_size, epochs=1, steps=steps,
-                              seeding=point.seeding or "same", sampling_seed=point.poisson_seed))
+                              seeding=point.seeding or "same", sampling_seed=point.poisson_seed()))
 
 
 def cases(point: Point):
@@ -140,7 +141,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
                 problem = f"step {k}, rank {r}: the modes processed different samples"
             elif (sa.norms is None) != (sb.norms is None):
                 problem = f"step {k}, rank {r}: only one mode reports norms"
-            elif sa.norms is not None:
+            elif sa.norms is not None and sb.norms is not None:  # both or neither, by the check above
                 d = (sa.norms - sb.norms).abs()
                 if not bool((d <= atol + rtol * sa.norms.abs()).all()):  # NaN is never equal
                     rel = float((d / sa.norms.abs().clamp_min(1e-300)).max())
@@ -187,7 +188,8 @@ def _noise_problem(noised_a, clean_a, noised_b, clean_b, evidence) -> Tuple[Opti
     z = math.log(vb / va) / math.sqrt(4.0 / n) if va > 0 and vb > 0 else float("inf")
     evidence.update({"noise_std_ratio": math.sqrt(vb / va) if va > 0 else float("inf"), "noise_z": z})
     if not abs(z) <= NOISE_Z:  # NaN fails
-        return (f"with noise on, the noise released in one logical step has std ratio {fmt(math.sqrt(vb / va)) if va > 0 else 'inf'} "
+        return ("with noise on, the noise released in one logical step has std ratio "
+                f"{fmt(math.sqrt(vb / va)) if va > 0 else 'inf'} "
                 f"(second mode / first, over {n} coordinates, z = {fmt(z)}): accumulation must add the noise once per "
                 "logical step with the same std (noise at every physical pass multiplies its variance by the number "
                 "of passes: more noise than the accountant assumes -- a utility loss; less is a privacy loss)"), ""

@@ -45,7 +45,8 @@ Deterministic checks first (no statistics needed):
   zero-noise and repeat checks only.
 
 Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the two exact-only cases
-(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from ``LOCAL_RANK``
+(the transformer, and the wide mlp, whose tensors FSDP shards unevenly there: ``wide``): noise seeded from
+``LOCAL_RANK``
 or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
 noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
 shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
@@ -100,10 +101,12 @@ from ..analysis.compare import reference_model, replica_problem, shard_divisor, 
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
-from ..analysis.noise_exact import (bf16_fraction, noise_differences, repeat_quantum, repeated_noise, resampled_run,
-                          silent_shard, unnoised_in_some_draw, unnoised_message)
-from ..wording.noise_messages import (independence_message, late_message, low_rank_message, pairs_message, scale_message,
-                             shape_message, tensor_pair_message)
+from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
+                                    repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
+                                    unnoised_message)
+from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
+                                      pairs_message, scale_message, shape_message, tensor_pair_message,
+                                      varying_scale_message)
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
@@ -151,14 +154,15 @@ def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
     mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
     accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval) +
-    the per-release scale (Bonferroni over the releases: one test's share)."""
+    the per-release scale (Bonferroni over the releases: one test's share) + the per-release scale's
+    dispersion (``noise_stats.scale_dispersion``)."""
     sizes = [k for s in shapes.values() for k in shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
     multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
     pairs = 1 if len(set(multi)) < len(multi) else 0
     matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
     return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
-            + pairs + matrices + 1 + 1)
+            + pairs + matrices + 1 + 1 + 1)
 
 
 def cases(point: Point):
@@ -207,7 +211,8 @@ def cases(point: Point):
         # exact checks only on one wide layer (fc1.weight 64 x 512 = 32768 coordinates, 16384 per
         # shard at 2 ranks): a noise buffer of a bounded size tiled over larger shards repeats within
         # one draw, which the gate's statistical mlp (no tensor above 2048) cannot show
-        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1, noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
+        w = spec.with_(model_kwargs=WIDE_MLP_DIMS, steps=1,
+                       noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
     if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
@@ -241,7 +246,8 @@ def wide(point: Point):
     t = spec.with_(model="transformer", model_kwargs=())
     yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                      facts={"exact_only": True})
-    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS, noise_seed=point.seed_for("wide_world_layer_exact", point.param("noise_seed"),
+    w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS,
+                   noise_seed=point.seed_for("wide_world_layer_exact", point.param("noise_seed"),
                                                           point.world_size))
     yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                      "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
@@ -351,6 +357,10 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
     unnoised = unnoised_in_some_draw(runs, names, spec)
     if unnoised:
+        empty = empty_round_unnoised(runs, names, spec) if spec.poisson else None
+        if empty is not None:
+            evidence.update(unnoised_draws=empty[0], empty_round_draws=empty[1])
+            return case.verdict("fail", "mismatch", empty_round_message(empty, where), evidence)
         return case.verdict("fail", "mismatch", unnoised_message(unnoised, ws, where), evidence)
     repeated = repeated_noise(noise, names, ws, repeat_quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
@@ -376,6 +386,14 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     late = late_scale_change(step_scales(noise, names, s), alpha)
     if late is not None:
         return case.verdict("fail", "mismatch", late_message(late, where, alpha), evidence)
+    # a std that varies from step to step (following the realised Poisson batch) is a mixture of scales,
+    # which the shape test would read as heavy tails: tested on its own first, robust to the shape
+    spread = noise_stats.scale_dispersion(noise, names)
+    if spread is not None:
+        evidence.update(scale_dispersion_p=spread[2], per_release_std_range=[spread[3], spread[4]])
+        if not spread[2] >= alpha:
+            return case.verdict("fail", "mismatch", varying_scale_message(spread, s, evidence["std_ratio"], where,
+                                                                          alpha, case.spec.poisson), evidence)
     excess, z_kurt, p_kurt, kurt_power, values = shape_stats(stacked, names, ws, alpha, POWER)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
@@ -399,8 +417,9 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     t_pairs, n_pairs, p_pairs, (i, j, r_ij) = pairwise_dependence(draws)
     evidence.update(pairs_chi2=t_pairs, pairs=n_pairs)
     if not p_pairs >= alpha:
-        at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
-        return case.verdict("fail", "dependent_noise", pairs_message(at[i], at[j], r_ij, t_pairs, n_pairs, p_pairs,
+        draw_at = [(ri, k) for ri, run in enumerate(noise) for k in range(len(run))]
+        return case.verdict("fail", "dependent_noise", pairs_message(draw_at[i], draw_at[j], r_ij, t_pairs, n_pairs,
+                                                                     p_pairs,
                                                                       where, alpha), evidence)
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
     evidence["detects_std_error_big_shards"] = max(big)[0] if big else None

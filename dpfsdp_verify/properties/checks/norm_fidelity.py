@@ -30,7 +30,8 @@ gradient is ``sum_i c_i g_i / D`` over the processed samples, so a least-squares
 reference per-sample gradients (far more parameters than samples) recovers each sample's clip
 coefficient ``c_i``; they are compared with ``min(1, C/(||g_i|| + e))``, e the target's own epsilon
 if it lies in ``[0, reference.MAX_CLIP_EPSILON]`` (``clipfit.fit_clip_epsilon``: ``C/max(||g||, C)``
-and opacus' ``+ 1e-6`` are both DP-SGD's clip), and explained by the same bug shapes ("reports X, clips with Y" when the two differ). C lies between the middle
+and opacus' ``+ 1e-6`` are both DP-SGD's clip), and explained by the same bug shapes ("reports X, clips with Y" when the
+two differ). C lies between the middle
 reference norms, so some samples are clipped and some not: one factor on every coefficient is the
 gradient's overall scale (``clipped_step``'s business), not a norm. A target that reports no norms
 is judged on the norms it clips with.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
+from typing import Any, Dict
 
 import torch
 
@@ -51,7 +53,8 @@ from ...targets.base import PRECISIONS
 from ...verdict import Verdict
 from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, norm_rounding, recover_clip_coefficients,
                       with_picked_clip)
-from ..analysis.compare import fmt, norm_ratios, processed_indices, reference_grads, reference_model, reference_norms, tolerance
+from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
+                                reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
 from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
@@ -139,7 +142,7 @@ def judge_spec(case: Case, outputs) -> Verdict:
     want = [ref[list(s.indices)] for s in steps]
     if bound is not None:  # bf16 compute: the bound derived from its unit roundoff, not the dtype's
         rtol, atol = bound.norm_rtol, 0.0
-    evidence = {"rtol": rtol, "atol": atol}
+    evidence: Dict[str, Any] = {"rtol": rtol, "atol": atol}
     if bound is not None:
         evidence["precision_bound"] = bound.describe()
     reported = None  # None: the target reports no norms; else (diagnosis or None, message)
@@ -256,7 +259,8 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     fit.update({"clip_coefficient_max_error": err, "clipped_samples": clipped, "clip_epsilon": eps})
     if err <= tol:
         return None, (f"the clip coefficients recovered from the released gradient equal min(1, C/||g_i||) "
-                      f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of {len(indices)} samples clipped at C={c:.4g}; "
+                      f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of "
+                      f"{len(indices)} samples clipped at C={c:.4g}; "
                       f"epsilon in the denominator {eps:.3g}{unjudged})"), fit
     # the overall scale at the epsilon that fits best up to a scale
     eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
@@ -322,7 +326,7 @@ def _borrowed_clip(case: Case, want, steps, indices, coef: torch.Tensor, tol: fl
                                                                for r, j in enumerate(mapping)):
             continue
         shape = torch.ones(len(indices), dtype=torch.float64)
-        for r, (s, j) in enumerate(zip(steps, mapping)):
+        for s, j in zip(steps, mapping):
             for i, value in zip(s.indices, want[j].tolist()):
                 if i in pos:
                     shape[pos[i]] = float(reference.clip_coefficients(torch.tensor([value]), c)[0])

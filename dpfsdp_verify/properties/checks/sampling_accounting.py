@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 
@@ -129,7 +129,7 @@ def cases(point: Point):
     draws = point.param("draws")
     for data, (n, q) in case_datasets(point).items():
         base = point.spec(sampling="poisson", sample_rate=q, dataset_size=n, seeding=point.seeding, steps=0,
-                          sampling_seed=point.poisson_seed)
+                          sampling_seed=point.poisson_seed())
         spec = base.with_(task="sample", epochs=math.ceil(draws / base.steps_per_epoch))
         yield point.case(spec, labels={"dataset": data}, facts={"alpha": point.param("alpha")},
                          doing=f"{spec.nominal_steps} Poisson draws")
@@ -158,7 +158,7 @@ def across_steps(x: torch.Tensor, batch: torch.Tensor):
     lmax = t // 2
     if lmax < 2:
         return None
-    out = {"lags": lmax}
+    out: Dict[str, Any] = {"lags": lmax}
     z, skew = lag_autocovariance_z(x, lmax)
     p = skewed_normal_two_sided_p(z, skew)
     k = int(torch.argmin(p))  # the strongest lag (ties: the shortest)
@@ -304,7 +304,7 @@ def _tests(st: Sampled, spec: RunSpec, ws: int) -> List[tuple]:
     tests.append(("wrong_sample_rate", "inclusion_rate", st.p_rate,
                   f"samples are included at rate {st.q_hat:.5g} per step over {t} steps, not the configured "
                   f"q = {q:.5g}{_rate_why(st, spec, ws)}"))
-    counts, hom = st.counts, st.hom
+    counts, hom = cast(torch.Tensor, st.counts), st.hom  # set by ``statistics``
     tests.append(("wrong_sample_rate", "per_sample_rate", st.p_hom,
                   f"per-sample inclusion counts spread {hom / n if n else 0:.3g}x as much as Binomial(T, q) "
                   f"(min {int(counts.min())}, max {int(counts.max())}, expected {t * q:.4g}): samples are not "

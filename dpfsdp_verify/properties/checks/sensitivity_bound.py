@@ -31,7 +31,7 @@ rank's local batch (of one; last of an odd batch), a squared norm beyond float32
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -179,6 +179,7 @@ def judge_extreme(case: Case, ranks) -> Verdict:
     sample is left unclipped, however large, alone, or last in an odd batch, and none is dropped."""
     spec, ws = case.spec, case.world_size
     c = spec.max_grad_norm
+    evidence: Dict[str, Any]
     found, evidence = [], {"max_grad_norm": c, "steps": {}}
     for k in range(spec.steps):
         owner = {i: o.rank for o in ranks for i in o.steps[k].indices}
@@ -198,7 +199,8 @@ def judge_extreme(case: Case, ranks) -> Verdict:
             x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
             where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
                 "its rank's local batch of exactly 1" if local[r] == 1 else
-                f"the last of an odd local batch of {local[r]}" if local[r] % 2 and i == ranks[r].steps[k].indices[-1] else
+                f"the last of an odd local batch of {local[r]}" if local[r] % 2
+                and i == ranks[r].steps[k].indices[-1] else
                 f"in a local batch of {local[r]}"))
             if n > 1.8e19:  # its square exceeds float32's largest value
                 where += " (its squared norm overflows float32)"

@@ -10,7 +10,8 @@ compared with ``reference.dp_sgd_trajectory``. K is 6 on the mlp and 3 on the tr
 ``steps``): a bug that switches on a few steps into training (a warm-up, a cache) is seen on the
 mlp if it starts by step index 5. Under Poisson sampling the K steps are the first K of Poisson
 sampling over as many epochs as they need (``Point.spec``), on ``POISSON_PER_RANK`` samples per rank
-(no rank draws an empty batch but with probability 1e-8, so the verdict does not hang on the seed), each step's reference batch the union
+(no rank draws an empty batch but with probability 1e-8, so the verdict does not hang on the seed), each step's
+reference batch the union
 of what the ranks drew, normalised by opacus' expected batch size int(q*N); a realised batch that
 differs from it shows a realised-batch normaliser (named in the message; the pass message says in
 how many steps the two differed). Diagnosis ``mismatch``; the message names the first step whose
@@ -34,23 +35,23 @@ nothing: whether a step happened then depends on who was sampled (an output the 
 not cover), and the accountant, which counts steps taken, composes fewer rounds than the sampling
 ran. Both are ``mismatch`` with a message saying which.
 
-The noisy update (one case per world size: fixed sampling, ``"mean"``, the first model and dtype;
-not run when the options select only ``"sum"``): every other check of the default gate that looks
-at parameters runs at noise 0, and those that add noise use lr 0, so nothing else sees whether the
-noise the target *reports* is the noise it *applies*. ``UPDATE_STEPS`` steps at noise multiplier
-``UPDATE_SIGMA`` with SGD momentum mu (option ``update_momentum``, 0.9): the parameters after each
-step t must equal ``p_{t-1} - lr * b_t``, ``b_t = mu * b_{t-1} + g_t`` (``b_0 = g_0``), over the
-gradients g_t the target released at that step and its own reported p_{t-1} (the initial model
-for t = 0), to ``compare.tolerance``. The check is exact, not statistical: a noise that misses the
-update moves the parameters by ~lr * sigma * C / D, orders of magnitude above rounding. A failure
-names its cause from the reference's clean clipped gradient at the reported parameters (checked to
-``UPDATE_CAUSE_RTOL``): ``noise_bypassed`` when the parameters follow the clean gradients (noise only
-in the reported ``p.grad``: no privacy) or the noise kept out of the momentum buffer (the buffer
-holds clean gradients: a step's privacy loss up to 1/(1 - mu^2) the stated one), else ``mismatch``.
-A target that does not declare ``"momentum"`` (``Target.features``) gets the runner's "not
-checkable" fail for this case (config ``momentum``), as for ``checkpoint_resume``; through the API
-``update_momentum=0`` checks the plain-SGD update on such a target.
-"""
+The noisy update (one case per world size: fixed sampling, ``"mean"``, the first model and dtype,
+and a second in float32 where that dtype is another; not run when the options select only
+``"sum"``): every other check of the default gate that looks at parameters runs at noise 0, and
+those that add noise use lr 0, so nothing else sees whether the noise the target *reports* is the
+noise it *applies*. ``UPDATE_STEPS`` steps at noise multiplier ``UPDATE_SIGMA`` with SGD momentum mu
+(option ``update_momentum``, 0.9): the parameters after each step t must equal ``p_{t-1} - lr *
+b_t``, ``b_t = mu * b_{t-1} + g_t`` (``b_0 = g_0``), over the gradients g_t the target released at
+that step and its own reported p_{t-1} (the initial model for t = 0), to ``compare.tolerance``. The
+check is exact, not statistical: a noise that misses the update moves the parameters by ~lr * sigma
+* C / D, orders of magnitude above rounding. A failure names its cause from the reference's clean
+clipped gradient at the reported parameters (checked to ``UPDATE_CAUSE_RTOL``): ``noise_bypassed``
+when the parameters follow the clean gradients (noise only in the reported ``p.grad``: no privacy)
+or the noise kept out of the momentum buffer (the buffer holds clean gradients: a step's privacy
+loss up to 1/(1 - mu^2) the stated one), else ``mismatch``. A target that does not declare
+``"momentum"`` (``Target.features``) gets the runner's "not checkable" fail for this case (config
+``momentum``), as for ``checkpoint_resume``; through the API ``update_momentum=0`` checks the
+plain-SGD update on such a target. """
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ import torch
 from ... import reference
 from ...verdict import Verdict
 from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
-from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch, reference_model,
+from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,
+                                reference_model,
                       replica_problem, tensors_close, tolerance, trainable_names)
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis.stats import chi2_two_sided_p
@@ -130,14 +132,22 @@ def cases(point: Point):
     if (point.sampling == "fixed" and point.reduction == "mean" and point.model == (o.models or PROPERTY.models)[0]
             and point.dtype == (o.dtypes or PROPERTY.dtypes)[0]):
         yield update_case(point)
+        if point.dtype != "float32" and point.precision == "fp32":
+            # and in float32, what users train in: the noisy releases at lr > 0 in float32 feed the
+            # release judge (engine/releases.py) too
+            yield update_case(point, dtype="float32")
 
 
-def update_case(point: Point):
+def update_case(point: Point, dtype: Optional[str] = None):
     """The noisy-update case (module docstring): ``UPDATE_STEPS`` steps at noise multiplier
-    ``UPDATE_SIGMA`` and momentum ``update_momentum``, once per world size."""
+    ``UPDATE_SIGMA`` and momentum ``update_momentum``, once per world size (in the point's dtype,
+    or ``dtype``)."""
     mu = point.param("update_momentum")
     spec = point.spec(steps=UPDATE_STEPS, global_batch_size=4 * point.world_size, lr=0.5,
-                      noise_multiplier=UPDATE_SIGMA, momentum=mu, noise_seed=point.seed_for("noisy_update", point.world_size))
+                      noise_multiplier=UPDATE_SIGMA, momentum=mu,
+                      noise_seed=point.seed_for("noisy_update", point.world_size))
+    if dtype:
+        spec = spec.with_(dtype=dtype)
     return point.case(with_picked_clip(spec), labels={"noise_multiplier": UPDATE_SIGMA, "momentum": mu},
                       doing=f"{UPDATE_STEPS} noisy DP steps (noise multiplier {UPDATE_SIGMA:g}, SGD momentum {mu:g})")
 
@@ -183,7 +193,8 @@ def short_of_rounds(spec, outputs):
         return None
     msg = f"the ranks reported {counts} steps; {spec.nominal_steps} were asked for"
     if spec.poisson and not spec.steps and max(counts) < spec.nominal_steps:
-        msg += (f" ({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch} Poisson rounds, each a DP step even when "
+        msg += (f" ({spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch} Poisson rounds, each a DP step even "
+                "when "
                 "its batch is empty). Rounds were skipped: a skipped round releases nothing, so whether a step "
                 "happened depends on who was sampled (an output the privacy accounting does not cover), and the "
                 "accountant, which counts steps taken, composes fewer rounds than the sampling ran. An empty "
@@ -291,10 +302,12 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
                 f"reference by up to {fmt(err)} relative (worst {name!r}) at world_size={ws}: the last update, "
                 f"{n_steps - 1}, is the first that differs." + _realised_normaliser(spec, batches, outputs, off, rtol,
                                                                                    atol)), evidence)
-    exercised = (f"; realised batch != int(q*N) = {spec.expected_batch_size} in {off} of {n_steps} steps (empty batches aside)"
+    exercised = (f"; realised batch != int(q*N) = {spec.expected_batch_size} in {off} of {n_steps} steps (empty "
+                 "batches aside)"
                  if spec.poisson and spec.reduction == "mean" else "")
     return case.verdict("pass", None, f"{n_steps} steps at world_size={ws} follow the single-process trajectory "
-                        f"(losses {', '.join(f'{x:.6g}' if x == x else 'none (empty batch)' for x in losses)}{exercised})", evidence)
+                        f"(losses {', '.join(f'{x:.6g}' if x == x else 'none (empty batch)' for x in losses)}"
+                        f"{exercised})", evidence)
 
 
 def _moved(prev, buf, lr, names):

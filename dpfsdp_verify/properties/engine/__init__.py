@@ -1,1 +1,2 @@
-"""Properties, the engine every property runs on: the contract, the runner, checks every run gets, the long-run settings."""
+"""Properties, the engine every property runs on: the contract, the runner, checks every run gets, the long-run
+settings."""

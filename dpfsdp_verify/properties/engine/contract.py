@@ -36,17 +36,18 @@ fresh seed and prints it) tests fresh randomness and ``--seed`` replays a run ex
 
 from __future__ import annotations
 
+import builtins
 import shlex
 import traceback
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 from ... import modes as modes_mod
 from ...harness import DEFAULT_TIMEOUT_S
 from ...modes import Mode
 from ...targets import RankOutput, RunSpec
 from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
-from ...space import seed_for
+from ...space import seed_for as _seed_for
 from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ...verdict import INTERNAL_ERROR, Verdict
 
@@ -182,7 +183,7 @@ class Case:
             raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh_groups} fresh groups its "
                              f"number of specs, {len(self.specs)} in all")
 
-    @property
+    @builtins.property  # the field ``property`` shadows the builtin in this class body
     def mode(self) -> Mode:
         return self.modes[0]
 
@@ -211,7 +212,7 @@ class Case:
         (the CLI has no layout filter: both layouts the property checks are re-run); for a fuzzed
         case the ``replay`` line of its drawn spec."""
         if self.drawn is not None:
-            return self._replay_line()
+            return self._replay_line(self.drawn)
         where = ["--meshes", self.spec.mesh] if self.spec.mesh else ["--world-sizes", str(self.world_size)]
         parts = ["dpfsdp-verify", "run", "--target", self.target_ref, "--properties", self.property,
                  *where, "--grad-sample-mode", self.spec.grad_sample_mode,
@@ -234,11 +235,14 @@ class Case:
             parts += ["--physical-batch-size", str(p)]
         if self.labels.get("resume_at"):
             parts += ["--resume-at", str(self.labels["resume_at"])]
+        if self.labels.get("audit_canaries"):  # the privacy audit's size
+            parts += ["--audit-canaries", str(self.labels["audit_canaries"]), "--audit-steps",
+                      str(self.labels["audit_steps"])]
         return " ".join(shlex.quote(p) for p in parts)
 
-    def _replay_line(self) -> str:
+    def _replay_line(self, drawn: RunSpec) -> str:
         parts = ["dpfsdp-verify", "replay", "--target", self.target_ref, "--property", self.property,
-                 "--world-size", str(self.world_size), "--spec", self.drawn.to_json()]
+                 "--world-size", str(self.world_size), "--spec", drawn.to_json()]
         if self.explored:
             parts.append("--exact")
         if self.backend != "gloo":
@@ -287,7 +291,7 @@ class Point:
             fields_ = {"steps": 1, **fields_, "sampling": "poisson",
                        "sample_rate": self.options.sample_rate or q,
                        "dataset_size": self.options.dataset_size or per_rank * self.world_size,
-                       "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.poisson_seed}
+                       "epochs": 1, "seeding": self.seeding or "same", "sampling_seed": self.poisson_seed()}
         if self.mesh:
             fields_ = {"mesh": self.mesh, **fields_}
         return RunSpec(model=self.model, data_layout=self.data_layout, reduction=self.reduction,
@@ -303,9 +307,8 @@ class Point:
         """The seed of this property's random stream ``names`` in this run: ``space.seed_for`` of the
         run's seed (``Options.seed``), the property id and ``names`` (e.g. ``point.seed_for("fresh_job",
         ws)``) -- a stable hash, so no two streams share a seed by accident and ``--seed`` replays each."""
-        return seed_for(self.options.seed, self.property, *names)
+        return _seed_for(self.options.seed, self.property, *names)
 
-    @property
     def poisson_seed(self) -> int:
         """The sampling seed of this point's Poisson runs (``Point.spec``; the properties that build a
         Poisson spec of their own use it too, so their batches are the point's)."""
@@ -314,7 +317,7 @@ class Point:
     def seed(self, base: int) -> int:
         """Legacy: the seed a stream whose fixed seed was ``base`` takes in this run. New code names
         its stream (``seed_for``); ``tests/test_space.py`` refuses a literal ``base``."""
-        return seed_for(self.options.seed, self.property, "legacy", base)
+        return _seed_for(self.options.seed, self.property, "legacy", base)
 
     def first_of_axes(self, models: Sequence[str], reductions: Sequence[str], dtypes: Sequence[str]) -> bool:
         """Whether this is the first point of its world size and mode(s) along the model, reduction
@@ -429,6 +432,8 @@ class Property:
     #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
     #: a property that does not is told so in one ``skip`` verdict per mesh
     meshes: bool = False
+    #: not run by a gate run that names no ``--properties`` (it runs when named: e.g. ``privacy_audit``)
+    opt_in: bool = False
 
     def options(self, target_ref: str, **kw) -> Options:
         """``Options`` from keywords; ``TypeError`` for a keyword neither ``Options`` nor this
@@ -513,7 +518,8 @@ class Property:
                                     f"tolerances are derived for those); the selected precision is "
                                     f"{','.join(opts.precisions or ())}", precision=",".join(opts.precisions or ()))]
         if not self.sampling_points(opts):
-            return [self.skip(opts, f"{self.id} runs under {' and '.join(self.samplings)} sampling only; the "
+            on_axis = cast(Tuple[str, ...], self.samplings)  # None: sampling_points is never empty
+            return [self.skip(opts, f"{self.id} runs under {' and '.join(on_axis)} sampling only; the "
                                     f"selected sampling is {','.join(opts.samplings or ())}",
                               sampling=",".join(opts.samplings or ()))]
         unmeshed = [] if self.meshes else [
@@ -541,7 +547,7 @@ class Property:
     def fuzz_case(self, opts: Options, spec: RunSpec, world_size: int, modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one fuzzed ``spec`` at ``world_size`` under ``modes``, after the recipe's
         ``prepare``; the ``skip`` verdict when ``prepare`` cannot use it."""
-        ready = self.fuzz.prepare(spec)
+        ready = cast(FuzzRecipe, self.fuzz).prepare(spec)  # only a fuzzable property's cases are fuzzed
         case = Case(self.id, opts.target, ready if isinstance(ready, RunSpec) else spec, world_size, tuple(modes),
                     backend=opts.backend, doing="fuzzed configuration", drawn=spec)
         return case.verdict("skip", None, ready) if isinstance(ready, str) else case
@@ -550,6 +556,7 @@ class Property:
                      modes: Sequence[Mode]) -> Union[Case, Verdict]:
         """The case of one explored ``spec`` (its recipe's ``prepare`` applied with ``knobs``), or the
         ``skip`` verdict saying why it cannot run."""
+        assert self.explore is not None, f"{self.id} has no explore recipe"
         ready = self.explore.prepare(spec, knobs)
         run = ready if isinstance(ready, RunSpec) else spec
         case = Case(self.id, opts.target, run, world_size, tuple(modes), backend=opts.backend,
@@ -595,7 +602,8 @@ def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size:
         if not isinstance(dataset_size, int) or dataset_size < 1:
             return f"dataset size {dataset_size!r}: must be an integer >= 1"
         if dataset_size < world_size:
-            return f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own no sample"
+            return (f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own "
+                    "no sample")
         q = sample_rate or POISSON_DEFAULTS[0]
         if int(q * dataset_size) < 1:
             return (f"expected batch int(q * dataset size) = int({q} * {dataset_size}) is 0 (opacus would divide by "

@@ -12,7 +12,7 @@ cannot show there:
   harness gives each rank a node of its own, so ``LOCAL_RANK`` is 0 everywhere:
   ``harness.node_env``) each property with a ``Property.wide`` runs the few cheap cases such a bug
   hits: noise (exact checks), norms, pass-count agreement;
-* **bugs that start late** -- a clip cap dropped from step 6, noise reduced from step 40, a change
+* **bugs that start late** -- a clip cap dropped from step 6 or 50, noise reduced from step 40 or 64, a change
   from the third Poisson epoch, a log-metric collective on rank 0 every 16 steps -- are right for
   the first steps. Each property with a long run runs one (``horizon_point``): ``Options.horizon``
   steps (the gate's default ``HORIZON_STEPS``) of DP-SGD's Poisson sampling (``horizon_spec``:

@@ -14,7 +14,7 @@ applies. Plain functions of specs and rank outputs: the runner words them into v
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -181,7 +181,8 @@ def poisson_problem(spec: RunSpec, world_size: int, outputs: Sequence[RankOutput
     evidence = {"step_counts": counts, "local_batch_sizes": brief}
     if len(set(counts)) > 1:
         return ("step_divergence", (
-            f"the ranks took different numbers of steps: {grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
+            "the ranks took different numbers of steps: "
+            f"{grouped({r: str(c) for r, c in enumerate(counts)}, ': ', ', ')} "
             f"(nominal {spec.nominal_steps}: {spec.epochs} epoch(s) of int(1/q) = {spec.steps_per_epoch}). "
             "Under FSDP every step joins collectives, so the rank with more steps waits forever in the next "
             "one; and the accountant's step count is no longer one number. Typical cause: each rank draws "
@@ -227,7 +228,8 @@ def physical_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[T
                 return ("mismatch", f"rank {o.rank}, step {k}: no physical passes reported for physical_batch_size={p} "
                         "(StepOutput.physical_batches): does the target implement gradient accumulation?", evidence)
             if max(sizes) > p or sum(sizes) != len(s.indices):
-                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local batch "
+                return ("mismatch", f"rank {o.rank}, step {k}: physical passes of sizes {list(sizes)} for a local "
+                                    "batch "
                         f"of {len(s.indices)} with physical_batch_size={p}: each pass must hold at most p samples and "
                         "the passes together exactly the step's samples", evidence)
     steps = min((len(c) for c in counts), default=0)
@@ -251,7 +253,8 @@ def privacy_steps_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optio
     local batch held a sample. A resumed run's ``load`` half must count one per step from where
     it starts; where it starts (the steps restored from the checkpoint) is checkpoint_resume's to
     judge, against its ``save`` half. ``step_count_wrong``."""
-    counts = [[s.privacy_steps for s in o.steps] for o in outputs]
+    # Optional[int] each: a row with a None returns below before any arithmetic on it
+    counts: List[List[Any]] = [[s.privacy_steps for s in o.steps] for o in outputs]
     if all(c is None for row in counts for c in row):
         return None
     evidence = {"privacy_steps": counts}
@@ -294,5 +297,103 @@ def privacy_steps_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optio
     return None
 
 
-__all__ = ["frozen_problem", "device_facts", "tf32_problem", "non_finite", "all_padding_note", "data_problem",
-           "poisson_problem", "physical_problem", "privacy_steps_problem"]
+#: told sigma and q compared with the run's to rounding (relative)
+TOLD_RTOL = 1e-9
+
+
+def _expand(history) -> List[Tuple[float, float]]:
+    return [(float(s), float(q)) for s, q, n in history for _ in range(int(n))]
+
+
+def _fmt(history) -> str:
+    return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
+
+
+def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
+    """What is wrong with the accountant a run reports at its end (``RankOutput.accountant_history``,
+    ``epsilon``), as ``(diagnosis, message, evidence)``, or ``None`` (also where no rank reports
+    one). On every run of every property, whatever its loop shape: every rank reports the same
+    history; its steps add up to the DP steps the run took -- ``first_step`` restored ones included
+    in a resumed ``load`` half, one per logical step under gradient accumulation (never one per
+    physical pass); every sigma it was told is the run's noise multiplier; under Poisson sampling
+    every q it was told is the configured q (fixed batches have no rate: not judged); and an epsilon
+    it reports is the suite's own RDP epsilon of that history (``targets.accounting``; an ``"rdp"``
+    accountant to relative 1e-6, a tighter one -- PRV, GDP -- not below half of it).
+    ``accountant_mismatch``. Deterministic. What the told sigma is against the *measured* noise is
+    noise_calibration's (``analysis/accountant.py``)."""
+    histories = [o.accountant_history for o in outputs]
+    if all(h is None for h in histories):
+        return None
+    evidence: Dict[str, Any] = {"accountant_history": histories[0], "accountant": outputs[0].accountant}
+    where = f" (a resumed run's load half, resumed after step {spec.resume_at})" if spec.phase == "load" else ""
+    first = list(map(tuple, histories[0] or ()))
+    if any(h is None for h in histories) or any(list(map(tuple, h or ())) != first for h in histories):
+        told_by = [_fmt(o.accountant_history) if o.accountant_history is not None else "none" for o in outputs]
+        return ("accountant_mismatch", "the ranks' accountants report different histories for one run: "
+                + "; ".join(f"rank {o.rank}: {t}" for o, t in zip(outputs, told_by))
+                + where + ". The accountant is one for the run: ranks that disagree report different epsilons for "
+                "the same release", evidence)
+    history = cast(list, histories[0])  # every rank's, none None (checked above)
+    told = _expand(history)
+    taken = spec.first_step + len(outputs[0].steps)
+    if len(told) != taken:
+        passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
+        if spec.physical_batch_size and len(told) == passes:
+            how = "it was told one step per physical pass, not one per DP step"
+        elif spec.phase == "load" and len(told) == len(outputs[0].steps):
+            how = (f"it lost the {spec.first_step} step(s) taken before the checkpoint: its history starts again at "
+                   "the resume")
+        elif spec.phase == "load" and len(told) == taken + spec.first_step:
+            how = f"it composes the {spec.first_step} step(s) restored from the checkpoint twice"
+        elif spec.phase == "load":
+            how = (f"after the resume it composes {len(told) - len(outputs[0].steps)} step(s) from before the "
+                   f"checkpoint, not the {spec.first_step} taken")
+        else:
+            how = "it does not compose one step per DP step"
+        meaning = ("PRIVACY VIOLATION in the accounting: the epsilon it reports is that of fewer releases than were "
+                   "made" if len(told) < taken else "the epsilon it reports is that of more releases than were made "
+                   "(over-reported)")
+        return ("accountant_mismatch", f"the accountant was told {len(told)} step(s) ({_fmt(history)}) but the run "
+                f"took {taken}{where}: {how}. {meaning[0].upper()}{meaning[1:]}.", dict(evidence, steps_taken=taken))
+    sigma = float(spec.noise_multiplier)
+    wrong = sorted({s for s, _ in told if abs(s - sigma) > TOLD_RTOL * max(sigma, 1e-300)})
+    if wrong:
+        return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant was told noise multiplier(s) "
+                f"{', '.join(f'{s:.6g}' for s in wrong)} ({_fmt(history)}){where}, but the run's is {sigma:g} "
+                f"({wrong[0] / sigma if sigma else float('inf'):.4g} x): the epsilon it reports describes other noise "
+                "than the noise added", evidence)
+    if spec.poisson:
+        q = float(spec.sample_rate)
+        wrong = sorted({r for _, r in told if abs(r - q) > TOLD_RTOL * q})
+        if wrong:
+            accum = (f"; under gradient accumulation (physical batches of {spec.physical_batch_size}) the rate of a "
+                     "logical step is q, never that of one pass" if spec.physical_batch_size else "")
+            return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant was told sampling rate(s) "
+                    f"{', '.join(f'{r:.6g}' for r in wrong)} ({_fmt(history)}){where}, but the sampler draws at q = "
+                    f"{q:.6g} ({wrong[0] / q:.4g} x q){accum}: with a smaller q the epsilon it reports is too small",
+                    evidence)
+    reported = [o.epsilon for o in outputs]
+    if spec.accountant_delta > 0 and any(r is not None for r in reported) and sigma > 0:
+        from ...targets import accounting
+        from ..analysis.accountant import TIGHTER_FLOOR
+
+        if any(r != reported[0] for r in reported):
+            return ("accountant_mismatch", f"the ranks report different epsilons for one run ({reported}){where}",
+                    evidence)
+        want = accounting.epsilon(history, spec.accountant_delta)
+        got = float(cast(float, reported[0]))  # every rank's the same, one not None
+        rdp = outputs[0].accountant == "rdp"
+        low = want * (1 - 1e-6) * (1.0 if rdp else TIGHTER_FLOOR)
+        high = want * (1 + 1e-6) if rdp else math.inf
+        evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
+        if not low <= got <= high:
+            return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant reports epsilon {got:.4g} at delta "
+                    f"{spec.accountant_delta:g}{where}; the suite's own RDP accountant on its history {_fmt(history)} "
+                    f"gives {want:.4g}" + ("" if rdp else f" (a {outputs[0].accountant!r} accountant may be tighter "
+                                           f"than RDP, not below {TIGHTER_FLOOR:g} x)")
+                    + ": the epsilon a user reads is not the one of the steps it was told", evidence)
+    return None
+
+
+__all__ = ["accountant_history_problem", "TOLD_RTOL", "frozen_problem", "device_facts", "tf32_problem", "non_finite",
+           "all_padding_note", "data_problem", "poisson_problem", "physical_problem", "privacy_steps_problem"]

@@ -18,21 +18,22 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
-from ...harness import DEFAULT_TIMEOUT_S, Pool, default_pool
+from ...harness import DEFAULT_TIMEOUT_S, JobPool, default_pool
 from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ...modes import Mode
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
-from .prechecks import (all_padding_note, data_problem, device_facts, frozen_problem, non_finite, physical_problem,
-                        poisson_problem, privacy_steps_problem, tf32_problem)
+from . import releases
+from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
+                        non_finite, physical_problem, poisson_problem, privacy_steps_problem, tf32_problem)
 
 
 #: ``fuzz(prop, opts, pool) -> verdicts``: a property's fuzz runs (``dpfsdp_verify.fuzz.fuzz_examples``
 #: with the number of examples bound), handed in by the caller: the runner never imports the fuzzer
-Fuzzer = Callable[[Property, Options, Optional[Pool]], List[Verdict]]
+Fuzzer = Callable[[Property, Options, Optional[JobPool]], List[Verdict]]
 
 
 def case_deadline(deadline: Optional[float], timeout: float) -> float:
@@ -48,7 +49,7 @@ def case_deadline(deadline: Optional[float], timeout: float) -> float:
     return min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))
 
 
-def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuzz: Optional[Fuzzer] = None
+def run_property(prop: Property, opts: Options, pool: Optional[JobPool] = None, fuzz: Optional[Fuzzer] = None
                  ) -> List[Verdict]:
     """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz``, its fuzz
     runs' verdicts where it has a recipe and the modes suit it."""
@@ -66,7 +67,7 @@ def run_property(prop: Property, opts: Options, pool: Optional[Pool] = None, fuz
     return verdicts
 
 
-def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
+def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: JobPool,
                   modes: Sequence[Mode] = ()) -> Verdict:
     """The verdict of one fuzzed ``spec`` at ``world_size`` (``Property.fuzz_case``: a spec the
     recipe cannot use is a ``skip``). ``modes`` (default: the options' first mode group) holds one
@@ -96,7 +97,7 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[Pool], timeout: float) -> List[Verdict]:
+def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], timeout: float) -> List[Verdict]:
     """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict."""
     outcomes = run_cases(cases, pool, timeout)
     return [outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
@@ -122,6 +123,11 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
       (``prechecks.physical_problem``);
     * a target that reports its privacy step count counts one per DP step on every rank
       (``prechecks.privacy_steps_problem``: else ``fail`` / ``step_count_wrong``);
+    * a target that reports its accountant reports, at the end of every run, a history of the steps
+      the run took (restored ones included) at the run's sigma and q, and the RDP epsilon of it
+      (``prechecks.accountant_history_problem``: else ``fail`` / ``accountant_mismatch``, given once the
+      property's own judgement passed, so that a property judging the accountant itself -- against
+      the noise it measured -- words that finding, and a property's own failure is not hidden);
     * a float32 case computed with TF32 in force (the target re-enabled it) cannot be judged at
       float32 tolerances: a ``fail`` saying so (``prechecks.tf32_problem``);
     * a frozen parameter (``requires_grad=False``: a fine-tuned model's base) received no
@@ -136,6 +142,7 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
 
 
 def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
+    accountant = None  # the first run whose accountant is wrong: judged once the property's own verdict passes
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
             spec = mode.apply(spec)
@@ -157,6 +164,9 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                 problem = data_problem(spec, case.world_size, ranks)
                 found = ("mismatch", problem, {}) if problem else None
             found = found or physical_problem(spec, ranks) or privacy_steps_problem(spec, ranks)
+            if accountant is None:
+                told = accountant_history_problem(spec, ranks)
+                accountant = (told[0], told[1] + where, told[2]) if told else None
             if found:
                 diagnosis, message, evidence = found
                 return case.verdict("fail", diagnosis, message + where, evidence)
@@ -170,7 +180,16 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    return prop.judge(case, outputs)
+    ledger = releases.current()  # every noisy run is evidence for the noise at every step (engine/releases.py)
+    if ledger is not None:
+        ledger.add(case, outputs)
+    verdict = prop.judge(case, outputs)
+    if accountant is not None and verdict.status == "pass":
+        # after the property's own verdict: a property that judges the accountant itself against what it
+        # measured (noise_calibration) words its finding with the measured mechanism
+        diagnosis, message, evidence = accountant
+        return case.verdict("fail", diagnosis, message, {**verdict.evidence, **evidence})
+    return verdict
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -211,7 +230,7 @@ class _NotRun:
     proven: bool
 
 
-def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
+def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float
               ) -> List[Union[List[List[List[RankOutput]]], Verdict]]:
     """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict.
 
@@ -234,7 +253,7 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
     jobs: Dict[tuple, List[_Run]] = {}
     for r in unique:
         jobs.setdefault((r.world_size, r.mode.env, r.backend, r.target_ref, r.isolate_key), []).append(r)
-    done: Dict[_Run, object] = {}
+    done: Dict[_Run, Union[list, str, _NotRun, _Failed]] = {}  # outputs, a skip's reason, or why not
     seconds: Dict[_Run, float] = {}
     for runs in jobs.values():
         if runs[0].fresh_groups:
@@ -256,11 +275,11 @@ def run_cases(cases: Sequence[Case], pool: Optional[Pool], timeout: float
         elif isinstance(failed[1], _NotRun):
             out.append(not_run_verdict(case, case_of[failed[1].hung], failed[1].proven))
         else:
-            out.append(failure_verdict(case, failed[1], failed[0]))
+            out.append(failure_verdict(case, cast(_Failed, failed[1]), failed[0]))  # not a list, str or _NotRun
     return out
 
 
-def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: dict, allow_split: bool,
+def _run_job(runs: List[_Run], pool: JobPool, timeout: float, done: dict, seconds: dict, allow_split: bool,
              any_finished: bool = False) -> None:
     """Run ``runs`` as one job and put each one's outputs (or failure) in ``done``. ``any_finished``:
     a run of the job this one retries has finished (``_split_at_hang``)."""
@@ -303,7 +322,7 @@ def _run_job(runs: List[_Run], pool: Pool, timeout: float, done: dict, seconds: 
         done[r] = _Failed(res, len(runs) - 1, share, trails)
 
 
-def _split_at_hang(runs: List[_Run], res: GroupResult, trails: Optional[list], share: float, pool: Pool,
+def _split_at_hang(runs: List[_Run], res: GroupResult, trails: Optional[list], share: float, pool: JobPool,
                    timeout: float, done: dict, seconds: dict, any_finished: bool) -> bool:
     """A job of several runs hung: put the hang on the run the ranks were in (``progress.hung_run_index``:
     the first run some rank had not ended), run the ones that ended again in a job of their own (their
@@ -332,7 +351,7 @@ def _split_at_hang(runs: List[_Run], res: GroupResult, trails: Optional[list], s
     return True
 
 
-def _run_fresh(r: _Run, pool: Pool, timeout: float, done: dict, seconds: dict) -> None:
+def _run_fresh(r: _Run, pool: JobPool, timeout: float, done: dict, seconds: dict) -> None:
     """Each of the first ``r.fresh_groups`` specs of ``r`` as the first job of a worker group started for
     it (the rest run with the last of them): every group is spawned first (their start-ups
     overlap), then each runs its job and is closed."""
@@ -400,8 +419,8 @@ PROVEN = ("deadlock", "step_divergence")
 def placement_crash(res: GroupResult) -> Optional[int]:
     """The first rank whose job raised DTensor's refusal of an in-place op across placements
     (``PLACEMENT_ERRORS``), or ``None``."""
-    return next((r for r in res.failed_ranks() if res.results[r].error is not None
-                 and any(m in res.results[r].error.message for m in PLACEMENT_ERRORS)), None)
+    return next((r for r in res.failed_ranks() if (error := res.results[r].error) is not None
+                 and any(m in error.message for m in PLACEMENT_ERRORS)), None)
 
 
 def not_run_verdict(case: Case, hung: Case, proven: bool) -> Verdict:
@@ -432,7 +451,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
         together = ""
     lead = f"{case.doing}{together}: " if case.doing or together else ""
     trails = failed.trails or []
-    evidence = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    evidence: Dict[str, Any] = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
     placement_rank = placement_crash(res) if status == "error" else None
     if status == "hang" and diagnosis == "timeout":
         # unproven: step counts that differ now may be a rank mid-step, never a divergence claim
@@ -496,5 +515,6 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
 
 
-__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case", "run_cases",
+__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case",
+           "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_verdict"]

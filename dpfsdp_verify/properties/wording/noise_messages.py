@@ -21,6 +21,31 @@ def late_message(late, where: str, alpha: float) -> str:
                                     if low else "adds more noise than the guarantee needs."))
 
 
+def empty_round_message(found, where: str) -> str:
+    """``found``: ``noise_exact.empty_round_unnoised``'s tuple."""
+    unnoised, empty, run, step, ranks = found
+    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} drew" if len(ranks) else "drew")
+    return (f"PRIVACY VIOLATION: no noise in the {unnoised} release(s) whose Poisson round left a local batch "
+            f"empty (first: step {step} of run {run}, where {who} 0 samples; {empty} draw(s) had an empty local "
+            f"batch) {where}, while every release whose ranks all drew samples is noised: the noise scale depends on "
+            "the batch (e.g. a std scaled by the batch's norms or its size), and is zero on an empty round. DP-SGD "
+            "adds N(0, sigma^2 C^2) whatever was sampled -- an empty round releases noise alone -- so a release "
+            "without noise tells which rounds drew nothing.")
+
+
+def varying_scale_message(spread, s: float, mean_ratio: float, where: str, alpha: float, poisson: bool) -> str:
+    """``spread``: ``noise_stats.scale_dispersion``'s tuple; ``mean_ratio``: the pooled std over sigma*C/D."""
+    stat, dof, p, low, high = spread
+    return (f"PRIVACY VIOLATION: the noise std varies across steps {where}: the releases' noise std ranges "
+            f"{low * mean_ratio:.3f}..{high * mean_ratio:.3f} x sigma*C/D = {s:.4g} (their mean squares disperse "
+            f"{stat / dof:.3g} x what one scale gives, within-release kurtosis accounted: chi-square {stat:.4g} on "
+            f"{dof} degrees of freedom, p={p:.2g} < {alpha:.2g}). Each release needs noise of std sigma*C/D"
+            + (", whatever the Poisson round drew (a std that follows the realised batch, e.g. normalised by the "
+               "drawn batch size, is smaller exactly on the rounds that drew more)" if poisson else "")
+            + ": the releases with less noise are less private than the accounting states (a mixture of scales, "
+            "not a heavy-tailed distribution).")
+
+
 def shape_message(excess: float, z_kurt: float, p_kurt: float, values: int, where: str, alpha: float) -> str:
     tails = ("heavy tails (excess kurtosis {:+.2f}; Laplace noise has +3): noise calibrated for another "
              "mechanism, which the Gaussian accountant does not cover" if excess > 0 else
@@ -124,5 +149,5 @@ def tensor_pair_message(pair, at, where: str, alpha: float) -> str:
             "tensor cancels in a sum or difference of the two released tensors.")
 
 
-__all__ = ["late_message", "shape_message", "independence_message", "pairs_message", "scale_message", "mesh_ratios",
-           "low_rank_message", "tensor_pair_message"]
+__all__ = ["empty_round_message", "varying_scale_message", "late_message", "shape_message", "independence_message",
+           "pairs_message", "scale_message", "mesh_ratios", "low_rank_message", "tensor_pair_message"]

@@ -1,0 +1,463 @@
+"""Every release of a noisy run decomposed into the reference's clipped sum and the noise, and the
+noise's statistics, pooled over the runs of a gate run (``engine/releases.py`` collects them).
+
+DP meaning: the Gaussian mechanism's guarantee is for each release ``(sum_i c_i g_i + N(0, (sigma
+C)^2 I)) / D`` at every step, on every rank's shard, in whatever dtype, lr and loop shape the user
+trains with. The checks that own a run judge what they were built for (a trajectory, a hang, a
+resume); the same run is evidence about the noise at every step it released: a noise scale that
+depends on the lr, on the dtype, on the world size, on the batch's norms, or changes at step 64,
+shows in the first run that exercises it, whoever made that run.
+
+Decomposition (``decompose``), for a run with noise multiplier sigma > 0, at every step t it took
+and for each rank r's FSDP shard (dim-0 chunks of every tensor, ``torch.chunk``):
+
+* the released gradient ``g_t`` (what the target reports after the DP step) times D (``spec.divisor``)
+  is ``G_t c_t + n_t``: ``G_t`` the float64 reference per-sample gradients of the step's batch at the
+  parameters the step started from (the initial model at the first step, else the parameters the
+  target itself reported after step t - 1 -- so lr > 0, momentum, a resumed half whose save half is in
+  the same case all decompose), ``c_t`` the clip coefficients, ``n_t`` the noise;
+* ``c_t`` is not taken from the reference: the released gradient is projected off the span of the
+  batch's per-sample gradients (least squares over the B coefficients, B << P coordinates), so the
+  noise statistic is ``n_t`` restricted to the (P - B)-dimensional complement -- exactly
+  ``(sigma C)^2 chi^2(P - B)`` for correct noise whatever the clip form, and blind to a wrong clip
+  coefficient (``clipped_step`` and ``sensitivity_bound`` judge those: a clipping bug is never named
+  a noise bug here). Per shard the statistic is ``sum z^2`` with ``z = P_perp n / (sigma C)`` and
+  degrees of freedom ``|shard| - sum of the shard's leverages`` (its expectation, exactly), the mean
+  ``sum z`` with variance ``|shard| - ||U_shard^T 1||^2`` (exact);
+* the raw residual ``D g_t - G_t c_t`` (reference coefficients, opacus' epsilon) is kept for the exact
+  checks: the value grid (``grid_fractions``) and repeats (``repeats``).
+
+A run is *decomposable* when it has noise, every step reports its gradient, and the parameters each
+step started from are known (lr 0, or the previous step's report, or the case's save half); an
+unknown start (a load half without its save half, lr > 0) leaves that step out. bf16 compute
+(``bf16-fsdp``, ``bf16-autocast``) decomposes too (its clean sum's ~1e-2 relative rounding is
+~1e-5 of the noise's variance on the gate's models), but its value grid is not judged (the rounding
+is as coarse as the grids looked for).
+
+Statistics (``run_tests``, ``pooled_tests``; thresholds from ``alpha``, the per-test level a gate run's
+budget gives): scale per run (two-sided chi-square over all its releases), per step (over its
+ranks), per rank (over its steps); the mean per run (two-sided normal). Pooled over runs: all runs,
+each dtype/precision, the runs at lr > 0. Deterministic (no alpha): a value grid of 8 (bfloat16) or
+11 (float16) significand bits on more than half the values, where continuous noise puts < 5 %
+(``GRID_FRACTION``); a (step, rank) shard whose noise equals (or negates) another's to 1e-3 sigma C
+on >= ``REPEAT_MIN`` values (two independent Gaussian draws agree that closely with probability
+< 1e-25).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import reference
+from ...targets import RankOutput, RunSpec
+from .compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
+from .stats import chi2_two_sided_p, normal_two_sided_p
+
+#: significand bits of the coarse float formats whose grid the noise must not sit on
+GRIDS = {"bfloat16": 8, "float16": 11}
+#: a grid is named when more than this fraction of the noise values lie on it (continuous noise: < 5 %)
+GRID_FRACTION = 0.5
+#: the clip epsilon latitude the gate accepts (``reference.MAX_CLIP_EPSILON``, relative to a norm of >=
+#: ~1): the raw residual carries up to this relative part of the clean sum
+CLIP_LATITUDE = 2e-5
+#: repeats: values compared per shard pair, and "equal" as a fraction of sigma C
+REPEAT_MIN, REPEAT_EQUAL = 8, 1e-3
+#: a batch with more samples than this fraction of the coordinates is not projected (too few left)
+MAX_SPAN_FRACTION = 0.5
+
+
+@dataclass
+class Cell:
+    """One release of one rank's shard at one step: the projected noise's statistics in units of
+    sigma C (``ss`` ~ chi^2(``df``); ``total`` ~ N(0, ``var``))."""
+
+    step: int
+    rank: int
+    ss: float
+    df: float
+    total: float
+    var: float
+    #: min(1, the rank's local batch's largest norm / C) (1 for an empty batch): the factor a noise std
+    #: tied to the batch's largest clipped norm would carry here (a cause ``run_tests`` can name)
+    own_max: float = 1.0
+
+
+@dataclass
+class RunReleases:
+    """Everything ``decompose`` keeps of one noisy run (small: no tensors)."""
+
+    dtype: str
+    precision: str
+    world_size: int
+    lr: float
+    momentum: float
+    sigma: float
+    clip: float
+    divisor: float
+    sampling: str
+    physical_batch_size: int
+    phase: str
+    cells: List[Cell] = field(default_factory=list)
+    #: grid name -> (values on it, values tested)
+    grids: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    #: ``(step a, rank a, step b, rank b, negated, values)`` of the first repeat found
+    repeat: Optional[Tuple[int, int, int, int, bool, int]] = None
+    #: steps left out, and why (an unknown starting point)
+    skipped: List[Tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        bits = [self.dtype + ("" if self.precision == "fp32" else f" ({self.precision})"), f"lr {self.lr:g}",
+                f"world_size={self.world_size}"]
+        if self.momentum:
+            bits.append(f"momentum {self.momentum:g}")
+        if self.sampling == "poisson":
+            bits.append("Poisson")
+        if self.physical_batch_size:
+            bits.append(f"physical batches of {self.physical_batch_size}")
+        if self.phase:
+            bits.append(f"{self.phase} half of a resumed run")
+        return ", ".join(bits)
+
+
+def shard_index(shapes: Sequence[torch.Size], ws: int) -> List[torch.Tensor]:
+    """Each rank's coordinates in the flat vector of ``shapes`` (in order): its dim-0 chunk of every
+    tensor (``torch.chunk``, FSDP2's sharding; a 0-dim tensor is one row)."""
+    out: List[List[torch.Tensor]] = [[] for _ in range(ws)]
+    offset = 0
+    for shape in shapes:
+        rows_ = shape[0] if len(shape) else 1
+        per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        for r, chunk in enumerate(torch.arange(rows_).chunk(ws)):
+            if r < ws and len(chunk):
+                out[r].append((offset + chunk[:, None] * per_row + torch.arange(per_row)[None, :]).reshape(-1))
+        offset += rows_ * per_row
+    return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in out]
+
+
+def _start_params(spec: RunSpec) -> Dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in reference_model(spec).named_parameters()}
+
+
+def _columns(spec: RunSpec, step: int, indices: List[int], params: Optional[Dict[str, torch.Tensor]],
+             names: List[str]) -> torch.Tensor:
+    """``[P, B]`` float64 per-sample gradients of the step's batch, in ``names`` order: at the
+    initial model (cached by ``compare.reference_grads``) when ``params`` is ``None``."""
+    if not indices:
+        return torch.zeros(0, 0, dtype=torch.float64)
+    if params is None:
+        grads = rows(reference_grads(spec, step), indices)
+    else:
+        model = copy.deepcopy(reference_model(spec))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in params:
+                    p.copy_(params[n])
+        batch = reference_batch(spec, step).select(indices)
+        grads = reference.per_sample_grads(model, batch, spec.reduction)
+    return torch.cat([grads[n].reshape(len(indices), -1).to(torch.float64) for n in names], dim=1).T
+
+
+_SPAN_CACHE: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]" = OrderedDict()
+
+
+def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str], numel: int):
+    """``(clean sum, U, norms)``: the reference's clipped sum ``G c`` and an orthonormal basis of the span of
+    the batch's per-sample gradients ``G`` (``[P, rank]``), or ``None`` for a batch too large to
+    project off (``MAX_SPAN_FRACTION``). At the initial model (``params`` ``None``: lr 0 runs, whose
+    repeats share batches) cached: callers must not modify them."""
+    key = None
+    if params is None:
+        key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+               spec.dataset_size if spec.poisson else spec.global_batch_size, step, tuple(indices),
+               spec.max_grad_norm, tuple(names))
+        hit = _SPAN_CACHE.get(key)
+        if hit is not None:
+            _SPAN_CACHE.move_to_end(key)
+            return hit
+    if indices and len(indices) > MAX_SPAN_FRACTION * numel:
+        return None
+    g = _columns(spec, step, indices, params, names)
+    norms = g.pow(2).sum(0).sqrt() if g.numel() else torch.zeros(0, dtype=torch.float64)
+    if g.numel():
+        coef = reference.clip_coefficients(norms, spec.max_grad_norm)
+        clean = g @ coef
+        u, s, _ = torch.linalg.svd(g, full_matrices=False)
+        u = u[:, s > s.max() * 1e-9] if len(s) and float(s.max()) > 0 else u[:, :0]
+    else:
+        clean = torch.zeros(numel, dtype=torch.float64)
+        u = torch.zeros(numel, 0, dtype=torch.float64)
+    if key is not None:
+        _SPAN_CACHE[key] = (clean, u, norms)
+        while len(_SPAN_CACHE) > 64:
+            _SPAN_CACHE.popitem(last=False)
+    return clean, u, norms
+
+
+def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
+              start: Optional[Dict[str, torch.Tensor]] = None) -> Optional[RunReleases]:
+    """The run's releases (module docstring), ``None`` if it released no noise. ``start``: the
+    parameters its first step started from where they are not the initial model's (a resumed
+    ``load`` half: its ``save`` half's last parameters); ``None`` there with lr > 0 leaves the first
+    step out."""
+    if spec.noise_multiplier <= 0 or spec.task != "train" or not ranks or not ranks[0].steps:
+        return None
+    first = ranks[0]
+    names = sorted(n for n in first.steps[0].gradient)
+    trainable = set(_start_params(spec))
+    names = [n for n in names if n in trainable]
+    if not names:
+        return None
+    shapes = [first.steps[0].gradient[n].shape for n in names]
+    shards = shard_divisor(spec, world_size)
+    index = shard_index(shapes, shards)
+    unit = spec.noise_multiplier * spec.max_grad_norm  # the noise's std on the summed gradient
+    d = spec.divisor
+    moving = spec.lr != 0
+    out = RunReleases(spec.dtype, spec.precision, world_size, spec.lr, spec.momentum, spec.noise_multiplier,
+                      spec.max_grad_norm, d, spec.sampling, spec.physical_batch_size, spec.phase)
+    grid_on = {g: 0 for g in GRIDS}
+    grid_n = 0
+    eps = torch.finfo(spec.torch_dtype).eps
+    raw_cells: List[Tuple[int, int, torch.Tensor]] = []
+    for j, st in enumerate(first.steps):
+        t = spec.first_step + j
+        if moving:
+            params = (first.steps[j - 1].parameters if j else
+                      (start if spec.phase == "load" else None))
+            if params is None and spec.phase == "load":
+                out.skipped.append((t, "the parameters it started from (the save half's) are not in this case"))
+                continue
+        else:
+            params = None
+        indices = processed_indices(ranks, j, spec)
+        released = torch.cat([st.gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
+        span = _span(spec, t if not spec.poisson else 0, indices, params, names, released.numel())
+        if span is None:
+            out.skipped.append((t, f"its batch of {len(indices)} samples spans too much of the {released.numel()} "
+                                "coordinates"))
+            continue
+        clean, u, norms = span
+        raw = released - clean
+        position = {i: p for p, i in enumerate(indices)}
+        proj = raw - u @ (u.T @ raw) if u.shape[1] else raw
+        z = proj / unit
+        for r, idx in enumerate(index):
+            if not len(idx):
+                continue
+            ur = u[idx]
+            mine = [position[i] for i in ranks[r].steps[j].indices if i in position] if r < len(ranks) else []
+            own = min(1.0, float(norms[mine].max()) / spec.max_grad_norm) if mine and not spec.mesh else 1.0
+            out.cells.append(Cell(t, r, float(z[idx].pow(2).sum()), float(len(idx) - ur.pow(2).sum()),
+                                  float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum()), own))
+            raw_cells.append((t, r, raw[idx] / unit))
+        if spec.precision == "fp32":
+            # on-grid within what rounding and the clip-epsilon latitude leave in the raw residual
+            tol = 16 * eps * (released.abs() + clean.abs()) + CLIP_LATITUDE * clean.abs()
+            keep = raw.abs() > 64 * tol  # values the grid test can resolve
+            v = raw[keep]
+            grid_n += int(v.numel())
+            for name, bits in GRIDS.items():
+                grid_on[name] += int(((v - _round_bits(v, bits)).abs() <= tol[keep]).sum())
+    if not out.cells:
+        return out
+    out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}
+    out.repeat = repeats(raw_cells)
+    return out
+
+
+def _round_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """``v`` rounded to ``bits`` significand bits (the nearest value of a float format with that
+    precision and an unbounded exponent)."""
+    m, e = torch.frexp(v)
+    scale = float(2 ** bits)
+    return torch.ldexp(torch.round(m * scale) / scale, e)
+
+
+def repeats(cells: List[Tuple[int, int, torch.Tensor]]) -> Optional[Tuple[int, int, int, int, bool, int]]:
+    """The first pair of (step, rank) shards whose noise (raw residual, units of sigma C) is equal
+    or negated on their first ``min`` values (>= ``REPEAT_MIN``) to ``REPEAT_EQUAL``."""
+    by_rank: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+    for t, r, v in cells:
+        if not v.numel() or float(v.abs().max()) <= 10 * REPEAT_EQUAL:
+            continue  # no noise there: the scale test names that, not a repeat
+        by_rank.setdefault(r, []).append((t, v))
+    ranks = sorted(by_rank)
+    for i, a in enumerate(ranks):
+        for b in ranks[i:]:
+            m = min(min(v.numel() for _, v in by_rank[a]), min(v.numel() for _, v in by_rank[b]))
+            if m < REPEAT_MIN:
+                continue
+            xa = torch.stack([v[:m] for _, v in by_rank[a]])
+            xb = torch.stack([v[:m] for _, v in by_rank[b]])
+            for negated, other in ((False, xb), (True, -xb)):
+                d = torch.cdist(xa, other, p=float("inf"))
+                if a == b and not negated:
+                    d.fill_diagonal_(float("inf"))
+                hit = (d <= REPEAT_EQUAL).nonzero()
+                if len(hit):
+                    p, q = (int(x) for x in hit[0])
+                    return (by_rank[a][p][0], a, by_rank[b][q][0], b, negated, m)
+    return None
+
+
+# -- tests ------------------------------------------------------------------------------------------
+@dataclass
+class Finding:
+    """One failed test: what, where (steps, ranks), how far off, and its p-value (``None``: exact)."""
+
+    kind: str  # "scale", "mean", "grid", "repeat"
+    ratio: float = float("nan")
+    p: Optional[float] = None
+    steps: Tuple[int, ...] = ()
+    ranks: Tuple[int, ...] = ()
+    detail: str = ""
+    #: "run", "step", "rank", "from" (a change part-way: steps from ``steps[0]`` on), "pooled"
+    scope: str = "run"
+
+
+def _scale(cells: Sequence[Cell]) -> Tuple[float, float, float]:
+    """``(std ratio, p, df)`` of the pooled scale statistic."""
+    ss, df = sum(c.ss for c in cells), sum(c.df for c in cells)
+    if df <= 0:
+        return float("nan"), 1.0, 0.0
+    return math.sqrt(max(ss, 0.0) / df), chi2_two_sided_p(ss, df), df
+
+
+def tests_of(run: RunReleases) -> int:
+    """How many statistical tests ``run_tests`` makes of ``run`` (the Bonferroni count)."""
+    steps = len({c.step for c in run.cells})
+    ranks = len({c.rank for c in run.cells})
+    return 2 + steps + (ranks if ranks > 1 else 0) if run.cells else 0
+
+
+def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
+    """The first failure of one run's releases (exact checks first, then the tests at ``alpha``
+    each), or ``None``."""
+    if not run.cells:
+        return None
+    if run.repeat is not None:
+        ta, ra, tb, rb, neg, m = run.repeat
+        return Finding("repeat", steps=(ta, tb), ranks=(ra, rb), scope="run",
+                       detail=f"{'negated ' if neg else ''}noise repeated on {m} values")
+    for name, (on, n) in run.grids.items():
+        if n >= 64 and on > GRID_FRACTION * n:
+            return Finding("grid", ratio=on / n, detail=name, scope="run")
+    ratio, p, _ = _scale(run.cells)
+    steps = sorted({c.step for c in run.cells})
+    per_step = {t: _scale([c for c in run.cells if c.step == t]) for t in steps}
+    bad_steps = [t for t in steps if not per_step[t][1] >= alpha]
+    ranks = sorted({c.rank for c in run.cells})
+    per_rank = {r: _scale([c for c in run.cells if c.rank == r]) for r in ranks} if len(ranks) > 1 else {}
+    bad_ranks = [r for r in ranks if r in per_rank and not per_rank[r][1] >= alpha]
+    if (not p >= alpha or bad_steps or bad_ranks) and any(c.own_max < 1 for c in run.cells):
+        # the noise std tied to each local batch's largest clipped norm: every cell scaled back by it fits
+        ss = sum(c.ss / c.own_max ** 2 for c in run.cells)
+        df = sum(c.df for c in run.cells)
+        if chi2_two_sided_p(ss, df) >= alpha:
+            below = sorted({(c.step, c.rank) for c in run.cells if c.own_max < 1})
+            return Finding("scale", ratio=ratio, p=p, steps=tuple(sorted({t for t, _ in below})),
+                           ranks=tuple(sorted({r for _, r in below})), scope="max_norm",
+                           detail=f"{len(below)} of {len(run.cells)}")
+    if not p >= alpha or bad_steps or bad_ranks:
+        # where: from a step on (a change part-way), on some ranks, or everywhere
+        if bad_steps and len(steps) > 2:
+            k = bad_steps[0]
+            later = [t for t in steps if t >= k]
+            rest = _scale([c for c in run.cells if c.step >= k])
+            before = _scale([c for c in run.cells if c.step < k])
+            if k > steps[0] and before[1] >= alpha and len(bad_steps) >= max(1, len(later) // 2):
+                return Finding("scale", ratio=rest[0], p=min(per_step[t][1] for t in bad_steps), steps=tuple(later),
+                               scope="from", detail=f"before step {k}: {before[0]:.3f}")
+        if bad_ranks and len(bad_ranks) < len(ranks):
+            others = _scale([c for c in run.cells if c.rank not in bad_ranks])
+            worst = min(bad_ranks, key=lambda r: per_rank[r][1])
+            return Finding("scale", ratio=per_rank[worst][0], p=per_rank[worst][1], ranks=tuple(bad_ranks),
+                           scope="rank", detail=f"other ranks: {others[0]:.3f}")
+        if bad_steps and len(bad_steps) < len(steps) and p >= alpha:
+            worst = min(bad_steps, key=lambda t: per_step[t][1])
+            return Finding("scale", ratio=per_step[worst][0], p=per_step[worst][1], steps=tuple(bad_steps),
+                           scope="step")
+        return Finding("scale", ratio=ratio, p=min([p] + [per_step[t][1] for t in bad_steps]), steps=tuple(steps),
+                       scope="run")
+    total = sum(c.total for c in run.cells)
+    var = sum(c.var for c in run.cells)
+    pm = normal_two_sided_p(total / math.sqrt(var)) if var > 0 else 1.0
+    if not pm >= alpha:
+        return Finding("mean", ratio=total / var if var > 0 else float("nan"), p=pm, steps=tuple(steps),
+                       scope="run")
+    return None
+
+
+def pooled_groups(runs: Sequence[RunReleases]) -> Dict[str, List[RunReleases]]:
+    """The groups of runs tested pooled: every run, each dtype (and precision), the runs at lr > 0."""
+    groups: Dict[str, List[RunReleases]] = {"every noisy run": list(runs)}
+    for r in runs:
+        key = r.dtype + ("" if r.precision == "fp32" else f" {r.precision}")
+        groups.setdefault(f"the {key} runs", []).append(r)
+    moving = [r for r in runs if r.lr]
+    if moving:
+        groups["the runs at lr > 0"] = moving
+    return {k: v for k, v in groups.items() if any(r.cells for r in v)}
+
+
+def pooled_tests(runs: Sequence[RunReleases], alpha: float) -> List[Tuple[str, float, float, float]]:
+    """``(group, std ratio, p, degrees of freedom)`` of every pooled group (``pooled_groups``) whose
+    scale test fails at ``alpha``."""
+    out = []
+    for name, group in pooled_groups(runs).items():
+        ratio, p, df = _scale([c for r in group for c in r.cells])
+        if not p >= alpha:
+            out.append((name, ratio, p, df))
+    return out
+
+
+def contrasts(run: RunReleases, runs: Sequence[RunReleases]) -> Dict[str, Tuple[str, float]]:
+    """What the other runs released, against which a finding in ``run`` names its cause: the pooled
+    std ratio of the runs in another dtype (``"dtype"``), at another world size (``"world_size"``), at
+    lr 0 (``"lr"``, for a run at lr > 0): ``{key: (what they are, ratio)}`` for the groups that exist."""
+    out: Dict[str, Tuple[str, float]] = {}
+    groups = {
+        "dtype": ([r for r in runs if (r.dtype, r.precision) != (run.dtype, run.precision)],
+                  f"the runs in other dtypes than {run.dtype}"),
+        "world_size": ([r for r in runs if r.world_size != run.world_size],
+                       f"the runs at other world sizes than {run.world_size}"),
+        "lr": ([r for r in runs if not r.lr] if run.lr else [], "the runs at lr 0"),
+    }
+    for key, (group, what) in groups.items():
+        cells = [c for r in group for c in r.cells]
+        if cells:
+            out[key] = (what, _scale(cells)[0])
+    return out
+
+
+def detectable_ratio(df: float, alpha: float) -> float:
+    """The std error (fraction) a scale test over ``df`` degrees of freedom detects at ``alpha``
+    with ~99 % probability (normal approximation of chi^2: z_alpha/2 + z_0.99 standard errors of
+    the variance ratio, sqrt(2/df) each)."""
+    if df <= 0:
+        return float("inf")
+    z = _z(alpha / 2) + 2.326
+    return 1 - math.sqrt(max(0.0, 1 - z * math.sqrt(2 / df)))
+
+
+def _z(p: float) -> float:
+    lo, hi = 0.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if 0.5 * math.erfc(mid / math.sqrt(2)) > p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+__all__ = ["GRIDS", "GRID_FRACTION", "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "Cell", "RunReleases", "Finding",
+           "shard_index", "decompose", "repeats", "tests_of", "run_tests", "pooled_groups", "pooled_tests",
+           "contrasts", "detectable_ratio"]

@@ -1,0 +1,167 @@
+"""The whole-run release judge: every noisy run a gate run makes, whichever property made it, is
+evidence for ``noise_calibration`` at every step and rank (``analysis/releases.py`` decomposes and
+tests, ``wording/releases.py`` words).
+
+How it is fed: ``runner.judge_case`` hands every case whose runs passed the runner's prechecks to the
+ledger in force (``collecting``) before the owning property judges it; the ledger keeps only the
+small per-(step, rank) statistics of each noisy run, never its tensors. The gate opens a ledger for
+its whole run when ``noise_calibration`` is selected (``gate/run.py``); anything else that judges
+cases inside ``collecting`` (the fuzzer, an exploration) feeds the same ledger.
+
+What it gives (``Ledger.verdicts``), all ``noise_calibration`` verdicts with config key ``releases``:
+
+* per run with a finding (``releases`` = the property that made the run, plus that case's config): a
+  ``fail`` naming the step(s), rank(s), dtype, lr and loop shape (diagnosis ``mismatch`` for a scale
+  or a mean, ``non_gaussian_noise`` for a value grid, ``dependent_noise`` for a repeat); its repro
+  line re-runs the owning property with ``noise_calibration``;
+* a pooled scale failure no single run shows (``releases = "pooled"``);
+* otherwise one ``pass`` (``releases = "every run"``) saying how many runs, steps and shards were
+  judged and the power;
+* ``error`` / ``internal_error`` if decomposing a run raised (a bug here, exit 3).
+
+False alarm: the statistical tests of one gate run share ``ALPHA`` (Bonferroni over every run's
+scale, per-step, per-rank and mean tests and the pooled groups): a correct target fails a gate
+run's release verdicts with probability <= ``ALPHA``; the exact checks (grid, repeats) have
+false-alarm probabilities below 1e-20 each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+import traceback
+from dataclasses import asdict, replace
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ...verdict import INTERNAL_ERROR, Verdict, config_label
+from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
+                                 run_tests, tests_of)
+from ..wording.releases import finding_message, pass_message, pooled_message
+from .contract import Case, Options, Outputs
+
+#: the property whose verdicts the ledger gives
+PROPERTY_ID = "noise_calibration"
+#: false-alarm probability of one gate run's release verdicts (module docstring)
+ALPHA = 1e-3
+DIAGNOSIS = {"scale": "mismatch", "mean": "mismatch", "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
+
+_CURRENT: "contextvars.ContextVar[Optional[Ledger]]" = contextvars.ContextVar("dpfsdp_release_ledger", default=None)
+
+
+class Ledger:
+    """The noisy runs of one gate run (module docstring)."""
+
+    def __init__(self) -> None:
+        self.runs: List[Tuple[Case, RunReleases]] = []
+        self.errors: List[Tuple[Case, str, str]] = []
+        self.seconds = 0.0
+        #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
+        self.cpu_seconds = 0.0
+
+    def add(self, case: Case, outputs: Outputs) -> None:
+        """Decompose every noisy run of ``case`` (``outputs[mode][spec][rank]``, prechecks passed)."""
+        t0, c0 = time.monotonic(), time.process_time()
+        threads = torch.get_num_threads()
+        # one thread, as the ranks run (runner.one_thread: threads per core on shared cores slowed the
+        # reference several-fold)
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                for mode, runs in zip(case.modes, outputs):
+                    last: Dict[object, dict] = {}
+                    for spec, ranks in zip(case.specs, runs):
+                        spec = mode.apply(spec)
+                        key = repr(sorted((k, v) for k, v in asdict(spec).items()
+                                          if k not in ("phase", "checkpoint_dir")))
+                        start = last.get(key) if spec.phase == "load" else None
+                        if spec.phase == "save" and ranks and ranks[0].steps:
+                            last[key] = ranks[0].steps[-1].parameters
+                        found = decompose(spec, case.world_size, ranks, start)
+                        if found is not None and found.cells:
+                            self.runs.append((case, found))
+        except Exception as e:  # a bug in the judge: an internal_error verdict, never a verdict on the target
+            self.errors.append((case, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        finally:
+            torch.set_num_threads(threads)
+            self.seconds += time.monotonic() - t0
+            self.cpu_seconds += time.process_time() - c0
+
+    def verdicts(self, opts: Options) -> List[Verdict]:
+        t0 = time.monotonic()
+        base = {"world_size": None, "data_layout": None, "model": None, "mode": opts.modes[0].label,
+                "grad_sample_mode": opts.grad_sample_mode}
+        out: List[Verdict] = []
+        for case, message, details in self.errors[:1]:
+            out.append(Verdict(PROPERTY_ID, "error", {**case.config(), "releases": case.property},
+                               diagnosis=INTERNAL_ERROR, message=f"judging the releases of {case.property} "
+                               f"[{config_label(case.config())}] failed: {message}", details=details))
+        runs = [r for _, r in self.runs]
+        groups = pooled_groups(runs)
+        tests = sum(tests_of(r) for r in runs) + len(groups)
+        if not runs:
+            return out
+        alpha = ALPHA / max(1, tests)
+        failed_cases = set()
+        for case, run in self.runs:
+            if id(case) in failed_cases:
+                continue
+            f = run_tests(run, alpha)
+            if f is None:
+                continue
+            failed_cases.add(id(case))
+            config = {**case.config(), "releases": case.property}
+            owner = case.property
+            v = replace(case, property=PROPERTY_ID).verdict(
+                "fail", DIAGNOSIS[f.kind], finding_message(f, owner, config_label(case.config()), run, alpha,
+                                                           contrasts(run, runs)),
+                {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
+                 "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
+                 "dtype": run.dtype, "lr": run.lr})
+            v.config = config
+            v.repro = case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1)
+            out.append(v)
+        pooled = pooled_tests(runs, alpha)
+        seconds = round(self.seconds + time.monotonic() - t0, 3)
+        if pooled and not failed_cases:
+            out.append(Verdict(PROPERTY_ID, "fail", {**base, "releases": "pooled"}, diagnosis="mismatch",
+                               message=pooled_message(pooled, alpha),
+                               evidence={"pooled": [list(p) for p in pooled], "alpha_per_test": alpha},
+                               seconds=seconds))
+        if not failed_cases and not pooled:
+            cells = [c for r in runs for c in r.cells]
+            df = sum(c.df for c in cells)
+            ratio = (sum(c.ss for c in cells) / df) ** 0.5 if df else float("nan")
+            counts: Dict[str, int] = {}
+            for case, _ in self.runs:
+                counts[case.property] = counts.get(case.property, 0) + 1
+            steps = sum(len({c.step for c in r.cells}) for r in runs)
+            skipped = sum(len(r.skipped) for r in runs)
+            out.append(Verdict(PROPERTY_ID, "pass", {**base, "releases": "every run"}, message=pass_message(
+                counts, len(cells), steps, len(runs), tests, alpha, detectable_ratio(df, alpha), skipped, ratio),
+                evidence={"runs": len(runs), "runs_by_property": counts, "releases": len(cells), "steps": steps,
+                          "tests": tests, "alpha_per_test": alpha, "std_ratio": ratio,
+                          "dtypes": sorted({r.dtype for r in runs}), "skipped_steps": skipped,
+                          "judge_cpu_seconds": round(self.cpu_seconds, 3)},
+                seconds=seconds))
+        return out
+
+
+def current() -> Optional[Ledger]:
+    """The ledger cases are fed to now (``None``: none)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def collecting(ledger: Optional[Ledger]) -> Iterator[Optional[Ledger]]:
+    """Every case judged inside feeds ``ledger`` (``None``: none)."""
+    token = _CURRENT.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _CURRENT.reset(token)
+
+
+__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "current", "collecting"]

@@ -1,0 +1,122 @@
+"""The sentences of the whole-run release judge (``engine/releases.py``), built from the findings of
+``analysis/releases.py``: what was released wrong, in which run (the property and configuration that
+made it), at which steps and ranks, in which dtype and at which lr -- and, where the measured ratio is
+one a known mistake gives, that mistake."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+from ..analysis.releases import Finding, RunReleases
+
+#: a measured std ratio "is" a candidate cause's factor within this relative distance
+CAUSE_RTOL = 0.06
+
+
+def _steps(steps: Sequence[int]) -> str:
+    s = sorted(steps)
+    if len(s) > 2 and s == list(range(s[0], s[-1] + 1)):
+        return f"steps {s[0]}-{s[-1]}"
+    return ("step " if len(s) == 1 else "steps ") + ", ".join(str(x) for x in s[:8]) + (" ..." if len(s) > 8 else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]) -> str:
+    """The cause the other runs single out (``analysis.releases.contrasts``), in words ("" if none):
+    a factor that appears in this run's kind of run only and equals a known mistake's. A ratio
+    alone never names a cause (0.7 is 1/sqrt(2) to 1 %: a float32-only factor is not noise averaged
+    over two ranks unless the float64 runs at two ranks show it too)."""
+    def fine(key):
+        return key in contrast and abs(contrast[key][1] - 1) < CAUSE_RTOL
+    ws, lr = run.world_size, run.lr
+    notes = []
+    if lr and fine("lr") and abs(ratio - min(lr, 1.0)) <= CAUSE_RTOL * min(lr, 1.0):
+        notes.append(f"it is min(lr, 1) = {min(lr, 1.0):g} at lr {lr:g} while {contrast['lr'][0]} release "
+                     f"{contrast['lr'][1]:.3f} x: the noise is scaled by the learning rate")
+    if fine("dtype") and not notes:
+        notes.append(f"only the {run.dtype}{'' if run.precision == 'fp32' else ' ' + run.precision} runs are off: "
+                     f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x")
+    if ws > 1 and fine("world_size") and not notes:
+        why = (f"it is 1/sqrt({ws}): noise drawn at full shape on every rank and averaged over the ranks"
+               if abs(ratio - ws ** -0.5) <= CAUSE_RTOL * ws ** -0.5 else f"it appears at world size {ws} only")
+        notes.append(f"{why} ({contrast['world_size'][0]} release {contrast['world_size'][1]:.3f} x)")
+    return "".join(f" The ratio is telling: {n}." for n in notes[:1])
+
+
+def where(owner: str, config: str, run: RunReleases) -> str:
+    return (f"in a run made for {owner} [{config}] ({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, "
+            f"D={run.divisor:g})")
+
+
+def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
+                    contrast: Optional[Dict[str, Tuple[str, float]]] = None) -> str:
+    at = where(owner, config, run)
+    if f.kind == "repeat":
+        (ta, tb), (ra, rb) = f.steps, f.ranks
+        return (f"PRIVACY VIOLATION: the noise released at step {tb} on rank {rb}'s shard repeats the noise of step "
+                f"{ta} on rank {ra}'s ({f.detail}, each within {1e-3:g} sigma*C) {at}. Repeated noise cancels in the "
+                "difference (or sum) of two releases: no privacy for what it was meant to hide.")
+    if f.kind == "grid":
+        return (f"PRIVACY VIOLATION: the released noise lies on the {f.detail} grid {at}: {f.ratio:.1%} of its values "
+                f"(released gradient x D minus the reference's clipped sum) have at most the {f.detail} significand, "
+                "against a few % of continuous Gaussian values. Noise drawn (or rounded) in a coarser format and added "
+                "in a finer one is discrete: the released value's low-order bits carry the gradient (a floating-point "
+                "attack on the Gaussian mechanism), which the Gaussian accounting does not cover.")
+    if f.kind == "mean":
+        return (f"the released noise is not centred {at}: its mean over every coordinate and step is {f.ratio:+.3g} "
+                f"sigma*C per coordinate (two-sided p = {f.p:.2g} < {alpha:.2g}). Noise with a bias moves every "
+                "release the same way: the mechanism is not the Gaussian one the accountant assumes.")
+    less = f.ratio < 1
+    lead = "PRIVACY VIOLATION: too little noise" if less else "too much noise (utility lost)"
+    if f.scope == "from":
+        place = (f"from step {f.steps[0]} on: the noise std is {f.ratio:.3f} x sigma*C/D at {_steps(f.steps)} "
+                 f"({f.detail} x), on every rank")
+    elif f.scope == "rank":
+        place = (f"on {_ranks(f.ranks)}'s shard: the noise std is {f.ratio:.3f} x sigma*C/D over every step "
+                 f"({f.detail} x)")
+    elif f.scope == "max_norm":
+        place = (f"where a rank's local batch has no sample above C: the noise std follows min(C, the local "
+                 f"batch's largest norm) / C, which every (step, rank) release fits once scaled back by it "
+                 f"({f.detail} releases had all their samples below C, at {_steps(f.steps)}; pooled std "
+                 f"{f.ratio:.3f} x sigma*C/D). A noise scale set by the batch's own largest clipped norm is "
+                 "data-dependent: it is sigma*C only when some sample is clipped, and the Gaussian mechanism's "
+                 "sensitivity is C whatever the batch")
+    elif f.scope == "step":
+        place = f"at {_steps(f.steps)}: the noise std is {f.ratio:.3f} x sigma*C/D (the worst step)"
+    else:
+        place = f"at every step ({_steps(f.steps)}), on every rank: the noise std is {f.ratio:.3f} x sigma*C/D"
+    return (f"{lead} {at}, {place} (the released gradient x D minus the float64 reference's clipped sum at the "
+            f"parameters the step started from, off the span of the batch's per-sample gradients; two-sided chi-square "
+            f"p = {f.p:.2g} < {alpha:.2g}). Every release needs Gaussian noise of std sigma*C/D on every coordinate."
+            + cause(run, f.ratio, contrast or {}))
+
+
+def pooled_message(failures: Sequence[Tuple[str, float, float, float]], alpha: float) -> str:
+    name, ratio, p, df = failures[0]
+    lead = "PRIVACY VIOLATION: too little noise" if ratio < 1 else "too much noise (utility lost)"
+    return (f"{lead} pooled over {name}: std {ratio:.3f} x sigma*C/D over {df:.0f} degrees of freedom (two-sided "
+            f"chi-square p = {p:.2g} < {alpha:.2g}), though no single run shows it at its own size"
+            + "".join(f"; {n}: {r:.3f} x (p = {q:.2g})" for n, r, q, _ in failures[1:4])
+            + ". Every release needs Gaussian noise of std sigma*C/D.")
+
+
+def pass_message(counts: Dict[str, int], releases: int, steps: int, runs: int, tests: int, alpha: float,
+                 detect: float, skipped: int, ratio: float) -> str:
+    owners = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    left = f"; {skipped} step(s) not decomposable (their starting parameters unknown) left out" if skipped else ""
+    return (f"every release of every noisy run of this gate run decomposed into the float64 reference's clipped sum "
+            f"and noise of std sigma*C/D: {runs} runs ({owners}), {steps} steps, {releases} rank shards; pooled std "
+            f"{ratio:.4f} x sigma*C/D; no value on a bfloat16/float16 grid, no shard's noise repeated at another step "
+            f"or rank; {tests} tests at {alpha:.2g} each (false alarm <= {alpha * tests:.2g} per gate run); pooled, "
+            f"a std error of {detect:.2%} is detected with ~99% probability{left}")
+
+
+def not_decomposed_message(reason: str) -> str:
+    return f"no release judged: {reason}"
+
+
+__all__ = ["CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
+           "not_decomposed_message"]

@@ -1,0 +1,187 @@
+"""privacy_audit (issue 34): opt-in, its options and repro line, its scores on a simulated release,
+and end to end: ``Correct`` passes, the specimens of ``fixtures/audit_specimens.py`` fail with
+``audit_violation`` naming eps_lb and the claimed epsilon; upstream opacus passes (slow)."""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+import pytest
+import torch
+
+from dpfsdp_verify import models, reference
+from dpfsdp_verify.gate import cli
+from dpfsdp_verify.gate.plan import RunPlan
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.properties.checks import privacy_audit as pa
+from dpfsdp_verify.properties.engine.contract import Case, Options, Point
+from dpfsdp_verify.targets import accounting
+import dpfsdp_verify.properties as props  # noqa: E402
+
+A = "fixtures.audit_specimens:"
+PROP = PROPERTIES["privacy_audit"]
+#: small enough for the README's test command: 300 canaries, 30 steps
+SMALL = dict(audit_canaries=300, audit_steps=30)
+
+
+def plan_of(*args):
+    return RunPlan.from_args(cli.build_parser().parse_args(["run", "--target", "fixtures.specimens:Correct", *args]))
+
+
+def cases_of(opts):
+    return [c for c in PROP.plan(PROP.with_defaults(opts)) if isinstance(c, Case)]
+
+
+def test_opt_in_runs_only_when_named_and_the_repro_line_replays_its_size():
+    assert "privacy_audit" not in plan_of().properties and "norm_fidelity" in plan_of().properties
+    plan = plan_of("--properties", "privacy_audit", "--audit-canaries", "300", "--audit-steps", "30", "--seed", "5")
+    assert plan.properties == ("privacy_audit",)
+    cases = cases_of(plan.options)
+    assert [c.world_size for c in cases] == [1, 2, 3]  # the matrix's 1, 2 and the gate's wide world size
+    spec = cases[1].spec
+    assert (spec.model, spec.dataset_size, spec.nominal_steps, spec.sample_rate, spec.lr, spec.noise_multiplier,
+            spec.max_grad_norm, spec.accountant_delta) == ("canary", 300, 30, pa.SAMPLE_RATE, 0.0, pa.SIGMA, pa.CLIP,
+                                                           pa.DELTA)
+    line = cases[1].repro()
+    assert "--audit-canaries 300 --audit-steps 30" in line and "--seed 5" in line
+    replayed = cases_of(RunPlan.from_args(cli.build_parser().parse_args(shlex.split(line)[1:])).options)
+    assert (replayed[0].world_size, replayed[0].spec) == (2, spec)  # (then the gate's wide world size, 3)
+    # another run seed: other secrets, noise and draws
+    other = cases_of(plan_of("--properties", "privacy_audit", "--seed", "6").options)[1].spec
+    assert len({(s.batch_seed, s.noise_seed, s.sampling_seed) for s in (spec, other)}) == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--audit-canaries", "5"], "--audit-canaries 5: must be an integer >= 10"),
+    (["--audit-steps", "0"], "--audit-steps 0: must be an integer >= 1"),
+])
+def test_bad_audit_sizes_exit_2_with_one_line(capsys, args, says):
+    assert cli.main(["run", "--properties", "privacy_audit", *args]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert says in err and "hint:" in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError):
+        props.run("privacy_audit", "fixtures.specimens:Correct", audit_confidence=1.0)
+
+
+def small_spec(m=300, t=30, ws=1):
+    opts = PROP.with_defaults(Options(target="x", world_sizes=(ws,), params=(("audit_canaries", m),
+                                                                             ("audit_steps", t))))
+    return pa.audit_spec(Point("privacy_audit", opts, opts.modes, ws, "canary", "split", "mean", "float32"))
+
+
+def test_directions_are_the_reference_per_sample_gradients():
+    spec = small_spec(m=40)
+    u = pa.directions(spec)
+    model = models.build_model("canary", spec.model_seed, dtype=torch.float64, canaries=40)
+    batch = models.Batch(torch.arange(40), torch.zeros(40, dtype=torch.long), "cross_entropy")
+    g = reference.per_sample_grads(model, batch)[pa.WEIGHT]  # [40, 41, 2]
+    own = g[torch.arange(40), torch.arange(40)]
+    assert torch.allclose(g.pow(2).sum((1, 2)), own.pow(2).sum(1), rtol=0, atol=0)  # each on its own row
+    assert torch.allclose(u, own / own.norm(dim=1, keepdim=True), rtol=0, atol=1e-15)
+    # the batch the targets train on: members are their own token, out canaries the sink row
+    secrets = models.canary_secrets(40, spec.batch_seed)
+    data = models.make_batch("canary", 40, spec.batch_seed, canaries=40)
+    assert data.inputs.tolist() == [i if s > 0 else 40 for i, s in enumerate(secrets.tolist())]
+
+
+def simulated(spec, secrets, clip_factor=1.0, noise_free=()):
+    """Released gradients of a DP-SGD run on the canary model, written from the mechanism: member
+    i at step t adds c * u_i (c = clip_factor * C) when drawn, every row gets N(0, (sigma C)^2),
+    all over D; ``noise_free`` canaries' rows get no noise."""
+    g = torch.Generator().manual_seed(1)
+    m, c, d = spec.dataset_size, spec.max_grad_norm, spec.divisor
+    u = pa.directions(spec)
+    out = []
+    for _ in range(spec.steps):
+        drawn = (torch.rand(m, generator=g) < spec.sample_rate) & (secrets > 0)
+        rows = torch.zeros(m + 1, 2, dtype=torch.float64)
+        rows[:m] = drawn.unsqueeze(1) * clip_factor * c * u
+        noise = torch.randn(m + 1, 2, generator=g, dtype=torch.float64) * spec.noise_multiplier * c
+        noise[list(noise_free)] = 0
+        out.append(((rows + noise) / d).to(torch.float32))
+    return out
+
+
+def test_scores_read_the_release_as_the_mechanism_defines_it():
+    spec = small_spec(m=400, t=50)
+    secrets = models.canary_secrets(400, spec.batch_seed)
+    y = pa.observations(spec, simulated(spec, secrets), pa.directions(spec))
+    members, out = y[:, secrets > 0], y[:, secrets < 0]
+    # y = Bernoulli(q) + N(0, sigma^2) for members, N(0, sigma^2) for out canaries
+    assert abs(float(members.mean()) - spec.sample_rate) < 0.06 and abs(float(out.mean())) < 0.06
+    assert abs(float(out.std()) / spec.noise_multiplier - 1) < 0.03
+    assert torch.allclose(pa.fitted_sigma(out), out.std(0, unbiased=False))
+    # the LLR is monotone in each observation, and the fitted score puts noise-free rows at the extremes
+    up = y.clone()
+    up[0, 0] += 1.0
+    assert float(pa.llr_scores(up, 0.1, 2.0)[0]) > float(pa.llr_scores(y, 0.1, 2.0)[0])
+    free = list(range(200, 400))
+    y_free = pa.observations(spec, simulated(spec, secrets, noise_free=free), pa.directions(spec))
+    fitted = pa.llr_scores(y_free, spec.sample_rate, pa.fitted_sigma(y_free))
+    top = fitted.argsort()[-60:].tolist()
+    assert all(i >= 200 and secrets[i] > 0 for i in top)
+
+
+def check_violation(v, spec_steps, m):
+    e = v.evidence
+    assert (v.status, v.diagnosis) == ("fail", "audit_violation"), v.message
+    assert e["eps_lb"] > e["claimed_epsilon"] and e["canaries"] == m and e["steps"] == spec_steps
+    assert e["claimed_epsilon"] == pytest.approx(accounting.epsilon([(pa.SIGMA, pa.SAMPLE_RATE, spec_steps)], pa.DELTA))
+    assert v.message.startswith("PRIVACY VIOLATION: the one-run audit")
+    assert f"proves epsilon >= {e['eps_lb']:.4g}" in v.message and f"{e['claimed_epsilon']:.4g}" in v.message
+    assert f"{m} canaries, {spec_steps} steps" in v.message and "confidence 0.95" in v.message
+
+
+def test_correct_passes_and_an_unclipped_layer_fails_small(pool):
+    ok, = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(2,), pool=pool, **SMALL)
+    e = ok.evidence
+    assert ok.status == "pass", ok.message
+    assert 0 <= e["eps_lb"] <= e["claimed_epsilon"] and e["reported_epsilon"] == e["suite_rdp_epsilon"]
+    assert f"eps_lb / claimed = {e['eps_lb'] / e['claimed_epsilon']:.2f}" in ok.message
+    assert abs(e["member_mean_y"] - pa.SAMPLE_RATE) < 0.05  # each member drawn at q, clipped to C
+    bad, = props.run("privacy_audit", A + "EmbeddingsUnclipped", world_sizes=(2,), pool=pool, **SMALL)
+    check_violation(bad, 30, 300)
+    assert bad.evidence["member_mean_y"] > 5 * pa.SAMPLE_RATE  # unclipped: 7.07 C per inclusion
+
+
+# -- at the default size (slow): every world size, every specimen, upstream ---------------------------------
+
+
+@pytest.mark.slow
+def test_correct_passes_at_every_world_size_at_the_default_size(pool):
+    vs = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(1, 2, 3), pool=pool,
+                   meshes=("hsdp:2x2",))
+    audits = [v for v in vs if v.config.get("world_size") in (1, 2, 3)]
+    assert [(v.config["world_size"], v.status) for v in audits] == [(1, "pass"), (2, "pass"), (3, "pass")], \
+        [v.message for v in audits]
+    for v in audits:
+        assert v.evidence["canaries"] == pa.CANARIES and v.evidence["steps"] == pa.STEPS
+        assert v.evidence["eps_lb"] < 0.6 * v.evidence["claimed_epsilon"]  # measured 0.16-0.27 (docs/audit.md)
+    mesh, = [v for v in vs if v.config.get("mesh")]
+    assert mesh.status == "skip" and "does not run on 2-D meshes" in mesh.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world_sizes, size", [
+    ("EmbeddingsUnclipped", (1, 2), {}),
+    ("NoiseMissingOnLastRank", (1, 2), {}),
+    ("EveryCanaryEveryStep", (1, 2), SMALL),  # every canary in every batch: 10x the work per step
+])
+def test_leaking_specimens_fail_with_audit_violation(pool, name, world_sizes, size):
+    vs = props.run("privacy_audit", A + name, world_sizes=world_sizes, pool=pool, **size)
+    assert len(vs) == len(world_sizes)
+    for v in vs:
+        check_violation(v, size.get("audit_steps", pa.STEPS), size.get("audit_canaries", pa.CANARIES))
+
+
+@pytest.mark.slow
+def test_upstream_opacus_passes(pool):
+    pytest.importorskip("opacus")
+    vs = props.run("privacy_audit", "opacus", world_sizes=(1, 2), pool=pool)
+    assert [v.status for v in vs] == ["pass", "pass"], [v.message for v in vs]
+    for v in vs:
+        e = v.evidence
+        # its PRV accountant reports less than the suite's RDP epsilon, more than the audit proves
+        assert e["eps_lb"] < e["reported_epsilon"] < e["suite_rdp_epsilon"]
+        assert math.isclose(e["claimed_epsilon"], e["reported_epsilon"])

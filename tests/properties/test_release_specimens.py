@@ -1,0 +1,100 @@
+"""The release judge and the accountant of every run on real ranks: the specimens of
+fixtures/release_specimens.py fail the cases the default gate plans, on the check and diagnosis
+issue 32's table names; ``Correct`` and the ``Correct*`` variants pass. The cases come from the
+default gate's own plan (``RunPlan.from_args``, no option) and run on the tests' warm pool; the
+ledger is the gate's (``engine/releases.py``), fed by ``runner.judge_cases`` as in a gate run."""
+
+import pytest
+
+from dpfsdp_verify.gate import cli
+from dpfsdp_verify.gate.plan import RunPlan
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.properties.engine import releases
+from dpfsdp_verify.properties.engine.contract import Case
+from dpfsdp_verify.properties.engine.runner import judge_cases
+
+R = "fixtures.release_specimens:"
+TIMEOUT = 240.0
+
+
+def planned(pid, target, select, **changes):
+    args = cli.build_parser().parse_args(["run", "--target", target, "--seed", "11"])
+    opts = RunPlan.from_args(args).options.with_(**changes)
+    prop = PROPERTIES[pid]
+    opts = prop.with_defaults(opts)
+    cases = [c for c in prop.plan(opts) if isinstance(c, Case) and select(c)]
+    assert cases
+    return prop, cases, opts
+
+
+def judged(pool, pid, target, select, **changes):
+    """``(the owning property's verdicts, the release judge's verdicts)`` of the selected cases."""
+    prop, cases, opts = planned(pid, target, select, **changes)
+    ledger = releases.Ledger()
+    with releases.collecting(ledger):
+        own = judge_cases(prop, cases, pool, TIMEOUT)
+    return own, ledger.verdicts(opts)
+
+
+def update_cases(case):
+    return case.world_size == 2 and case.labels.get("noise_multiplier")
+
+
+def poisson_scenarios(case):
+    return case.world_size == 2 and case.labels.get("local_batches") in ("poisson_same", "poisson_per_rank")
+
+
+def only_failure(verdicts, diagnosis, *words):
+    bad = [v for v in verdicts if v.status != "pass"]
+    assert len(bad) >= 1 and all(v.status == "fail" and v.diagnosis == diagnosis for v in bad), [
+        (v.config, v.message) for v in bad]
+    for w in words:
+        assert w in bad[0].message, bad[0].message
+    return bad
+
+
+def test_noise_scaled_by_lr_fails_in_the_noisy_update_runs(pool):
+    own, found = judged(pool, "trajectory", R + "NoiseScaledByLr", update_cases)
+    bad = only_failure(found, "mismatch", "PRIVACY VIOLATION", "lr 0.5", "made for trajectory")
+    assert all(v.property == "noise_calibration" and v.config["releases"] == "trajectory" for v in bad)
+
+
+def test_float32_only_noise_fails_in_the_float32_run(pool):
+    own, found = judged(pool, "trajectory", R + "Float32NoiseScaled", update_cases)
+    (bad,) = only_failure(found, "mismatch", "float32", "only the float32 runs are off")
+    assert bad.config["dtype"] == "float32" and "sqrt" not in bad.message
+
+
+def test_noise_scaled_by_max_norm_fails_where_batches_are_below_c(pool):
+    own, found = judged(pool, "deadlock_free", R + "NoiseScaledByMaxNorm", poisson_scenarios)
+    only_failure(found, "mismatch", "PRIVACY VIOLATION", "made for deadlock_free")
+
+
+@pytest.mark.parametrize("variant", ["Correct"] + [pytest.param(v, marks=pytest.mark.slow) for v in (
+    "CorrectNoiseFromRankZero", "CorrectSqrtWsAveraged", "CorrectBoxMuller", "CorrectOneBufferSliced")])
+def test_correct_variants_pass(pool, variant):
+    target = ("fixtures.specimens:" if variant == "Correct" else R) + variant
+    for pid, select in (("trajectory", update_cases), ("deadlock_free", poisson_scenarios)):
+        own, found = judged(pool, pid, target, select)
+        assert [v.status for v in own] == ["pass"] * len(own), [(v.config, v.message) for v in own]
+        assert [(v.status, v.config["releases"]) for v in found] == [("pass", "every run")], [v.message for v in found]
+
+
+@pytest.mark.parametrize("specimen,words", [("AccountantCountsPasses", "one step per physical pass"),
+                                            ("AccountantRatePerPass", "sampling rate")])
+def test_accountant_under_accumulation(pool, specimen, words):
+    """mode_equivalence's Poisson pair (unsplit vs physical batches of 2, q = 1/4 over 16 samples per
+    rank): the accountant's history is checked on both runs of the pair."""
+    own, _ = judged(pool, "mode_equivalence", R + specimen, lambda c: c.world_size == 2 and c.spec.poisson)
+    only_failure(own, "accountant_mismatch", words, "physical_batches")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("specimen,diagnosis,words", [
+    ("ResumeEmptiesHistory", "accountant_mismatch", "starts again at the resume"),
+    ("ResumeDoublesHistory", "accountant_mismatch", "twice"),
+    ("ResumeHistoryOneShort", "accountant_mismatch", "told 3 step(s)"),
+    ("ResumedSamplerSkipsMask", "mismatch", "skips 1 mask")])
+def test_resume_specimens(pool, specimen, diagnosis, words):
+    own, _ = judged(pool, "checkpoint_resume", R + specimen, lambda c: c.world_size == 1)
+    only_failure(own, diagnosis, words)
