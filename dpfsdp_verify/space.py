@@ -160,7 +160,7 @@ class Real(Axis):
 
 # -- the axes ---------------------------------------------------------------------------------------
 #: the model names (``models.MODEL_NAMES``; ``tests/test_space.py`` checks they agree)
-MODELS = ("mlp", "conv", "transformer", "lora", "tied", "masked", "zoo", "extreme")
+MODELS = ("mlp", "conv", "transformer", "lora", "tied", "masked", "zoo", "extreme", "canary")
 #: the models exploration draws, with their variants (``models.MODEL_DIMS``: conv groups, widths...)
 EXPLORE_MODELS = ("mlp", "conv", "transformer")
 
