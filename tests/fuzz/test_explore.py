@@ -109,6 +109,19 @@ def test_the_explored_bug_fails_its_configuration_and_correct_passes_it(pool):
     assert good.status == "pass", good.message
 
 
+@pytest.mark.slow
+def test_an_odd_local_batch_under_sum_is_a_configuration_only_a_draw_reaches(pool):
+    """``DivisorFromLocalBatchUnderSum`` divides by the world size only when a rank's local batch is
+    odd under ``sum``: the fixed cases' local batches under ``sum`` are all even and pass it; a
+    draw of 3 samples per rank at 2 ranks (local batches 1-64 are drawn) fails it, Correct passes."""
+    spec = RunSpec(model="mlp", global_batch_size=6, reduction="sum", data_layout="split", dtype="float64")
+    bad = explore.check_exact(CLIPPED, Options(target="fixtures.audit_noise_specimens:DivisorFromLocalBatchUnderSum"),
+                              spec, 2, pool)
+    assert (bad.status, bad.diagnosis) == ("fail", "mismatch") and "0.5 x the reference" in bad.message
+    good = explore.check_exact(CLIPPED, Options(target="fixtures.specimens:Correct"), spec, 2, pool)
+    assert good.status == "pass", good.message
+
+
 def test_cli_explore_option_and_default(monkeypatch, capsys):
     from dpfsdp_verify.gate.plan import RunPlan
 
