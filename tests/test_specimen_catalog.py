@@ -5,6 +5,7 @@ no test runs proves nothing)."""
 
 import importlib.util
 import os
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,6 +14,7 @@ def _catalog():
     spec = importlib.util.spec_from_file_location("specimen_catalog", os.path.join(REPO, "scripts",
                                                                                    "specimen_catalog.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
