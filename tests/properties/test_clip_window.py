@@ -140,7 +140,8 @@ def test_the_wide_case_spans_100_C():
     ("floor", 0.05, lambda n, c: reference.clip_coefficients(n, c).clamp(min=0.05)),
     ("cap", math.inf, lambda n, c: c / (n + reference.CLIP_EPSILON)),
     ("cap", 0.7, lambda n, c: (c / (n + reference.CLIP_EPSILON)).clamp(max=0.7)),
-    ("epsilon", 0.0, lambda n, c: (c / n).clamp(max=1.0)),
+    ("epsilon", -1e-6, lambda n, c: (c / (n - 1e-6)).clamp(max=1.0)),
+    ("epsilon", 1e-4, lambda n, c: (c / (n + 1e-4)).clamp(max=1.0)),
     ("scale", 0.5, lambda n, c: 0.5 * reference.clip_coefficients(n, c)),
 ])
 def test_coefficient_fit_names_each_error(kind, value, make):
@@ -154,6 +155,8 @@ def test_coefficient_fit_names_nothing_it_cannot_fit():
     norms = torch.tensor([0.2, 0.5, 1.5, 3.0, 40.0, 120.0], dtype=torch.float64)
     true = reference.clip_coefficients(norms, 1.0)
     assert fit_clip_coefficients(true, norms, 1.0, 1e-9) is None
+    # the exact clip (epsilon 0) is one DP-SGD accepts (0 <= e <= 1e-5): nothing to name
+    assert fit_clip_coefficients((1.0 / norms).clamp(max=1.0), norms, 1.0, 1e-9) is None
     noisy = true * torch.tensor([1.0, 1.1, 0.9, 1.0, 1.3, 1.0], dtype=torch.float64)
     assert fit_clip_coefficients(noisy, norms, 1.0, 1e-9) is None
     assert fit_clip_coefficients(true * float("nan"), norms, 1.0, 1e-9) is None
