@@ -186,8 +186,10 @@ def unproven_timeout_skipped(v: Verdict) -> Verdict:
 def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optional[Pool] = None,
                      max_world_size: Optional[int] = None) -> List[Verdict]:
     """``prop``'s exploration within ``budget_s`` seconds: one verdict (module docstring); none when
-    the budget is 0, the property has no recipe, or the modes give it nothing to run."""
-    if budget_s <= 0 or prop.explore is None:
+    the budget is 0, the property has no recipe, the modes give it nothing to run, or
+    ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
+    drawn (default: ``space.explore_max_world_size()``, from the cores)."""
+    if budget_s <= 0 or prop.explore is None or max_world_size == 0:
         return []
     opts = prop.with_defaults(opts)
     groups = prop.mode_groups(opts.modes, opts.params)
@@ -196,7 +198,8 @@ def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optio
     own = pool is None
     pool = pool or Pool()
     try:
-        ex = _Explorer(prop, opts, budget_s, pool, groups[0], max_world_size or explore_max_world_size())
+        ex = _Explorer(prop, opts, budget_s, pool, groups[0],
+                       max_world_size if max_world_size is not None else explore_max_world_size())
         rounds = 0
         while not ex.spent():
             found = ex.round(rounds)

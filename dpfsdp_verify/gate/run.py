@@ -146,8 +146,11 @@ def _fuzzer(n_examples: int, explore_s: float = 0.0) -> Optional[Fuzzer]:
             verdicts += fuzz_examples(prop, opts, n_examples, pool)
         if explore_s and prop.explore is not None:
             from ..fuzz.explore import explore_property
+            from ..harness.backends import visible_gpus
 
-            verdicts += explore_property(prop, opts, explore_s, pool)
+            # nccl: one GPU per rank, so no draw beyond the GPUs this machine has (gloo: the cores decide)
+            most = visible_gpus() if opts.backend == "nccl" else None
+            verdicts += explore_property(prop, opts, explore_s, pool, max_world_size=most)
         return verdicts
 
     return run

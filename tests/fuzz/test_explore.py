@@ -191,3 +191,22 @@ def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
     assert argv[:2] == ["dpfsdp-verify", "replay"] and "--exact" in argv
     assert cli.main(argv[1:]) == cli.EXIT_FAIL
     assert "clipped_step: FAIL (mismatch)" in capsys.readouterr().out
+
+
+def test_nccl_exploration_draws_no_more_ranks_than_gpus(monkeypatch):
+    """Under nccl every rank needs a GPU of its own: on a one-GPU box exploration draws world size 1
+    only (gloo draws up to the cores' limit); with no GPU it draws nothing."""
+    from dpfsdp_verify.gate import run as gate_run
+    from dpfsdp_verify.harness.backends import SIMULATED_GPUS_ENV
+
+    asked = []
+    monkeypatch.setattr(explore, "explore_property",
+                        lambda prop, opts, s, pool, max_world_size=None: asked.append(max_world_size) or [])
+    fuzzer = gate_run._fuzzer(0, 5.0)
+    for backend, gpus in (("nccl", "1"), ("gloo", "1"), ("nccl", "2")):
+        monkeypatch.setenv(SIMULATED_GPUS_ENV, gpus)
+        fuzzer(PROPERTIES["clipped_step"], Options(target="opacus", backend=backend), None)
+    assert asked == [1, None, 2]
+    monkeypatch.undo()
+    assert explore.explore_property(PROPERTIES["clipped_step"], Options(target="opacus"), 5.0, None,
+                                    max_world_size=0) == []

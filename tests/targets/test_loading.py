@@ -26,7 +26,7 @@ def test_builtin_opacus_is_the_default_target():
 
 def test_module_attr_class_factory_and_instance():
     assert type(load_target("fixtures.specimens:AllReduceNorms")) is specimens.AllReduceNorms
-    assert type(load_target("tests.test_targets:make_correct")) is specimens.Correct
+    assert type(load_target("tests.targets.test_loading:make_correct")) is specimens.Correct
     inst = specimens.NoClipMin()
     specimens._test_instance = inst
     try:
@@ -39,7 +39,7 @@ def test_module_attr_class_factory_and_instance():
     ("no_such_module_xyz:Thing", "cannot import module 'no_such_module_xyz'"),
     ("fixtures.specimens:Nope", "has no attribute 'Nope'"),
     ("no-such-target", "unknown target 'no-such-target'"),
-    ("tests.test_targets:NOT_A_TARGET", "raised TypeError"),
+    ("tests.targets.test_loading:NOT_A_TARGET", "raised TypeError"),
     ("fixtures.specimens:DEFERRED_ENV", "raised TypeError"),
     ("fixtures.specimens:", "must look like 'package.module:Attr'"),
     ("", "non-empty string"),
@@ -53,7 +53,7 @@ def test_bad_references_raise_one_line_reason(ref, words):
 
 def test_factory_returning_a_non_target_is_refused():
     with pytest.raises(TargetLoadError, match="not a dpfsdp_verify.targets.Target"):
-        load_target("tests.test_targets:make_nothing")
+        load_target("tests.targets.test_loading:make_nothing")
 
 
 def test_entry_point_group(monkeypatch):
