@@ -129,7 +129,7 @@ def test_a_killed_zygote_leaves_no_rank_behind_and_is_replaced():
 
 @pytest.mark.parametrize("broken, says", [
     (dict(module="dpfsdp_verify.no_such_zygote"), "No module named dpfsdp_verify.no_such_zygote"),
-    (dict(preload=zygote.PRELOAD + ("zygote_thread_at_import",)), "2 threads run after the imports"),
+    (dict(preload=zygote.PRELOAD + ("tests.zygote_thread_at_import",)), "2 threads run after the imports"),
 ])
 def test_a_zygote_that_cannot_start_leaves_the_pool_spawning(monkeypatch, broken, says):
     monkeypatch.setattr(zygote, "ZYGOTE_MODULE", broken.get("module", zygote.ZYGOTE_MODULE))
