@@ -18,7 +18,7 @@ for constraints in "${files[@]}"; do
   t0=$(date +%s)
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[opacus]"
+  "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[opacus,fuzz]"
   t1=$(date +%s)
   echo "+ [$name] dpfsdp-verify run --expect opacus-1.6.0 (torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"
   code=0
