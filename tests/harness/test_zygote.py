@@ -150,7 +150,7 @@ HARNESS_THAT_DIES = textwrap.dedent("""
     import json, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     from dpfsdp_verify.harness import Pool, zygote
-    from test_zygote import parent_and_env
+    from tests.harness.test_zygote import parent_and_env
     p = Pool()
     p.run(parent_and_env, "X", world_size=2)
     print(json.dumps(p.started_pids), flush=True)
@@ -160,7 +160,8 @@ HARNESS_THAT_DIES = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_zygotes_and_their_ranks_die_with_the_harness():
-    out = subprocess.run([sys.executable, "-c", HARNESS_THAT_DIES, os.path.dirname(os.path.dirname(__file__))],
+    out = subprocess.run([sys.executable, "-c", HARNESS_THAT_DIES,
+                          os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
                          capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stderr

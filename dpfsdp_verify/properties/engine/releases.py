@@ -41,6 +41,7 @@ from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_r
                                  run_tests, tests_of)
 from ..wording.releases import finding_message, pass_message, pooled_message
 from .contract import Case, Options, Outputs
+from .prechecks import device_facts
 
 #: the property whose verdicts the ledger gives
 PROPERTY_ID = "noise_calibration"
@@ -57,6 +58,9 @@ class Ledger:
     def __init__(self) -> None:
         self.runs: List[Tuple[Case, RunReleases]] = []
         self.errors: List[Tuple[Case, str, str]] = []
+        #: where each judged case's ranks computed (``prechecks.device_facts``), by ``id(case)``: every
+        #: verdict's evidence names its device(s), this judge's too
+        self.devices: Dict[int, str] = {}
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -82,12 +86,20 @@ class Ledger:
                         found = decompose(spec, case.world_size, ranks, start)
                         if found is not None and found.cells:
                             self.runs.append((case, found))
+                            device = device_facts(ranks).get("device")
+                            if device:
+                                self.devices[id(case)] = str(device)
         except Exception as e:  # a bug in the judge: an internal_error verdict, never a verdict on the target
             self.errors.append((case, f"{type(e).__name__}: {e}", traceback.format_exc()))
         finally:
             torch.set_num_threads(threads)
             self.seconds += time.monotonic() - t0
             self.cpu_seconds += time.process_time() - c0
+
+    def _device(self, cases: List[Case]) -> Dict[str, str]:
+        """``{"device": ...}`` of the ranks that made ``cases``' runs (joined when they differ), or ``{}``."""
+        seen = list(dict.fromkeys(self.devices[id(c)] for c in cases if id(c) in self.devices))
+        return {"device": ", ".join(seen)} if seen else {}
 
     def verdicts(self, opts: Options) -> List[Verdict]:
         t0 = time.monotonic()
@@ -119,7 +131,7 @@ class Ledger:
                                                            contrasts(run, runs)),
                 {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
                  "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
-                 "dtype": run.dtype, "lr": run.lr})
+                 "dtype": run.dtype, "lr": run.lr, **self._device([case])})
             v.config = config
             v.repro = case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1)
             out.append(v)
@@ -128,7 +140,8 @@ class Ledger:
         if pooled and not failed_cases:
             out.append(Verdict(PROPERTY_ID, "fail", {**base, "releases": "pooled"}, diagnosis="mismatch",
                                message=pooled_message(pooled, alpha),
-                               evidence={"pooled": [list(p) for p in pooled], "alpha_per_test": alpha},
+                               evidence={"pooled": [list(p) for p in pooled], "alpha_per_test": alpha,
+                                         **self._device([c for c, _ in self.runs])},
                                seconds=seconds))
         if not failed_cases and not pooled:
             cells = [c for r in runs for c in r.cells]
@@ -144,7 +157,8 @@ class Ledger:
                 evidence={"runs": len(runs), "runs_by_property": counts, "releases": len(cells), "steps": steps,
                           "tests": tests, "alpha_per_test": alpha, "std_ratio": ratio,
                           "dtypes": sorted({r.dtype for r in runs}), "skipped_steps": skipped,
-                          "judge_cpu_seconds": round(self.cpu_seconds, 3)},
+                          "judge_cpu_seconds": round(self.cpu_seconds, 3),
+                          **self._device([c for c, _ in self.runs])},
                 seconds=seconds))
         return out
 
