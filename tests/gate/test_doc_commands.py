@@ -93,6 +93,7 @@ def test_documented_short_command_runs(where, argv):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # several real gate runs one after another (each planned at <= REAL_RUN_BUDGET_S)
 def test_short_documented_runs_run_for_real(tmp_path):
     from dpfsdp_verify.gate.dryrun import describe
     from dpfsdp_verify.gate.plan import RunPlan

@@ -535,6 +535,8 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         evidence["mid_epoch"].update(ev)
     continues, ev = _continues(case, ps, pl, pfull, k, case.specs[2])
     evidence.update(ev)
+    if masks or cross_masks:  # replayed or shared masks already say why the batches differ: one finding
+        continues = None
     found = [f for f in (traj, counted, noise, masks, cross_noise, cross_masks, continues) if f]
     for f in found:
         evidence.update(f[2])
