@@ -44,7 +44,7 @@ from ..space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
 from . import strategies
-from .search import Counterexample, _find_counterexample, _notes
+from .search import Counterexample, run_to_counterexample
 
 #: examples per hypothesis round (a round's first examples are its simplest: small rounds would
 #: redraw them, large ones overshoot the budget by a few unrun draws)
@@ -117,15 +117,8 @@ class _Explorer:
         def example(drawn):
             self.example(drawn)
 
-        test = settings(hypothesis_seed(seed)(given(strategy)(example)))
-        try:
-            test()
-        except Exception as err:  # noqa: BLE001 - hypothesis re-raises what the example raised
-            found = _find_counterexample(err)
-            if found is None:
-                raise
-            return self.failure(found, _notes(err), index)
-        return None
+        shrunk = run_to_counterexample(settings(hypothesis_seed(seed)(given(strategy)(example))))
+        return self.failure(shrunk[0], shrunk[1], index) if shrunk is not None else None
 
     def failure(self, found: Counterexample, notes: List[str], index: int) -> Verdict:
         v = found.verdict

@@ -20,7 +20,7 @@ import json
 import random
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
@@ -104,14 +104,9 @@ def search(prop: Property, opts: Options, world_size: int, modes: Sequence[Mode]
     # a database key per (property, target, world size, modes): a saved failure replays where it failed
     cast(Any, example)._hypothesis_internal_add_digest = repr((prop.id, opts.target, world_size, sorted(
         (m.label, list(m.env)) for m in modes))).encode()
-    test = run_settings(hypothesis_seed(seed)(given(strategy)(example)))
-    try:
-        test()
-    except Exception as err:  # noqa: BLE001 - hypothesis re-raises what the example raised
-        found = _find_counterexample(err)
-        if found is None:
-            raise
-        return _shrunk_verdict(found, _notes(err), seed, seen, world_size, time.monotonic() - t0)
+    shrunk = run_to_counterexample(run_settings(hypothesis_seed(seed)(given(strategy)(example))))
+    if shrunk is not None:
+        return _shrunk_verdict(shrunk[0], shrunk[1], seed, seen, world_size, time.monotonic() - t0)
     return _summary_verdict(prop, opts, world_size, modes, seed, seen, time.monotonic() - t0)
 
 
@@ -148,6 +143,20 @@ def _shrunk_verdict(found: Counterexample, notes: List[str], seed: int, seen: Co
                    details="\n".join(["hypothesis: " + n for n in notes] + ([v.details] if v.details else [])))
 
 
+def run_to_counterexample(test: Callable[[], None]) -> Optional[Tuple[Counterexample, List[str]]]:
+    """Run a hypothesis ``test``: ``None`` when every example passed, else the shrunk failing
+    example (the ``Counterexample`` an example raised) and hypothesis' notes on it; anything else
+    the test raised is re-raised."""
+    try:
+        test()
+    except Exception as err:  # noqa: BLE001 - hypothesis re-raises what the example raised
+        found = _find_counterexample(err)
+        if found is None:
+            raise
+        return found, _notes(err)
+    return None
+
+
 def _find_counterexample(err: BaseException) -> Optional[Counterexample]:
     if isinstance(err, Counterexample):
         return err
@@ -178,4 +187,4 @@ def format_failure(v: Verdict) -> str:
 
 
 __all__ = ["fuzz_groups", "search", "spec_strategy", "format_failure", "Counterexample", "Check",
-           "DEFAULT_MODELS", "DEFAULT_DTYPES"]
+           "run_to_counterexample", "DEFAULT_MODELS", "DEFAULT_DTYPES"]
