@@ -268,3 +268,14 @@ def test_skips_are_printed_with_their_reason(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "skipped:" in out and "sensitivity_bound [ws=2 replicated mlp" in out
     assert "leave-one-out needs split data" in out
+
+
+def test_a_listing_cut_short_by_its_reader_is_no_internal_error():
+    """``dpfsdp-verify list | head -1``: the reader closes the pipe; exit 0 and nothing on stderr
+    (it was a traceback and "internal error", exit 3)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m dpfsdp_verify list | head -1; exit ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("properties") and done.stderr == "", done.stderr
