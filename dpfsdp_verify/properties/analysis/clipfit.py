@@ -256,6 +256,16 @@ def at_own_clip_epsilon(make: Callable[[float], "reference.Trajectory"], got: Di
     return (own, eps) if tensors_close(got, own.parameters, rtol, atol) else (ref, reference.CLIP_EPSILON)
 
 
+def spec_trajectory_at_own_epsilon(spec: RunSpec, batches: Sequence, got: Dict[str, torch.Tensor], rtol: float,
+                                   atol: float, **extra) -> Tuple["reference.Trajectory", float]:
+    """``at_own_clip_epsilon`` of the reference DP-SGD trajectory of ``spec`` (its model, lr, C,
+    reduction and expected batch size) over ``batches``; ``extra``: ``dp_sgd_trajectory``'s other
+    keywords (``momentum``, ``empty_steps``)."""
+    return at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
+        reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
+        expected_batch_size=spec.expected_batch_size, clip_epsilon=e, **extra), got, rtol, atol)
+
+
 @dataclass(frozen=True)
 class CoefficientFit:
     """A clip-coefficient error that reproduces measured coefficients: ``kind`` is ``bound`` (clips
@@ -361,5 +371,5 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
 __all__ = ["clip_at_quantile", "pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable",
            "ROUNDING_MARGIN",
            "amplification", "rounding_floor", "epsilon_rounding", "norm_rounding", "RecoveredCoefficients",
-           "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "CoefficientFit",
-           "fit_clip_coefficients", "describe_clip_fit"]
+           "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "spec_trajectory_at_own_epsilon",
+           "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]

@@ -64,7 +64,7 @@ import torch
 
 from ... import reference
 from ...verdict import Verdict
-from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
+from ..analysis.clipfit import spec_trajectory_at_own_epsilon, with_picked_clip
 from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close,
                                 tolerance,
                       trainable_names)
@@ -145,10 +145,8 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
     steps = spec.steps
     batches = [reference_batch(spec, t).select(processed_indices(full, t, spec)) for t in range(steps)]
     # the reference at the target's own clip epsilon where it is one DP-SGD allows (clipfit.at_own_clip_epsilon)
-    ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
-        reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
-        expected_batch_size=spec.expected_batch_size, momentum=spec.momentum, clip_epsilon=e),
-        full[0].steps[-1].parameters, rtol, atol)
+    ref, eps = spec_trajectory_at_own_epsilon(spec, batches, full[0].steps[-1].parameters, rtol, atol,
+                                              momentum=spec.momentum)
     for r in range(ws):
         resumed = [s.parameters for s in save[r].steps + load[r].steps]
         for t in range(steps):

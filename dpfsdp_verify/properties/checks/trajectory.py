@@ -63,7 +63,7 @@ import torch
 
 from ... import reference
 from ...verdict import Verdict
-from ..analysis.clipfit import at_own_clip_epsilon, with_picked_clip
+from ..analysis.clipfit import spec_trajectory_at_own_epsilon, with_picked_clip
 from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,
                                 reference_model,
                       replica_problem, tensors_close, tolerance, trainable_names)
@@ -269,10 +269,8 @@ def judge_run(case: Case, spec, outputs) -> Verdict:
     n_steps = spec.nominal_steps
     batches = [reference_batch(spec, k).select(processed_indices(outputs, k, spec)) for k in range(n_steps)]
     # the reference at the target's own clip epsilon where it is one DP-SGD allows (clipfit.at_own_clip_epsilon)
-    ref, eps = at_own_clip_epsilon(lambda e: reference.dp_sgd_trajectory(
-        reference_model(spec), batches, lr=spec.lr, max_grad_norm=spec.max_grad_norm, reduction=spec.reduction,
-        expected_batch_size=spec.expected_batch_size, empty_steps=spec.poisson, clip_epsilon=e),
-        outputs[0].steps[-1].parameters, rtol, atol)
+    ref, eps = spec_trajectory_at_own_epsilon(spec, batches, outputs[0].steps[-1].parameters, rtol, atol,
+                                              empty_steps=spec.poisson)
     losses = [global_loss(outputs, k, spec) if len(batches[k]) else float("nan") for k in range(n_steps)]
     # an empty Poisson batch has no loss: None in the report (NaN is not JSON)
     evidence = {"losses": [x if x == x else None for x in losses],
