@@ -161,6 +161,13 @@ def _verdicts(path):
             {v["evidence"].get("device") for v in results if v["status"] in ("pass", "fail")})
 
 
+def _failed(which, result):
+    """What a failed gate printed, less its passing rows and progress (CI logs keep only a tail)."""
+    keep = [line for line in (result.stdout + result.stderr).splitlines()
+            if not line.rstrip().endswith("-> pass") and " pass " not in line]
+    return f"the {which} gate exited {result.returncode}:\n" + "\n".join(keep)
+
+
 def _gate_simulated_and_not(tmp_path, pool, monkeypatch, capsys, *args):
     plain = run_gate(pool, monkeypatch, capsys, "run", *args, "--json", str(tmp_path / "plain.json"))
     monkeypatch.setenv(backends.SIMULATED_ACCELERATOR_ENV, "cuda")  # inherited by the private pool's ranks
@@ -179,7 +186,8 @@ def test_simulated_gpu_box_gives_the_cpu_verdicts(tmp_path, pool, monkeypatch, c
     args = ("--properties", "clipped_step", "--world-sizes", "2", "--models", "mlp,conv", "--seed", "1",
             "--expect", "opacus-1.6.0")
     plain, simulated = _gate_simulated_and_not(tmp_path, pool, monkeypatch, capsys, *args)
-    assert plain.returncode == 0 and simulated.returncode == 0, simulated.stdout + simulated.stderr
+    assert plain.returncode == 0, _failed("plain", plain)
+    assert simulated.returncode == 0, _failed("simulated", simulated)
     want, want_devices = _verdicts(tmp_path / "plain.json")
     got, got_devices = _verdicts(tmp_path / "sim.json")
     assert got == want and len(want) >= 8
@@ -192,7 +200,8 @@ def test_simulated_gpu_box_gives_the_cpu_verdicts_on_the_issues_selection(tmp_pa
     """The selection the H100 box was probed with (issue 25): 67 pass + 8 expected there."""
     args = ("--properties", "norm_fidelity,clipped_step,noise_calibration", "--seed", "1", "--expect", "opacus-1.6.0")
     plain, simulated = _gate_simulated_and_not(tmp_path, pool, monkeypatch, capsys, *args)
-    assert plain.returncode == 0 and simulated.returncode == 0, simulated.stdout + simulated.stderr
+    assert plain.returncode == 0, _failed("plain", plain)
+    assert simulated.returncode == 0, _failed("simulated", simulated)
     want, _ = _verdicts(tmp_path / "plain.json")
     got, devices = _verdicts(tmp_path / "sim.json")
     assert got == want and len(want) >= 60 and devices == {"cpu"}
