@@ -49,8 +49,17 @@ SPEC_DEFAULTS: Dict[str, Any] = dict(model="mlp", model_seed=0, global_batch_siz
 #: the sampling seed of the first epoch
 SCALE_STEPS, SCALE_WORLD_SIZES, SCALE_SEED = 1000, (8, 64, 512, 1024), 0
 
+#: Added to the norm in the clip coefficient, as opacus does (``norm + 1e-6``).
+CLIP_EPSILON = 1e-6
+#: The largest epsilon in the denominator the checks accept (``docs/clipping.md``, "Clip forms the
+#: gate accepts"): ``min(1, C/(||g|| + e))`` for any ``0 <= e <= MAX_CLIP_EPSILON`` is DP-SGD's clip
+#: (a stricter one: never more than C per sample); it costs a clipped sample a relative ``e/||g||``
+#: of its coefficient, at most 1e-5 at the default models' norms (all >= 1). Ten times opacus'
+#: 1e-6; ``C/max(||g||, C)`` (e = 0) and opacus' form both lie inside.
+MAX_CLIP_EPSILON = 1e-5
+
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
            "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
            "DEFAULT_EXPLORE_S", "EXPLORE_ENV", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS",
            "SCALE_WORLD_SIZES",
-           "SCALE_SEED"]
+           "SCALE_SEED", "CLIP_EPSILON", "MAX_CLIP_EPSILON"]

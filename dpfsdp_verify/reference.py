@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .defaults import CLIP_EPSILON, MAX_CLIP_EPSILON  # the clip form's constants, defined torch-free
 from .models import IGNORE_INDEX, Batch
 
 #: Layers opacus 1.6.0 can sample (grad sampler or ghost norm sampler) that matter for FSDP
@@ -50,15 +51,6 @@ from .models import IGNORE_INDEX, Batch
 #: compute its per-sample gradients, but then it would check something opacus cannot do.
 SUPPORTED_LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
                     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-#: Added to the norm in the clip coefficient, as opacus does (``norm + 1e-6``).
-CLIP_EPSILON = 1e-6
-#: The largest epsilon in the denominator the checks accept (``docs/clipping.md``, "Clip forms the
-#: gate accepts"): ``min(1, C/(||g|| + e))`` for any ``0 <= e <= MAX_CLIP_EPSILON`` is DP-SGD's clip
-#: (a stricter one: never more than C per sample); it costs a clipped sample a relative ``e/||g||``
-#: of its coefficient, at most 1e-5 at the default models' norms (all >= 1). Ten times opacus'
-#: 1e-6; ``C/max(||g||, C)`` (e = 0) and opacus' form both lie inside.
-MAX_CLIP_EPSILON = 1e-5
 
 LOSSES = ("cross_entropy", "token_cross_entropy")
 REDUCTIONS = ("mean", "sum")

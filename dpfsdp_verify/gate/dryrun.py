@@ -4,10 +4,13 @@ The same ``RunPlan.from_args`` as a real run (so a usage error is the same exit 
 each property's own ``plan`` -- the cases it would run and the ``skip`` verdicts it would give,
 with their reasons -- summed up per property and world size (or mesh), the backend and the GPUs
 it needs, and an estimate of the wall time from the benchmarks. No rank is started and
-``--target opacus`` is not imported (checked importable, described from its files). Not free:
-the property registry is built on torch (imported), and a property's plan computes the float64
-reference norms its clip bounds are picked from (~2-4 s of CPU for the default gate on this
-repository's 2-core machine; the cases printed are exactly those a run would judge).
+``--target opacus`` is not imported (checked importable, described from its files). Nor is torch,
+for a gloo plan: the property registry imports it lazily (``dpfsdp_verify.lazy``), and what a plan
+derives from the float64 reference -- clip bounds picked between reference norms, the parameters'
+shapes behind a noise check's draw count -- is left to the run (``compare.planning_only``): the
+cases printed are those a run plans, only their C is not known yet (tests/gate/
+test_gate_platform.py compares the two plans). What still imports torch: ``--backend nccl`` (the
+GPU count is part of the plan) and a ``--target MODULE:ATTR`` adapter (loaded to read its features).
 
 The estimate: each property's seconds in the default gate on 2 idle cores (docs/benchmarks.md,
 "Time against cores", ``python benchmarks/cores.py``), shared out equally among the cases that
@@ -138,10 +141,10 @@ def dry_run(args, job_world_size: Optional[int] = None) -> int:
     """``run --dry-run``: the plan on stdout, exit 0 (a usage error raises ``UsageError``: exit 2)."""
     from .report import EXIT_OK
 
-    from ..properties.engine.runner import one_thread
+    from ..properties.analysis.compare import planning_only
 
     plan = RunPlan.from_args(args, job_world_size=job_world_size, load_target=False)
-    with one_thread():  # the reference norms on one thread, as a run computes them
+    with planning_only():  # the clip bounds picked from reference norms are left to the run
         described = describe(plan)
     print(format_plan(plan, described), file=sys.stdout, flush=True)
     return EXIT_OK

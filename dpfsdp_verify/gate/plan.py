@@ -75,11 +75,14 @@ class RunPlan:
         and described from its files, not imported (an adapter ``MODULE:ATTR`` is loaded)."""
         from ..properties import PROPERTIES, Options, modes_problem
 
+        # gloo's availability needs torch imported (``dist.is_gloo_available``): a dry run leaves it to
+        # the run (docs/cli.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
+        probe = load_target or args.backend != "gloo"
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
         if meshes and args.world_sizes is None:
             world_sizes = []  # --meshes alone: only the meshes run
         elif job_world_size is None:
-            world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend)
+            world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend, probe)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
         props = csv(args.properties) if args.properties else [p for p, prop in PROPERTIES.items() if not prop.opt_in]
@@ -95,7 +98,7 @@ class RunPlan:
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
-        wide, horizon, wide_unavailable = parse_reach(args, world_sizes, job_world_size)
+        wide, horizon, wide_unavailable = parse_reach(args, world_sizes, job_world_size, probe)
         resume_at = getattr(args, "resume_at", None)  # checkpoint/resume: the option of the property that takes it
         if resume_at is not None:
             for prop in PROPERTIES.values():
@@ -180,7 +183,8 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     return default, ""
 
 
-def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> Tuple[int, int, str]:
+def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int],
+                probe: bool = True) -> Tuple[int, int, str]:
     """``(wide world size, horizon steps, why the wide world size cannot run here or "")`` from
     ``--wide-world-size`` / ``--horizon`` (defaults: ``defaults.py``'s); ``UsageError``
     for values that cannot run. The default wide world size on a backend that cannot give its ranks
@@ -202,19 +206,21 @@ def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int]) -> 
         wide = 0
     elif wide is None:  # --meshes without --world-sizes: only the meshes run (docs/meshes.md)
         wide = WIDE_WORLD_SIZE if world_sizes else 0
-        unavailable = backend_shortfall(args.backend, wide) if wide and wide not in world_sizes else ""
+        unavailable = backend_shortfall(args.backend, wide, probe) if wide and wide not in world_sizes else ""
         if unavailable:
             return wide, HORIZON_STEPS if horizon is None else horizon, unavailable
     if wide and wide not in world_sizes:
-        parse_world_sizes(str(wide), args.backend)  # the backend must be able to run it
+        parse_world_sizes(str(wide), args.backend, probe)  # the backend must be able to run it
     return wide, HORIZON_STEPS if horizon is None else horizon, ""
 
 
-def backend_shortfall(backend: str, world_size: int) -> str:
+def backend_shortfall(backend: str, world_size: int, probe: bool = True) -> str:
     """Why ``backend`` cannot give ``world_size`` ranks here, as a skip verdict's message ("" when
     it can): for nccl, "needs 3 GPUs, 1 visible; run with --backend gloo for the 3-rank cases"."""
     from ..harness import BackendUnavailable, check_backend
 
+    if not probe:
+        return ""
     try:
         check_backend(backend, world_size)
     except (BackendUnavailable, ValueError) as e:
@@ -227,8 +233,9 @@ def backend_shortfall(backend: str, world_size: int) -> str:
     return ""
 
 
-def parse_world_sizes(text: str, backend: str) -> List[int]:
-    """``--world-sizes`` as sorted distinct ints the backend can run; ``UsageError`` otherwise."""
+def parse_world_sizes(text: str, backend: str, probe: bool = True) -> List[int]:
+    """``--world-sizes`` as sorted distinct ints the backend can run; ``UsageError`` otherwise.
+    ``probe=False``: the backend is not asked (a dry run of a gloo plan: asking imports torch)."""
     from ..harness import BackendUnavailable, check_backend
 
     try:
@@ -242,7 +249,8 @@ def parse_world_sizes(text: str, backend: str) -> List[int]:
                          f"(max {MAX_GLOO_WORLD_SIZE})",
                          "run the gate inside a torchrun job for larger worlds (--launcher torchrun, docs/torchrun.md)")
     try:
-        check_backend(backend, world_sizes[-1])
+        if probe:
+            check_backend(backend, world_sizes[-1])
     except (BackendUnavailable, ValueError) as e:
         raise UsageError(f"--backend {backend}: {e}", "use --backend gloo on CPU runners") from None
     return world_sizes
@@ -301,7 +309,7 @@ def launched_world_sizes(text: Optional[str], job_world_size: int) -> List[int]:
 def parse_axes(args) -> Dict:
     """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own),
     ``--precisions`` (``None``: fp32 only)."""
-    from ..models import MODEL_NAMES
+    from ..model_catalog import MODEL_NAMES
     from ..properties.analysis.compare import TOLERANCES
 
     from ..properties.engine.contract import precision_problem

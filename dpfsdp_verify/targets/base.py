@@ -142,9 +142,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-import torch
+from ..lazy import torch
 
-from .. import models
+from ..lazy import models
 from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
 from ..space import AXES
 

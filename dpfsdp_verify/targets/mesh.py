@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
+from ..lazy import torch
 
 #: mesh kind -> (dim names, what the kind means)
 MESH_KINDS: Dict[str, Tuple[Tuple[str, str], str]] = {

@@ -163,6 +163,18 @@ def test_draws_meet_the_power_target_per_shard_as_tested():
         assert max(1 - low, high - 1) <= nc.POWER_STD_ERROR
 
 
+def test_shard_sizes_are_torch_chunks_computed_without_torch():
+    """``shard_sizes`` (asked by a plan, which must not import torch) is ``torch.chunk``'s split:
+    short last chunks, fewer chunks than ranks where the rows run out, scalars one coordinate."""
+    for rows in range(0, 40):
+        for rest in ((), (3,), (2, 5)):
+            for ws in range(1, 10):
+                shape = (rows,) + rest
+                want = [c.numel() for c in torch.chunk(torch.empty(shape), ws, dim=0)]
+                assert noise_stats.shard_sizes(shape, ws) == want, (shape, ws)
+    assert noise_stats.shard_sizes((), 4) == [1]
+
+
 def test_shape_test_statistics():
     g = torch.Generator().manual_seed(0)
     n = 20_000

@@ -3,7 +3,7 @@ norms, so some samples are clipped and some not), each sample's clip coefficient
 noise-0 released gradient (``recover_clip_coefficients``), the coefficient error those fit
 (``fit_clip_coefficients``, in words ``describe_clip_fit``), and the clip epsilon a target uses
 (``fit_clip_epsilon``, ``at_own_clip_epsilon``: DP-SGD's ``min(1, C/(||g|| + e))`` may carry any
-``0 <= e <= reference.MAX_CLIP_EPSILON``).
+``0 <= e <= MAX_CLIP_EPSILON``).
 
 DP meaning: the clip coefficient is what bounds each sample's contribution by C; a coefficient
 error (a wrong bound, a floor, a missing cap) changes the sensitivity the noise is calibrated for.
@@ -16,11 +16,13 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
+from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...targets import RunSpec
-from .compare import reference_batch, reference_grads, reference_model, reference_norms, sample_columns, tensors_close
+from .compare import (norm_picked, reference_batch, reference_grads, reference_model, reference_norms, sample_columns,
+                      tensors_close)
 
 
 def pick_clip_bound(spec: RunSpec) -> Optional[float]:
@@ -29,7 +31,11 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     ``None`` if they tie or the batch has fewer than two samples."""
     if (spec.dataset_size if spec.poisson else spec.global_batch_size) < 2:
         return None
-    n = torch.sort(reference_norms(spec)).values
+    return norm_picked(spec, _middle_bound)
+
+
+def _middle_bound(norms: torch.Tensor) -> Optional[float]:
+    n = torch.sort(norms).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
     return None if hi - lo < 1e-6 * hi else (lo + hi) / 2
 
@@ -218,19 +224,19 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
 
 
 def fit_clip_epsilon(evaluate: Callable[[float], torch.Tensor], got: torch.Tensor) -> float:
-    """The clip epsilon ``e`` in ``[0, reference.MAX_CLIP_EPSILON]`` whose reference output
+    """The clip epsilon ``e`` in ``[0, MAX_CLIP_EPSILON]`` whose reference output
     ``evaluate(e)`` (a flat float64 tensor: coefficients, a gradient, a trajectory's parameters) is
     nearest to ``got``: DP-SGD's ``min(1, C/||g||)`` may carry any epsilon in that range
-    (``reference.MAX_CLIP_EPSILON``), so a check compares with the reference at the target's own.
+    (``MAX_CLIP_EPSILON``), so a check compares with the reference at the target's own.
     The output is smooth in ``e`` and the range is tiny: ``got`` projected on the line through
     ``evaluate(0)`` and ``evaluate(MAX_CLIP_EPSILON)``, clamped to the range. A looser clip (``e < 0``)
     or a far larger epsilon comes out at an end of the range, where the caller's comparison fails."""
-    top = reference.MAX_CLIP_EPSILON
+    top = MAX_CLIP_EPSILON
     low, high = evaluate(0.0), evaluate(top)
     step = high - low
     span = float(step @ step)
     if span == 0.0:  # no sample is near or above C: the epsilon changes nothing
-        return reference.CLIP_EPSILON
+        return CLIP_EPSILON
     t = float((got.to(torch.float64) - low) @ step) / span
     return min(max(t, 0.0), 1.0) * top
 
@@ -241,19 +247,19 @@ def at_own_clip_epsilon(make: Callable[[float], "reference.Trajectory"], got: Di
     opacus' epsilon, or -- where the parameters ``got`` after the last step differ from it -- at the
     accepted epsilon nearest to them (``fit_clip_epsilon``) if they match that one. A caller then
     compares with the trajectory returned; a target outside the accepted range still differs."""
-    ref = make(reference.CLIP_EPSILON)
+    ref = make(CLIP_EPSILON)
     if tensors_close(got, ref.parameters, rtol, atol):
-        return ref, reference.CLIP_EPSILON
+        return ref, CLIP_EPSILON
     names = sorted(n for n in ref.parameters if n in got and got[n].shape == ref.parameters[n].shape)
     if len(names) != len(ref.parameters):
-        return ref, reference.CLIP_EPSILON
+        return ref, CLIP_EPSILON
 
     def flat(params: Dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([params[n].reshape(-1).to(torch.float64) for n in names])
 
     eps = fit_clip_epsilon(lambda e: flat(make(e).parameters), flat(got))
     own = make(eps)
-    return (own, eps) if tensors_close(got, own.parameters, rtol, atol) else (ref, reference.CLIP_EPSILON)
+    return (own, eps) if tensors_close(got, own.parameters, rtol, atol) else (ref, CLIP_EPSILON)
 
 
 def spec_trajectory_at_own_epsilon(spec: RunSpec, batches: Sequence, got: Dict[str, torch.Tensor], rtol: float,
@@ -315,7 +321,7 @@ def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol
     coef, norms = coef.to(torch.float64), norms.to(torch.float64)
     if not len(coef) or not bool(torch.isfinite(coef).all()):
         return None
-    eps = reference.CLIP_EPSILON
+    eps = CLIP_EPSILON
     true = reference.clip_coefficients(norms, c)
     raw = c / (norms + eps)
     clipped = coef < 1 - tol
@@ -333,7 +339,7 @@ def fit_clip_coefficients(coef: torch.Tensor, norms: torch.Tensor, c: float, tol
         e = float((c / coef[clipped] - norms[clipped]).median())
         if abs(e) <= epsilon_rounding(coef, norms, c, coef_error):
             e = 0.0  # rounding of an exact min(1, C/||g_i||), not an epsilon of either sign
-        if 0.0 <= e <= reference.MAX_CLIP_EPSILON:
+        if 0.0 <= e <= MAX_CLIP_EPSILON:
             pass  # an accepted clip form: not the error sought
         elif e > -float(norms.min()):
             candidates.append(("epsilon", e, (c / (norms + e)).clamp(max=1.0)))
@@ -363,7 +369,7 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
                 f"min(1, C/||g_i||): every clipped sample keeps more than C (a privacy violation)")
     if fit.kind == "epsilon":
         return (f"min(1, C/(||g_i|| + {fit.value:.3g})): the norm's epsilon is {fit.value:.3g}, beyond the "
-                f"{reference.MAX_CLIP_EPSILON:g} the gate accepts (opacus: {reference.CLIP_EPSILON:g}): every clipped "
+                f"{MAX_CLIP_EPSILON:g} the gate accepts (opacus: {CLIP_EPSILON:g}): every clipped "
                 "sample is over-clipped (utility loss)")
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
-import torch
-
-from ... import models, reference
+from ...lazy import models, reference, torch
 from ...targets import RankOutput, RunSpec
 
 #: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
@@ -106,6 +106,48 @@ def sample_columns(grads: "reference.Grads", indices: Sequence[int]) -> torch.Te
 def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
     """``[global_batch_size]`` per-sample gradient norms at the initial parameters."""
     return reference.per_sample_norms(reference_grads(spec, step))
+
+
+T = TypeVar("T")
+
+#: set while a dry run plans (``planning_only``): clip bounds picked from the reference norms are
+#: not computed (``norm_picked``), so planning needs no torch
+_PLANNING: ContextVar[bool] = ContextVar("dpfsdp_verify_planning", default=False)
+#: the bound a dry run's plan carries where a run picks one from the reference norms, and the size
+#: of the one tensor it plans with where a run reads the model's parameters
+PLANNED_CLIP, PLANNED_NUMEL = 1.0, 1024
+
+
+@contextmanager
+def planning_only() -> Iterator[None]:
+    """While this holds, ``norm_picked`` answers ``PLANNED_CLIP`` without computing a norm: a
+    plan's cases are the same (a bound changes no case's shape), only their C is not yet known
+    (``run --dry-run``; a run computes every bound)."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def planned(compute: Callable[[], T], placeholder: T) -> T:
+    """``compute()``: a value a case derives from the float64 reference when it is planned (a clip
+    bound, the parameters' shapes); ``placeholder`` under ``planning_only``."""
+    return placeholder if _PLANNING.get() else compute()
+
+
+def norm_picked(spec: RunSpec, pick: Callable[[torch.Tensor], T], step: int = 0) -> Union[T, float]:
+    """``pick(reference_norms(spec, step))``: a clip bound (or other value) a case derives from the
+    reference norms when it is planned; ``PLANNED_CLIP`` under ``planning_only``."""
+    placeholder: Union[T, float] = PLANNED_CLIP
+    return planned(lambda: pick(reference_norms(spec, step)), placeholder)
+
+
+def trainable_shapes(spec: RunSpec) -> Dict[str, Tuple[int, ...]]:
+    """The shape of each trainable parameter of ``spec``'s model (frozen ones are not released);
+    under ``planning_only`` one placeholder tensor of ``PLANNED_NUMEL`` coordinates."""
+    return planned(lambda: {n: tuple(p.shape) for n, p in reference_model(spec).named_parameters() if p.requires_grad},
+                   {"planned": (PLANNED_NUMEL,)})
 
 
 def smallest_norm(norms: torch.Tensor) -> float:
@@ -237,6 +279,7 @@ def fmt(x: float) -> str:
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``)
 __all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
+           "norm_picked", "planned", "planning_only", "trainable_shapes", "PLANNED_CLIP", "PLANNED_NUMEL",
            "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios",
            "data_outputs",
            "shard_divisor", "replica_problem", "processed_indices", "global_loss", "max_rel_diff", "tensors_close",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple, cast
 
-import torch
+from ...lazy import torch
 
 from ...targets import RunSpec
 from .noise_stats import shard_sizes, shards

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, cast
 
-import torch
+from ...lazy import torch
 
 from .stats import (chi2_cdf, chi2_sf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis,
                     detectable_std_ratios, kurtosis_z, normal_two_sided_p)
@@ -170,11 +170,17 @@ def shards(x: torch.Tensor, ws: int):
     return torch.chunk(x, ws, dim=1) if x.dim() > 1 else [x]
 
 
-def shard_sizes(shape: torch.Size, ws: int) -> List[int]:
-    """The coordinates of each of FSDP's ``ws`` dim-0 shards of a tensor of ``shape``."""
+def shard_sizes(shape: Sequence[int], ws: int) -> List[int]:
+    """The coordinates of each of FSDP's ``ws`` dim-0 shards of a tensor of ``shape``:
+    ``torch.chunk``'s split (chunks of ``ceil(rows / ws)`` rows, the last shorter, fewer chunks
+    than ``ws`` where the rows run out), computed without torch (a plan asks it)."""
     if not len(shape):
         return [1]
-    return [c.numel() for c in torch.chunk(torch.empty(shape), ws, dim=0)]
+    rows, rest = shape[0], math.prod(shape[1:])
+    if rows == 0:
+        return [0] * ws
+    size = -(-rows // ws)
+    return [min(size, rows - i * size) * rest for i in range(-(-rows // size))]
 
 
 def step_scales(noise, names, s: float) -> List[Tuple[int, int, float, float]]:

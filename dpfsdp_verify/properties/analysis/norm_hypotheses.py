@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import List, Tuple, cast
 
-import torch
+from ...lazy import torch
 
-from ... import models, reference
+from ...lazy import models, reference
 from ...targets import RunSpec
 from .compare import reference_batch, reference_grads, reference_model, reference_norms
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-import torch
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...targets import RunSpec
 from .clipfit import IDENTIFIABLE, amplification, identifiable
 from .compare import reference_grads, reference_model, rows, sample_columns

@@ -52,9 +52,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...targets import RankOutput, RunSpec
 from .compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
 from .stats import chi2_two_sided_p, normal_two_sided_p
@@ -63,7 +63,7 @@ from .stats import chi2_two_sided_p, normal_two_sided_p
 GRIDS = {"bfloat16": 8, "float16": 11}
 #: a grid is named when more than this fraction of the noise values lie on it (continuous noise: < 5 %)
 GRID_FRACTION = 0.5
-#: the clip epsilon latitude the gate accepts (``reference.MAX_CLIP_EPSILON``, relative to a norm of >=
+#: the clip epsilon latitude the gate accepts (``MAX_CLIP_EPSILON``, relative to a norm of >=
 #: ~1): the raw residual carries up to this relative part of the clean sum
 CLIP_LATITUDE = 2e-5
 #: repeats: values compared per shard pair, and "equal" as a fraction of sigma C

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Tuple
 
-import torch
+from ...lazy import torch
 
 
 def _f64(x: float) -> torch.Tensor:

@@ -60,9 +60,10 @@ import copy
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
+from ...defaults import CLIP_EPSILON
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...verdict import Verdict
 from ..analysis.clipfit import spec_trajectory_at_own_epsilon, with_picked_clip
 from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, tensors_close,
@@ -174,7 +175,7 @@ def _trajectory(case: Case, save, load, full, k: int) -> Tuple[Optional[tuple], 
 
 
 def _restarted_momentum(spec, start: Dict[str, torch.Tensor], batches, resumed, rtol, atol,
-                        clip_epsilon: float = reference.CLIP_EPSILON) -> bool:
+                        clip_epsilon: float = CLIP_EPSILON) -> bool:
     """Whether the resumed steps are the reference restarted from ``start`` with fresh momentum buffers."""
     if not spec.momentum:
         return False

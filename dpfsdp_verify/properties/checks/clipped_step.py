@@ -2,7 +2,7 @@
 
 DP meaning: the released gradient must be exactly ``(sum_i min(1, C/||g_i||) g_i) / D`` before
 noise (an epsilon ``e`` in the coefficient's denominator, ``C/(||g_i|| + e)``, is accepted for any
-``0 <= e <= reference.MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the
+``0 <= e <= MAX_CLIP_EPSILON``: opacus' 1e-6 and ``C/max(||g_i||, C)`` alike); any other scale changes the
 signal-to-noise ratio the privacy accounting assumed (a smaller
 signal is relatively more noise: utility lost; a sample scaled up beyond its clip is a bigger
 influence than analysed).
@@ -43,17 +43,18 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import torch
+from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
 from ...verdict import Verdict
 from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon,
                                 pick_clip_bound,
                       recover_clip_coefficients)
-from ..analysis.compare import (fmt, max_rel_diff, processed_indices, reference_batch, reference_model, reference_norms,
-                      smallest_norm, tensors_close, tolerance)
+from ..analysis.compare import (fmt, max_rel_diff, norm_picked, processed_indices, reference_batch, reference_model,
+                                smallest_norm, tensors_close, tolerance)
 from ..engine.contract import Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.norm_hypotheses import sequence_weights
@@ -128,16 +129,15 @@ def cases(point: Point):
     # smallest norm (fixed sampling, the first model/reduction/dtype: the coefficient's shape does
     # not depend on them) shows what the coefficient does far above C
     if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
-        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(reference_norms(ready))))
+        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip)))
     elif point.sampling == "fixed" and spec.precision != "fp32" and _first_bf16(point):
         # bf16 compute runs in float32 only, so the first_of_axes point above is never a bf16 one: its
         # first point runs the small C too, and a C no sample reaches (BF16_LOOSE_CLIP x the largest
         # norm): at the mid-norm C the unclipped samples' norms are within a few % of C on the
         # PRECISION_DIMS models, where a missing min(1, .) moves the step less than bf16's derived
         # bound (0.7x it on the mlp); with every sample below C/2 it scales each by >= 2
-        norms = reference_norms(ready)
-        specs.append(ready.with_(max_grad_norm=WIDE_CLIP * smallest_norm(norms)))
-        specs.append(ready.with_(max_grad_norm=BF16_LOOSE_CLIP * float(norms.max())))
+        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip)))
+        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _loose_clip)))
     yield point.case(ready, specs, doing="one DP step with noise 0"
                      + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else "")
                      + (f" and C = {BF16_LOOSE_CLIP:g} x max norm" if len(specs) > 2 else ""))
@@ -156,6 +156,14 @@ def cases(point: Point):
                              labels={"model_kwargs": dict(SHORT_LAYER_DIMS)}, isolate=True)
 
 
+def _wide_clip(norms: torch.Tensor) -> float:
+    return WIDE_CLIP * smallest_norm(norms)
+
+
+def _loose_clip(norms: torch.Tensor) -> float:
+    return BF16_LOOSE_CLIP * float(norms.max())
+
+
 def _first_bf16(point: Point) -> bool:
     """Whether ``point`` is its world size's first mixed-precision point along the model and
     reduction axes (its dtype is float32, the one bf16 compute runs in)."""
@@ -172,7 +180,7 @@ def _runs_short_layer(point: Point, spec: RunSpec) -> bool:
             and spec.precision == "fp32" and not spec.physical_batch_size and not spec.mesh)
 
 
-def reference_step(spec: RunSpec, indices: List[int], clip_epsilon: float = reference.CLIP_EPSILON):
+def reference_step(spec: RunSpec, indices: List[int], clip_epsilon: float = CLIP_EPSILON):
     """``(DPStep, expected parameters)`` for the samples ``indices`` of step 0, clipped with
     ``min(1, C/(||g_i|| + clip_epsilon))``. An empty (Poisson) batch releases a zero gradient at
     noise 0 and leaves the parameters as they are."""
@@ -275,13 +283,13 @@ def judge_horizon(case: Case, outputs) -> Verdict:
               "a "
             "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
     own_note = (f" (at the target's own clip epsilon, {min(epsilons):.3g}..{max(epsilons):.3g}, inside the accepted "
-                f"0..{reference.MAX_CLIP_EPSILON:g})" if epsilons else "")
+                f"0..{MAX_CLIP_EPSILON:g})" if epsilons else "")
     return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "
                         f"on its realised batch{own_note} in a {where}", evidence)
 
 
 def _dataset_step(spec: RunSpec, grads, norms: torch.Tensor, indices: List[int],
-                  clip_epsilon: float = reference.CLIP_EPSILON) -> reference.DPStep:
+                  clip_epsilon: float = CLIP_EPSILON) -> reference.DPStep:
     """The reference DP-SGD step (noise 0) on the samples ``indices`` of the dataset whose per-sample
     gradients ``grads`` and norms ``norms`` are given (``reference.dp_sgd_gradient``'s arithmetic),
     clipped with ``min(1, C/(||g_i|| + clip_epsilon))``."""
@@ -313,7 +321,7 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
     first = outputs[0].steps[0].gradient
     if indices and not tensors_close(first, step.gradient, rtol, atol):
         # DP-SGD's clip is min(1, C/||g_i||): any epsilon in [0, MAX_CLIP_EPSILON] in the denominator
-        # is accepted (reference.MAX_CLIP_EPSILON); judged against the reference at the target's own
+        # is accepted (MAX_CLIP_EPSILON); judged against the reference at the target's own
         own = own_epsilon_step(spec, indices, first, step)
         if own is not None and tensors_close(first, own[0].gradient, rtol, atol):
             (step, params), evidence[tag + "clip_epsilon"] = own[:2], own[2]
@@ -333,7 +341,7 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
 
 def own_epsilon_step(spec: RunSpec, indices: List[int], gradient, step):
     """``(DPStep, parameters, epsilon)``: the reference step at the clip epsilon in
-    ``[0, reference.MAX_CLIP_EPSILON]`` nearest to the released ``gradient``
+    ``[0, MAX_CLIP_EPSILON]`` nearest to the released ``gradient``
     (``clipfit.fit_clip_epsilon``); ``None`` if the gradient lacks a parameter."""
     names = sorted(step.gradient)
     if any(n not in gradient or gradient[n].shape != step.gradient[n].shape for n in names):

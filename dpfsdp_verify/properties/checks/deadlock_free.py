@@ -59,10 +59,10 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ...verdict import Verdict
-from ..analysis.compare import reference_norms
+from ..analysis.compare import norm_picked
 from ..engine.contract import Case, Outputs, Point, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
@@ -105,10 +105,15 @@ def upper_clip(spec):
     C; their noisy releases feed the release judge (``engine/releases.py``), where a noise scale
     that depends on the batch's norms shows only on batches whose samples are all below C (at C = 1
     every sample of the gate's models is clipped)."""
-    norms = sorted(float(x) for x in reference_norms(spec))
-    if len(norms) < 2 or norms[-1] - norms[-2] < 1e-6 * norms[-1]:
-        return spec
-    return spec.with_(max_grad_norm=(norms[-1] + norms[-2]) / 2)
+    c = norm_picked(spec, _between_largest)
+    return spec if c is None else spec.with_(max_grad_norm=c)
+
+
+def _between_largest(norms) -> Optional[float]:
+    top = sorted(float(x) for x in norms)
+    if len(top) < 2 or top[-1] - top[-2] < 1e-6 * top[-1]:
+        return None
+    return (top[-1] + top[-2]) / 2
 
 
 def poisson_spec(point: Point, seeding: str):

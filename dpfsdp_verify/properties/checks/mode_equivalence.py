@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional, Tuple
 
-import torch
+from ...lazy import torch
 
 from ...modes import Mode
 from ...targets import RunSpec

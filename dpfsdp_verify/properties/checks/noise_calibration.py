@@ -87,9 +87,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
-import torch
+from ...lazy import torch
 
 from ...space import adjacent
 from ...targets import RunSpec
@@ -97,7 +97,7 @@ from ...verdict import Verdict
 from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA
 from ..analysis.accountant import accountant_problem
 from ..analysis.accountant import describe as describe_accountant
-from ..analysis.compare import reference_model, replica_problem, shard_divisor, trainable_names
+from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
@@ -149,7 +149,7 @@ def draws_for(numel: int, alpha: float) -> int:
     return hi
 
 
-def _tests_per_verdict(shapes: Dict[str, torch.Size], ws: int) -> int:
+def _tests_per_verdict(shapes: Dict[str, Tuple[int, ...]], ws: int) -> int:
     """scale per shard + shard-sum per shard of >= 2 coordinates + scale pooled over the 1-D tensors +
     mean per tensor + shape + step, run and all-pairs independence (+ shards) + equal-shape tensor
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
@@ -175,13 +175,14 @@ def cases(point: Point):
     if spec.poisson:  # enough epochs of int(1/q) steps for STEPS_PER_RUN draws per run
         spec = spec.with_(epochs=-(-STEPS_PER_RUN // spec.steps_per_epoch))
     # frozen parameters are not released (the runner checks they get no noise at all)
-    shapes = {n: p.shape for n, p in reference_model(spec).named_parameters() if p.requires_grad}
+    shapes = trainable_shapes(spec)
     # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
     verdicts = point.matrix_size + (1 if point.options.horizon else 0)
     shards = shard_divisor(spec, point.world_size)
     alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
     big = [k for s in shapes.values() for k in shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
-    draws = point.param("draws") or (draws_for(min(big), alpha) if big else 4 * STEPS_PER_RUN)
+    draws = point.param("draws") or (planned(lambda: draws_for(min(big), alpha), 4 * STEPS_PER_RUN) if big
+                                     else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
     # run i's step k+1, which the exact repeat check sees across runs

@@ -29,7 +29,7 @@ What a target *reports* is not trusted to be what it *clips with*: with noise 0 
 gradient is ``sum_i c_i g_i / D`` over the processed samples, so a least-squares fit against the
 reference per-sample gradients (far more parameters than samples) recovers each sample's clip
 coefficient ``c_i``; they are compared with ``min(1, C/(||g_i|| + e))``, e the target's own epsilon
-if it lies in ``[0, reference.MAX_CLIP_EPSILON]`` (``clipfit.fit_clip_epsilon``: ``C/max(||g||, C)``
+if it lies in ``[0, MAX_CLIP_EPSILON]`` (``clipfit.fit_clip_epsilon``: ``C/max(||g||, C)``
 and opacus' ``+ 1e-6`` are both DP-SGD's clip), and explained by the same bug shapes ("reports X, clips with Y" when the
 two differ). C lies between the middle
 reference norms, so some samples are clipped and some not: one factor on every coefficient is the
@@ -44,9 +44,10 @@ import math
 from dataclasses import replace
 from typing import Any, Dict
 
-import torch
+from ...defaults import CLIP_EPSILON
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...targets.mesh import replica_positions, split_norm_sq, world_summed_norms
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
@@ -242,7 +243,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     indices = [i for i, ok in zip(indices, seen.tolist()) if ok]
     coef = coef[seen]
     # DP-SGD's min(1, C/||g_i||) with the target's own epsilon in the denominator, if it is one the
-    # gate accepts (reference.MAX_CLIP_EPSILON); else the nearest accepted one, and the comparison fails
+    # gate accepts (MAX_CLIP_EPSILON); else the nearest accepted one, and the comparison fails
     # fitted up to the gradient's overall scale (clipped_step's business, below), so that a scale is
     # never read as an epsilon
     def coefficients(e):
@@ -250,7 +251,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
 
     # opacus' epsilon first, then the nearest accepted one as it stands and up to a scale: the one
     # whose coefficients are nearest (a fit over few, ill-conditioned coefficients can stray)
-    candidates = (reference.CLIP_EPSILON, fit_clip_epsilon(coefficients, coef),
+    candidates = (CLIP_EPSILON, fit_clip_epsilon(coefficients, coef),
                   fit_clip_epsilon(lambda e: _scaled_to(coef, coefficients(e)), coef))
     eps = min(candidates, key=lambda e: float((coef - coefficients(e)).abs().max()))
     expected = coefficients(eps)
@@ -344,7 +345,7 @@ def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Ten
     below C (C is between the middle norms), so unclipped unless inflated."""
     coef = coef / (float(coef.max()) / float(expected.max()))
     changed = (coef - expected).abs() > tol
-    effective = c / coef.clamp_min(1e-300) - reference.CLIP_EPSILON
+    effective = c / coef.clamp_min(1e-300) - CLIP_EPSILON
     shown = changed & (coef < 1 - tol)
     low = float((effective / true_norms)[shown].min()) if bool(shown.any()) else None
     high = float((effective / true_norms)[shown].max()) if bool(shown.any()) else None

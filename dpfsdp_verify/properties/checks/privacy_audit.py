@@ -48,9 +48,9 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterator, List, Union
 
-import torch
+from ...lazy import torch
 
-from ... import models, reference
+from ...lazy import models, reference
 from ...targets import RunSpec, accounting
 from ...verdict import Verdict
 from ..analysis.audit_bound import CONFIDENCE, audit, guess_choices

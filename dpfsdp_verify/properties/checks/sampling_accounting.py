@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Dict, List, Optional, cast
 
-import torch
+from ...lazy import torch
 
 from ...targets import RunSpec
 from ...verdict import Verdict

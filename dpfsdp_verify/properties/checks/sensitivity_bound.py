@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Tuple
 
-import torch
+from ...lazy import torch
 
-from ... import models, reference
+from ...lazy import reference
+from ...model_catalog import EXTREME_SCALES
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import describe_clip_fit, fit_clip_coefficients
-from ..analysis.compare import reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
+from ..analysis.compare import norm_picked, reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
 from ..engine.contract import Case, Outputs, Point, Property
 
 
@@ -61,7 +62,7 @@ NAME_TOL = 1e-6
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=3 * point.world_size)
-    spec = spec.with_(max_grad_norm=CLIP_FRACTION * smallest_norm(reference_norms(spec)))
+    spec = spec.with_(max_grad_norm=norm_picked(spec, _clip_below_all))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
     # beside the property's own models only (a --models selection runs just those)
@@ -85,12 +86,20 @@ def extreme_spec(base: RunSpec, ws: int) -> RunSpec:
     """The extreme case (``EXTREME_STEPS``) at ``base``'s world size and reduction: the ``extreme``
     model in float32 (where a squared norm of 1e40 overflows), 3 steps at lr 0 (every step at the
     initial parameters, so each is read back against the reference), noise 0."""
-    block = len(models.EXTREME_SCALES)
+    block = len(EXTREME_SCALES)
     batches = tuple(tuple(tuple(block * r + k for k in step) for r in range(ws)) for step in EXTREME_STEPS)
     spec = base.with_(model="extreme", model_kwargs=(), dtype="float32", global_batch_size=block * ws,
                       steps=len(EXTREME_STEPS), lr=0.0, noise_multiplier=0.0, rank_batches=batches)
-    near = float(reference_norms(spec, len(EXTREME_STEPS) - 1)[0])
-    return spec.with_(max_grad_norm=near / EXTREME_NEAR_C)
+    return spec.with_(max_grad_norm=norm_picked(spec, _near_first, step=len(EXTREME_STEPS) - 1))
+
+
+def _clip_below_all(norms: torch.Tensor) -> float:
+    return CLIP_FRACTION * smallest_norm(norms)
+
+
+def _near_first(norms: torch.Tensor) -> float:
+    """C with the step's first sample at ``EXTREME_NEAR_C`` x C."""
+    return float(norms[0]) / EXTREME_NEAR_C
 
 
 def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:

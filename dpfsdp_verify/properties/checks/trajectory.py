@@ -59,9 +59,9 @@ import copy
 import math
 from typing import Dict, Optional, Tuple
 
-import torch
+from ...lazy import torch
 
-from ... import reference
+from ...lazy import reference
 from ...verdict import Verdict
 from ..analysis.clipfit import spec_trajectory_at_own_epsilon, with_picked_clip
 from ..analysis.compare import (close, fmt, global_loss, max_rel_diff, processed_indices, reference_batch,

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-import torch
+from ...lazy import torch
 
-from ... import models
+from ...lazy import models
 from ...harness.rank_groups import grouped
 from ...targets import RankOutput, RunSpec
 from ..analysis.compare import frozen_parameters, reference_batch

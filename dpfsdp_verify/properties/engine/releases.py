@@ -34,7 +34,7 @@ import traceback
 from dataclasses import asdict, replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
-import torch
+from ...lazy import torch
 
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
