@@ -13,9 +13,12 @@ they must read if this job kills the run, and again as the job goes on:
   thread rereads the trail while the job runs) -- as ``error`` / ``rank_crash``: "the torchrun
   job ended while this configuration ran ...". Only rank 0's trail is at hand (the others' die
   with their ranks), so a step divergence is not claimed here: it is not proven;
-* every other configuration of the running property as ``skip`` ("no verdict: ..."; its
-  outputs, if any, died with rank 0 before they were judged), every configuration of the
-  properties after it as ``skip`` ("not run: ...");
+* the running property's configurations already judged with their verdicts: the runner judges
+  each as soon as the job that settles its runs has ended (``runner.telling``, in force on rank 0
+  of a torchrun job), so a crash loses none that was in;
+* its other configurations as ``skip``: "no verdict: ..." for one that ran earlier in the dying job
+  (a job's outputs reach rank 0 only at its end), "not run: ..." for the rest; every configuration
+  of the properties after it as ``skip`` ("not run: ...");
 * exit code 1 (or what the verdicts give, if higher).
 
 When the run ends normally the gate's own reports replace these (``report.finish``). What it
@@ -46,9 +49,21 @@ def _key(spec) -> str:
     return repr(tuple((f.name, getattr(spec, f.name)) for f in fields(spec) if f.name != "checkpoint_dir"))
 
 
+def _asks(case: Case) -> set:
+    """The runs (``_key``) ``case`` asks of the ranks."""
+    return {_key(m.apply(s)) for m in case.modes for s in case.specs}
+
+
+def _config_key(config: dict) -> str:
+    """A configuration as a key: the journal's own plan of a property and the runner's give equal
+    configurations, not the same ``Case`` objects."""
+    return repr(sorted(config.items(), key=lambda kv: kv[0]))
+
+
 class Journal:
     """See the module docstring. ``started`` and ``__call__`` are ``run.Progress``' hooks (a
-    property begins; a verdict is in); ``on_job`` is ``TorchrunPool``'s."""
+    property begins; a verdict is in); ``judged`` is the runner's (``runner.telling``: a case of the
+    running property is judged); ``on_job`` is ``TorchrunPool``'s."""
 
     def __init__(self, plan, target: Dict):
         self.plan, self.target = plan, target
@@ -56,6 +71,8 @@ class Journal:
         self.enabled = bool((reports.json and reports.json != "-") or reports.junit or reports.markdown)
         self.done: List[Verdict] = []
         self.current: Optional[str] = None
+        #: the running property's configurations judged so far, by ``_config_key``
+        self._judged: Dict[str, List[Verdict]] = {}
         self._items: Dict[str, list] = {}
         self._job: Optional[int] = None
         self._specs: list = []
@@ -69,11 +86,19 @@ class Journal:
     def started(self, property_id: str) -> None:
         with self._lock:
             self.current = property_id
+            self._judged = {}
             self.write()
 
     def __call__(self, verdict: Verdict) -> None:
         with self._lock:
             self.done.append(verdict)
+
+    def judged(self, case: Case, verdict: Verdict) -> None:
+        """A case of the running property has its verdict (written with the next report: before the
+        next job, or when the next property begins)."""
+        with self._lock:
+            if case.property == self.current:
+                self._judged.setdefault(_config_key(verdict.config), []).append(verdict)
 
     def on_job(self, job: Optional[int], args, trail_dir: Optional[str]) -> None:
         self._stop.set()
@@ -135,7 +160,13 @@ class Journal:
             return out
         order = list(self.plan.properties)
         at = order.index(self.current) if self.current in order else len(order)
-        cases = [c for c in self.items(self.current) if isinstance(c, Case)]
+        # the configurations judged so far keep their verdicts; only the others can be the dying one
+        judged = {k: list(v) for k, v in self._judged.items()}
+        told: Dict[int, Verdict] = {}
+        for item in self.items(self.current):
+            if isinstance(item, Case) and judged.get(_config_key(item.config())):
+                told[id(item)] = judged[_config_key(item.config())].pop(0)
+        cases = [c for c in self.items(self.current) if isinstance(c, Case) and id(c) not in told]
         dying = self._dying(cases)
         where = (f"{dying[0].property} [{config_label(dying[0].config())}]" if dying
                  else f"{self.current} [{config_label(Property._whole_run_config(self.plan.options))}]")
@@ -147,16 +178,25 @@ class Journal:
             out.append(Verdict(self.current, "error", Property._whole_run_config(self.plan.options),
                                diagnosis="rank_crash", message=self._crash_text(when),
                                evidence={"torchrun_job_ended": True}))
+        earlier = self._ran_earlier_in_job()
         for item in self.items(self.current):
             if not isinstance(item, Case):
                 out.append(item)
+            elif id(item) in told:
+                out.append(told[id(item)])
             elif any(item is d for d in dying):
                 out.append(item.verdict("error", "rank_crash", self._crash_text(
                     f"while this configuration ran (job {self._job}, run {self._run_index + 1} of {len(self._specs)})"),
                     {"torchrun_job_ended": True, "torchrun_job": self._job}))
+            elif _asks(item) & earlier:
+                out.append(item.verdict("skip", None, f"no verdict: it ran earlier in job {self._job}, in which "
+                                        f"{ended}; a job's outputs reach rank 0 only when the job ends, so its "
+                                        "outputs were lost with it. For its verdict run it on its own (--properties, "
+                                        "--models, --loss-reductions, --dtypes narrow the matrix)"))
             else:
-                out.append(item.verdict("skip", None, f"no verdict: {ended} before {self.current}'s configurations "
-                                        "were judged; its outputs, if it ran, were lost with rank 0"))
+                out.append(item.verdict("skip", None, f"not run: {ended} before this configuration ran. For its "
+                                        "verdict run it on its own, or with the spawning gate (without --launcher "
+                                        "torchrun), which starts a fresh group after a crash"))
         for pid in order[at + 1:]:
             for item in self.items(pid):
                 out.append(item if not isinstance(item, Case) else
@@ -165,6 +205,12 @@ class Journal:
                                         "group after a crash"))
         return out
 
+    def _ran_earlier_in_job(self) -> set:
+        """The runs (``_key``) of the job rank 0's trail shows ended before the one it is in."""
+        if self._job is None or not self._specs:
+            return set()
+        return {_key(s) for s in self._specs[:min(self._run_index, len(self._specs) - 1)]}
+
     def _dying(self, cases: List[Case]) -> List[Case]:
         """The configuration(s) whose run rank 0 is in: those asking for the job's spec at the run
         index its trail shows (several cases asking the same run share it), else the job's first."""
@@ -172,12 +218,8 @@ class Journal:
             return []
         index = min(self._run_index, len(self._specs) - 1)
         keys = [_key(s) for s in self._specs]
-
-        def asks(case: Case) -> set:
-            return {_key(m.apply(s)) for m in case.modes for s in case.specs}
-
-        in_job = [c for c in cases if asks(c) & set(keys)]
-        running = [c for c in in_job if keys[index] in asks(c)]
+        in_job = [c for c in cases if _asks(c) & set(keys)]
+        running = [c for c in in_job if keys[index] in _asks(c)]
         if running or in_job:
             return running or in_job[:1]
         # a job of no planned configuration (a fuzzed example): the property's own

@@ -73,18 +73,22 @@ def cmd_run_torchrun(args) -> int:
 
 def _run_gate(args, pool: TorchrunPool) -> int:
     """Rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target."""
+    from ..properties.engine.runner import telling
     from ..targets import load_target
     from .journal import Journal
     from .run import execute
 
     plan = RunPlan.from_args(args, job_world_size=pool.world_size)
     # the reports on disk as they must read should a rank process die (gloo's abort ends it
-    # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job
+    # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job, with
+    # every case judged so far
     journal = Journal(plan, target={"name": plan.options.target})
     pool.on_job = journal.on_job
     pool.prepare(load_target, plan.options.target)
     try:
-        return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
+        # each case judged as soon as its job has ended, into the journal: a later job's crash loses none
+        with telling(journal.judged):
+            return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
     finally:
         pool.on_job = None
         journal.close()

@@ -13,6 +13,7 @@ ranks' progress trails show different step counts); a deadline that passed unpro
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 import tempfile
@@ -97,11 +98,42 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+#: ``listener(case, verdict)`` in force (``telling``): judge each case as soon as its runs are in
+_TOLD: "contextvars.ContextVar[Optional[Callable[[Case, Verdict], None]]]" = contextvars.ContextVar(
+    "dpfsdp_told_verdicts", default=None)
+
+
+@contextlib.contextmanager
+def telling(listener: Optional[Callable[[Case, Verdict], None]]):
+    """Within it, ``judge_cases`` judges each case as soon as the job that settles its last run
+    has ended (not when every case of the property has run) and hands ``listener`` the case and
+    its verdict -- what a torchrun job's rank 0 keeps on disk should a later job kill it
+    (``gate/journal.py``). The verdicts are the same; only when they are judged differs (and so
+    the order in which the release ledger, ``releases.py``, takes the cases' runs). Outside it the
+    cases are judged at the end, in order."""
+    token = _TOLD.set(listener)
+    try:
+        yield
+    finally:
+        _TOLD.reset(token)
+
+
 def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], timeout: float) -> List[Verdict]:
-    """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict."""
-    outcomes = run_cases(cases, pool, timeout)
-    return [outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
-            for case, outcome in zip(cases, outcomes)]
+    """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict; within
+    ``telling``, each as soon as its runs are in, told to the listener."""
+    listener = _TOLD.get()
+    if listener is None:
+        outcomes = run_cases(cases, pool, timeout)
+        return [outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
+                for case, outcome in zip(cases, outcomes)]
+    judged: Dict[int, Verdict] = {}
+
+    def ready(i: int, outcome) -> None:
+        judged[i] = outcome if isinstance(outcome, Verdict) else judge_case(prop, cases[i], outcome)
+        listener(cases[i], judged[i])
+
+    run_cases(cases, pool, timeout, on_ready=ready)
+    return [judged[i] for i in range(len(cases))]
 
 
 def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
@@ -230,9 +262,12 @@ class _NotRun:
     proven: bool
 
 
-def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float
+def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
+              on_ready: Optional[Callable[[int, Any], None]] = None
               ) -> List[Union[List[List[List[RankOutput]]], Verdict]]:
-    """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict.
+    """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict; ``on_ready(i,
+    that)`` is called for case ``i`` as soon as the job that settles its last run has ended (a
+    job's runs are settled when it returns, its retries and splits included), once per case.
 
     Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
     for ``Case.isolate``; ``Case.fresh_groups`` cases in groups of ranks started for them, ``_run_fresh``).
@@ -255,28 +290,41 @@ def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float
         jobs.setdefault((r.world_size, r.mode.env, r.backend, r.target_ref, r.isolate_key), []).append(r)
     done: Dict[_Run, Union[list, str, _NotRun, _Failed]] = {}  # outputs, a skip's reason, or why not
     seconds: Dict[_Run, float] = {}
+    case_of: Dict[_Run, Case] = {}
+    for case, runs in zip(cases, runs_of):
+        for r in runs:
+            case_of.setdefault(r, case)
+    out: Dict[int, Any] = {}
+
+    def settle() -> None:  # every case whose runs are all in, in case order
+        for i, (case, runs) in enumerate(zip(cases, runs_of)):
+            if i not in out and all(r in done for r in runs):
+                out[i] = _outcome(case, runs, done, seconds, case_of)
+                if on_ready is not None:
+                    on_ready(i, out[i])
+
     for runs in jobs.values():
         if runs[0].fresh_groups:
             _run_fresh(runs[0], pool, timeout, done, seconds)
         else:
             _run_job(runs, pool, timeout, done, seconds, allow_split=True)
-    case_of: Dict[_Run, Case] = {}
-    for case, runs in zip(cases, runs_of):
-        for r in runs:
-            case_of.setdefault(r, case)
-    out: List = []
-    for case, runs in zip(cases, runs_of):
-        case.seconds += sum(seconds.get(r, 0.0) for r in runs)
-        failed = next(((i, done[r]) for i, r in enumerate(runs) if not isinstance(done[r], list)), None)
-        if failed is None:
-            out.append([done[r] for r in runs])
-        elif isinstance(failed[1], str):
-            out.append(case.verdict("skip", None, failed[1]))
-        elif isinstance(failed[1], _NotRun):
-            out.append(not_run_verdict(case, case_of[failed[1].hung], failed[1].proven))
-        else:
-            out.append(failure_verdict(case, cast(_Failed, failed[1]), failed[0]))  # not a list, str or _NotRun
-    return out
+        if on_ready is not None:
+            settle()
+    settle()
+    return [out[i] for i in range(len(cases))]
+
+
+def _outcome(case: Case, runs: List[_Run], done: dict, seconds: dict, case_of: Dict[_Run, Case]):
+    """``case``'s outputs, or its failure verdict, once every one of its ``runs`` is in ``done``."""
+    case.seconds += sum(seconds.get(r, 0.0) for r in runs)
+    failed = next(((i, done[r]) for i, r in enumerate(runs) if not isinstance(done[r], list)), None)
+    if failed is None:
+        return [done[r] for r in runs]
+    if isinstance(failed[1], str):
+        return case.verdict("skip", None, failed[1])
+    if isinstance(failed[1], _NotRun):
+        return not_run_verdict(case, case_of[failed[1].hung], failed[1].proven)
+    return failure_verdict(case, cast(_Failed, failed[1]), failed[0])  # not a list, str or _NotRun
 
 
 def _run_job(runs: List[_Run], pool: JobPool, timeout: float, done: dict, seconds: dict, allow_split: bool,
@@ -515,6 +563,6 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
 
 
-__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "judge_cases", "judge_case",
-           "run_cases",
+__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "telling", "judge_cases",
+           "judge_case", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_verdict"]
