@@ -107,6 +107,7 @@ from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_d
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
                                       pairs_message, scale_message, shape_message, tensor_pair_message,
                                       varying_scale_message)
+from ..wording.noise_repeats import repeat_message
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
@@ -364,10 +365,7 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
         return case.verdict("fail", "mismatch", unnoised_message(unnoised, ws, where), evidence)
     repeated = repeated_noise(noise, names, ws, repeat_quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
-        what, cause = repeated
-        return case.verdict("fail", "dependent_noise", (
-            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
-            "release; repeated noise cancels in the difference of two releases."), evidence)
+        return case.verdict("fail", "dependent_noise", repeat_message(repeated, where), evidence)
     return None
 
 
