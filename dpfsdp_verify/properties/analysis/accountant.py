@@ -35,6 +35,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from ...targets import RunSpec, accounting
+from ..wording.accountant import HistoryFinding, measured_history_message
 from .stats import chi2_quantile, chi2_two_sided_p
 
 #: the delta the runs that ask for an epsilon ask it at
@@ -52,8 +53,36 @@ def _expand(history) -> List[Tuple[float, float]]:
     return [(float(s), float(q)) for s, q, n in history for _ in range(int(n))]
 
 
-def _fmt_history(history) -> str:
-    return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
+def _history_finding(spec: RunSpec, noisy) -> Optional[HistoryFinding]:
+    """The first noisy run whose ranks' histories disagree, are missing, or compose another number of
+    steps than the run took; ``None`` if every run's history is consistent."""
+    for i, run in enumerate(noisy):
+        histories = [o.accountant_history for o in run]
+        if any(h != histories[0] for h in histories):
+            return HistoryFinding("ranks_disagree", told_by=tuple((o.rank, o.accountant_history) for o in run))
+        history = histories[0]
+        if history is None:
+            return HistoryFinding("no_history", run=i)
+        taken = spec.first_step + len(run[0].steps)
+        if len(_expand(history)) != taken:
+            return HistoryFinding("step_count", history=history, told_steps=len(_expand(history)), taken=taken)
+    return None
+
+
+def _noise_by_sigma(spec: RunSpec, noisy, noise, names: Sequence[str]) -> Tuple[Dict[float, List[float]], set]:
+    """Each step's measured sum of squares and coordinates, summed by the sigma the accountant was told
+    for it (``{sigma: [sum of squares, count]}``), and the sampling rates it was told."""
+    by_sigma: Dict[float, List[float]] = {}
+    told_rates: set = set()
+    for i, run in enumerate(noisy):
+        per_step = _expand(run[0].accountant_history)
+        for k, step in enumerate(noise[i]):
+            sigma, q = per_step[spec.first_step + k]
+            told_rates.add(q)
+            acc = by_sigma.setdefault(sigma, [0.0, 0])
+            acc[0] += sum(float(step[n].pow(2).sum()) for n in names)
+            acc[1] += sum(step[n].numel() for n in names)
+    return by_sigma, told_rates
 
 
 def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[str], alpha: float,
@@ -66,41 +95,17 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     spec, noisy = specs[1], runs[1:]
     if all(o.accountant_history is None for run in noisy for o in run):
         return None
-    c, d = spec.max_grad_norm, spec.divisor
-    unit = c / d  # the noise std per unit of sigma
     evidence = {} if evidence is None else evidence
     evidence["accountant"] = noisy[0][0].accountant
-    # each step's measured sum of squares and coordinates, by the sigma the accountant was told for it
-    by_sigma: Dict[float, List[float]] = {}
-    told_rates: set = set()
-    for i, run in enumerate(noisy):
-        histories = [o.accountant_history for o in run]
-        if any(h != histories[0] for h in histories):
-            return ("the ranks' accountants were told different things in one run: "
-                    + "; ".join(f"rank {o.rank}: {_fmt_history(o.accountant_history or [])}" for o in run)
-                    + ". The accountant is one for the run: ranks that disagree report different epsilons for "
-                    "the same release", evidence)
-        history = histories[0]
-        if history is None:
-            return f"rank(s) of run {i} report no accountant history while others do", evidence
-        taken = spec.first_step + len(run[0].steps)
-        per_step = _expand(history)
-        if len(per_step) != taken:
-            evidence["accountant_history"] = history
-            return (f"the accountant was told {len(per_step)} step(s) ({_fmt_history(history)}), but the run "
-                    f"took {taken}: it composes {'fewer' if len(per_step) < taken else 'more'} releases than "
-                    "were made", evidence)
-        for k, step in enumerate(noise[i]):
-            sigma, q = per_step[spec.first_step + k]
-            told_rates.add(q)
-            ss = sum(float(step[n].pow(2).sum()) for n in names)
-            count = sum(step[n].numel() for n in names)
-            acc = by_sigma.setdefault(sigma, [0.0, 0])
-            acc[0] += ss
-            acc[1] += count
+    found = _history_finding(spec, noisy)
+    if found is not None:
+        if found.kind == "step_count":
+            evidence["accountant_history"] = found.history
+        return measured_history_message(found), evidence
+    by_sigma, told_rates = _noise_by_sigma(spec, noisy, noise, names)
     total_ss = sum(v[0] for v in by_sigma.values())
-    total_n = sum(v[1] for v in by_sigma.values())
-    sigma_hat = math.sqrt(total_ss / total_n) / unit
+    total_n = cast(int, sum(v[1] for v in by_sigma.values()))
+    sigma_hat = math.sqrt(total_ss / total_n) / (spec.max_grad_norm / spec.divisor)
     evidence.update(told_sigmas=sorted(by_sigma), measured_sigma=sigma_hat, told_rates=sorted(told_rates))
     q_hat = _observed_rate(spec, noisy[0]) if spec.poisson else None
     if q_hat is not None:
@@ -109,24 +114,30 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
             f"and q {', '.join(f'{q:.6g}' for q in sorted(told_rates))}")
     measured = f"sigma {sigma_hat:.4g}" + (f" and q {spec.sample_rate:.6g} (the run's draws: {q_hat:.4g})"
                                           if q_hat is not None else "")
-    # sigma: each told value against the noise of the steps it was told for
+    why = _told_parameter_problem(spec, by_sigma, told_rates, q_hat, alpha)
+    if why is not None:
+        return _mismatch(spec, evidence, told, measured, why, specs, runs, sigma_hat, total_n, alpha)
+    return _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, alpha)
+
+
+def _told_parameter_problem(spec: RunSpec, by_sigma: Dict[float, List[float]], told_rates: set,
+                            q_hat: Optional[float], alpha: float) -> Optional[str]:
+    """Why the told sigma (each value against the noise of the steps it was told for) or the told q
+    (Poisson: against the configured rate) is not the mechanism's; ``None`` if both are."""
+    unit = spec.max_grad_norm / spec.divisor  # the noise std per unit of sigma
     for sigma, (ss, count) in sorted(by_sigma.items()):
         own = math.sqrt(ss / count) / unit
         p = chi2_two_sided_p(ss / (sigma * unit) ** 2, cast(int, count)) if sigma > 0 else 0.0  # [ss, count]
         if not p >= alpha:
-            return _mismatch(spec, evidence, told, measured, (
-                f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "
-                f"(two-sided chi-square over {count} values, p = {p:.2g} < {alpha:.2g})"), specs, runs, sigma_hat,
-                total_n, alpha)
+            return (f"it was told sigma = {sigma:.6g} for steps whose noise has std {own:.4g} x C/D "
+                    f"(two-sided chi-square over {count} values, p = {p:.2g} < {alpha:.2g})")
     if spec.poisson:
         wrong = sorted(q for q in told_rates if abs(q - spec.sample_rate) > RATE_RTOL * spec.sample_rate)
         if wrong:
-            return _mismatch(spec, evidence, told, measured, (
-                f"it was told q = {', '.join(f'{q:.6g}' for q in wrong)} while the sampler draws at q = "
-                f"{spec.sample_rate:.6g} (this run's draws: {q_hat:.4g}; sampling_accounting measures the sampler's "
-                f"rate over 2000 draws); {wrong[0] / spec.sample_rate:.4g} x q"),
-                specs, runs, sigma_hat, total_n, alpha)
-    return _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, alpha)
+            return (f"it was told q = {', '.join(f'{q:.6g}' for q in wrong)} while the sampler draws at q = "
+                    f"{spec.sample_rate:.6g} (this run's draws: {q_hat:.4g}; sampling_accounting measures the "
+                    f"sampler's rate over 2000 draws); {wrong[0] / spec.sample_rate:.4g} x q")
+    return None
 
 
 def _observed_rate(spec: RunSpec, ranks) -> float:

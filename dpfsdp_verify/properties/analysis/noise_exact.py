@@ -13,7 +13,7 @@ privacy: repeated noise cancels in the difference of two releases.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple, cast
+from typing import Dict, List, NamedTuple, Optional, Tuple, cast
 
 from ...lazy import torch
 
@@ -63,120 +63,117 @@ def noise_windows(noise, names, quantum: float):
     return torch.cat(keys), torch.cat(owners)
 
 
-def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Tuple[str, str]]:
-    """The most telling repetition of noise values, as ``(what, cause)``; ``None`` if none.
-    ``seeds``: each noisy run's noise seed."""
-    keys, owners = noise_windows(noise, names, quantum)
+class Repeat(NamedTuple):
+    """A repetition of noise values (``repeated_noise``), worded by ``wording.noise_repeats``. ``a``
+    and ``b``: the two windows as ``(run, step, tensor index, offset)``; ``kind`` the cause it points
+    to: ``shard_offset`` (ranks/rows/shards), ``ranks_seeded_alike``, ``tiled`` (within one tensor),
+    ``one_buffer`` (two tensors of one release), ``across_steps`` (one run), ``seed_plus_step`` /
+    ``shifted_across_runs`` (other steps of runs with other seeds), ``rank_seed_plus_rank`` /
+    ``rank_seeds_overlap`` (other ranks' shards of runs with other seeds), ``seed_ignored`` (runs
+    with other seeds), ``reused`` (anything else). ``negated``: one copy is the other's negation."""
+    kind: str
+    a: Tuple[int, int, int, int]
+    b: Tuple[int, int, int, int]
+    tensor_a: str
+    tensor_b: str
+    ranks: Tuple[int, int] = (-1, -1)
+    rows: Tuple[int, int] = (-1, -1)
+    seeds: Optional[Tuple[int, int]] = None
+    negated: bool = False
+
+
+def repeated_pairs(keys, owners) -> List[Tuple[List[int], List[int]]]:
+    """Each repeated window paired with the first window of its group, as two owners ``(run, step,
+    tensor index, offset)``: earliest repeats first, at most 20,000 (a repeating target repeats
+    everywhere, so the first pairs name it); ``[]`` if no window repeats."""
     _, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
     dup = counts[inverse] > 1
     if not bool(dup.any()):
-        return None
-    # pair each repeated window with the first window of its group
+        return []
     idx = dup.nonzero().reshape(-1)
-    # the windows of each repeated group in order (stable sort by group): each window after its
-    # group's first is paired with that first; a repeating target repeats everywhere, so the first
-    # 20,000 pairs name it
+    # the windows of each repeated group in order (stable sort by group)
     order = idx[torch.sort(inverse[idx], stable=True).indices]
     groups = inverse[order]
     later = (groups[1:] == groups[:-1]).nonzero().reshape(-1) + 1
     later = later[torch.argsort(order[later])][:20_000]  # earliest repeats first (run, step, tensor, offset)
     starts = torch.searchsorted(groups, groups[later])
-    found = [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
+    return [(owners[order[a]].tolist(), owners[order[b]].tolist()) for a, b in zip(starts.tolist(), later.tolist())]
+
+
+def shard_of(shape, offset: int, ws: int) -> int:
+    """The rank whose dim-0 shard holds flat ``offset`` of a tensor of ``shape``."""
+    row = offset // max(1, math.prod(shape[1:])) if len(shape) > 1 else offset
+    starts, acc = [], 0
+    for size in shard_sizes(shape[:1], ws):
+        starts.append(acc)
+        acc += size
+    return max(r for r, s0 in enumerate(starts) if row >= s0)
+
+
+def in_shard(shape, offset: int, ws: int) -> Tuple[int, int, int]:
+    """``(rank, row within its shard, offset within its shard)`` of a flat offset of a tensor of ``shape``."""
+    width = max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
+    r = shard_of(shape, offset, ws)
+    start = sum(shard_sizes(shape[:1], ws)[:r]) * width
+    return r, (offset - start) // width, offset - start
+
+
+def _within_release(a, b, name: str, shape, ws: int) -> Tuple[float, Repeat]:
+    """A repeat within one tensor of one release: across shards (at other places, or the same) or tiled."""
+    oi, oj = a[3], b[3]
+    if ws > 1 and shard_of(shape, oi, ws) != shard_of(shape, oj, ws):
+        (ra, row_a, at_a), (rb, row_b, at_b) = in_shard(shape, oi, ws), in_shard(shape, oj, ws)
+        if at_a != at_b:  # the same values at different places of the two shards
+            return 0, Repeat("shard_offset", a, b, name, name, (ra, rb), (row_a, row_b))
+        # after a shard offset (a tensor whose short shard repeats another shard's rows at the
+        # same place looks seeded alike; one at another place says which it is)
+        return 0.5, Repeat("ranks_seeded_alike", a, b, name, name, (ra, rb))
+    return 4, Repeat("tiled", a, b, name, name)
+
+
+def _classify(a, b, names, shapes, ws: int, seeds) -> Tuple[float, Repeat]:
+    """The cause a repeat of window ``a`` at window ``b`` points to, with its rank (lower: more telling)."""
+    (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
+    na, nb = names[ti], names[tj]
+    pair = None if seeds is None else (seeds[ri], seeds[rj])
+    if (ri, si, ti) == (rj, sj, tj):
+        return _within_release(a, b, na, shapes[na], ws)
+    if (ri, si) == (rj, sj):
+        return 1, Repeat("one_buffer", a, b, na, nb)
+    if ri == rj and ti == tj:
+        return 2, Repeat("across_steps", a, b, na, nb)
+    if ri != rj and si != sj and ti == tj and seeds is not None:
+        kind = "seed_plus_step" if seeds[rj] - seeds[ri] == si - sj else "shifted_across_runs"
+        return 2, Repeat(kind, a, b, na, nb, seeds=pair)
+    if ri != rj and ws > 1 and ti == tj and shard_of(shapes[na], oi, ws) != shard_of(shapes[nb], oj, ws):
+        # another rank's shard in another run: the ranks' seeds overlap across jobs, not a seed ignored
+        ra, rb = shard_of(shapes[na], oi, ws), shard_of(shapes[nb], oj, ws)
+        kind = ("rank_seed_plus_rank" if seeds is not None and seeds[rj] - seeds[ri] == ra - rb
+                else "rank_seeds_overlap")
+        return 2, Repeat(kind, a, b, na, nb, (ra, rb), seeds=pair)
+    if ri != rj:
+        return 3, Repeat("seed_ignored", a, b, na, nb)
+    return 4, Repeat("reused", a, b, na, nb)
+
+
+def _negated(noise, names, a, b) -> bool:
+    """Whether window ``b`` holds window ``a``'s values negated."""
+    (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
+    x = noise[ri][si][names[ti]].reshape(-1)[oi:oi + WINDOW]
+    y = noise[rj][sj][names[tj]].reshape(-1)[oj:oj + WINDOW]
+    return bool((x * y).sum() < 0)
+
+
+def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optional[Repeat]:
+    """The most telling repetition of noise values (``wording.noise_repeats`` words it); ``None`` if
+    none. ``seeds``: each noisy run's noise seed."""
+    found = repeated_pairs(*noise_windows(noise, names, quantum))
+    if not found:
+        return None
     shapes = {n: noise[0][0][n].shape for n in names}
-
-    def shard_of(name, offset):
-        shape = shapes[name]
-        row = offset // max(1, math.prod(shape[1:])) if len(shape) > 1 else offset
-        starts, acc = [], 0
-        for size in shard_sizes(shape[:1], ws):
-            starts.append(acc)
-            acc += size
-        return max(r for r, s0 in enumerate(starts) if row >= s0)
-
-    def in_shard(name, offset):
-        """``(rank, row within its shard, offset within its shard)`` of a flat offset of ``name``."""
-        shape = shapes[name]
-        width = max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
-        r = shard_of(name, offset)
-        start = sum(shard_sizes(shape[:1], ws)[:r]) * width
-        return r, (offset - start) // width, offset - start
-
-    def describe(a, b):
-        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
-        na, nb = names[ti], names[tj]
-        if (ri, si, ti) == (rj, sj, tj):
-            if ws > 1 and shard_of(na, oi) != shard_of(na, oj):
-                (ra, row_a, at_a), (rb, row_b, at_b) = in_shard(na, oi), in_shard(na, oj)
-                if at_a != at_b:  # the same values at different places of the two shards
-                    return 0, (f"rank {rb}'s shard of {na!r} carries, from its row {row_b}, the noise rank {ra}'s "
-                               f"shard carries from its row {row_a} (run {ri}, step {si})",
-                               "a shard offset: one noise tensor drawn whole on every rank (replicated) and sliced "
-                               "at the wrong rows -- e.g. at rank * local_rows, right only while every earlier "
-                               "shard has as many rows as this one (FSDP's last dim-0 shards are shorter) -- so two "
-                               "shards release the same noise rows and some rows of the full tensor none")
-                # after a shard offset (a tensor whose short shard repeats another shard's rows at the
-                # same place looks seeded alike; one at another place says which it is)
-                return 0.5, (f"rank {ra}'s and rank {rb}'s shards of {na!r} get the same noise (run {ri}, step {si})",
-                           "ranks seeded alike (a seed from LOCAL_RANK, which repeats on every node, or from rank % "
-                           "2) add the same noise to several shards")
-            return 4, (f"the noise of {na!r} repeats within itself at step {si} (offsets {oi} and {oj}, "
-                       f"{abs(oj - oi)} apart)",
-                       "a short noise buffer tiled over the tensor")
-        if (ri, si) == (rj, sj):
-            return 1, (f"{na!r} and {nb!r} get the same noise values at step {si} (run {ri}): one noise buffer "
-                       f"sliced for every tensor", "different tensors must get independent noise")
-        if ri == rj and ti == tj:
-            lag = abs(sj - si)
-            cause = ("the generator is re-seeded every step, so each release repeats the last one's noise"
-                     if lag == 1 else f"a pool of {lag} noise vectors reused in turn: the releases at steps k "
-                     f"and k+{lag} carry the same noise")
-            return 2, (f"the noise on {na!r} is identical at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, run "
-                       f"{ri})",
-                       cause)
-        if ri != rj and si != sj and ti == tj and seeds is not None:
-            d_seed, d_step = seeds[rj] - seeds[ri], si - sj
-            shifted = ("the generator is seeded from noise_seed + step: jobs whose noise seeds differ by d release "
-                       "the same noise d steps apart" if d_seed == d_step else
-                       "noise reused across training jobs with different noise seeds, shifted in steps")
-            return 2, (f"the noise on {na!r} at step {si} of run {ri} (noise seed {seeds[ri]}) is identical to the "
-                       f"noise at step {sj} of run {rj} (noise seed {seeds[rj]})", shifted)
-        if ri != rj and ws > 1 and ti == tj and shard_of(na, oi) != shard_of(nb, oj):
-            # another rank's shard in another run: the ranks' seeds overlap across jobs, not a seed ignored
-            ra, rb = shard_of(na, oi), shard_of(nb, oj)
-            what = (f"rank {ra}'s shard of {na!r} at step {si} of run {ri}"
-                    + (f" (noise seed {seeds[ri]})" if seeds is not None else "")
-                    + f" carries the noise rank {rb}'s shard carries at step {sj} of run {rj}"
-                    + (f" (noise seed {seeds[rj]})" if seeds is not None else ""))
-            if seeds is not None and seeds[rj] - seeds[ri] == ra - rb:
-                d = ra - rb
-                cause = (f"the ranks' noise seeds overlap across training jobs: rank r under noise seed s {d:+d} draws "
-                         f"what rank r {d:+d} draws under seed s (e.g. a generator seeded noise_seed + rank: rank {ra} "
-                         f"of seed {seeds[ri]} is rank {rb} of "
-                         f"seed {seeds[rj]}), so jobs with nearby seeds release the same noise on different ranks")
-            else:
-                cause = ("the ranks' noise seeds overlap across training jobs: one rank's stream under one noise seed "
-                         "is another rank's under another")
-            return 2, (what, cause)
-        if ri != rj:
-            return 3, (f"the noise on {na!r} (step {si}) and on {nb!r} (step {sj}) is identical in two runs with "
-                       f"different noise seeds (runs {ri} and {rj})",
-                       "the target ignores the noise seed and draws the same noise every time")
-        return 4, (f"the noise of {na!r} at step {si} reappears on {nb!r} at step {sj} (run {ri})",
-                   "noise values reused across releases")
-
-    def negated(a, b) -> bool:
-        (ri, si, ti, oi), (rj, sj, tj, oj) = a, b
-        x = noise[ri][si][names[ti]].reshape(-1)[oi:oi + WINDOW]
-        y = noise[rj][sj][names[tj]].reshape(-1)[oj:oj + WINDOW]
-        return bool((x * y).sum() < 0)
-
-    (_, (what, cause)), flipped = min(((describe(a, b), negated(a, b)) for a, b in found), key=lambda d: d[0][0])
-    if flipped:
-        what = (what.replace("the same noise values", "the same noise values, one negated,")
-                .replace("get the same noise (", "get the same noise, negated (").replace("is identical", "is negated"))
-        cause += (" (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their "
-                  "difference)")
-    return what, cause
+    (_, repeat), flipped = min(((_classify(tuple(a), tuple(b), names, shapes, ws, seeds), _negated(noise, names, a, b))
+                                for a, b in found), key=lambda d: d[0][0])
+    return repeat._replace(negated=flipped)
 
 
 def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
@@ -287,6 +284,7 @@ def resampled_run(runs) -> Optional[int]:
 
 
 
-__all__ = ["WINDOW", "noise_differences", "repeat_quantum", "noise_windows", "repeated_noise", "unnoised_in_some_draw",
+__all__ = ["WINDOW", "noise_differences", "repeat_quantum", "noise_windows", "Repeat", "repeated_pairs", "shard_of",
+           "in_shard", "repeated_noise", "unnoised_in_some_draw",
            "unnoised_message", "unnoised_draws", "empty_round_unnoised", "silent_shard", "bf16_fraction",
            "resampled_run"]

@@ -200,6 +200,47 @@ def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str]
     return clean, u, norms
 
 
+def _started_from(spec: RunSpec, first: RankOutput, j: int, start: Optional[Dict[str, torch.Tensor]]):
+    """The parameters step ``j`` started from: ``None`` at lr 0 (the span needs none), and where they
+    are not in the case (a load half's first step without ``start``)."""
+    if spec.lr == 0:
+        return None
+    return first.steps[j - 1].parameters if j else (start if spec.phase == "load" else None)
+
+
+def _add_cells(out: RunReleases, raw_cells: List[Tuple[int, int, torch.Tensor]], spec: RunSpec,
+               ranks: Sequence[RankOutput], at: Tuple[int, int], index, indices, span, raw: torch.Tensor,
+               unit: float) -> None:
+    """Step ``at = (j, t)``'s cells, one per rank's shard, appended to ``out.cells`` (and their raw
+    residuals in noise units to ``raw_cells``): the residual ``raw`` projected off the batch's span
+    ``span = (u, norms)``, in units of the noise std ``unit``."""
+    (j, t), (u, norms) = at, span
+    position = {i: p for p, i in enumerate(indices)}
+    proj = raw - u @ (u.T @ raw) if u.shape[1] else raw
+    z = proj / unit
+    for r, idx in enumerate(index):
+        if not len(idx):
+            continue
+        ur = u[idx]
+        mine = [position[i] for i in ranks[r].steps[j].indices if i in position] if r < len(ranks) else []
+        own = min(1.0, float(norms[mine].max()) / spec.max_grad_norm) if mine and not spec.mesh else 1.0
+        out.cells.append(Cell(t, r, float(z[idx].pow(2).sum()), float(len(idx) - ur.pow(2).sum()),
+                              float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum()), own))
+        raw_cells.append((t, r, raw[idx] / unit))
+
+
+def _count_on_grid(released: torch.Tensor, clean: torch.Tensor, raw: torch.Tensor, eps: float,
+                   grid_on: Dict[str, int]) -> int:
+    """Adds to ``grid_on`` the raw residual values on each of ``GRIDS`` (within what rounding and the
+    clip-epsilon latitude leave), among the values the grid test can resolve; returns how many those are."""
+    tol = 16 * eps * (released.abs() + clean.abs()) + CLIP_LATITUDE * clean.abs()
+    keep = raw.abs() > 64 * tol  # values the grid test can resolve
+    v = raw[keep]
+    for name, bits in GRIDS.items():
+        grid_on[name] += int(((v - _round_bits(v, bits)).abs() <= tol[keep]).sum())
+    return int(v.numel())
+
+
 def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
               start: Optional[Dict[str, torch.Tensor]] = None) -> Optional[RunReleases]:
     """The run's releases (module docstring), ``None`` if it released no noise. ``start``: the
@@ -228,14 +269,10 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
     raw_cells: List[Tuple[int, int, torch.Tensor]] = []
     for j, st in enumerate(first.steps):
         t = spec.first_step + j
-        if moving:
-            params = (first.steps[j - 1].parameters if j else
-                      (start if spec.phase == "load" else None))
-            if params is None and spec.phase == "load":
-                out.skipped.append((t, "the parameters it started from (the save half's) are not in this case"))
-                continue
-        else:
-            params = None
+        params = _started_from(spec, first, j, start)
+        if moving and params is None and spec.phase == "load":
+            out.skipped.append((t, "the parameters it started from (the save half's) are not in this case"))
+            continue
         indices = processed_indices(ranks, j, spec)
         released = torch.cat([st.gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
         span = _span(spec, t if not spec.poisson else 0, indices, params, names, released.numel())
@@ -245,26 +282,9 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
             continue
         clean, u, norms = span
         raw = released - clean
-        position = {i: p for p, i in enumerate(indices)}
-        proj = raw - u @ (u.T @ raw) if u.shape[1] else raw
-        z = proj / unit
-        for r, idx in enumerate(index):
-            if not len(idx):
-                continue
-            ur = u[idx]
-            mine = [position[i] for i in ranks[r].steps[j].indices if i in position] if r < len(ranks) else []
-            own = min(1.0, float(norms[mine].max()) / spec.max_grad_norm) if mine and not spec.mesh else 1.0
-            out.cells.append(Cell(t, r, float(z[idx].pow(2).sum()), float(len(idx) - ur.pow(2).sum()),
-                                  float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum()), own))
-            raw_cells.append((t, r, raw[idx] / unit))
+        _add_cells(out, raw_cells, spec, ranks, (j, t), index, indices, (u, norms), raw, unit)
         if spec.precision == "fp32":
-            # on-grid within what rounding and the clip-epsilon latitude leave in the raw residual
-            tol = 16 * eps * (released.abs() + clean.abs()) + CLIP_LATITUDE * clean.abs()
-            keep = raw.abs() > 64 * tol  # values the grid test can resolve
-            v = raw[keep]
-            grid_n += int(v.numel())
-            for name, bits in GRIDS.items():
-                grid_on[name] += int(((v - _round_bits(v, bits)).abs() <= tol[keep]).sum())
+            grid_n += _count_on_grid(released, clean, raw, eps, grid_on)
     if not out.cells:
         return out
     out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}

@@ -398,6 +398,30 @@ def _flat(d: Dict[str, torch.Tensor], names) -> torch.Tensor:
     return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
 
 
+def _factor_why(spec: RunSpec, ws: int, k: float, realised: int) -> str:
+    """What a gradient exactly ``k`` x the reference's is, where ``k`` is a factor the step math names
+    (expected/realised batch under Poisson, 1/world_size, world_size, the physical batch's share); "" if none."""
+    expected = spec.expected_batch_size
+    if (spec.poisson and spec.reduction == "mean" and realised != expected
+            and abs(k - expected / realised) < FIT_RTOL):
+        return (f" = int(q*N)/realised batch = {expected}/{realised}: the step is normalised by the batch it "
+                f"happened to draw ({realised} samples) instead of opacus' expected batch size int(q*N) = "
+                f"{expected}. The divisor then depends on which samples were drawn: the released mean is not "
+                "the clipped sum over a fixed divisor whose sensitivity (C/int(q*N)) the accounting assumes")
+    if ws > 1 and abs(k - 1 / ws) < FIT_RTOL:
+        return (f" = 1/world_size: the cross-rank gradient reduction averages over the {ws} ranks (FSDP "
+                "reduce-scatter AVG) and nothing compensates; the signal is 1/N of the DP-SGD sum, so the "
+                "noise is relatively N times too large (utility loss)")
+    if ws > 1 and abs(k - ws) < FIT_RTOL * ws:
+        return " = world_size: the gradient is summed over ranks where it should be averaged"
+    if spec.physical_batch_size and abs(k * spec.physical_batch_size * ws - spec.expected_batch_size) < \
+            FIT_RTOL * spec.expected_batch_size:
+        return (f" = expected batch {spec.expected_batch_size} / ({spec.physical_batch_size} x {ws}): the step is "
+                "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
+                "scaled alike: not the DP-SGD step the accounting describes)")
+    return ""
+
+
 def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, name: str, bound=None) -> str:
     """Which simple hypothesis the wrong gradient fits: one constant factor (named when it is
     1/world_size, world_size, or -- under Poisson -- expected/realised batch size), a clip
@@ -417,25 +441,7 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     k = float(got @ want / (want @ want))
     # a factor of 1 explains nothing: the difference is below FIT_RTOL (a clip epsilon off by 1e-6)
     if abs(k - 1) > FIT_RTOL and float((got - k * want).abs().max()) <= FIT_RTOL * float(want.abs().max()):
-        why = ""
-        realised, expected = len(indices), spec.expected_batch_size
-        if (spec.poisson and spec.reduction == "mean" and realised != expected
-                and abs(k - expected / realised) < FIT_RTOL):
-            why = (f" = int(q*N)/realised batch = {expected}/{realised}: the step is normalised by the batch it "
-                   f"happened to draw ({realised} samples) instead of opacus' expected batch size int(q*N) = "
-                   f"{expected}. The divisor then depends on which samples were drawn: the released mean is not "
-                   "the clipped sum over a fixed divisor whose sensitivity (C/int(q*N)) the accounting assumes")
-        elif ws > 1 and abs(k - 1 / ws) < FIT_RTOL:
-            why = (f" = 1/world_size: the cross-rank gradient reduction averages over the {ws} ranks (FSDP "
-                   "reduce-scatter AVG) and nothing compensates; the signal is 1/N of the DP-SGD sum, so the "
-                   "noise is relatively N times too large (utility loss)")
-        elif ws > 1 and abs(k - ws) < FIT_RTOL * ws:
-            why = " = world_size: the gradient is summed over ranks where it should be averaged"
-        elif spec.physical_batch_size and abs(k * spec.physical_batch_size * ws - spec.expected_batch_size) < \
-                FIT_RTOL * spec.expected_batch_size:
-            why = (f" = expected batch {spec.expected_batch_size} / ({spec.physical_batch_size} x {ws}): the step is "
-                   "normalised by the physical batch, not the expected logical batch (clipped signal and noise "
-                   "scaled alike: not the DP-SGD step the accounting describes)")
+        why = _factor_why(spec, ws, k, len(indices))
         return f"{head}: it is exactly {k:.6g} x the reference{why}."
     tol = res_tol = COEF_TOL.get(spec.dtype, COEF_TOL["float64"])
     if bound is not None:

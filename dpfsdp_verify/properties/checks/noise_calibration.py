@@ -107,6 +107,7 @@ from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_d
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
                                       pairs_message, scale_message, shape_message, tensor_pair_message,
                                       varying_scale_message)
+from ..wording.noise_repeats import repeat_message
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
@@ -166,6 +167,30 @@ def _tests_per_verdict(shapes: Dict[str, Tuple[int, ...]], ws: int) -> int:
 
 
 def cases(point: Point):
+    spec, once, verdicts, statistical = _statistical_case(point)
+    yield statistical
+    yield from _exact_cases(point, spec, once)
+    if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
+        h = horizon_spec(point, model_kwargs=MLP_DIMS, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
+                         noise_seed=point.seed_for("horizon", point.param("noise_seed"), point.world_size))
+        yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
+                         facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
+                         labels=horizon_labels(h), isolate=True)
+    if once:
+        one = spec.with_(steps=1)
+        # two fresh jobs with adjacent seeds (as before: a seed + rank generator shows across them)
+        first = point.seed_for("fresh_job", point.param("noise_seed"), point.world_size)
+        seeds = (first, adjacent(first, 1))
+        yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
+                               one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
+                         doing="one DP step with noise in each of two fresh sets of rank processes", fresh_groups=2)
+
+
+def _statistical_case(point: Point):
+    """``(spec, once, verdicts, case)``: the point's statistical case (its noisy runs beside a noise-0
+    twin, as many as the power target needs), whether this point also runs the once-per-gate cases,
+    and the statistical verdicts of the gate run sharing the family's false-alarm budget."""
     model_kwargs = MLP_DIMS if point.model == "mlp" else ()
     # every point draws its own noise (the same seed at every point would make its verdicts one draw)
     base_seed = point.seed_for("statistical", point.param("noise_seed"), point.world_size, point.model,
@@ -199,8 +224,13 @@ def cases(point: Point):
     if once:  # one run (and its noise-0 twin) long enough that repeats at lags up to LONG_RUN - 1 show
         clean, runs[0] = clean.with_(steps=LONG_RUN), runs[0].with_(steps=LONG_RUN)
     # a job of its own: its draws make it the longest job of a gate run, and its deadline is per job
-    yield point.case(spec, [clean] + runs, doing="DP steps with noise",
-                     facts={"alpha_per_test": alpha}, isolate=True)
+    return spec, once, verdicts, point.case(spec, [clean] + runs, doing="DP steps with noise",
+                                            facts={"alpha_per_test": alpha}, isolate=True)
+
+
+def _exact_cases(point: Point, spec: RunSpec, once: bool):
+    """The once-per-gate exact-only cases beside the statistical one (one step each, no statistics)."""
+    o = point.options
     if once and point.model == "mlp" and "transformer" not in (o.models or PROPERTY.models):
         # exact checks only (one step, no statistics) on the transformer: noise missing on embedding
         # rows no sample used, a buffer shared between its tensors
@@ -216,21 +246,6 @@ def cases(point: Point):
                        noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
-    if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
-        # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
-        h = horizon_spec(point, model_kwargs=MLP_DIMS, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
-                         noise_seed=point.seed_for("horizon", point.param("noise_seed"), point.world_size))
-        yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
-                         facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
-                         labels=horizon_labels(h), isolate=True)
-    if once:
-        one = spec.with_(steps=1)
-        # two fresh jobs with adjacent seeds (as before: a seed + rank generator shows across them)
-        first = point.seed_for("fresh_job", point.param("noise_seed"), point.world_size)
-        seeds = (first, adjacent(first, 1))
-        yield point.case(one, [one.with_(noise_seed=seeds[0]), one.with_(noise_seed=seeds[1]),
-                               one.with_(noise_multiplier=0.0)], labels={"processes": "fresh"},
-                         doing="one DP step with noise in each of two fresh sets of rank processes", fresh_groups=2)
 
 
 def wide(point: Point):
@@ -265,23 +280,11 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     ws = shard_divisor(spec, case.world_size)  # the shards each tensor is cut into (the world on a 1-D mesh)
     d = spec.divisor
     s = spec.noise_multiplier * spec.max_grad_norm / d
-    for i, run in enumerate(runs[1:], start=1):
-        drift = replica_problem(spec, run, "gradient")
-        if drift is not None:
-            return case.verdict("fail", "replica_divergence", (
-                f"the noisy gradient of run {i} differs between replicas on {spec.mesh}: {drift[0]}. The "
-                "replicas of one shard hold the same parameters, so they must add the IDENTICAL noise (one "
-                "noise draw per coordinate, the same on every replica): noise drawn from a per-rank stream makes "
-                "the replicas drift apart, and the released model is not one model."), drift[1])
     sampling = (f"; Poisson sampling q={spec.sample_rate:g} over N={spec.dataset_size}, D = int(qN)"
                 if spec.poisson else "")
-    resampled = resampled_run(runs) if spec.poisson else None
-    if resampled is not None:
-        return case.verdict("fail", None, (
-            f"not checkable on this target: with the same sampling seed, the noisy run {resampled} sampled other "
-            f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
-            "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
-            "the sampler's random stream changes its batches with the noise setting."))
+    unmeasurable = _replicas_or_batches_differ(case, runs, ws, sampling)
+    if unmeasurable is not None:
+        return unmeasurable
     noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
@@ -308,17 +311,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     exact = _exact_failure(case, runs, noise, names, s, where, evidence)
     if exact is not None:
         return exact
-    coarse = bf16_fraction(runs, names) if spec.torch_dtype == torch.float32 else None
+    coarse = _bf16_noise(case, runs, names, where, evidence)
     if coarse is not None:
-        evidence["bf16_representable_fraction"] = coarse
-        if coarse > 0.5:
-            return case.verdict("fail", "non_gaussian_noise", (
-                f"PRIVACY VIOLATION: the float32 noise has bfloat16's resolution {where}: {coarse:.1%} of the noise "
-                "values (released gradient minus the noise-0 run's) are exactly representable in bfloat16 (8-bit "
-                "significand), against ~2^-16 of float32 Gaussian values. Noise drawn or stored in bfloat16 and "
-                "added in float32 is discrete: the released value's low-order bits carry the gradient's "
-                "(a floating-point attack on the Gaussian mechanism), which the Gaussian accounting does not cover."),
-                evidence)
+        return coarse
     verdict = _judge_tests(case, noise, names, stacked, where, evidence)
     if verdict.status != "pass":
         return verdict
@@ -328,6 +323,46 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         return case.verdict("fail", "accountant_mismatch", f"{told[0]} ({where})", {**verdict.evidence, **accounted})
     return replace(verdict, message=verdict.message + describe_accountant(accounted),
                    evidence={**verdict.evidence, **accounted})
+
+
+def _replicas_or_batches_differ(case: Case, runs, ws: int, sampling: str) -> Optional[Verdict]:
+    """A noisy run whose replicas (a 2-D mesh) released different gradients, or (Poisson) that sampled
+    other batches than its noise-0 twin: the noise cannot be measured as gradient(sigma) - gradient(0)."""
+    spec = case.spec
+    for i, run in enumerate(runs[1:], start=1):
+        drift = replica_problem(spec, run, "gradient")
+        if drift is not None:
+            return case.verdict("fail", "replica_divergence", (
+                f"the noisy gradient of run {i} differs between replicas on {spec.mesh}: {drift[0]}. The "
+                "replicas of one shard hold the same parameters, so they must add the IDENTICAL noise (one "
+                "noise draw per coordinate, the same on every replica): noise drawn from a per-rank stream makes "
+                "the replicas drift apart, and the released model is not one model."), drift[1])
+    resampled = resampled_run(runs) if spec.poisson else None
+    if resampled is not None:
+        return case.verdict("fail", None, (
+            f"not checkable on this target: with the same sampling seed, the noisy run {resampled} sampled other "
+            f"batches than the noise-0 run at world_size={ws}{sampling}. The noise is measured as "
+            "gradient(sigma) - gradient(0) on the same batches; a target whose noise generator shares "
+            "the sampler's random stream changes its batches with the noise setting."))
+    return None
+
+
+def _bf16_noise(case: Case, runs, names, where: str, evidence: Dict) -> Optional[Verdict]:
+    """float32 noise with bfloat16's resolution (``non_gaussian_noise``); ``None`` otherwise (the
+    fraction recorded in ``evidence`` where measured)."""
+    coarse = bf16_fraction(runs, names) if case.spec.torch_dtype == torch.float32 else None
+    if coarse is None:
+        return None
+    evidence["bf16_representable_fraction"] = coarse
+    if not coarse > 0.5:
+        return None
+    return case.verdict("fail", "non_gaussian_noise", (
+        f"PRIVACY VIOLATION: the float32 noise has bfloat16's resolution {where}: {coarse:.1%} of the noise "
+        "values (released gradient minus the noise-0 run's) are exactly representable in bfloat16 (8-bit "
+        "significand), against ~2^-16 of float32 Gaussian values. Noise drawn or stored in bfloat16 and "
+        "added in float32 is discrete: the released value's low-order bits carry the gradient's "
+        "(a floating-point attack on the Gaussian mechanism), which the Gaussian accounting does not cover."),
+        evidence)
 
 
 def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
@@ -365,10 +400,7 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
         return case.verdict("fail", "mismatch", unnoised_message(unnoised, ws, where), evidence)
     repeated = repeated_noise(noise, names, ws, repeat_quantum(spec, s), [sp.noise_seed for sp in case.specs[1:]])
     if repeated:
-        what, cause = repeated
-        return case.verdict("fail", "dependent_noise", (
-            f"PRIVACY VIOLATION: {what} {where}: {cause}. Noise must be fresh for every coordinate of every "
-            "release; repeated noise cancels in the difference of two releases."), evidence)
+        return case.verdict("fail", "dependent_noise", repeat_message(repeated, where), evidence)
     return None
 
 

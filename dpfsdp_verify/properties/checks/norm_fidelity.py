@@ -135,7 +135,7 @@ def judge(case: Case, runs: Outputs) -> Verdict:
 def judge_spec(case: Case, outputs) -> Verdict:
     """The verdict on ``case.spec`` from every rank's ``RankOutput`` (step 0): the norms it reports,
     and the norms it clips with (recovered from the released gradient)."""
-    spec, ws = case.spec, case.world_size
+    spec = case.spec
     rtol, atol = tolerance(spec.dtype)
     bound = precision_bound(spec)
     ref = reference_norms(spec)
@@ -146,39 +146,57 @@ def judge_spec(case: Case, outputs) -> Verdict:
     evidence: Dict[str, Any] = {"rtol": rtol, "atol": atol}
     if bound is not None:
         evidence["precision_bound"] = bound.describe()
-    reported = None  # None: the target reports no norms; else (diagnosis or None, message)
-    if all(s.norms is not None for s in steps):
-        for r, s in enumerate(steps):
-            if s.norms.numel() != len(s.indices):
-                return case.verdict("fail", "mismatch", f"rank {r} reported {s.norms.numel()} norms for "
-                                    f"{len(s.indices)} samples", {"rank": r})
-        got = [s.norms.to(torch.float64).reshape(-1) for s in steps]
-        # what rounding in the target's dtype alone does to a norm of this model (a LayerNorm over two
-        # features: ~1e-3 relative in float32, against ~1e-7 on the default models)
-        floors = ([ROUNDING_MARGIN * norm_rounding(spec, s.indices) for s in steps] if bound is None
-                  else [torch.zeros(len(s.indices), dtype=torch.float64) for s in steps])
-        ratios = torch.cat([norm_ratios(g, w) for g, w in zip(got, want)])
-        evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
-                         "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
-                         "mean_ratio": float(ratios.mean())})
-        if max(float((f - rtol * w.abs()).max()) for f, w in zip(floors, want)) > atol:
-            evidence["norm_rounding_floor"] = max(float(f.max()) for f in floors)
-        if all(bool(((g - w).abs() <= atol + torch.maximum(rtol * w.abs(), f)).all())
-               for g, w, f in zip(got, want, floors)):
-            reported = (None, f"per-sample norms equal the float64 reference on all {ws} rank(s) (max abs error "
-                              f"{fmt(evidence['max_abs_error'])}"
-                              + (f"; within the {spec.precision} bound {fmt(rtol)} relative: ratio "
-                                 f"{evidence['ratio_min']:.4g}..{evidence['ratio_max']:.4g})" if bound else ")")
-                              + (f" -- within what rounding in {spec.dtype} alone does to this model's norms "
-                                 f"({fmt(evidence['norm_rounding_floor'])})" if "norm_rounding_floor" in evidence
-                                 else ""))
-        else:
-            reported = diagnose(case, got, want, steps, ratios)
-            if bound is not None:
-                reported = (reported[0], f"{reported[1]} That is beyond the error bf16 compute explains: "
-                            f"{bound.describe()}.")
+    failed, reported = _reported_norms(case, steps, want, (rtol, atol), bound, evidence)
+    if failed is not None:
+        return failed
     clips, clips_msg, fit = clipped_with(case, outputs, ref, want, steps)
     evidence.update(fit)
+    return _both_verdict(case, reported, (clips, clips_msg), bound, evidence)
+
+
+def _reported_norms(case: Case, steps, want, tols: tuple, bound, evidence: Dict[str, Any]):
+    """The norms the target reports against the reference ``want``: ``(failed verdict or None, reported)``,
+    ``reported`` ``None`` where it reports none, else ``(diagnosis or None, message)``; fills ``evidence``."""
+    spec, ws = case.spec, case.world_size
+    rtol, atol = tols
+    if not all(s.norms is not None for s in steps):
+        return None, None
+    for r, s in enumerate(steps):
+        if s.norms.numel() != len(s.indices):
+            return case.verdict("fail", "mismatch", f"rank {r} reported {s.norms.numel()} norms for "
+                                f"{len(s.indices)} samples", {"rank": r})
+    got = [s.norms.to(torch.float64).reshape(-1) for s in steps]
+    # what rounding in the target's dtype alone does to a norm of this model (a LayerNorm over two
+    # features: ~1e-3 relative in float32, against ~1e-7 on the default models)
+    floors = ([ROUNDING_MARGIN * norm_rounding(spec, s.indices) for s in steps] if bound is None
+              else [torch.zeros(len(s.indices), dtype=torch.float64) for s in steps])
+    ratios = torch.cat([norm_ratios(g, w) for g, w in zip(got, want)])
+    evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
+                     "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
+                     "mean_ratio": float(ratios.mean())})
+    if max(float((f - rtol * w.abs()).max()) for f, w in zip(floors, want)) > atol:
+        evidence["norm_rounding_floor"] = max(float(f.max()) for f in floors)
+    if all(bool(((g - w).abs() <= atol + torch.maximum(rtol * w.abs(), f)).all())
+           for g, w, f in zip(got, want, floors)):
+        reported = (None, f"per-sample norms equal the float64 reference on all {ws} rank(s) (max abs error "
+                          f"{fmt(evidence['max_abs_error'])}"
+                          + (f"; within the {spec.precision} bound {fmt(rtol)} relative: ratio "
+                             f"{evidence['ratio_min']:.4g}..{evidence['ratio_max']:.4g})" if bound else ")")
+                          + (f" -- within what rounding in {spec.dtype} alone does to this model's norms "
+                             f"({fmt(evidence['norm_rounding_floor'])})" if "norm_rounding_floor" in evidence
+                             else ""))
+    else:
+        reported = diagnose(case, got, want, steps, ratios)
+        if bound is not None:
+            reported = (reported[0], f"{reported[1]} That is beyond the error bf16 compute explains: "
+                        f"{bound.describe()}.")
+    return None, reported
+
+
+def _both_verdict(case: Case, reported, clipping, bound, evidence: Dict[str, Any]) -> Verdict:
+    """The verdict from what the target reports (``reported``: ``_reported_norms``') and the norms it
+    clips with (``clipping``: ``clipped_with``'s diagnosis and message)."""
+    spec, (clips, clips_msg) = case.spec, clipping
     if reported is None:
         status = "pass" if clips is None else "fail"
         return case.verdict(status, clips, "the target reports no per-sample norms (StepOutput.norms is None); "
@@ -263,6 +281,16 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
                       f"(max error {fmt(err)}{f' <= bound {fmt(tol)}' if bound is not None else ''}; {clipped} of "
                       f"{len(indices)} samples clipped at C={c:.4g}; "
                       f"epsilon in the denominator {eps:.3g}{unjudged})"), fit
+    return _off_clip(case, want, steps, (indices, coef, expected), (candidates, coefficients), ref[indices], tol,
+                     where, fit)
+
+
+def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor, tol: float, where: str, fit: Dict):
+    """``clipped_with``'s answer where the recovered coefficients are not ``min(1, C/||g_i||)``: one overall
+    factor (clipped_step's), a known bug shape, another sample's clip, or the direction they are off in.
+    ``samples``: the judged ``(indices, recovered coefficients, expected ones)``; ``fitted``: the candidate
+    epsilons and the coefficients at an epsilon."""
+    (indices, coef, expected), (candidates, coefficients), c = samples, fitted, case.spec.max_grad_norm
     # the overall scale at the epsilon that fits best up to a scale
     eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
     at_scaled = coefficients(eps_scaled)
@@ -282,7 +310,7 @@ def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
     borrowed = _borrowed_clip(case, want, steps, indices, coef, tol)
     if borrowed:
         return "sample_mixing", _borrowed_message("it clips with", borrowed, where), fit
-    changed, low, high, direction = _direction(coef, expected, ref[indices], c, tol)
+    changed, low, high, direction = _direction(coef, expected, ref_norms, c, tol)
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
 

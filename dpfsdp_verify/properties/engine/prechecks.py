@@ -22,6 +22,7 @@ from ...lazy import models
 from ...harness.rank_groups import grouped
 from ...targets import RankOutput, RunSpec
 from ..analysis.compare import frozen_parameters, reference_batch
+from ..wording.accountant import HistoryFinding, history_message
 
 
 def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, dict]]:
@@ -305,8 +306,57 @@ def _expand(history) -> List[Tuple[float, float]]:
     return [(float(s), float(q)) for s, q, n in history for _ in range(int(n))]
 
 
-def _fmt(history) -> str:
-    return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
+def _step_count_how(spec: RunSpec, outputs: Sequence[RankOutput], told: int) -> str:
+    """Which miscount a told step count that is not the steps taken is (``HistoryFinding.how``)."""
+    steps = len(outputs[0].steps)
+    passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
+    if spec.physical_batch_size and told == passes:
+        return "per_pass"
+    if spec.phase == "load" and told == steps:
+        return "lost_restored"
+    if spec.phase == "load" and told == spec.first_step + steps + spec.first_step:
+        return "restored_twice"
+    return "load_other" if spec.phase == "load" else "not_per_step"
+
+
+def _told_parameter_finding(spec: RunSpec, history, resume_at: Optional[int]) -> Optional[HistoryFinding]:
+    """A told sigma other than the run's, or (Poisson) a told q other than the configured one."""
+    told = _expand(history)
+    sigma = float(spec.noise_multiplier)
+    wrong = sorted({s for s, _ in told if abs(s - sigma) > TOLD_RTOL * max(sigma, 1e-300)})
+    if wrong:
+        return HistoryFinding("sigma", history, resume_at, wrong=tuple(wrong), expected=sigma)
+    if spec.poisson:
+        q = float(spec.sample_rate)
+        wrong = sorted({r for _, r in told if abs(r - q) > TOLD_RTOL * q})
+        if wrong:
+            return HistoryFinding("rate", history, resume_at, wrong=tuple(wrong), expected=q,
+                                  physical_batch_size=spec.physical_batch_size)
+    return None
+
+
+def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resume_at: Optional[int],
+                     evidence: Dict[str, Any]) -> Optional[HistoryFinding]:
+    """A reported epsilon the ranks disagree on, or other than the suite's RDP epsilon of the told
+    history (a tighter accountant: not below ``TIGHTER_FLOOR`` of it); fills ``evidence``."""
+    reported = [o.epsilon for o in outputs]
+    if not (spec.accountant_delta > 0 and any(r is not None for r in reported) and float(spec.noise_multiplier) > 0):
+        return None
+    from ...targets import accounting
+    from ..analysis.accountant import TIGHTER_FLOOR
+
+    if any(r != reported[0] for r in reported):
+        return HistoryFinding("epsilons_differ", history, resume_at, reported=reported)
+    want = accounting.epsilon(history, spec.accountant_delta)
+    got = float(cast(float, reported[0]))  # every rank's the same, one not None
+    rdp = outputs[0].accountant == "rdp"
+    low = want * (1 - 1e-6) * (1.0 if rdp else TIGHTER_FLOOR)
+    high = want * (1 + 1e-6) if rdp else math.inf
+    evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
+    if low <= got <= high:
+        return None
+    return HistoryFinding("epsilon", history, resume_at, delta=spec.accountant_delta, want=want, got=got,
+                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR)
 
 
 def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
@@ -320,79 +370,27 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
     it reports is the suite's own RDP epsilon of that history (``targets.accounting``; an ``"rdp"``
     accountant to relative 1e-6, a tighter one -- PRV, GDP -- not below half of it).
     ``accountant_mismatch``. Deterministic. What the told sigma is against the *measured* noise is
-    noise_calibration's (``analysis/accountant.py``)."""
+    noise_calibration's (``analysis/accountant.py``). The message is ``wording.accountant``'s."""
     histories = [o.accountant_history for o in outputs]
     if all(h is None for h in histories):
         return None
     evidence: Dict[str, Any] = {"accountant_history": histories[0], "accountant": outputs[0].accountant}
-    where = f" (a resumed run's load half, resumed after step {spec.resume_at})" if spec.phase == "load" else ""
+    resume_at = spec.resume_at if spec.phase == "load" else None
     first = list(map(tuple, histories[0] or ()))
     if any(h is None for h in histories) or any(list(map(tuple, h or ())) != first for h in histories):
-        told_by = [_fmt(o.accountant_history) if o.accountant_history is not None else "none" for o in outputs]
-        return ("accountant_mismatch", "the ranks' accountants report different histories for one run: "
-                + "; ".join(f"rank {o.rank}: {t}" for o, t in zip(outputs, told_by))
-                + where + ". The accountant is one for the run: ranks that disagree report different epsilons for "
-                "the same release", evidence)
+        found = HistoryFinding("ranks_disagree", resume_at=resume_at,
+                               told_by=tuple((o.rank, o.accountant_history) for o in outputs))
+        return "accountant_mismatch", history_message(found), evidence
     history = cast(list, histories[0])  # every rank's, none None (checked above)
-    told = _expand(history)
-    taken = spec.first_step + len(outputs[0].steps)
-    if len(told) != taken:
-        passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
-        if spec.physical_batch_size and len(told) == passes:
-            how = "it was told one step per physical pass, not one per DP step"
-        elif spec.phase == "load" and len(told) == len(outputs[0].steps):
-            how = (f"it lost the {spec.first_step} step(s) taken before the checkpoint: its history starts again at "
-                   "the resume")
-        elif spec.phase == "load" and len(told) == taken + spec.first_step:
-            how = f"it composes the {spec.first_step} step(s) restored from the checkpoint twice"
-        elif spec.phase == "load":
-            how = (f"after the resume it composes {len(told) - len(outputs[0].steps)} step(s) from before the "
-                   f"checkpoint, not the {spec.first_step} taken")
-        else:
-            how = "it does not compose one step per DP step"
-        meaning = ("PRIVACY VIOLATION in the accounting: the epsilon it reports is that of fewer releases than were "
-                   "made" if len(told) < taken else "the epsilon it reports is that of more releases than were made "
-                   "(over-reported)")
-        return ("accountant_mismatch", f"the accountant was told {len(told)} step(s) ({_fmt(history)}) but the run "
-                f"took {taken}{where}: {how}. {meaning[0].upper()}{meaning[1:]}.", dict(evidence, steps_taken=taken))
-    sigma = float(spec.noise_multiplier)
-    wrong = sorted({s for s, _ in told if abs(s - sigma) > TOLD_RTOL * max(sigma, 1e-300)})
-    if wrong:
-        return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant was told noise multiplier(s) "
-                f"{', '.join(f'{s:.6g}' for s in wrong)} ({_fmt(history)}){where}, but the run's is {sigma:g} "
-                f"({wrong[0] / sigma if sigma else float('inf'):.4g} x): the epsilon it reports describes other noise "
-                "than the noise added", evidence)
-    if spec.poisson:
-        q = float(spec.sample_rate)
-        wrong = sorted({r for _, r in told if abs(r - q) > TOLD_RTOL * q})
-        if wrong:
-            accum = (f"; under gradient accumulation (physical batches of {spec.physical_batch_size}) the rate of a "
-                     "logical step is q, never that of one pass" if spec.physical_batch_size else "")
-            return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant was told sampling rate(s) "
-                    f"{', '.join(f'{r:.6g}' for r in wrong)} ({_fmt(history)}){where}, but the sampler draws at q = "
-                    f"{q:.6g} ({wrong[0] / q:.4g} x q){accum}: with a smaller q the epsilon it reports is too small",
-                    evidence)
-    reported = [o.epsilon for o in outputs]
-    if spec.accountant_delta > 0 and any(r is not None for r in reported) and sigma > 0:
-        from ...targets import accounting
-        from ..analysis.accountant import TIGHTER_FLOOR
-
-        if any(r != reported[0] for r in reported):
-            return ("accountant_mismatch", f"the ranks report different epsilons for one run ({reported}){where}",
-                    evidence)
-        want = accounting.epsilon(history, spec.accountant_delta)
-        got = float(cast(float, reported[0]))  # every rank's the same, one not None
-        rdp = outputs[0].accountant == "rdp"
-        low = want * (1 - 1e-6) * (1.0 if rdp else TIGHTER_FLOOR)
-        high = want * (1 + 1e-6) if rdp else math.inf
-        evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
-        if not low <= got <= high:
-            return ("accountant_mismatch", f"PRIVACY ACCOUNTING: the accountant reports epsilon {got:.4g} at delta "
-                    f"{spec.accountant_delta:g}{where}; the suite's own RDP accountant on its history {_fmt(history)} "
-                    f"gives {want:.4g}" + ("" if rdp else f" (a {outputs[0].accountant!r} accountant may be tighter "
-                                           f"than RDP, not below {TIGHTER_FLOOR:g} x)")
-                    + ": the epsilon a user reads is not the one of the steps it was told", evidence)
-    return None
+    told, taken = len(_expand(history)), spec.first_step + len(outputs[0].steps)
+    if told != taken:
+        found = HistoryFinding("step_count", history, resume_at, told_steps=told, taken=taken,
+                               how=_step_count_how(spec, outputs, told), first_step=spec.first_step,
+                               after_resume=told - len(outputs[0].steps))
+        return "accountant_mismatch", history_message(found), dict(evidence, steps_taken=taken)
+    problem = (_told_parameter_finding(spec, history, resume_at)
+               or _epsilon_finding(spec, outputs, history, resume_at, evidence))
+    return None if problem is None else ("accountant_mismatch", history_message(problem), evidence)
 
 
 __all__ = ["accountant_history_problem", "TOLD_RTOL", "frozen_problem", "device_facts", "tf32_problem", "non_finite",

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from ...harness import DEFAULT_TIMEOUT_S, JobPool, default_pool
@@ -28,6 +28,7 @@ from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import Case, Options, Outputs, Property, modes_problem
 from . import releases
+from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
                         non_finite, physical_problem, poisson_problem, privacy_steps_problem, tf32_problem)
 
@@ -482,87 +483,70 @@ def not_run_verdict(case: Case, hung: Case, proven: bool) -> Verdict:
                         "matrix).", {"not_run_after_hang_in": hung.config()})
 
 
-def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
-    """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout``,
-    ``error``/``rank_crash``, or ``error``/``placement_mismatch`` when a rank's error is DTensor's
-    refusal of an in-place op across placements, ``placement_crash``)."""
-    res = failed.result
+def failure_finding(res: GroupResult, trails: list) -> FailureFinding:
+    """What a hung or crashed group result is (``wording.failures.FailureFinding``): a hang is a
+    deadlock only when proven (``timeout`` without a diagnosis); ranks whose step or pass counts
+    diverged are a ``step_divergence``; a rank refused an in-place op across DTensor placements a
+    ``placement_mismatch``; any other error a ``rank_crash``."""
     status = "hang" if res.status == "hang" else "error"
     # a hang is a deadlock only when proven; without a diagnosis nothing was
     diagnosis = res.diagnosis or ("timeout" if status == "hang" else "rank_crash")
-    if failed.attributed:  # the ranks' trails put the job's hang on this case
-        together = (f" (run in one job with {failed.others_in_job} other configuration(s): the ranks' progress "
-                    "trails show the job hung in this one; the others were run again without it)")
-    elif failed.others_in_job:
-        together = f" (ran as one job with {failed.others_in_job} other configuration(s))"
-    else:
-        together = ""
-    lead = f"{case.doing}{together}: " if case.doing or together else ""
-    trails = failed.trails or []
-    evidence: Dict[str, Any] = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    found = FailureFinding(status, diagnosis, "rank_crash", res.message, trails, list(res.busy_ranks), res.fired_at)
     placement_rank = placement_crash(res) if status == "error" else None
     if status == "hang" and diagnosis == "timeout":
-        # unproven: step counts that differ now may be a rank mid-step, never a divergence claim
-        msg = (f"{lead}the target did not finish under the watchdog, and no deadlock was proven ({res.message}).")
-        if trails and all(t is not None for t in trails):
-            msg += f" Progress: {progress.describe(trails, proven=False)}."
-            last = progress.last_progress(trails, res.busy_ranks, res.fired_at)
-            if last:
-                msg += f" {last[0].upper()}{last[1:]}."
-        evidence["busy_ranks"] = list(res.busy_ranks)
-    elif status == "hang" and diagnosis in PROVEN and progress.diverged(trails) \
-            and not progress.passes_diverged(trails):
-        diagnosis = "step_divergence"
-        msg = (f"{lead}the ranks took different numbers of steps and the run hangs: {progress.describe(trails)}. "
-               f"The rank with more steps waits forever in FSDP's next collective ({res.message}). Poisson "
-               "sampling draws each rank's batches from its own random stream; a sampler that skips empty "
-               "local batches (or ranks whose streams differ) gives the ranks different step counts.")
-        evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
-                         "local_batch_sizes": [t.sizes for t in trails]})
-    elif (status == "error" or diagnosis in PROVEN) and progress.diverged(trails) \
+        return replace(found, kind="timeout")
+    if status == "hang" and diagnosis in PROVEN and progress.diverged(trails) and not progress.passes_diverged(trails):
+        return replace(found, diagnosis="step_divergence", kind="step_divergence")
+    if (status == "error" or diagnosis in PROVEN) and progress.diverged(trails) \
             and any(t.accumulating for t in trails):
         # gradient accumulation: passes, not only steps, must agree; a crash here is the same divergence
         # (a pass's collectives met another kind of collective on a peer, e.g. a gradient gather)
-        diagnosis = "step_divergence"
-        outcome = ("a rank crashed in a mismatched collective" if status == "error" else
-                   "the ranks stalled" if res.diagnosis == "step_divergence" else "the run hangs")
-        msg = (f"{lead}the ranks ran different numbers of logical steps or physical passes and {outcome}: "
-               f"{progress.describe(trails)}. Every physical pass is a full FSDP forward/backward, so passes that "
-               "differ pair their collectives across logical steps until one rank ends and the other waits "
-               f"forever ({res.message}). Gradient accumulation that splits each rank's own local batch "
-               "(opacus' BatchMemoryManager) gives ranks with more local samples more passes; the ranks must "
-               "agree on the pass count (e.g. the maximum, padding with empty passes).")
+        outcome = ("crashed" if status == "error" else "stalled" if res.diagnosis == "step_divergence" else "hangs")
+        return replace(found, diagnosis="step_divergence", kind="pass_divergence", outcome=outcome)
+    if status == "hang":
+        return replace(found, kind="deadlock")
+    if placement_rank is not None:
+        return replace(found, diagnosis="placement_mismatch", kind="placement_mismatch", placement_rank=placement_rank)
+    return found
+
+
+def failure_evidence(res: GroupResult, found: FailureFinding) -> Dict[str, Any]:
+    """The evidence of a failure's verdict: the harness's status and failed ranks, what the kind of
+    failure rests on, and every rank's progress."""
+    trails = found.trails
+    evidence: Dict[str, Any] = {"harness_status": res.status, "failed_ranks": res.failed_ranks()}
+    if found.kind == "timeout":
+        evidence["busy_ranks"] = list(res.busy_ranks)
+    elif found.kind in ("step_divergence", "pass_divergence"):
         evidence.update({"step_counts": [t.begun for t in trails], "steps_finished": [t.finished for t in trails],
-                         "local_batch_sizes": [t.sizes for t in trails],
-                         "physical_passes_per_step": [t.pass_counts for t in trails]})
-    elif status == "hang":
-        msg = (f"{lead}the run deadlocked ({res.message}). A collective issued by "
-               "only some ranks, or in rank-/data-dependent control flow, leaves the others waiting forever.")
-        if trails and all(t is not None for t in trails):
-            msg += f" Progress: {progress.describe(trails)}."
-    elif placement_rank is not None:
-        # a named cause, not a bare crash: which tensors disagree is in the rank's error (one line here)
-        diagnosis = "placement_mismatch"
-        msg = (f"{lead}rank {placement_rank} was refused an in-place update across DTensor placements "
-               f"({' '.join(res.message.split())}). FSDP2 shards every parameter on dim 0 (Shard(0)); a gradient "
-               "released in another placement (e.g. Replicate, as DTensor's propagation gives an op mixing a "
-               "parameter with fewer rows than ranks and a full-shape tensor) cannot be applied in place by the "
-               "optimizer. The released gradient must have its parameter's placement (redistribute it).")
-        evidence["placement_error_rank"] = placement_rank
-    else:
-        msg = f"{lead}a rank failed ({res.message})."
-    details = res.details
-    if trails:  # the message groups the ranks by state; every rank's own trail is kept here
+                         "local_batch_sizes": [t.sizes for t in trails]})
+        if found.kind == "pass_divergence":
+            evidence["physical_passes_per_step"] = [t.pass_counts for t in trails]
+    elif found.kind == "placement_mismatch":
+        evidence["placement_error_rank"] = found.placement_rank
+    if trails:
         evidence["progress"] = progress.evidence(trails)
-        details = (f"--- progress of every rank ---\n{progress.describe_each(trails, proven=diagnosis != 'timeout')}"
-                   + (f"\n{details}" if details else ""))
+    return evidence
+
+
+def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
+    """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout``,
+    ``error``/``rank_crash``, or ``error``/``placement_mismatch`` when a rank's error is DTensor's
+    refusal of an in-place op across placements, ``placement_crash``): ``failure_finding``'s finding,
+    worded by ``wording.failures``."""
+    res = failed.result
+    found = failure_finding(res, failed.trails or [])
+    evidence = failure_evidence(res, found)
+    msg = failure_message(found, failure_lead(case.doing, failed.attributed, failed.others_in_job))
     if len(case.modes) > 1:
         mode = case.modes[mode_index]
-        msg = f"mode {mode.label!r} ({mode.describe_env()}) did not complete: {msg}"
+        msg = in_mode(mode.label, mode.describe_env(), msg)
         evidence["failed_mode"] = mode.label
-    return case.verdict(status, diagnosis, msg, evidence, seconds=failed.seconds, details=details)
+    return case.verdict(found.status, found.diagnosis, msg, evidence, seconds=failed.seconds,
+                        details=failure_details(found, res.details))
 
 
 __all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "telling", "judge_cases",
            "judge_case", "run_cases",
-           "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_verdict"]
+           "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_finding",
+           "failure_evidence", "failure_verdict"]

@@ -1,0 +1,125 @@
+"""What an accountant verdict says about the history a target's accountant was told: the sentences of
+a ``HistoryFinding`` (``engine.prechecks.accountant_history_problem`` on every run, and the history
+checks of ``analysis.accountant.accountant_problem`` in noise_calibration). Pure functions of the
+finding; nothing is detected here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class HistoryFinding:
+    """What is wrong with a told accountant history, and the values its sentence names. ``kind``:
+    ``ranks_disagree`` (``told_by``: each rank and its history, ``None`` where it reports none),
+    ``no_history`` (some ranks of run ``run`` report none), ``step_count`` (``told_steps`` against
+    ``taken``; ``how``: ``per_pass`` / ``lost_restored`` / ``restored_twice`` / ``load_other`` /
+    ``not_per_step``, or ``""`` where not named), ``sigma`` / ``rate`` (the ``wrong`` values told against
+    ``expected``), ``epsilons_differ`` (``reported`` by the ranks), ``epsilon`` (``got`` against the suite's
+    ``want`` at ``delta``). ``resume_at``: the step a resumed load half resumed after (else ``None``)."""
+    kind: str
+    history: Any = None
+    resume_at: Optional[int] = None
+    run: int = 0
+    told_by: Tuple[Tuple[int, Any], ...] = ()
+    told_steps: int = 0
+    taken: int = 0
+    how: str = ""
+    first_step: int = 0
+    after_resume: int = 0
+    wrong: Tuple[float, ...] = ()
+    expected: float = 0.0
+    physical_batch_size: Optional[int] = None
+    reported: List[Any] = field(default_factory=list)
+    delta: float = 0.0
+    want: float = 0.0
+    got: float = 0.0
+    accountant: Optional[str] = None
+    floor: float = 0.0
+
+
+def fmt_history(history) -> str:
+    """An opacus-format history ``[(sigma, q, steps)]`` as the messages print it."""
+    return "[" + ", ".join(f"({s:.6g}, {q:.6g}, {int(n)})" for s, q, n in history) + "]"
+
+
+def _capital(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def _where(f: HistoryFinding) -> str:
+    return "" if f.resume_at is None else f" (a resumed run's load half, resumed after step {f.resume_at})"
+
+
+def measured_history_message(f: HistoryFinding) -> str:
+    """noise_calibration's history checks (``accountant_problem``): the ranks agree, report a history,
+    and it composes the steps the run took."""
+    if f.kind == "ranks_disagree":
+        return ("the ranks' accountants were told different things in one run: "
+                + "; ".join(f"rank {rank}: {fmt_history(h or [])}" for rank, h in f.told_by)
+                + ". The accountant is one for the run: ranks that disagree report different epsilons for "
+                "the same release")
+    if f.kind == "no_history":
+        return f"rank(s) of run {f.run} report no accountant history while others do"
+    return (f"the accountant was told {f.told_steps} step(s) ({fmt_history(f.history)}), but the run "
+            f"took {f.taken}: it composes {'fewer' if f.told_steps < f.taken else 'more'} releases than "
+            "were made")
+
+
+def _step_count_cause(f: HistoryFinding) -> str:
+    return {"per_pass": "it was told one step per physical pass, not one per DP step",
+            "lost_restored": (f"it lost the {f.first_step} step(s) taken before the checkpoint: its history starts "
+                              "again at the resume"),
+            "restored_twice": f"it composes the {f.first_step} step(s) restored from the checkpoint twice",
+            "load_other": (f"after the resume it composes {f.after_resume} step(s) from before the checkpoint, not "
+                           f"the {f.first_step} taken")}.get(f.how, "it does not compose one step per DP step")
+
+
+def _step_count(f: HistoryFinding) -> str:
+    meaning = ("PRIVACY VIOLATION in the accounting: the epsilon it reports is that of fewer releases than were "
+               "made" if f.told_steps < f.taken else "the epsilon it reports is that of more releases than were made "
+               "(over-reported)")
+    return (f"the accountant was told {f.told_steps} step(s) ({fmt_history(f.history)}) but the run took "
+            f"{f.taken}{_where(f)}: {_step_count_cause(f)}. {_capital(meaning)}.")
+
+
+def _sigma(f: HistoryFinding) -> str:
+    sigma = f.expected
+    return (f"PRIVACY ACCOUNTING: the accountant was told noise multiplier(s) {', '.join(f'{s:.6g}' for s in f.wrong)} "
+            f"({fmt_history(f.history)}){_where(f)}, but the run's is {sigma:g} "
+            f"({f.wrong[0] / sigma if sigma else float('inf'):.4g} x): the epsilon it reports describes other noise "
+            "than the noise added")
+
+
+def _rate(f: HistoryFinding) -> str:
+    q = f.expected
+    accum = (f"; under gradient accumulation (physical batches of {f.physical_batch_size}) the rate of a logical step "
+             "is q, never that of one pass" if f.physical_batch_size else "")
+    return (f"PRIVACY ACCOUNTING: the accountant was told sampling rate(s) {', '.join(f'{r:.6g}' for r in f.wrong)} "
+            f"({fmt_history(f.history)}){_where(f)}, but the sampler draws at q = {q:.6g} ({f.wrong[0] / q:.4g} x q)"
+            f"{accum}: with a smaller q the epsilon it reports is too small")
+
+
+def _epsilon(f: HistoryFinding) -> str:
+    return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}; the "
+            f"suite's own RDP accountant on its history {fmt_history(f.history)} gives {f.want:.4g}"
+            + ("" if f.accountant == "rdp" else f" (a {f.accountant!r} accountant may be tighter than RDP, not below "
+               f"{f.floor:g} x)") + ": the epsilon a user reads is not the one of the steps it was told")
+
+
+def history_message(f: HistoryFinding) -> str:
+    """The ``accountant_mismatch`` message of ``engine.prechecks.accountant_history_problem``'s finding."""
+    if f.kind == "ranks_disagree":
+        told_by = [fmt_history(h) if h is not None else "none" for _, h in f.told_by]
+        return ("the ranks' accountants report different histories for one run: "
+                + "; ".join(f"rank {rank}: {t}" for (rank, _), t in zip(f.told_by, told_by))
+                + _where(f) + ". The accountant is one for the run: ranks that disagree report different epsilons "
+                "for the same release")
+    if f.kind == "epsilons_differ":
+        return f"the ranks report different epsilons for one run ({f.reported}){_where(f)}"
+    return {"step_count": _step_count, "sigma": _sigma, "rate": _rate, "epsilon": _epsilon}[f.kind](f)
+
+
+__all__ = ["HistoryFinding", "fmt_history", "measured_history_message", "history_message"]
