@@ -13,6 +13,8 @@ import torch
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.targets import accounting
 from dpfsdp_verify.properties.analysis.accountant import accountant_problem
+from dpfsdp_verify.properties.analysis.findings import HistoryFinding
+from dpfsdp_verify.properties.wording.accountant import measured_history_message
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from tests.verdict_helpers import without_extra_noise_cases
 
@@ -106,7 +108,9 @@ def test_rate_alone_and_steps_are_named():
     specs, runs, noise, names = _case(told_q=0.125)
     message, _ = accountant_problem(specs, runs, noise, names, 1e-5)
     assert "told q = 0.125 while the sampler draws at q = 0.25" in message and "0.5 x q" in message
-    message, _ = accountant_problem(*_case(told_steps=11)[:4], 1e-5)
+    found, _ = accountant_problem(*_case(told_steps=11)[:4], 1e-5)
+    assert isinstance(found, HistoryFinding) and found.kind == "step_count"  # a finding, worded by wording/
+    message = measured_history_message(found)
     assert "told 11 step(s)" in message and "the run took 12" in message and "fewer" in message
     # fixed batches have no sampling rate to measure: q is not judged
     assert accountant_problem(*_case(told_q=0.01, poisson=False)[:4], 1e-5) is None

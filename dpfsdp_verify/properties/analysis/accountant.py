@@ -32,10 +32,10 @@ that skips empty rounds takes fewer steps than nominal, which ``sampling_account
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, cast
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from ...targets import RunSpec, accounting
-from ..wording.accountant import HistoryFinding, measured_history_message
+from .findings import HistoryFinding
 from .stats import chi2_quantile, chi2_two_sided_p
 
 #: the delta the runs that ask for an epsilon ask it at
@@ -86,12 +86,13 @@ def _noise_by_sigma(spec: RunSpec, noisy, noise, names: Sequence[str]) -> Tuple[
 
 
 def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[str], alpha: float,
-                       evidence: Optional[Dict] = None) -> Optional[Tuple[str, Dict]]:
-    """``(message, evidence)`` when the accountant of a noisy run was told other than what the
+                       evidence: Optional[Dict] = None) -> Optional[Tuple[Union[str, HistoryFinding], Dict]]:
+    """``(problem, evidence)`` when the accountant of a noisy run was told other than what the
     gate measured (module docstring), else ``None`` (also when the target reports no accountant).
     ``runs[i][rank]``: the outputs of ``specs[i]`` (``runs[0]`` noise 0); ``noise[i - 1][step][name]``:
     run i's measured noise; ``alpha``: the case's per-test level. ``evidence``: a dict it fills with
-    what it compared (told and measured sigma and q, both epsilons), pass or fail."""
+    what it compared (told and measured sigma and q, both epsilons), pass or fail. ``problem``: the
+    sentence, or the ``HistoryFinding`` for ``wording.accountant.measured_history_message``."""
     spec, noisy = specs[1], runs[1:]
     if all(o.accountant_history is None for run in noisy for o in run):
         return None
@@ -101,7 +102,7 @@ def accountant_problem(specs: Sequence[RunSpec], runs, noise, names: Sequence[st
     if found is not None:
         if found.kind == "step_count":
             evidence["accountant_history"] = found.history
-        return measured_history_message(found), evidence
+        return found, evidence  # a history finding: worded by the caller (wording.accountant)
     by_sigma, told_rates = _noise_by_sigma(spec, noisy, noise, names)
     total_ss = sum(v[0] for v in by_sigma.values())
     total_n = cast(int, sum(v[1] for v in by_sigma.values()))

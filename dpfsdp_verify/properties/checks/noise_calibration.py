@@ -96,6 +96,7 @@ from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA
 from ..analysis.accountant import accountant_problem
+from ..wording.accountant import measured_history_message
 from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import Case, Outputs, Point, Property
@@ -320,7 +321,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     accounted: Dict = {}
     told = accountant_problem(case.specs, runs, noise, names, case.facts["alpha_per_test"], accounted)
     if told is not None:
-        return case.verdict("fail", "accountant_mismatch", f"{told[0]} ({where})", {**verdict.evidence, **accounted})
+        problem = told[0] if isinstance(told[0], str) else measured_history_message(told[0])
+        return case.verdict("fail", "accountant_mismatch", f"{problem} ({where})", {**verdict.evidence, **accounted})
     return replace(verdict, message=verdict.message + describe_accountant(accounted),
                    evidence={**verdict.evidence, **accounted})
 

@@ -22,7 +22,8 @@ from ...lazy import models
 from ...harness.rank_groups import grouped
 from ...targets import RankOutput, RunSpec
 from ..analysis.compare import frozen_parameters, reference_batch
-from ..wording.accountant import HistoryFinding, history_message
+from ..analysis.findings import HistoryFinding
+from ..wording.accountant import history_message
 
 
 def frozen_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, dict]]:
