@@ -207,12 +207,30 @@ def _serve_dumps(conn: Connection, rank: int, backend: str) -> None:
             os._exit(0)
 
 
+def own_groups() -> int:
+    """How many process groups besides the default one this rank holds (a job's ``new_group``, a
+    ``DeviceMesh`` of its own); -1 where this torch does not say."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    return -1 if names is None else max(0, len(names) - 1)
+
+
 def _renew_group(cfg: RankConfig, store, generation: int) -> None:
     """A fresh default process group after an abort, on its own store prefix (the aborted
     group's keys must not be read by the new one's rendezvous); its flight-recorder entries are
-    told apart from the aborted group's by ``_fr_floor``."""
+    told apart from the aborted group's by ``_fr_floor``.
+
+    Not where the aborted job made process groups of its own: torch keeps meshes on them in caches
+    keyed by a mesh's layout, not its groups (DTensor's sharding propagation hands a later job's
+    gradients the cached mesh), so a renewed rank fails its next FSDP job with "Could not resolve
+    the process group registered under the name 1" (measured: torch 2.13, a specimen sharding on a
+    group of its own, then upstream at the same world size). Such a rank exits: its parent sees
+    it die and ends the group, and the pool starts a fresh one (tests/harness/test_blind_divergence.py)."""
     import torch.distributed as dist
 
+    if dist.is_initialized() and own_groups() != 0:
+        os._exit(0)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -379,5 +397,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["JOB_SEED", "CAPTURE_LIMIT", "PROBE_ENTRIES", "installed_modules", "current_entries",
+__all__ = ["JOB_SEED", "CAPTURE_LIMIT", "own_groups", "PROBE_ENTRIES", "installed_modules", "current_entries",
            "forget_aborted_entries", "dump_state", "probe_state", "main"]

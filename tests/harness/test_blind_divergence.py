@@ -54,6 +54,18 @@ def test_the_blind_correct_target_and_a_slow_rank_are_never_divergent(pool):
     assert all(v.seconds > 2.0 for v in vs), [v.seconds for v in vs]  # the stalls happened
 
 
+def test_a_group_whose_job_made_its_own_process_groups_is_replaced_not_renewed(pool):
+    """A proven deadlock in a job that made process groups of its own (the blind specimen shards on
+    one) ends that group instead of renewing it: renewed, the ranks handed upstream's next FSDP job
+    a cached mesh on a group that no longer existed ("Could not resolve the process group
+    registered under the name 1": every later 2-rank upstream case a rank crash)."""
+    [v] = run(pool, B + "BlindPassDivergence")
+    assert (v.status, v.diagnosis) == ("hang", "step_divergence"), v.message
+    after = props.run("norm_fidelity", "opacus", pool=pool, world_sizes=(2,), models=("mlp",), reductions=("mean",),
+                      dtypes=("float64",), data_layouts=("split",))
+    assert [(x.status, x.diagnosis) for x in after] == [("pass", None)], [x.message for x in after]
+
+
 @pytest.mark.slow
 def test_three_ranks_diverging_blind_as_on_the_gpu_box(pool):
     """The GPU box's shape: local batches [3, 2, 1] in passes of 1 at 3 ranks."""
