@@ -15,6 +15,7 @@ import torch
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.checks import noise_calibration as nc
 from dpfsdp_verify.properties.analysis import noise_stats
+from dpfsdp_verify.properties.analysis.compare import reference_model
 from dpfsdp_verify.properties.engine.contract import Options
 from dpfsdp_verify.properties.analysis.stats import (detectable_std_ratios, kurtosis_z, normal_two_sided_p,
                                                      pairwise_dependence)
@@ -157,7 +158,7 @@ def test_draws_meet_the_power_target_per_shard_as_tested():
             continue
         draws = sum(s.steps for s in case.specs[1:])
         alpha = case.facts["alpha_per_test"]
-        shard = min(k for s in nc.reference_model(case.spec).parameters()
+        shard = min(k for s in reference_model(case.spec).parameters()
                     for k in noise_stats.shard_sizes(s.shape, case.world_size) if k >= nc.POWER_MIN_NUMEL)
         low, high = detectable_std_ratios(shard * draws, alpha, nc.POWER)
         assert max(1 - low, high - 1) <= nc.POWER_STD_ERROR
