@@ -128,11 +128,14 @@ def job_pollute():
     os.environ["DPFSDP_LEAK"] = "1"
     torch.manual_seed(999)
     torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    assert torch.are_deterministic_algorithms_enabled()
     return torch.rand(1).item()
 
 
 def job_observe():
-    return (os.environ.get("DPFSDP_LEAK"), torch.get_default_dtype(), torch.rand(1).item())
+    return (os.environ.get("DPFSDP_LEAK"), torch.get_default_dtype(), torch.rand(1).item(),
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def job_env(name):
@@ -305,8 +308,9 @@ def test_pool_recovers_after_faults(pool):
 
 def test_job_state_does_not_leak_between_jobs(pool):
     first = pool.run(job_pollute, world_size=2).values()
-    leak, dtype, draw = pool.run(job_observe, world_size=2).values()[0]
+    leak, dtype, draw, deterministic, warn_only = pool.run(job_observe, world_size=2).values()[0]
     assert leak is None and dtype == torch.float32
+    assert not deterministic and not warn_only, "torch.use_deterministic_algorithms leaked into the next job"
     torch.manual_seed(0)
     assert draw == torch.rand(1).item(), "every job starts from the same seed"
     assert first[0] != draw

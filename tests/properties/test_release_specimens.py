@@ -71,13 +71,35 @@ def test_noise_scaled_by_max_norm_fails_where_batches_are_below_c(pool):
 
 
 @pytest.mark.parametrize("variant", ["Correct"] + [pytest.param(v, marks=pytest.mark.slow) for v in (
-    "CorrectNoiseFromRankZero", "CorrectSqrtWsAveraged", "CorrectBoxMuller", "CorrectOneBufferSliced")])
+    "CorrectNoiseFromRankZero", "CorrectSqrtWsAveraged", "CorrectBoxMuller", "CorrectOneBufferSliced",
+    "CorrectHashSeededSteps", "CorrectOsEntropySeeds", "CorrectNumpyPoisson", "CorrectGeometricGapPoisson",
+    "CorrectDeterministicAlgorithms")])
 def test_correct_variants_pass(pool, variant):
     target = ("fixtures.specimens:" if variant == "Correct" else R) + variant
     for pid, select in (("trajectory", update_cases), ("deadlock_free", poisson_scenarios)):
         own, found = judged(pool, pid, target, select)
         assert [v.status for v in own] == ["pass"] * len(own), [(v.config, v.message) for v in own]
         assert [(v.status, v.config["releases"]) for v in found] == [("pass", "every run")], [v.message for v in found]
+
+
+def _two_ranks(case):
+    return case.world_size == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,pid", [
+    # a noise stream with no state to carry (hashed per step), or not a function of noise_seed at all
+    # (OS entropy: the contract asks for the seed only "where the target supports one"): the resume
+    # replays nothing, the uninterrupted comparisons are noise-free
+    ("CorrectHashSeededSteps", "checkpoint_resume"), ("CorrectOsEntropySeeds", "checkpoint_resume"),
+    # another RNG (its state carried by the checkpoint) or another way to draw the same masks
+    ("CorrectNumpyPoisson", "sampling_accounting"), ("CorrectNumpyPoisson", "checkpoint_resume"),
+    ("CorrectGeometricGapPoisson", "sampling_accounting"), ("CorrectGeometricGapPoisson", "checkpoint_resume"),
+    ("CorrectDeterministicAlgorithms", "checkpoint_resume")])
+def test_correct_variants_pass_their_own_property(pool, variant, pid):
+    own, found = judged(pool, pid, R + variant, _two_ranks)
+    assert [v.status for v in own] == ["pass"] * len(own), [(v.config, v.message) for v in own]
+    assert all(v.status == "pass" for v in found), [v.message for v in found]
 
 
 @pytest.mark.parametrize("specimen,words", [("AccountantCountsPasses", "one step per physical pass"),
@@ -132,3 +154,35 @@ def test_noise_averaged_at_an_odd_world_size_fails_the_three_rank_runs(pool):
     # the cause ("1/sqrt(3)") is named only where runs at other world sizes contrast it; alone, the
     # three-rank runs are too little noise
     assert all("too little noise" in v.message and "ws=3" in v.message for v in bad), [v.message for v in bad]
+
+
+@pytest.mark.parametrize("variant", ["CorrectNumpyPoisson", "CorrectGeometricGapPoisson"])
+def test_sampler_variants_draw_independent_bernoulli_q_masks(variant):
+    """No ranks: the two samplers written differently are right in fact (so the suite passing them
+    means something): each sample's inclusion frequency is q and a mask's size is Binomial(n, q)
+    (seeded: deterministic; each bound is 6 standard errors), and a restored state continues the
+    stream (what the checkpoint carries)."""
+    import math
+
+    import torch
+
+    from dpfsdp_verify.targets.base import RunSpec
+    from fixtures import release_specimens
+
+    target = getattr(release_specimens, variant)()
+    spec = RunSpec(sampling="poisson", sample_rate=0.25, dataset_size=16, seeding="per_rank")
+    n, q, draws = 16, 0.25, 4000
+    g = target.sampling_generator(spec, 1)
+    masks = target.masks(g, n, q)
+    m = torch.stack([next(masks) for _ in range(draws)]).to(torch.float64)
+    se = math.sqrt(q * (1 - q) / draws)
+    assert (m.mean(0) - q).abs().max() < 6 * se, m.mean(0)
+    sizes = m.sum(1)
+    assert abs(sizes.var().item() - n * q * (1 - q)) < 0.15 * n * q * (1 - q)
+    state = g.get_state()
+    ahead = [next(masks) for _ in range(3)]
+    g.set_state(state)
+    again = target.masks(g, n, q)
+    assert all(torch.equal(a, next(again)) for a in ahead)
+    for rate, expected in ((0.0, 0.0), (1.0, 1.0)):
+        assert next(target.masks(g, n, rate)).to(torch.float64).mean().item() == expected
