@@ -48,14 +48,12 @@ class LazyModule(types.ModuleType):
 
 if TYPE_CHECKING:
     import torch as torch
-    import torch.distributed as dist
 
     from . import models as models
     from . import reference as reference
 else:
     torch = LazyModule("torch")
-    dist = LazyModule("torch.distributed")
     models = LazyModule("dpfsdp_verify.models")
     reference = LazyModule("dpfsdp_verify.reference")
 
-__all__ = ["LazyModule", "dist", "models", "reference", "torch"]
+__all__ = ["LazyModule", "models", "reference", "torch"]
