@@ -153,7 +153,7 @@ def test_correct_passes_and_an_unclipped_layer_fails_small(pool):
 def test_correct_passes_at_every_world_size_at_the_default_size(pool):
     vs = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(1, 2, 3), pool=pool,
                    meshes=("hsdp:2x2",))
-    audits = [v for v in vs if v.config.get("world_size") in (1, 2, 3)]
+    audits = list(vs)
     assert [(v.config["world_size"], v.config.get("mesh"), v.status) for v in audits] == [
         (1, None, "pass"), (2, None, "pass"), (3, None, "pass"), (4, "hsdp:2x2", "pass")], [v.message for v in audits]
     for v in audits:
