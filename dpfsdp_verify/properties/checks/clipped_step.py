@@ -11,7 +11,9 @@ The clip bound C is set between the middle two reference norms of the global bat
 samples are clipped and some are not: a missing ``min(1, .)`` or a wrong norm both show. The tiny
 models' norms lie within ~10x of each other, so one extra run per world size (fixed sampling, the
 first model, reduction and dtype) clips at C = min norm/100: every sample at >= 100 C, where a
-floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows. Split data by default
+floored coefficient (``max(coef, f)``, any f >= 0.01) or a wrong bound shows; that run's local batch
+is ``WIDE_LOCAL_BATCH`` = 64 (the largest exploration draws), so a clip that goes wrong only far
+down a batch (rows >= 40 left unclipped) fails every gate run, not only a lucky draw. Split data by default
 (opacus defines the FSDP step for a ``DistributedSampler`` over the global data). Under Poisson
 sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
 the reference recomputes it on the realised batch (the union of what the ranks drew) with the
@@ -47,6 +49,7 @@ from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference
+from ...space import AXES
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
 from ...verdict import Verdict
@@ -90,6 +93,9 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 #: least 100 C, so a clip coefficient floored at f >= 0.01 (or any other error that only shows far
 #: above C) changes every sample's weight
 WIDE_CLIP = 0.01
+#: the wide case's local batch (no accumulation, fp32): the largest exploration draws
+#: (``space`` axis ``local_batch``), so every row index a drawn batch can reach is in every gate run
+WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]
 #: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world
 #: size > 1. Every default model's dim 0 is at least 8 (``models``), so this case alone holds a
 #: parameter with fewer rows than ranks: FSDP2 leaves all but one rank an empty shard of it, where
@@ -129,7 +135,11 @@ def cases(point: Point):
     # smallest norm (fixed sampling, the first model/reduction/dtype: the coefficient's shape does
     # not depend on them) shows what the coefficient does far above C
     if point.sampling == "fixed" and point.first_of_axes(MODELS, REDUCTIONS, DTYPES):
-        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip)))
+        # at the largest local batch exploration draws (WIDE_LOCAL_BATCH): a row of the clip that only
+        # goes wrong far down a batch (a kernel's second tile) is in the floor, not left to a draw
+        wide = ready if p or spec.precision != "fp32" else ready.with_(
+            global_batch_size=WIDE_LOCAL_BATCH * point.world_size)
+        specs.append(wide.with_(max_grad_norm=norm_picked(wide, _wide_clip)))
     elif point.sampling == "fixed" and spec.precision != "fp32" and _first_bf16(point):
         # bf16 compute runs in float32 only, so the first_of_axes point above is never a bf16 one: its
         # first point runs the small C too, and a C no sample reaches (BF16_LOOSE_CLIP x the largest
