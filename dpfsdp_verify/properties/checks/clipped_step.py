@@ -95,7 +95,7 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 WIDE_CLIP = 0.01
 #: the wide case's local batch (no accumulation, fp32): the largest exploration draws
 #: (``space`` axis ``local_batch``), so every row index a drawn batch can reach is in every gate run
-WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]
+WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]  # type: ignore[attr-defined]
 #: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world
 #: size > 1. Every default model's dim 0 is at least 8 (``models``), so this case alone holds a
 #: parameter with fewer rows than ranks: FSDP2 leaves all but one rank an empty shard of it, where
