@@ -18,7 +18,11 @@ down a batch (rows >= 40 left unclipped) fails every gate run, not only a lucky 
 sampling (the sampling axis, ``Point.spec``) the step is one step of DP-SGD's own Poisson sampling:
 the reference recomputes it on the realised batch (the union of what the ranks drew) with the
 normalisation opacus defines for ``"mean"``, the expected batch size ``int(q * N)``, not the
-realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``). With the option
+realised one (and not q * N: the default dataset makes q * N fractional, ``poisson_dataset_size``).
+One step's realised batch is a few samples, often all clipped or all unclipped (at run seed 1 the
+1-rank case draws one clipped sample), so each Poisson case also runs ``SHORT_POISSON_STEPS`` = 8
+steps of the same sampling at lr 0 and the same C in its job (``short_poisson_spec``), each step
+judged on its realised batch as the long run is. With the option
 ``physical_batch_size`` p (CLI ``--physical-batch-size``) the step
 is computed by gradient accumulation in physical passes of at most p samples (fixed local batches
 of p + 1: two passes, the last one shorter than p for p >= 2 -- local 3 at p = 2 is [2, 1], local 4
@@ -43,7 +47,7 @@ names the first wrong step ("from step k (epoch e) on"), how many followed, and 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
 from ...lazy import torch
@@ -96,6 +100,8 @@ WIDE_CLIP = 0.01
 #: the wide case's local batch (no accumulation, fp32): the largest exploration draws
 #: (``space`` axis ``local_batch``), so every row index a drawn batch can reach is in every gate run
 WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]  # type: ignore[attr-defined]
+#: the lr-0 steps each Poisson case runs beside its one step (``short_poisson_spec``)
+SHORT_POISSON_STEPS = 8
 #: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world
 #: size > 1. Every default model's dim 0 is at least 8 (``models``), so this case alone holds a
 #: parameter with fewer rows than ranks: FSDP2 leaves all but one rank an empty shard of it, where
@@ -148,8 +154,11 @@ def cases(point: Point):
         # bound (0.7x it on the mlp); with every sample below C/2 it scales each by >= 2
         specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip)))
         specs.append(ready.with_(max_grad_norm=norm_picked(ready, _loose_clip)))
-    yield point.case(ready, specs, doing="one DP step with noise 0"
-                     + (" at a mid-norm C and at C = min norm/100" if len(specs) > 1 else "")
+    elif spec.poisson and not p and spec.precision == "fp32":
+        specs.append(short_poisson_spec(ready))
+    yield point.case(ready, specs, doing="one DP step with noise 0" + (
+        f" and {SHORT_POISSON_STEPS} at lr 0" if len(specs) > 1 and specs[1].steps > 1 else
+        " at a mid-norm C and at C = min norm/100" if len(specs) > 1 else "")
                      + (f" and C = {BF16_LOOSE_CLIP:g} x max norm" if len(specs) > 2 else ""))
     if horizon_point(point, MODELS, REDUCTIONS, DTYPES):
         # the long run (horizon.py): every step of a long Poisson run against the reference step on its
@@ -164,6 +173,17 @@ def cases(point: Point):
             # a job of its own: a crash re-runs every run of a shared job one by one
             yield point.case(short, doing="one DP step with noise 0 on a layer with fewer rows than ranks",
                              labels={"model_kwargs": dict(SHORT_LAYER_DIMS)}, isolate=True)
+
+
+def short_poisson_spec(ready: RunSpec) -> RunSpec:
+    """Beside a Poisson point's one step: ``SHORT_POISSON_STEPS`` steps of the same sampling at lr
+    0 and the same C, each judged against the reference step on its realised batch (as the long run
+    is). One step's realised batch is a few samples (2.5 expected at one rank), often all on one
+    side of C, where a missing ``min(1, .)`` or a wrong bound cannot show; over these steps every
+    sample of the dataset is drawn about twice (a sample below C is never drawn with probability
+    ~(1-q)^steps = 1e-1 each, all five of the mid-norm split's with ~1e-5)."""
+    per_epoch = ready.steps_per_epoch
+    return ready.with_(steps=SHORT_POISSON_STEPS, epochs=-(-SHORT_POISSON_STEPS // per_epoch), lr=0.0)
 
 
 def _wide_clip(norms: torch.Tensor) -> float:
@@ -216,6 +236,15 @@ def judge(case: Case, runs: Outputs) -> Verdict:
     evidence: Dict[str, Any] = {}
     passed = []
     for j, (spec, outputs) in enumerate(zip(case.specs, runs[0])):
+        if j and spec.steps > 1:  # a Poisson case's lr-0 steps (short_poisson_spec)
+            v = judge_horizon(case, outputs, spec)
+            evidence["short_run"] = v.evidence
+            if v.status != "pass":
+                return case.verdict("fail", "mismatch", (
+                    f"the one step passes; in the {spec.steps} lr-0 steps run beside it (every sample drawn "
+                    f"about twice, some clipped and some not): {v.message}"), evidence)
+            passed.append(f"{spec.steps} more steps at lr 0 each equal the reference")
+            continue
         tag = TAGS[j]
         problem = judge_spec(case, spec, outputs, evidence, tag)
         if problem:
@@ -242,10 +271,11 @@ def judge(case: Case, runs: Outputs) -> Verdict:
         f"{fmt(max(errs))})"), evidence)
 
 
-def judge_horizon(case: Case, outputs) -> Verdict:
-    """The long run: each step's released gradient (noise 0, lr 0) against the reference DP-SGD step
-    on that step's realised batch; a failure names the first wrong step and how many followed."""
-    spec, ws = case.spec, case.world_size
+def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdict:
+    """The long run (or a Poisson case's short lr-0 run, ``spec``): each step's released gradient
+    (noise 0, lr 0) against the reference DP-SGD step on that step's realised batch; a failure
+    names the first wrong step and how many followed."""
+    spec, ws = spec or case.spec, case.world_size
     rtol, atol = tolerance(spec.dtype)
     steps = min(len(o.steps) for o in outputs)
     per_epoch = spec.steps_per_epoch
