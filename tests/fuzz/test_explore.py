@@ -232,3 +232,27 @@ def test_nccl_exploration_draws_no_more_ranks_than_gpus(monkeypatch):
     monkeypatch.undo()
     assert explore.explore_property(PROPERTIES["clipped_step"], Options(target="opacus"), 5.0, None,
                                     max_world_size=0) == []
+
+
+def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge(pool):
+    """``deadlock_free``'s draws run with noise on (``explore_prepare``: >= 2 steps, sigma 1, C at the
+    drawn quantile, the drawn lr); inside the gate's ledger their releases are judged like every
+    run's. The noise scaled by min(lr, 1) -- right in every lr-0 noise case -- fails on the first
+    drawn lr (the smallest, 0.01: 1% of the noise), naming the run made for deadlock_free; Correct's
+    draws pass both."""
+    from dpfsdp_verify.properties.engine import releases
+
+    prop = PROPERTIES["deadlock_free"]
+    assert prop.explore is not None
+    for target, status in (("fixtures.release_specimens:NoiseScaledByLr", "fail"),
+                           ("fixtures.specimens:Correct", "pass")):
+        opts = Options(target=target, seed=3)
+        ledger = releases.Ledger()
+        with releases.collecting(ledger):
+            own, = explore.explore_property(prop, opts, 0.5, pool, max_world_size=2)
+        assert own.status == "pass" and own.evidence["explored"] is True, own.message  # every draw finished
+        judged = ledger.verdicts(prop.with_defaults(opts))
+        assert judged and {v.status for v in judged} == {status}, [v.message[:300] for v in judged]
+        if status == "fail":
+            assert all(v.diagnosis == "mismatch" and "made for deadlock_free" in v.message for v in judged)
+            assert "PRIVACY VIOLATION" in judged[0].message
