@@ -217,7 +217,8 @@ def _first_bf16(point: Point) -> bool:
 def _runs_default_bf16(point: Point, spec: RunSpec) -> bool:
     """Whether ``point`` adds the bf16 forms' cases of a run that selected no precision: the first
     point (fixed sampling, first model, reduction and dtype, fp32, no accumulation) of the smallest
-    1-D world size; not when the run's dtypes leave float32 out (bf16 compute runs over float32)."""
+    1-D world size; not when the run's dtypes leave float32 out (bf16 compute runs over
+    float32)."""
     o = point.options
     return (o.precisions is None and (o.dtypes is None or "float32" in o.dtypes) and bool(o.world_sizes) and point.world_size == min(o.world_sizes)
             and not point.mesh and point.sampling == "fixed" and spec.precision == "fp32"
