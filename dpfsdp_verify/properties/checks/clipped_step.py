@@ -220,7 +220,8 @@ def _runs_default_bf16(point: Point, spec: RunSpec) -> bool:
     1-D world size; not when the run's dtypes leave float32 out (bf16 compute runs over
     float32)."""
     o = point.options
-    return (o.precisions is None and (o.dtypes is None or "float32" in o.dtypes) and bool(o.world_sizes) and point.world_size == min(o.world_sizes)
+    return (o.precisions is None and (o.dtypes is None or "float32" in o.dtypes) and bool(o.world_sizes)
+            and point.world_size == min(o.world_sizes)
             and not point.mesh and point.sampling == "fixed" and spec.precision == "fp32"
             and not spec.physical_batch_size and point.first_of_axes(MODELS, REDUCTIONS, DTYPES))
 
