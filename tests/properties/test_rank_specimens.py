@@ -28,7 +28,9 @@ def _options(target, *flags):
 def node_cases(pid, target):
     prop = PROPERTIES[pid]
     opts = prop.with_defaults(_options(target))
-    cases = [c for c in prop.plan(opts) if isinstance(c, Case) and c.world_size == opts.node_world_size]
+    # the node cases of the plan (``Property.plan`` appends ``nodes_plan``'s; planning the matrix costs seconds)
+    cases = [c for c in prop.nodes_plan(opts) if isinstance(c, Case)]
+    assert all(c.world_size == opts.node_world_size == 4 for c in cases)
     assert cases
     return prop, cases
 
@@ -58,8 +60,10 @@ def test_the_default_gate_plans_the_node_cases_at_4_ranks():
     assert float(norms.min()) < spec.max_grad_norm < float(norms.max())
     off = _options("fixtures.specimens:Correct", "--node-world-size", "0")
     assert off.node_world_size == 0
-    assert not [c for c in PROPERTIES["norm_fidelity"].plan(PROPERTIES["norm_fidelity"].with_defaults(off))
-                if isinstance(c, Case) and c.world_size == 4]
+    assert PROPERTIES["norm_fidelity"].nodes_plan(PROPERTIES["norm_fidelity"].with_defaults(off)) == []
+    # the plan carries them after the matrix and the 3-rank cases
+    prop = PROPERTIES["sampling_accounting"]
+    assert [c.world_size for c in prop.plan(prop.with_defaults(opts)) if isinstance(c, Case)][-1] == 4
 
 
 @pytest.mark.parametrize("value", ["3", "5", "2", "-1"])

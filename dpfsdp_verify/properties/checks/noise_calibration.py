@@ -105,7 +105,8 @@ from ..engine.horizon import horizon_labels, horizon_point, horizon_spec, node_s
 from ..engine.releases import DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
 from ..analysis.releases import decompose, detectable_ratio, run_tests, tests_of
-from ..wording.releases import finding_message, node_pass_message
+from ..wording.releases import finding_message, node_layout_note, node_pass_message
+from ...harness.launch import local_world_size
 from ...verdict import config_label
 from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
@@ -308,8 +309,10 @@ def _judge_nodes(case: Case, outputs: Outputs) -> Verdict:
     if f is not None:
         evidence.update(finding=f.kind, scope=f.scope, finding_steps=list(f.steps), finding_ranks=list(f.ranks),
                         std_ratio=f.ratio, p=f.p)
+        local = local_world_size(case.world_size)
+        note = node_layout_note(f.ranks, case.world_size, local) if f.scope in ("rank", "run") else ""
         return case.verdict("fail", RELEASE_DIAGNOSIS[f.kind],
-                            finding_message(f, PROPERTY.id, config_label(case.config()), run, alpha), evidence)
+                            finding_message(f, PROPERTY.id, config_label(case.config()), run, alpha) + note, evidence)
     df = sum(c.df for c in run.cells)
     return case.verdict("pass", None, node_pass_message(run, tests, alpha, detectable_ratio(df, alpha)), evidence)
 
