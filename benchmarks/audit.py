@@ -1,6 +1,7 @@
 """The privacy audit's false alarms, power and cost (``privacy_audit``, docs/audit.md).
 
-    python benchmarks/audit.py --false-alarms N [--world-sizes 1] [--seed S] [--canaries M --steps T]
+    python benchmarks/audit.py --false-alarms N [--world-sizes 1] [--meshes hsdp:2x2] [--seed S]
+                               [--canaries M --steps T]
     python benchmarks/audit.py --power R [--clip-factors 2,3,4] [--noise-factors 0.5,0.35,0.25] [--world-sizes 1]
     python benchmarks/audit.py --simulate N [--canaries M --steps T]
 
@@ -42,11 +43,12 @@ from dpfsdp_verify.targets import accounting  # noqa: E402
 from fixtures.audit_specimens import CLIP_FACTOR_ENV, NOISE_FACTOR_ENV  # noqa: E402
 
 
-def audits(pool, target, seeds, world_sizes, size, modes=None):
-    """``[(seed, verdict)]`` of the audit on ``target`` for each run seed."""
+def audits(pool, target, seeds, world_sizes, size, modes=None, meshes=()):
+    """``[(seed, verdict)]`` of the audit on ``target`` for each run seed (at ``world_sizes`` and on
+    the 2-D ``meshes``)."""
     out = []
     for seed in seeds:
-        kw = dict(world_sizes=world_sizes, seed=seed, pool=pool, **size)
+        kw = dict(world_sizes=world_sizes, seed=seed, pool=pool, meshes=meshes, **size)
         if modes:
             kw["modes"] = modes
         for v in props.run("privacy_audit", target, **kw):
@@ -94,15 +96,17 @@ def main(argv=None):
     ap.add_argument("--simulate", type=int, default=0, metavar="N")
     ap.add_argument("--clip-factors", default="2,3,4")
     ap.add_argument("--noise-factors", default="0.5,0.35,0.25")
-    ap.add_argument("--world-sizes", default="1")
+    ap.add_argument("--world-sizes", default="1", help="comma-separated; '' for none (meshes only)")
+    ap.add_argument("--meshes", default="", help="2-D meshes too, e.g. hsdp:2x2")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--canaries", type=int, default=pa.CANARIES)
     ap.add_argument("--steps", type=int, default=pa.STEPS)
     args = ap.parse_args(argv)
     size = dict(audit_canaries=args.canaries, audit_steps=args.steps)
-    ws = tuple(int(w) for w in args.world_sizes.split(","))
+    ws = tuple(int(w) for w in args.world_sizes.split(",") if w)
+    meshes = tuple(m for m in args.meshes.split(",") if m)
     print(f"privacy_audit: {args.canaries} canaries, {args.steps} steps, q={pa.SAMPLE_RATE:g}, sigma={pa.SIGMA:g}, "
-          f"delta={pa.DELTA:g}; world sizes {ws}", flush=True)
+          f"delta={pa.DELTA:g}; world sizes {ws}" + (f", meshes {meshes}" if meshes else ""), flush=True)
     if args.simulate:
         t0 = time.monotonic()
         flagged, eps, claimed = simulate(args.simulate, size, args.seed)
@@ -124,14 +128,16 @@ def main(argv=None):
             rows = []
             for start in range(args.seed, args.seed + args.false_alarms, 20):  # a line every 20 seeds
                 rows += audits(pool, "fixtures.specimens:Correct",
-                               range(start, min(start + 20, args.seed + args.false_alarms)), ws, size)
+                               range(start, min(start + 20, args.seed + args.false_alarms)), ws, size,
+                               meshes=meshes)
                 summary(rows, f"Correct (false alarms), seeds {args.seed}..{start + 19}")
         if args.power:
             seeds = range(args.seed + 100_000, args.seed + 100_000 + args.power)
             for env, name, factors in ((CLIP_FACTOR_ENV, "ClipBoundScaled", args.clip_factors),
                                        (NOISE_FACTOR_ENV, "NoiseScaled", args.noise_factors)):
                 for f in factors.split(","):
-                    rows = audits(pool, f"fixtures.audit_specimens:{name}", seeds, ws, size, modes={f"x{f}": {env: f}})
+                    rows = audits(pool, f"fixtures.audit_specimens:{name}", seeds, ws, size, modes={f"x{f}": {env: f}},
+                                  meshes=meshes)
                     summary(rows, f"{name} x{f}")
     finally:
         pool.close()

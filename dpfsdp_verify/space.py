@@ -271,6 +271,21 @@ class Configuration:
         return combination_problem(**self.__dict__)
 
 
+def mesh_problem(mesh: str, sampling: str = "fixed", physical_batch_size: int = 0, resume_at: int = 0,
+                 data_layout: str = "split") -> Optional[str]:
+    """Why a 2-D mesh cannot run this loop (``None`` if it can, or for ``mesh=""``): split data only,
+    no accumulation or resume; Poisson sampling on HSDP only (every rank of an HSDP mesh is a
+    data-parallel rank, so its Poisson sampler is the 1-D one; a data x TP mesh would need its TP peers
+    to draw the same mask, which no target contract says how to do)."""
+    if not mesh:
+        return None
+    if physical_batch_size or resume_at or data_layout != "split":
+        return (f"mesh {mesh}: 2-D meshes run split batches only (no accumulation, resume or replicated data)")
+    if sampling != "fixed" and not mesh.startswith("hsdp:"):
+        return f"mesh {mesh}: Poisson sampling runs on HSDP meshes only (hsdp:RxS), not on data x tensor parallel"
+    return None
+
+
 def combination_problem(world_size: int = 1, dtype: str = "float64", precision: str = "fp32",
                         sampling: str = "fixed", sample_rate: Optional[float] = None,
                         samples_per_rank: Optional[int] = None, physical_batch_size: int = 0, resume_at: int = 0,
@@ -279,9 +294,9 @@ def combination_problem(world_size: int = 1, dtype: str = "float64", precision: 
     once in the space's terms (``RunSpec.__post_init__`` enforces the same on a spec)."""
     if precision != "fp32" and dtype != "float32":
         return f"precision {precision} is bf16 compute over float32 parameters: it needs dtype float32, not {dtype}"
-    if mesh and (sampling != "fixed" or physical_batch_size or resume_at or data_layout != "split"):
-        return (f"mesh {mesh}: 2-D meshes run fixed, split batches only (no Poisson, accumulation, resume or "
-                "replicated data)")
+    problem = mesh_problem(mesh, sampling, physical_batch_size, resume_at, data_layout)
+    if problem:
+        return problem
     if resume_at and physical_batch_size:
         return "resume_at with physical_batch_size: resume without accumulation"
     if resume_at and resume_at >= steps:

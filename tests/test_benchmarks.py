@@ -47,3 +47,42 @@ def test_benchmark_script_quick_form_runs_every_section(tmp_path):
         assert hang["gate_hook_collective_hang_verdicts"] == hang["gate_hook_collective_verdicts"] > 0
     finally:
         assert_no_ranks(tag)
+
+
+def test_gate_runs_counts_a_run_that_does_not_exit_0_and_its_unexpected_verdicts(tmp_path, monkeypatch):
+    """``benchmarks/gate_runs.py`` (whole default-gate runs, docs/benchmarks.md): each run's exit code
+    and the report's non-passing verdicts that are not expected are what it counts; an expected
+    failure (``--expect``, upstream) and a skip are not false alarms. The CLI is replaced by a fake
+    that writes a report (the real gate runs take a minute each)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gate_runs
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        target, seed = cmd[cmd.index("--target") + 1], int(cmd[cmd.index("--seed") + 1])
+        bad = target == "opacus" and seed == 2
+        results = [{"property": "clipped_step", "status": "pass", "config": {}, "expected": False},
+                   {"property": "clipped_step", "status": "fail", "diagnosis": "mismatch", "config": {},
+                    "expected": target == "opacus" and not bad, "message": "m"},
+                   {"property": "deadlock_free", "status": "pass", "config": {"explore": {"draws": 3}},
+                    "expected": False},
+                   {"property": "privacy_audit", "status": "skip", "config": {}, "expected": False}]
+        if target != "opacus":
+            results = [r for r in results if r["status"] != "fail"]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"results": results}, f)
+        return subprocess.CompletedProcess(cmd, 1 if bad else 0, "", "")
+
+    monkeypatch.setattr(gate_runs.subprocess, "run", fake_run)
+    out = tmp_path / "runs.jsonl"
+    assert gate_runs.main(["--runs", "2", "--seed", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["target"], r["seed"], r["exit"]) for r in rows] == [
+        ("fixtures.specimens:Correct", 1, 0), ("opacus", 1, 0), ("fixtures.specimens:Correct", 2, 0), ("opacus", 2, 1)]
+    assert all("--expect" in c for c in calls if "opacus" in c) and not any("--expect" in c for c in calls
+                                                                             if "opacus" not in c)
+    assert [len(r["unexpected"]) for r in rows] == [0, 0, 0, 1] and all(r["explored"] == 3 for r in rows)

@@ -2,7 +2,7 @@
 (``dpfsdp-verify run --explore SECONDS``, docs/explore.md).
 
 The fixed cases are points someone picked; a bug one step outside them (rows >= 40 of a local
-batch left unclipped, where the largest fixed local batch is 33; a clip that only breaks in
+batch left unclipped, when the largest fixed local batch was 33 -- the floor now runs 64; a clip that only breaks in
 float32 at lr 0.3 at 4 ranks) passes every one of them. Each property with an ``explore`` recipe
 (``contract.ExploreRecipe``) therefore spends a share of the run's exploration budget on
 configurations hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'

@@ -236,9 +236,12 @@ class RunSpec:
             from .mesh import Mesh
 
             Mesh.parse(self.mesh)  # MeshError (a ValueError) for a malformed name
-            if self.sampling != "fixed" or self.physical_batch_size or self.resume_at or self.data_layout != "split":
-                raise ValueError(f"mesh {self.mesh!r}: 2-D meshes run fixed, split batches only (no Poisson, "
-                                 "accumulation, resume or replicated data)")
+            from ..space import mesh_problem
+
+            problem = mesh_problem(self.mesh, self.sampling, self.physical_batch_size, self.resume_at,
+                                   self.data_layout)
+            if problem:
+                raise ValueError(problem)
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.precision != "fp32" and self.dtype != "float32":

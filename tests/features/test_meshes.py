@@ -66,8 +66,14 @@ def test_mesh_names_and_specs_refuse_what_they_cannot_run():
     for bad in ("hsdp", "hsdp:2", "ring:2x2", "tp:0x2", "hsdp:2x2x2"):
         with pytest.raises(MeshError):
             Mesh.parse(bad)
-    with pytest.raises(ValueError, match="fixed, split batches only"):
-        RunSpec(mesh=HSDP, sampling="poisson", sample_rate=0.25, dataset_size=16)
+    with pytest.raises(ValueError, match="Poisson sampling runs on HSDP meshes only"):
+        RunSpec(mesh=TP, sampling="poisson", sample_rate=0.25, dataset_size=16)
+    with pytest.raises(ValueError, match="split batches only"):
+        RunSpec(mesh=HSDP, physical_batch_size=2)
+    with pytest.raises(ValueError, match="split batches only"):
+        RunSpec(mesh=HSDP, data_layout="replicated")
+    # every rank of an HSDP mesh is a data-parallel rank: its Poisson sampler is the 1-D one
+    assert RunSpec(mesh=HSDP, sampling="poisson", sample_rate=0.25, dataset_size=16).poisson
     with pytest.raises(ValueError, match="has 4 ranks, not 2"):
         RunSpec(mesh=HSDP).check_world_size(2)
     # a 1-D spec's JSON line is what it was before meshes existed; a mesh spec round-trips

@@ -158,3 +158,35 @@ def test_missing_clip_min_fails_under_bf16(pool):
         e = v.evidence
         assert {"wide_rank0_grad_error", "loose_rank0_grad_error"} <= set(e)
         assert e["loose_rank0_grad_error"] < 0.1 * e["loose_gradient_error_bound"]
+
+
+def default_bf16_cases(target):
+    """The bf16 cases of the default gate's plan (no --precisions): clipped_step's, one per form."""
+    from dpfsdp_verify.gate.plan import RunPlan
+    from dpfsdp_verify.properties.engine.contract import Case
+
+    prop = PROPERTIES["clipped_step"]
+    opts = prop.with_defaults(RunPlan.from_args(cli.build_parser().parse_args(
+        ["run", "--target", target, "--seed", "1"])).options)
+    assert opts.precisions is None
+    found = [c for c in prop.plan(opts) if isinstance(c, Case) and c.spec.precision != "fp32"]
+    assert [c.spec.precision for c in found] == list(FORMS) and all(c.world_size == 1 for c in found)
+    return prop, found
+
+
+def test_the_default_gate_judges_each_bf16_form_once_where_the_target_declares_it(pool):
+    """A missing min(1, .) under bf16 only passed every case of a gate run without --precisions (all
+    fp32); the default plan now has clipped_step's bf16 case per form at the smallest world size:
+    the specimen fails both, Correct passes, a target that declares no bf16 form gets a skip there
+    (with --precisions, the failing "not checkable" verdict)."""
+    from dpfsdp_verify.properties.engine.runner import judge_cases
+
+    prop, cases = default_bf16_cases(P + "NoClipMinUnderBF16")
+    bad = judge_cases(prop, cases, pool, 120.0)
+    assert [(v.status, v.diagnosis) for v in bad] == [("fail", "mismatch")] * 2, [v.message for v in bad]
+    assert all("every coefficient must be 1" in v.message for v in bad)
+    prop, cases = default_bf16_cases(CORRECT)
+    assert_all_pass(judge_cases(prop, cases, pool, 120.0))
+    prop, cases = default_bf16_cases(P + "NoMixedPrecision")
+    skipped = judge_cases(prop, cases, pool, 120.0)
+    assert [v.status for v in skipped] == ["skip", "skip"] and "does not declare mixed precision" in skipped[0].message

@@ -109,6 +109,28 @@ def test_the_explored_bug_fails_its_configuration_and_correct_passes_it(pool):
     assert good.status == "pass", good.message
 
 
+def test_the_fixed_floor_reaches_every_row_a_draw_can(pool):
+    """``clipped_step``'s wide case (C = min norm/100) runs at the largest local batch exploration
+    draws: the default gate's own ws=1 case fails the rows-from-40 specimen without a draw, and
+    passes Correct."""
+    from dpfsdp_verify.gate.plan import RunPlan
+    from dpfsdp_verify.properties.checks.clipped_step import WIDE_LOCAL_BATCH
+    from dpfsdp_verify.properties.engine.runner import judge_cases
+    from dpfsdp_verify.space import AXES
+
+    assert WIDE_LOCAL_BATCH == AXES["local_batch"].explore[1] > FIRST_UNCLIPPED_ROW
+    for target, status in ((SPECIMEN, "fail"), ("fixtures.specimens:Correct", "pass")):
+        opts = RunPlan.from_args(cli.build_parser().parse_args(["run", "--target", target, "--seed", "3"])).options
+        opts = CLIPPED.with_defaults(opts)
+        case, = [c for c in CLIPPED.plan(opts)
+                 if getattr(c, "world_size", 0) == 1 and len(getattr(c, "specs", ())) == 2]
+        assert case.specs[1].global_batch_size == WIDE_LOCAL_BATCH
+        v, = judge_cases(CLIPPED, [case], pool, 120.0)
+        assert v.status == status, v.message
+        if status == "fail":
+            assert v.diagnosis == "mismatch" and "C = min norm/100" in v.message
+
+
 @pytest.mark.slow
 def test_an_odd_local_batch_under_sum_is_a_configuration_only_a_draw_reaches(pool):
     """``DivisorFromLocalBatchUnderSum`` divides by the world size only when a rank's local batch is
@@ -211,3 +233,27 @@ def test_nccl_exploration_draws_no_more_ranks_than_gpus(monkeypatch):
     monkeypatch.undo()
     assert explore.explore_property(PROPERTIES["clipped_step"], Options(target="opacus"), 5.0, None,
                                     max_world_size=0) == []
+
+
+def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge(pool):
+    """``deadlock_free``'s draws run with noise on (``explore_prepare``: >= 2 steps, sigma 1, C at the
+    drawn quantile, the drawn lr); inside the gate's ledger their releases are judged like every
+    run's. The noise scaled by min(lr, 1) -- right in every lr-0 noise case -- fails on the first
+    drawn lr (the smallest, 0.01: 1% of the noise), naming the run made for deadlock_free; Correct's
+    draws pass both."""
+    from dpfsdp_verify.properties.engine import releases
+
+    prop = PROPERTIES["deadlock_free"]
+    assert prop.explore is not None
+    for target, status in (("fixtures.release_specimens:NoiseScaledByLr", "fail"),
+                           ("fixtures.specimens:Correct", "pass")):
+        opts = Options(target=target, seed=3)
+        ledger = releases.Ledger()
+        with releases.collecting(ledger):
+            own, = explore.explore_property(prop, opts, 0.5, pool, max_world_size=2)
+        assert own.status == "pass" and own.evidence["explored"] is True, own.message  # every draw finished
+        judged = ledger.verdicts(prop.with_defaults(opts))
+        assert judged and {v.status for v in judged} == {status}, [v.message[:300] for v in judged]
+        if status == "fail":
+            assert all(v.diagnosis == "mismatch" and "made for deadlock_free" in v.message for v in judged)
+            assert "PRIVACY VIOLATION" in judged[0].message

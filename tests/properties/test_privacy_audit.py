@@ -23,6 +23,7 @@ A = "fixtures.audit_specimens:"
 PROP = PROPERTIES["privacy_audit"]
 #: small enough for the README's test command: 300 canaries, 30 steps
 SMALL = dict(audit_canaries=300, audit_steps=30)
+HSDP = "hsdp:2x2"
 
 
 def plan_of(*args):
@@ -152,14 +153,13 @@ def test_correct_passes_and_an_unclipped_layer_fails_small(pool):
 def test_correct_passes_at_every_world_size_at_the_default_size(pool):
     vs = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(1, 2, 3), pool=pool,
                    meshes=("hsdp:2x2",))
-    audits = [v for v in vs if v.config.get("world_size") in (1, 2, 3)]
-    assert [(v.config["world_size"], v.status) for v in audits] == [(1, "pass"), (2, "pass"), (3, "pass")], \
-        [v.message for v in audits]
+    audits = list(vs)
+    assert [(v.config["world_size"], v.config.get("mesh"), v.status) for v in audits] == [
+        (1, None, "pass"), (2, None, "pass"), (3, None, "pass"), (4, "hsdp:2x2", "pass")], [v.message for v in audits]
     for v in audits:
         assert v.evidence["canaries"] == pa.CANARIES and v.evidence["steps"] == pa.STEPS
         assert v.evidence["eps_lb"] < 0.6 * v.evidence["claimed_epsilon"]  # measured 0.16-0.27 (docs/audit.md)
-    mesh, = [v for v in vs if v.config.get("mesh")]
-    assert mesh.status == "skip" and "does not run on 2-D meshes" in mesh.message
+    assert "(hsdp:2x2)" in audits[-1].message
 
 
 @pytest.mark.slow
@@ -169,17 +169,34 @@ def test_correct_passes_at_every_world_size_at_the_default_size(pool):
     ("EveryCanaryEveryStep", (1, 2), SMALL),  # every canary in every batch: 10x the work per step
 ])
 def test_leaking_specimens_fail_with_audit_violation(pool, name, world_sizes, size):
-    vs = props.run("privacy_audit", A + name, world_sizes=world_sizes, pool=pool, **size)
-    assert len(vs) == len(world_sizes)
+    vs = props.run("privacy_audit", A + name, world_sizes=world_sizes, pool=pool, meshes=(HSDP,), **size)
+    assert len(vs) == len(world_sizes) + 1
     for v in vs:
         check_violation(v, size.get("audit_steps", pa.STEPS), size.get("audit_canaries", pa.CANARIES))
+    assert vs[-1].config["mesh"] == HSDP and f"({HSDP})" in vs[-1].message
+
+
+def test_on_an_hsdp_mesh_correct_passes_and_a_shard_without_noise_fails_small(pool):
+    """The audit on HSDP (Poisson sampling on every rank, FSDP sharding over the mesh's columns,
+    replicas over its rows): ``Correct`` passes; the last shard released without noise (on both its
+    replicas) fails; a data x tensor-parallel mesh has no Poisson sampling and is a skip."""
+    ok, tp = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(), pool=pool,
+                       meshes=(HSDP, "tp:2x2"), **SMALL)
+    assert (ok.config["mesh"], ok.status) == (HSDP, "pass"), ok.message
+    assert abs(ok.evidence["member_mean_y"] - pa.SAMPLE_RATE) < 0.05 and abs(ok.evidence["out_mean_y"]) < 0.05
+    assert tp.status == "skip" and "Poisson sampling runs on HSDP meshes only" in tp.message
+    bad, _ = props.run("privacy_audit", A + "NoiseMissingOnLastRank", world_sizes=(), pool=pool,
+                       meshes=(HSDP, "tp:2x2"), **SMALL)
+    check_violation(bad, 30, 300)
+    assert f"({HSDP})" in bad.message
 
 
 @pytest.mark.slow
 def test_upstream_opacus_passes(pool):
     pytest.importorskip("opacus")
-    vs = props.run("privacy_audit", "opacus", world_sizes=(1, 2), pool=pool)
-    assert [v.status for v in vs] == ["pass", "pass"], [v.message for v in vs]
+    vs = props.run("privacy_audit", "opacus", world_sizes=(1, 2), pool=pool, meshes=(HSDP,))
+    assert [v.status for v in vs] == ["pass", "pass", "pass"], [v.message for v in vs]
+    assert vs[-1].config["mesh"] == HSDP
     for v in vs:
         e = v.evidence
         # its PRV accountant reports less than the suite's RDP epsilon, more than the audit proves

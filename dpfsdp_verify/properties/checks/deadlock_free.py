@@ -45,6 +45,13 @@ at the largest world size, ``poisson_horizon``: ``Options.horizon`` steps of Poi
 (``per_rank`` seeding, an expected local batch of 16, noise on), where a collective that some
 ranks issue every k steps, or a sampler that changes after some epochs, hangs.
 
+Beyond the fixed cases (``--explore``, docs/explore.md): configurations drawn from the space --
+world sizes up to 4 on 2 cores, fixed batches of 1..64 per rank or Poisson sampling (runs of up to
+200 steps), accumulation in physical batches, the models' variants, dtypes and bf16 forms, lr and C
+anywhere among the norms -- each run for at least ``EXPLORE_MIN_STEPS`` steps with noise on
+(``EXPLORE_SIGMA``): it must finish on every rank (a hang is proven and shrunk to the smallest
+configuration), and its releases feed the release judge.
+
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
 local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
@@ -59,14 +66,18 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ...verdict import Verdict
 from ..analysis.compare import norm_picked
-from ..engine.contract import Case, Outputs, Point, Property
+from ...targets import RunSpec
+from ..analysis.clipfit import clip_at_quantile
+from ..engine.contract import Case, ExploreRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
 STEPS = 2
+#: an explored configuration (``explore_prepare``): at least this many steps, at this noise multiplier
+EXPLORE_MIN_STEPS, EXPLORE_SIGMA = 2, 1.0
 EPOCHS = 4
 #: built-in watchdog for a Poisson scenario at the default timeout (module docstring): a correct
 #: one finishes in ~1 s on 2 loaded cores; 12 steps of a target taking ~2 s each still fit
@@ -189,7 +200,33 @@ def wide(point: Point):
         yield case
 
 
+def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
+    """An explored configuration (docs/explore.md) as a noisy training run: at least
+    ``EXPLORE_MIN_STEPS`` steps (a divergence needs a step after the one that diverges), noise
+    multiplier ``EXPLORE_SIGMA`` and C at the drawn quantile of the reference norms, at the drawn lr
+    (a long run's: 0). The run must finish on every rank; what it releases feeds the release judge
+    (``engine/releases.py``) like every run of the gate: the noise of a drawn world size, dtype,
+    precision, lr, batch and loop shape is judged there."""
+    steps = max(EXPLORE_MIN_STEPS, spec.steps)
+    fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=EXPLORE_SIGMA,
+                                  max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
+    if spec.poisson:
+        fields["epochs"] = -(-steps // spec.steps_per_epoch)
+    return spec.with_(**fields)
+
+
+def _judge_explored(case: Case, runs: Outputs) -> Verdict:
+    outputs = runs[0][0]
+    counts = [len(o.steps) for o in outputs]
+    sizes = [[len(s.indices) for s in o.steps] for o in outputs]
+    return case.verdict("pass", None, (
+        f"explored configuration: every rank took {counts[0]} step(s) (local batch sizes {sizes}) and finished"),
+        {"step_counts": counts, "local_batch_sizes": sizes})
+
+
 def judge(case: Case, runs: Outputs) -> Verdict:
+    if case.explored:
+        return _judge_explored(case, runs)
     if case.spec.physical_batch_size:
         outputs = runs[0][0]
         passes = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]
@@ -213,7 +250,8 @@ PROPERTY = Property(
     meaning=("every run finishes, whatever the local batch sizes (uneven, one sample, empty): a job that "
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
-    params=(("local_batches", None),), wide=wide)
+    params=(("local_batches", None),), wide=wide,
+    explore=ExploreRecipe(prepare=explore_prepare))
 
 
 __all__ = ["STEPS", "EPOCHS", "POISSON_DEADLINE_S", "POISSON_SEEDINGS", "POISSON_DEFAULT", "ACCUM_P", "ACCUM_EPOCHS",

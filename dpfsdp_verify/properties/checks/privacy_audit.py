@@ -11,7 +11,10 @@ is not Poisson). It is a *lower* bound: a pass does not prove the claimed epsilo
 not tight: ``docs/audit.md`` gives the measured ratio), and moderate noise miscalibration is the
 noise checks' job. Opt-in (``Property.opt_in``): ``dpfsdp-verify run --properties privacy_audit``.
 
-The run, one case per world size (and at the options' ``wide_world_size``): the ``canary`` model
+The run, one case per world size (and at the options' ``wide_world_size``) and per HSDP mesh
+(``--meshes hsdp:2x2``: every rank of an HSDP mesh is data parallel, so the target's Poisson sampler
+is the 1-D one while its clipping, sharding and noise run on the 2-D mesh; a data x tensor-parallel
+mesh is a ``skip``: no Poisson sampling there): the ``canary`` model
 (``models.CanaryEmbedding``: canary i's per-sample gradient is a fixed vector on row i of an
 embedding FSDP shards over the ranks, so the canaries are spread over every shard; an *out* canary's
 sample hits a sink row no score reads), ``m`` canaries (param ``audit_canaries``, CLI
@@ -51,6 +54,7 @@ from typing import Dict, Iterator, List, Union
 from ...lazy import torch
 
 from ...lazy import models, reference
+from ...space import mesh_problem
 from ...targets import RunSpec, accounting
 from ...verdict import Verdict
 from ..analysis.audit_bound import CONFIDENCE, audit, guess_choices
@@ -100,7 +104,7 @@ def audit_spec(point: Point) -> RunSpec:
                    seeding=(point.options.seedings or ("same",))[0], sampling_seed=point.seed_for("audit", "sampling"),
                    batch_seed=point.seed_for("audit", "batch"), noise_seed=point.seed_for("audit", "noise"),
                    noise_multiplier=SIGMA,
-                   max_grad_norm=CLIP, lr=0.0, accountant_delta=DELTA)
+                   max_grad_norm=CLIP, lr=0.0, accountant_delta=DELTA, mesh=point.mesh)
 
 
 def _case(point: Point) -> Case:
@@ -112,8 +116,14 @@ def _case(point: Point) -> Case:
 
 
 def cases(point: Point) -> Iterator[Union[Case, Verdict]]:
-    if point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
-        yield _case(point)
+    if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        return
+    problem = mesh_problem(point.mesh, "poisson")
+    if problem:  # a data x TP mesh: no Poisson sampling there (space.mesh_problem)
+        yield PROPERTY.skip(point.options, f"{ID} needs Poisson sampling: {problem}", world_size=point.world_size,
+                            mesh=point.mesh)
+        return
+    yield _case(point)
 
 
 def wide(point: Point) -> Iterator[Case]:
@@ -220,7 +230,7 @@ PROPERTY = Property(
              "sharding, noise and Poisson sampling) never proves a larger epsilon than the accountant reports (else: "
              "the training leaks more than it claims)"),
     cases=cases, judge=judge, models=("canary",), layouts=("split",), reductions=("mean",), dtypes=("float32",),
-    samplings=None, wide=wide, opt_in=True, check_params=check_params,
+    samplings=None, wide=wide, opt_in=True, check_params=check_params, meshes=True,
     params=(("audit_canaries", CANARIES), ("audit_steps", STEPS), ("audit_confidence", CONFIDENCE)),
     # the theorem's bound per verdict (the claimed epsilon is at least the true one), times the three
     # verdicts of a default run (world sizes 1, 2 and the wide 3); measured: ~0 (benchmarks/audit.py)

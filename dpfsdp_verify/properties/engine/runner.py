@@ -185,6 +185,10 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                 return case.verdict("fail", "refused", f"the target refuses this configuration: {refused}{where}",
                                     {"refused_ranks": [o.rank for o in ranks if o.refused]})
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
+            if unsupported and case.facts.get("default_precision") and spec.precision != "fp32":
+                return case.verdict("skip", None, (
+                    f"not run: {unsupported}{where}. A run without --precisions judges each bf16 form once where "
+                    "the target declares it; --precisions asks for it (then an undeclared form fails)"))
             if unsupported:
                 return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
             tf32 = tf32_problem(spec, ranks)
