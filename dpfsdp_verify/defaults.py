@@ -23,6 +23,10 @@ MAX_GLOO_WORLD_SIZE = 16
 DEFAULT_TIMEOUT_S = 60.0
 #: the gate's wide world size (``--wide-world-size``; ``properties/engine/horizon.py``)
 WIDE_WORLD_SIZE = 3
+#: the gate's node world size (``--node-world-size``; ``properties/engine/horizon.py``): 4 ranks as 2
+#: simulated nodes x 2 local ranks (``harness.node_env``), the smallest layout where a rank index >= 3,
+#: a collective over 4 ranks and LOCAL_RANK / GROUP_RANK repeating across nodes all show
+NODE_WORLD_SIZE = 4
 #: the gate's long-run length in steps (``--horizon``): 18 Poisson epochs of 4 steps, past step 64 (a noise
 #: schedule halving at step 64, a clip cap dropped at step 50: issue 32; each long run ~1.5x a 48-step one)
 HORIZON_STEPS = 72
@@ -59,7 +63,8 @@ CLIP_EPSILON = 1e-6
 MAX_CLIP_EPSILON = 1e-5
 
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
-           "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
+           "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE",
+           "NODE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK",
            "DEFAULT_EXPLORE_S", "EXPLORE_ENV", "EXPLORE_MAX_WORLD_SIZE", "SPEC_DEFAULTS", "SCALE_STEPS",
            "SCALE_WORLD_SIZES",
            "SCALE_SEED", "CLIP_EPSILON", "MAX_CLIP_EPSILON"]

@@ -169,6 +169,9 @@ AXES: Dict[str, Axis] = {a.name: a for a in (
             lo=1, hi=D.MAX_GLOO_WORLD_SIZE, explore=(1, D.EXPLORE_MAX_WORLD_SIZE)),
     Integer("wide_world_size", "a world size >= 3 for the cheap rank-index cases (docs/horizon.md)", D.WIDE_WORLD_SIZE,
             lo=3, hi=D.MAX_GLOO_WORLD_SIZE, none=0),
+    Integer("node_world_size", "an even world size >= 4 run as nodes of 2 ranks, for the cheap cases of bugs from "
+            "the fourth rank on or across nodes (docs/horizon.md)", D.NODE_WORLD_SIZE, lo=4, hi=D.MAX_GLOO_WORLD_SIZE,
+            none=0),
     Choice("mesh", "2-D mesh kind: HSDP replicas x shard, data x tensor parallel (docs/meshes.md)", None,
            values=("hsdp", "tp"), explore=()),
     Choice("data_layout", "each rank its own samples, or every sample on every rank", D.SPEC_DEFAULTS["data_layout"],

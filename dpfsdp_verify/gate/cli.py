@@ -32,7 +32,7 @@ from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
 from ..defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED,
                         SCALE_STEPS,
-                        SCALE_WORLD_SIZES, WIDE_WORLD_SIZE)
+                        SCALE_WORLD_SIZES, WIDE_WORLD_SIZE, NODE_WORLD_SIZE)
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a world size >= 3 for a few cheap cases that rank-index bugs hit (rank %% 2, "
                              f"LOCAL_RANK, rank ^ 1, a shard offset); 0: none (default {WIDE_WORLD_SIZE}; "
                              "docs/horizon.md)")
+    matrix.add_argument("--node-world-size", type=int, default=None, metavar="N",
+                        help="an even world size >= 4, run as nodes of 2 ranks, for a few cases that bugs from the "
+                             "fourth rank on or across nodes hit (rank >= 3, LOCAL_RANK + GROUP_RANK, a 4-rank "
+                             f"collective); 0: none (default {NODE_WORLD_SIZE}; docs/horizon.md)")
     matrix.add_argument("--models", default=None,
                         help="comma list of mlp,conv,transformer, lora,tied (docs/finetune.md), masked "
                              "(docs/sequences.md)")

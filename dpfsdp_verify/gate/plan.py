@@ -99,6 +99,7 @@ class RunPlan:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
                              "e.g. --physical-batch-size 2")
         wide, horizon, wide_unavailable = parse_reach(args, world_sizes, job_world_size, probe)
+        nodes, nodes_unavailable = parse_nodes(args, world_sizes, job_world_size, probe)
         resume_at = getattr(args, "resume_at", None)  # checkpoint/resume: the option of the property that takes it
         if resume_at is not None:
             for prop in PROPERTIES.values():
@@ -135,6 +136,7 @@ class RunPlan:
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
                           wide_world_size=wide, wide_unavailable=wide_unavailable, horizon=horizon,
+                          node_world_size=nodes, node_unavailable=nodes_unavailable,
                           meshes=tuple(meshes),
                           **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
@@ -212,6 +214,34 @@ def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int],
     if wide and wide not in world_sizes:
         parse_world_sizes(str(wide), args.backend, probe)  # the backend must be able to run it
     return wide, HORIZON_STEPS if horizon is None else horizon, ""
+
+
+def parse_nodes(args, world_sizes: List[int], job_world_size: Optional[int],
+                probe: bool = True) -> Tuple[int, str]:
+    """``(node world size, why it cannot run here or "")`` from ``--node-world-size`` (default
+    ``defaults.NODE_WORLD_SIZE``: 4 ranks as 2 simulated nodes x 2), as ``parse_reach`` treats the
+    wide world size: ``UsageError`` for a value that cannot run (odd, or below 4), none inside a
+    torchrun job or a run of meshes only, the default kept with the reason where the backend cannot
+    give its ranks (its cases become ``skip`` verdicts)."""
+    from ..defaults import NODE_WORLD_SIZE
+
+    nodes = getattr(args, "node_world_size", None)
+    if nodes is not None and (nodes < 0 or (nodes and (nodes < 4 or nodes % 2))):
+        raise UsageError(f"--node-world-size {nodes}: must be even and >= 4 (nodes of 2 ranks), or 0: none",
+                         "e.g. --node-world-size 4")
+    if job_world_size is not None:
+        if nodes:
+            raise UsageError("--node-world-size: a torchrun job runs at its own world size only",
+                             f"relaunch with {nodes} ranks, or omit --node-world-size")
+        return 0, ""
+    if nodes is None:
+        nodes = NODE_WORLD_SIZE if world_sizes else 0
+        unavailable = backend_shortfall(args.backend, nodes, probe) if nodes and nodes not in world_sizes else ""
+        if unavailable:
+            return nodes, unavailable
+    if nodes and nodes not in world_sizes:
+        parse_world_sizes(str(nodes), args.backend, probe)  # the backend must be able to run it
+    return nodes, ""
 
 
 def backend_shortfall(backend: str, world_size: int, probe: bool = True) -> str:

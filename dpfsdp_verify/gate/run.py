@@ -84,12 +84,12 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     opts = plan.options
     fuzz = _fuzzer(plan.fuzz, _explore_share(plan))
     sizes = (len(opts.world_sizes) + len(opts.meshes)
-             + (1 if opts.wide_world_size and opts.wide_world_size not in opts.world_sizes else 0))
+             + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
     if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
         from ..space import explore_max_world_size
 
         sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
-                    | ({opts.wide_world_size} - {0})) + len(opts.meshes)
+                    | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
     pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
     # every noisy run any property makes feeds the release judge (properties/engine/releases.py)

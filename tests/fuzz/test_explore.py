@@ -196,7 +196,8 @@ def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
     args = cli.build_parser().parse_args(["run", "--target", "fixtures.specimens:Correct", "--properties",
                                           "clipped_step", "--world-sizes", "1", "--models", "mlp", "--dtypes",
                                           "float64", "--loss-reductions", "mean", "--sampling", "fixed",
-                                          "--horizon", "0", "--wide-world-size", "0", "--explore", "1", "--seed", "4"])
+                                          "--horizon", "0", "--wide-world-size", "0",
+                                          "--node-world-size", "0", "--explore", "1", "--seed", "4"])
     verdicts = run_plan(RunPlan.from_args(args), pool=pool)
     explored = [v for v in verdicts if "explore" in v.config]
     assert len(explored) == 1 and verdicts[-1] is explored[0] and len(verdicts) > 1

@@ -24,7 +24,7 @@ from tests.verdict_helpers import run_gate
 SHIPPED = expectations.bundled()["opacus-1.6.0"]
 #: the cheapest gate selection that exercises the shipped clipped_step entry and a passing neighbour
 SELECTION = ["run", "--properties", "clipped_step", "--models", "mlp", "--world-sizes", "2", "--dtypes", "float64",
-             "--sampling", "fixed", "--wide-world-size", "0", "--horizon", "0",
+             "--sampling", "fixed", "--wide-world-size", "0", "--node-world-size", "0", "--horizon", "0",
              "-q"]
 
 

@@ -74,8 +74,11 @@ def test_nccl_on_one_gpu_skips_the_three_rank_cases_and_plans_the_rest(one_gpu):
     cases = [c for its in items.values() for c in its if isinstance(c, Case)]
     skips = [v for its in items.values() for v in its if isinstance(v, Verdict)]
     assert cases and {c.world_size for c in cases} == {1} and {c.backend for c in cases} == {"nccl"}
-    assert [(v.property, v.status, v.config["world_size"]) for v in skips] == [("deadlock_free", "skip", 3)]
+    # the 3-rank case, and the 4-rank node case (2 nodes x 2) likewise
+    assert [(v.property, v.status, v.config["world_size"]) for v in skips] == [("deadlock_free", "skip", 3),
+                                                                               ("sampling_accounting", "skip", 4)]
     assert skips[0].message == "needs 3 GPUs, 1 visible; run with --backend gloo for the 3-rank cases"
+    assert skips[1].message == "needs 4 GPUs, 1 visible; run with --backend gloo for the 4-rank cases"
     # the shipped expectations: a skipped case is not exercised, never "no longer holds"
     outcome = apply(plan.expectations, skips, environment("nccl"))
     assert outcome.holds and not outcome.unmet

@@ -97,7 +97,8 @@ def test_gloo_run_without_a_gpu(tmp_path):
     """The script end to end on this GPU-less machine: its gloo run (a short selection), the table."""
     out = tmp_path / "gpu-check.md"
     done = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--", "--properties", "clipped_step",
-                           "--world-sizes", "1", "--models", "mlp", "--wide-world-size", "0", "--horizon", "0"],
+                           "--world-sizes", "1", "--models", "mlp", "--wide-world-size", "0",
+                           "--node-world-size", "0", "--horizon", "0"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.read_text()

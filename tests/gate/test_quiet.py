@@ -22,7 +22,8 @@ def test_gate_terminal_shows_the_hang_verdict_not_the_analyser(tmp_path):
     junit = tmp_path / "r.xml"
     res = run_cli("run", "--target", "fixtures.specimens:HookCollective", "--properties", "clipped_step",
                   "--world-sizes", "2", "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64",
-                  "--sampling", "fixed", "--wide-world-size", "0", "--horizon", "0", "--timeout", "20",
+                  "--sampling", "fixed", "--wide-world-size", "0",
+                  "--node-world-size", "0", "--horizon", "0", "--timeout", "20",
                   "--junit", str(junit))
     assert res.returncode == 1, res.stderr
     terminal = res.stdout + res.stderr

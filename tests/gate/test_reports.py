@@ -128,7 +128,8 @@ def test_a_bug_in_fuzzing_keeps_the_property_verdicts(pool, tmp_path, capsys, mo
         prop, fuzz=dataclasses.replace(prop.fuzz, prepare=_raising_prepare)))
     j = tmp_path / "r.json"
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.specimens:Correct", "--properties",
-                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--wide-world-size", "0", "--fuzz", "2",
+                 "norm_fidelity", "--models", "mlp", "--world-sizes", "1", "--wide-world-size", "0",
+                 "--node-world-size", "0", "--fuzz", "2",
                  "-q",
                  "--json", str(j))
     assert r.returncode == 3, r.stderr

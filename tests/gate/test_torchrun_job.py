@@ -106,7 +106,7 @@ def test_world_sizes_in_a_torchrun_job():
 def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     spawned = tmp_path / "spawned.json"
     # the matrix alike at both sizes: no long runs (at the largest size only) and no wide size
-    reach = ["--horizon", "0", "--wide-world-size", "0"]
+    reach = ["--horizon", "0", "--wide-world-size", "0", "--node-world-size", "0"]
     assert main(["run", "--target", "fixtures.specimens:Correct", "--world-sizes", "4", "-q",
                  "--json", str(spawned), *reach, *SELECTION]) == 0
     report = tmp_path / "torchrun.json"

@@ -26,7 +26,8 @@ SCHEMA = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.sch
 
 def plan_of(tmp_path, *args):
     argv = ["run", "--target", "fixtures.specimens:Correct", "--world-sizes", "2", "--horizon", "0",
-            "--wide-world-size", "0", "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64",
+            "--wide-world-size", "0",
+            "--node-world-size", "0", "--models", "mlp", "--loss-reductions", "mean", "--dtypes", "float64",
             "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"), *args]
     return RunPlan.from_args(cli.build_parser().parse_args(argv))
 

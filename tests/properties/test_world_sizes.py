@@ -124,6 +124,7 @@ def test_a_new_bug_at_4_ranks_is_news_under_the_shipped_expectations(tmp_path, p
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", "fixtures.placement_specimens:ClipsWrongFromFourRanks",
                  "--properties", "clipped_step", "--world-sizes", "2,4", "--models", "mlp", "--loss-reductions",
                  "mean", "--dtypes", "float64", "--sampling", "fixed", "--horizon", "0", "--wide-world-size", "0",
+                 "--node-world-size", "0",
                  "--timeout", "180",
                  "--expect", "opacus-1.6.0",
                  "--json", str(j), "-q")

@@ -101,7 +101,13 @@ from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
-from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
+from ..engine.horizon import horizon_labels, horizon_point, horizon_spec, node_spec
+from ..engine.releases import DIAGNOSIS as RELEASE_DIAGNOSIS
+from ..analysis.clipfit import with_picked_clip
+from ..analysis.releases import decompose, detectable_ratio, run_tests, tests_of
+from ..wording.releases import finding_message, node_layout_note, node_pass_message
+from ...harness.launch import local_world_size
+from ...verdict import config_label
 from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
@@ -114,6 +120,9 @@ from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-3
+#: false-alarm probability of a correct target in the node run (``nodes``: one per gate run, judged
+#: apart from the family above), Bonferroni over its tests (``analysis.releases.tests_of``)
+NODE_ALPHA = 1e-4
 SIGMA = 1.0
 CLIP = 1.0
 #: power target: a std error of this size on a shard (as tested) of >= POWER_MIN_NUMEL coordinates ...
@@ -270,7 +279,47 @@ def wide(point: Point):
                      "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 
 
+def nodes(point: Point):
+    """At the node world size (``horizon.py``: 4 ranks as 2 simulated nodes x 2 local ranks), once:
+    one noisy Poisson run of the statistical mlp at lr > 0 with C between the dataset's middle norms,
+    every release of it decomposed (``analysis/releases.py``) and judged per rank and per step: a
+    noise std changed on ranks >= 3 (the rank's scale), noise seeded from ``LOCAL_RANK + GROUP_RANK``
+    (node 1's local rank 0 repeats node 0's local rank 1: a repeat naming both ranks)."""
+    if (point.sampling, point.seeding) != PROPERTY.sampling_points(point.options)[0]:
+        return
+    spec = with_picked_clip(node_spec(point, model_kwargs=MLP_DIMS, noise_multiplier=SIGMA,
+                                      noise_seed=point.seed_for("nodes", point.param("noise_seed"))))
+    yield point.case(spec, doing=f"{spec.steps} noisy DP steps at lr {spec.lr:g} on 2 nodes x 2 ranks",
+                     facts={"releases_judged": True, "alpha": NODE_ALPHA})
+
+
+def _judge_nodes(case: Case, outputs: Outputs) -> Verdict:
+    """The node run (``nodes``): every release decomposed and judged per run, step and rank
+    (``analysis.releases.run_tests``), ``NODE_ALPHA`` split over its tests."""
+    run = decompose(case.spec, case.world_size, outputs[0][0])
+    if run is None or not run.cells:
+        skipped = "; ".join(f"step {t}: {why}" for t, why in (run.skipped if run else [])[:3])
+        return case.verdict("fail", None, "not checkable on this target: no release of the node run could be "
+                            f"decomposed ({skipped or 'no step with noise reported'})")
+    tests = tests_of(run)
+    alpha = case.facts["alpha"] / max(1, tests)
+    evidence: Dict = {"alpha_per_test": alpha, "tests": tests, "releases": len(run.cells),
+                      "steps": sorted({c.step for c in run.cells}), "ranks": sorted({c.rank for c in run.cells})}
+    f = run_tests(run, alpha)
+    if f is not None:
+        evidence.update(finding=f.kind, scope=f.scope, finding_steps=list(f.steps), finding_ranks=list(f.ranks),
+                        std_ratio=f.ratio, p=f.p)
+        local = local_world_size(case.world_size)
+        note = node_layout_note(f.ranks, case.world_size, local) if f.scope in ("rank", "run") else ""
+        return case.verdict("fail", RELEASE_DIAGNOSIS[f.kind],
+                            finding_message(f, PROPERTY.id, config_label(case.config()), run, alpha) + note, evidence)
+    df = sum(c.df for c in run.cells)
+    return case.verdict("pass", None, node_pass_message(run, tests, alpha, detectable_ratio(df, alpha)), evidence)
+
+
 def judge(case: Case, outputs: Outputs) -> Verdict:
+    if case.facts.get("releases_judged"):
+        return _judge_nodes(case, outputs)
     if case.fresh_groups:
         return _judge_fresh(case, outputs)
     if case.facts.get("exact_only"):
@@ -567,9 +616,10 @@ PROPERTY = Property(
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
-    samplings=("fixed", "poisson"), wide=wide,
-    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA)
+    samplings=("fixed", "poisson"), wide=wide, nodes=nodes,
+    # the family's, and the node run's where the options ask for one (the gate's default does)
+    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA + NODE_ALPHA)
 
 
 __all__ = ["FAMILY_ALPHA", "SIGMA", "CLIP", "POWER_STD_ERROR", "POWER_MIN_NUMEL", "POWER", "MLP_DIMS", "WIDE_MLP_DIMS",
-           "STEPS_PER_RUN", "LONG_RUN", "draws_for", "cases", "wide", "judge", "PROPERTY"]
+           "STEPS_PER_RUN", "LONG_RUN", "NODE_ALPHA", "draws_for", "cases", "wide", "nodes", "judge", "PROPERTY"]

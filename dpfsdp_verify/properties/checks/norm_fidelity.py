@@ -20,7 +20,9 @@ explained by testing the known bug shapes against the numbers, in this order:
   of the samples at the same position on every rank: norm^2 all-reduced across ranks holding
   *different* samples; or some rank reports (clips with) exactly another rank's true norms: norms
   gathered across ranks and read back at the wrong index (``LOCAL_RANK``, ``rank % 2``), which
-  shows from the third rank on (the wide case, ``horizon.py``: one split step at 3 ranks);
+  shows from the third rank on (the wide case, ``horizon.py``: one split step at 3 ranks; the same
+  step at the node world size, 4 ranks as 2 nodes x 2, where a path that all-reduces the norms only
+  from 4 ranks on shows);
 * ``undercount`` -- every reported norm is below the truth (e.g. computed over the local parameter
   shard only; the message says when the ranks' squares add up to the truth);
 * ``mismatch`` -- anything else (wrong samples, wrong shapes, unexplained values).
@@ -559,7 +561,7 @@ PROPERTY = Property(
              "clipping does not bound each sample's influence by C (privacy) or over-clips (utility)"),
     cases=cases, judge=judge, models=("mlp", "transformer"), layouts=("replicated", "split"),
     reductions=("mean", "sum"), dtypes=("float64", "float32"),
-    precisions=PRECISIONS, wide=wide,
+    precisions=PRECISIONS, wide=wide, nodes=wide,
     # any shape, layout, reduction and global batch, one step
     fuzz=FuzzRecipe(prepare=prepare))
 

@@ -93,6 +93,13 @@ class Options:
     #: (nccl on fewer GPUs). Its cases are then ``skip`` verdicts saying so and the run goes on
     #: (the gate's default wide world size only: one a user names explicitly is a usage error)
     wide_unavailable: str = ""
+    #: an even world size >= 4 (nodes of 2 ranks: ``harness.node_env``) where each property with
+    #: ``Property.nodes`` runs its one or two cases (bugs from the fourth rank on or across nodes:
+    #: ``horizon.py``) when it is not among ``world_sizes``; 0: none. The gate's default is
+    #: ``horizon.NODE_WORLD_SIZE``; the Python API's is 0
+    node_world_size: int = 0
+    #: why ``node_world_size`` cannot run here ("" when it can), as ``wide_unavailable``
+    node_unavailable: str = ""
     #: steps of the long-horizon run each property with one runs (``horizon.py``: bugs that start
     #: late); 0: none. The gate's default is ``horizon.HORIZON_STEPS``; the Python API's is 0
     horizon: int = 0
@@ -105,12 +112,16 @@ class Options:
         if problem:
             raise ValueError(problem)
         problem = sampling_problem(self.samplings, self.seedings, self.sample_rate, self.dataset_size,
-                                   max(self.world_sizes + (self.wide_world_size,) if self.world_sizes else (1,)))
+                                   max(self.world_sizes + (self.wide_world_size, self.node_world_size)
+                                       if self.world_sizes else (1,)))
         if problem:
             raise ValueError(problem)
         if self.wide_world_size and self.wide_world_size < 3:
             raise ValueError(f"wide world size {self.wide_world_size}: must be >= 3 (or 0: none); 1 and 2 ranks "
                              "are the matrix's own")
+        if self.node_world_size and (self.node_world_size < 4 or self.node_world_size % 2):
+            raise ValueError(f"node world size {self.node_world_size}: must be even and >= 4 (nodes of 2 ranks; or "
+                             "0: none)")
         if self.horizon < 0:
             raise ValueError(f"horizon {self.horizon}: must be >= 0 steps (0: none)")
 
@@ -429,6 +440,9 @@ class Property:
     #: the cases it runs at the options' ``wide_world_size`` (``horizon.py``), given the first point of
     #: each sampling of its matrix at that world size: the checks a bug keyed on the rank index hits
     wide: Optional[Callable[[Point], Iterable[Union[Case, Verdict]]]] = None
+    #: the cases it runs at the options' ``node_world_size`` (``horizon.py``: 2 simulated nodes x 2
+    #: local ranks), given the first point of each sampling of its matrix there
+    nodes: Optional[Callable[[Point], Iterable[Union[Case, Verdict]]]] = None
     #: it runs on the options' 2-D ``meshes`` (fixed split batches, fp32; ``docs/meshes.md``);
     #: a property that does not is told so in one ``skip`` verdict per mesh
     meshes: bool = False
@@ -526,21 +540,28 @@ class Property:
             self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
                       world_size=None, mesh=mesh) for mesh in opts.meshes]
         items = [item for point in self.points(opts) for item in self.cases(point)]
-        return items + self.wide_plan(opts) + unmeshed
+        return items + self.wide_plan(opts) + self.nodes_plan(opts) + unmeshed
 
     def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """The ``wide`` cases at ``opts.wide_world_size`` (none when it is 0, is one of the
         ``world_sizes`` -- the whole matrix runs there -- or the property has none): ``wide`` is
         given the first point of each sampling (and seeding) of the matrix at that world size."""
-        w = opts.wide_world_size
-        if self.wide is None or not w or w in opts.world_sizes:
+        return self._reach_plan(opts, self.wide, opts.wide_world_size, opts.wide_unavailable)
+
+    def nodes_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
+        """The ``nodes`` cases at ``opts.node_world_size`` (2 simulated nodes of 2 ranks), as
+        ``wide_plan`` gives the ``wide`` ones."""
+        return self._reach_plan(opts, self.nodes, opts.node_world_size, opts.node_unavailable)
+
+    def _reach_plan(self, opts: Options, hook, w: int, unavailable: str) -> List[Union[Case, Verdict]]:
+        if hook is None or not w or w in opts.world_sizes:
             return []
         firsts: Dict[Tuple[str, Optional[str]], Point] = {}
         for point in self.points(opts.with_(world_sizes=(w,))):
             firsts.setdefault((point.sampling, point.seeding), point)
-        items = [item for point in firsts.values() for item in self.wide(point)]
-        if opts.wide_unavailable:  # the machine cannot give these ranks: say so per case, run the rest
-            return [item.verdict("skip", None, opts.wide_unavailable) if isinstance(item, Case) else item
+        items = [item for point in firsts.values() for item in hook(point)]
+        if unavailable:  # the machine cannot give these ranks: say so per case, run the rest
+            return [item.verdict("skip", None, unavailable) if isinstance(item, Case) else item
                     for item in items]
         return items
 

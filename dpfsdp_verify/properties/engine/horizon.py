@@ -1,4 +1,4 @@
-"""The gate's reach beyond its matrix: a third rank and a long run (docs/horizon.md).
+"""The gate's reach beyond its matrix: a third rank, two nodes and a long run (docs/horizon.md).
 
 The matrix runs at 1 and 2 ranks and for 1-12 steps (36 in one noise run). Two classes of bugs
 cannot show there:
@@ -12,6 +12,15 @@ cannot show there:
   harness gives each rank a node of its own, so ``LOCAL_RANK`` is 0 everywhere:
   ``harness.node_env``) each property with a ``Property.wide`` runs the few cheap cases such a bug
   hits: noise (exact checks), norms, pass-count agreement;
+* **bugs from the fourth rank on or across nodes** -- noise scaled down on ranks >= 3, norms
+  all-reduced once there are 4 ranks, a seed from ``LOCAL_RANK + GROUP_RANK`` (distinct on one node
+  and at one rank per node, repeated across nodes of 2), a rank-2 sampler at another rate -- are
+  right at 1-3 ranks. At the *node world size* (``Options.node_world_size``, the gate's default
+  ``NODE_WORLD_SIZE`` = 4, run as 2 simulated nodes x 2 local ranks by ``harness.node_env``) each
+  property with a ``Property.nodes`` runs one or two cases: ``noise_calibration`` one noisy Poisson
+  run at lr > 0 with C between the norms (``node_spec``), every release of it judged per rank and
+  step (``analysis/releases.py``); ``norm_fidelity`` its wide case (one split step); and
+  ``sampling_accounting`` its divisible dataset's draws;
 * **bugs that start late** -- a clip cap dropped from step 6 or 50, noise reduced from step 40 or 64, a change
   from the third Poisson epoch, a log-metric collective on rank 0 every 16 steps -- are right for
   the first steps. Each property with a long run runs one (``horizon_point``): ``Options.horizon``
@@ -30,7 +39,8 @@ from typing import Iterable
 
 # the gate's wide world size (``--wide-world-size``), long-run length (``--horizon``), and the long
 # runs' q and samples per rank: defaults.py, the one place defaults are written
-from ...defaults import HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, WIDE_WORLD_SIZE
+from ...defaults import (HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, NODE_WORLD_SIZE,
+                         WIDE_WORLD_SIZE)
 from ...targets import RunSpec
 from .contract import Point
 
@@ -64,10 +74,28 @@ def horizon_spec(point: Point, **fields) -> RunSpec:
     return point.spec(**{**base, **fields})
 
 
+#: the node run's steps (one Poisson epoch at q = 1/4) and learning rate (> 0: the noise is judged
+#: where the parameters move, as users train)
+NODE_STEPS, NODE_LR = 4, 0.5
+
+
+def node_spec(point: Point, **fields) -> RunSpec:
+    """The node run's spec at ``point`` (the node world size): ``NODE_STEPS`` steps of Poisson
+    sampling at the long runs' q and samples per rank (an expected local batch of 16: an empty one,
+    which upstream's sampler skips, has probability ~1e-8 per rank and step), ``per_rank`` seeding,
+    lr ``NODE_LR``, plus ``fields``."""
+    base = dict(sampling="poisson", sample_rate=HORIZON_SAMPLE_RATE,
+                dataset_size=HORIZON_SAMPLES_PER_RANK * point.world_size,
+                epochs=-(-NODE_STEPS // int(1 / HORIZON_SAMPLE_RATE)), steps=NODE_STEPS, seeding="per_rank",
+                sampling_seed=point.seed_for("nodes", "sampling"), lr=NODE_LR)
+    return point.spec(**{**base, **fields})
+
+
 def horizon_labels(spec: RunSpec) -> dict:
     """The config key that tells a long run's verdict from the matrix's: its length in steps."""
     return {"horizon": spec.steps}
 
 
-__all__ = ["WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK", "horizon_point",
+__all__ = ["WIDE_WORLD_SIZE", "NODE_WORLD_SIZE", "NODE_STEPS", "NODE_LR", "node_spec",
+           "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK", "horizon_point",
            "horizon_spec", "horizon_labels"]

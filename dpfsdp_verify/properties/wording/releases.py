@@ -118,5 +118,33 @@ def not_decomposed_message(reason: str) -> str:
     return f"no release judged: {reason}"
 
 
-__all__ = ["CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
+def node_layout_note(ranks, world_size: int, local: int) -> str:
+    """Where ``ranks`` sit in a layout of nodes of ``local`` ranks (``harness.node_env``), as a
+    sentence to append ("" for fewer than one rank): what a seed or a branch keyed on ``LOCAL_RANK``
+    / ``GROUP_RANK`` sees there."""
+    if not ranks or local < 1 or world_size % local:
+        return ""
+    places = ", ".join(f"rank {r} is node {r // local}'s local rank {r % local}" for r in sorted(set(ranks)))
+    return (f" On the {world_size // local} x {local} node layout (the environment torchrun gives: LOCAL_RANK, "
+            f"GROUP_RANK) {places}: "
+            "a seed or branch keyed on the node or local rank instead of the global rank shows here, not on one "
+            "node.")
+
+
+def node_pass_message(run: RunReleases, tests: int, alpha: float, detects: float) -> str:
+    """The node run's pass (``checks/noise_calibration.nodes``): what was judged, and the power."""
+    ranks = sorted({c.rank for c in run.cells})
+    steps = sorted({c.step for c in run.cells})
+    df = sum(c.df for c in run.cells)
+    ratio = (sum(c.ss for c in run.cells) / df) ** 0.5 if df else float("nan")
+    return (f"noise of std sigma*C/D on every release of the {len(steps)}-step run on {len(ranks)} ranks as 2 "
+            f"nodes x 2 ({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, D={run.divisor:g}): std ratio "
+            f"{ratio:.3f} over {len(run.cells)} (step, rank) releases, each rank's and each step's own scale within "
+            f"its test, no shard's noise repeated on another rank or step ({tests} tests at {alpha:.2g} each; "
+            f"detects a std error of {detects:.1%} on the whole run with ~99% probability)")
+
+
+__all__ = ["node_layout_note", "node_pass_message",
+           "CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
            "not_decomposed_message"]
+
