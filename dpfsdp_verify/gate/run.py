@@ -94,6 +94,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     verdicts: List[Verdict] = []
     # every noisy run any property makes feeds the release judge (properties/engine/releases.py)
     ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
+    _prestart(pool, opts)
     try:
         with releases.collecting(ledger):
             for pid in plan.properties:
@@ -123,6 +124,34 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
         if own_pool:
             pool.close()
     return verdicts
+
+
+def _prestart(pool, opts) -> None:
+    """Start the groups of the wide and node world sizes in the background as the run begins: their
+    first jobs come after each property's 1- and 2-rank cases, so a group's start (fork, rendezvous,
+    process group, the target's imports: ``target_modules``) overlaps those jobs instead of adding to
+    the run's wall time."""
+    prestart = getattr(pool, "prestart", None)
+    if prestart is None:  # a caller's own job pool
+        return
+    for ws in sorted({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)):
+        if (ws == opts.wide_world_size and opts.wide_unavailable) or (
+                ws == opts.node_world_size and opts.node_unavailable):
+            continue
+        for mode in opts.modes:
+            prestart(ws, opts.backend, mode.env_dict or None, preload=target_modules(opts.target))
+
+
+def target_modules(ref: str) -> tuple:
+    """The modules a rank imports to load the target ``ref`` (``targets.load_target``): opacus and its
+    adapter for ``opacus``, the module of a ``module:Attr`` reference; none for an entry point's name
+    (found when a job loads it)."""
+    from ..targets import BUILTIN
+
+    ref = ref.strip()
+    if ref in BUILTIN:
+        return (("opacus",) if ref == "opacus" else ()) + (BUILTIN[ref].split(":")[0],)
+    return (ref.split(":")[0],) if ":" in ref else ()
 
 
 def _explore_share(plan: RunPlan) -> float:

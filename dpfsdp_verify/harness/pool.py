@@ -109,6 +109,26 @@ class Pool:
         self.started_pids += spare.pids()
         self.spares[key] = spare
 
+    def prestart(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+                 preload: Sequence[str] = ()) -> bool:
+        """Start a group for the key in the background (not waited for) if the pool has none, so that
+        the first job there finds its ranks (nearly) ready instead of starting them: ``group`` takes it
+        as it takes a spare. Its ranks import ``preload`` (e.g. the target's modules; one that fails
+        is skipped) and what the zygotes have learned. Whether one was started. Never raises: a group
+        that cannot start here is started (and its error reported) by the first job that needs it."""
+        try:
+            check_backend(backend, world_size)
+        except Exception:
+            return False
+        with self._lock:
+            key = self.key(world_size, backend, env)
+            g = self.groups.get(key)
+            if (g is not None and not g.closed) or key in self.spares:
+                return False
+            learned = tuple(self.zygotes.learned) if self.zygotes is not None else ()
+            self._start_spare(key, tuple(dict.fromkeys(tuple(preload) + learned)))
+            return key in self.spares
+
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
             env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S,
             evidence: Optional[Evidence] = None, **kwargs) -> GroupResult:

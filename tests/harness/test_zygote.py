@@ -168,3 +168,31 @@ def test_the_zygotes_and_their_ranks_die_with_the_harness():
     pids = json.loads(out.stdout)
     assert len(pids) == 4, "two zygotes and their two ranks"
     assert wait_gone(pids) == [], "zygote or rank processes outlived the harness"
+
+
+def imported(name):
+    return name in sys.modules
+
+
+def test_a_prestarted_group_is_the_one_the_first_job_runs_on_with_its_preload():
+    """``Pool.prestart`` (the gate starts its 3- and 4-rank groups as a run begins): the group starts
+    in the background, the first job at that size runs on its ranks (no second start), its ranks
+    imported the preload before they were ready, a second prestart of a live key starts nothing,
+    and nothing is left behind."""
+    from dpfsdp_verify.gate.run import target_modules
+
+    assert target_modules("opacus") == ("opacus", "dpfsdp_verify.targets.opacus_target")
+    assert target_modules("fixtures.specimens:Correct") == ("fixtures.specimens",)
+    assert target_modules("some-entry-point") == ()
+    p = Pool()
+    try:
+        assert p.prestart(2, preload=("fixtures.specimens",)) is True
+        started = list(p.started_pids)
+        assert len(started) >= 2 and p.prestart(2) is False  # pending: not started twice
+        res = p.run(imported, "fixtures.specimens", world_size=2)
+        assert res.status == "ok" and list(res.values()) == [True, True], res.message
+        assert p.started_pids == started  # the job ran on the prestarted ranks
+        assert p.prestart(2) is False  # a live group: nothing to start
+    finally:
+        p.close()
+    assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
