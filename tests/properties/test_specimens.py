@@ -194,7 +194,7 @@ def test_duplicated_samples_and_early_return_are_named(pool):
 
 def test_a_bug_only_visible_in_float32(pool):
     vs = run(pool, "clipped_step", "HalfPrecisionCoefficients", world_sizes=(2,), models=("mlp",),
-             reductions=("mean",), dtypes=("float64", "float32"))
+             reductions=("mean",), dtypes=("float64", "float32"), precisions=("fp32",))
     assert [(v.config["dtype"], v.status) for v in vs] == [("float64", "pass"), ("float32", "fail")]
     vs = run(pool, "norm_fidelity", "HalfPrecisionCoefficients", world_sizes=(2,), models=("mlp",),
              reductions=("mean",), data_layouts=("split",), dtypes=("float32",))
