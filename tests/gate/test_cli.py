@@ -139,7 +139,7 @@ def test_upstream_opacus_verdicts(tmp_path):
     real upstream finding: FSDP averages gradients and opacus only compensates under "mean")."""
     j, x, md = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
     r = run_cli("run", "--properties", "norm_fidelity,clipped_step", "--world-sizes", "1,2", "--models", "mlp",
-                "--json", str(j), "--junit", str(x), "--markdown", str(md))
+                "--precisions", "fp32", "--json", str(j), "--junit", str(x), "--markdown", str(md))
     assert r.returncode == 1, r.stderr
     report = json.loads(j.read_text())
     assert report["tool"] == "dpfsdp-verify" and report["target"]["name"] == "opacus"
@@ -155,9 +155,10 @@ def test_upstream_opacus_verdicts(tmp_path):
                 (v["status"], v["diagnosis"]) for v in report["results"] if not v["config"].get("horizon")}
     # float64 and float32 by default for these two; clipped_step under fixed and Poisson sampling (the
     # layer zoo rides only beside the property's own models, not a --models selection); beyond the
-    # matrix (docs/horizon.md) norm_fidelity at the third rank and clipped_step's long run
-    assert len(verdicts) + 1 == len(report["results"]) == 34  # the long run is keyed apart (below)
+    # matrix (docs/horizon.md) norm_fidelity at the third and the fourth rank and clipped_step's long run
+    assert len(verdicts) + 1 == len(report["results"]) == 35  # the long run is keyed apart (below)
     assert verdicts[("norm_fidelity", "mlp", 3, "split", "mean", "float64", "fixed")] == ("pass", None)
+    assert verdicts[("norm_fidelity", "mlp", 4, "split", "mean", "float64", "fixed")] == ("pass", None)
     long_run, = [v for v in report["results"] if v["config"].get("horizon")]
     assert (long_run["property"], long_run["status"], long_run["config"]["world_size"]) == ("clipped_step", "pass", 2)
     for dtype in ("float64", "float32"):
@@ -170,12 +171,12 @@ def test_upstream_opacus_verdicts(tmp_path):
             assert verdicts[("clipped_step", "mlp", 1, "split", "sum", dtype, sampling)] == ("pass", None)
             assert verdicts[("clipped_step", "mlp", 2, "split", "mean", dtype, sampling)] == ("pass", None)
             assert verdicts[("clipped_step", "mlp", 2, "split", "sum", dtype, sampling)] == ("fail", "mismatch")
-    assert report["summary"] == {"pass": 30, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
+    assert report["summary"] == {"pass": 31, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
     assert "4 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
     suite = ET.parse(x).getroot().find("testsuite")
-    assert suite.get("tests") == "34" and suite.get("failures") == "4"
+    assert suite.get("tests") == "35" and suite.get("failures") == "4"
     assert "1/world_size" in suite.find("testcase/failure").text
     assert "clipped_step" in md.read_text()
 
