@@ -196,11 +196,11 @@ def short_poisson_spec(ready: RunSpec) -> RunSpec:
     sample of the dataset is drawn about twice (a sample below C is never drawn with probability
     ~(1-q)^steps = 1e-1 each, all five of the mid-norm split's with ~1e-5)."""
     per_epoch = ready.steps_per_epoch
-    # one epoch more than the steps need: every rank stops after SHORT_POISSON_STEPS steps, and a
+    # twice the epochs the steps need: every rank stops after SHORT_POISSON_STEPS steps, and a
     # sampler that skips an empty local batch (upstream opacus: docs/findings.md) still has draws
     # left, so its ranks take the same steps instead of one ending early (a hang that is the
     # sampling checks' finding, not this one's: the long run avoids it with 64 samples per rank)
-    return ready.with_(steps=SHORT_POISSON_STEPS, epochs=-(-SHORT_POISSON_STEPS // per_epoch) + 1, lr=0.0)
+    return ready.with_(steps=SHORT_POISSON_STEPS, epochs=2 * -(-SHORT_POISSON_STEPS // per_epoch), lr=0.0)
 
 
 def _wide_clip(norms: torch.Tensor) -> float:

@@ -210,8 +210,8 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     steps = max(EXPLORE_MIN_STEPS, spec.steps)
     fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=EXPLORE_SIGMA,
                                   max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
-    if spec.poisson:
-        fields["epochs"] = -(-steps // spec.steps_per_epoch)
+    if spec.poisson:  # twice the epochs the steps need, as the draws have (strategies.explore_specs)
+        fields["epochs"] = 2 * -(-steps // spec.steps_per_epoch)
     return spec.with_(**fields)
 
 
