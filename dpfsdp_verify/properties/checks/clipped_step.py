@@ -63,7 +63,8 @@ from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, f
                       recover_clip_coefficients)
 from ..analysis.compare import (fmt, max_rel_diff, norm_picked, processed_indices, reference_batch, reference_model,
                                 smallest_norm, tensors_close, tolerance)
-from ..engine.contract import Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared, Property
+from ..engine.contract import (DEFAULT_PRECISION_FACT, Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared,
+                               Property)
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 from ..analysis.norm_hypotheses import sequence_weights
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_gradient_bound,
@@ -101,10 +102,6 @@ WIDE_CLIP = 0.01
 #: the wide case's local batch (no accumulation, fp32): the largest exploration draws
 #: (``space`` axis ``local_batch``), so every row index a drawn batch can reach is in every gate run
 WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]  # type: ignore[attr-defined]
-#: a fact of the bf16 cases a run without ``--precisions`` adds (``_runs_default_bf16``): a target
-#: that does not declare the form gets a ``skip`` there, not the failing "not checkable" verdict
-#: ``--precisions`` gives (the runner reads it)
-DEFAULT_PRECISION_FACT = "default_precision"
 #: the lr-0 steps each Poisson case runs beside its one step (``short_poisson_spec``)
 SHORT_POISSON_STEPS = 8
 #: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world

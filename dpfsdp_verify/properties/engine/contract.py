@@ -360,6 +360,12 @@ def explored_keys(spec: RunSpec) -> Dict[str, Any]:
     return out
 
 
+#: a ``Case.facts`` key: a bf16 case a run without ``--precisions`` adds (``clipped_step``); a target
+#: that does not declare the form gets a ``skip`` there (``runner``), not the failing "not checkable"
+#: verdict ``--precisions`` gives
+DEFAULT_PRECISION_FACT = "default_precision"
+
+
 @dataclass(frozen=True)
 class ExploreRecipe:
     """How exploration (``--explore SECONDS``, docs/explore.md) draws a property's configurations
@@ -665,6 +671,6 @@ def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
     return out
 
 
-__all__ = ["Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "explored_keys", "ExploreRecipe",
-           "FuzzRecipe", "Property",
+__all__ = ["DEFAULT_PRECISION_FACT", "Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "explored_keys",
+           "ExploreRecipe", "FuzzRecipe", "Property",
            "sampling_problem", "precision_problem", "modes_problem", "by_id"]

@@ -26,7 +26,7 @@ from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ...modes import Mode
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
-from .contract import Case, Options, Outputs, Property, modes_problem
+from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
 from . import releases
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
@@ -185,7 +185,7 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                 return case.verdict("fail", "refused", f"the target refuses this configuration: {refused}{where}",
                                     {"refused_ranks": [o.rank for o in ranks if o.refused]})
             unsupported = next((o.unsupported for o in ranks if o.unsupported), None)
-            if unsupported and case.facts.get("default_precision") and spec.precision != "fp32":
+            if unsupported and case.facts.get(DEFAULT_PRECISION_FACT) and spec.precision != "fp32":
                 return case.verdict("skip", None, (
                     f"not run: {unsupported}{where}. A run without --precisions judges each bf16 form once where "
                     "the target declares it; --precisions asks for it (then an undeclared form fails)"))
