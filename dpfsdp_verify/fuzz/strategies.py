@@ -31,7 +31,7 @@ from .. import space
 from ..models import BASE_MODELS, MODEL_NAMES, TIES
 from ..reference import REDUCTIONS
 from ..space import AXES
-from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec
+from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec, capped_epochs
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
 #: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
@@ -424,7 +424,7 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
         # skips empty local batches (upstream opacus, docs/findings.md finding 6: pinned by the fixed
         # whole-epoch scenarios) does not run out of draws on one rank first
         spec = RunSpec(**base, sampling="poisson", sample_rate=q, dataset_size=n, seeding=seeding,
-                       epochs=2 * -(-steps // per_epoch), sampling_seed=draw(st.integers(0, 3)))
+                       epochs=capped_epochs(steps, per_epoch), sampling_seed=draw(st.integers(0, 3)))
     else:
         spec = RunSpec(**base, global_batch_size=local * ws, physical_batch_size=p)
     return ws, spec, {"clip_quantile": quantile}

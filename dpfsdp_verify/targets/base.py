@@ -173,6 +173,14 @@ FEATURE_BF16_AUTOCAST = "bf16-autocast"
 PRECISION_FEATURES = {"bf16-fsdp": FEATURE_BF16_FSDP, "bf16-autocast": FEATURE_BF16_AUTOCAST}
 
 
+def capped_epochs(steps: int, steps_per_epoch: int) -> int:
+    """The epochs a Poisson run capped at ``steps`` steps is given: twice what the steps need, so
+    that a sampler that skips empty local batches (upstream opacus, docs/findings.md finding 6) never
+    runs out of draws on one rank before the cap (that divergence is the whole-epoch scenarios'
+    finding, not the capped runs')."""
+    return 2 * -(-steps // steps_per_epoch)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a target needs to run one configuration; picklable, identical on every rank."""
@@ -502,6 +510,6 @@ class Target:
                                   "(Target.sample_batches)")
 
 
-__all__ = ["Target", "RunSpec", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
+__all__ = ["Target", "RunSpec", "capped_epochs", "StepOutput", "RankOutput", "DATA_LAYOUTS", "SAMPLINGS", "SEEDINGS",
            "DEFAULT_GRAD_SAMPLE_MODE", "FEATURE_PHYSICAL_BATCHES", "FEATURE_RESUME", "FEATURE_MOMENTUM",
            "RESUME_PHASES", "PRECISIONS", "FEATURE_BF16_FSDP", "FEATURE_BF16_AUTOCAST", "PRECISION_FEATURES"]

@@ -56,7 +56,7 @@ from ...lazy import torch
 from ...lazy import reference
 from ...space import AXES
 from ...targets import RunSpec
-from ...targets.base import PRECISIONS
+from ...targets.base import PRECISIONS, capped_epochs
 from ...verdict import Verdict
 from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon,
                                 pick_clip_bound,
@@ -197,7 +197,7 @@ def short_poisson_spec(ready: RunSpec) -> RunSpec:
     # sampler that skips an empty local batch (upstream opacus: docs/findings.md) still has draws
     # left, so its ranks take the same steps instead of one ending early (a hang that is the
     # sampling checks' finding, not this one's: the long run avoids it with 64 samples per rank)
-    return ready.with_(steps=SHORT_POISSON_STEPS, epochs=2 * -(-SHORT_POISSON_STEPS // per_epoch), lr=0.0)
+    return ready.with_(steps=SHORT_POISSON_STEPS, epochs=capped_epochs(SHORT_POISSON_STEPS, per_epoch), lr=0.0)
 
 
 def _wide_clip(norms: torch.Tensor) -> float:

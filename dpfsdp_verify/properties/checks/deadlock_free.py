@@ -71,6 +71,7 @@ from typing import Any, Dict, List, Optional
 from ...verdict import Verdict
 from ..analysis.compare import norm_picked
 from ...targets import RunSpec
+from ...targets.base import capped_epochs
 from ..analysis.clipfit import clip_at_quantile
 from ..engine.contract import Case, ExploreRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
@@ -211,7 +212,7 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=EXPLORE_SIGMA,
                                   max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
     if spec.poisson:  # twice the epochs the steps need, as the draws have (strategies.explore_specs)
-        fields["epochs"] = 2 * -(-steps // spec.steps_per_epoch)
+        fields["epochs"] = capped_epochs(steps, spec.steps_per_epoch)
     return spec.with_(**fields)
 
 
