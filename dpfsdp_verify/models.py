@@ -17,6 +17,7 @@ than, equal to, or not divisible by the world size exercises empty and padded sh
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ from .model_catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_M
                             D_MODEL, N_HEADS, LORA_RANK, TIES, IGNORE_INDEX, PAD_ID,
                             CANARIES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims)
 
+#: held while a model's parameters are drawn from torch's default generator (``build_model``)
+_DEFAULT_GENERATOR = threading.Lock()
 
 
 class MLP(nn.Module):
@@ -413,7 +416,9 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
             "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP,
             "canary": CanaryEmbedding}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
-    with torch.random.fork_rng(devices=[]):
+    # torch's default generator is the process's: two threads building models at once (the gate judges
+    # and explores in threads of its own) would draw from each other's seeds
+    with _DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = ctor(**kwargs)
     return model.to(dtype)

@@ -210,7 +210,15 @@ def cmd_run(args) -> int:
         from .torchrun_job import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
-    return execute(RunPlan.from_args(args))
+    from .run import early_pool, size_pool
+
+    pool = early_pool(args.target, args.mode_env)  # its zygotes import torch while this process checks the plan
+    try:
+        plan = RunPlan.from_args(args)
+        size_pool(pool, plan)
+        return execute(plan, pool)
+    finally:
+        pool.close()
 
 
 def cmd_replay(args) -> int:

@@ -8,15 +8,16 @@ of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmar
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
 from ..properties.engine import releases
-from ..properties.engine.runner import Fuzzer, run_property
+from ..properties.engine.runner import Fuzzer, fuzz_property, run_property
 from ..verdict import Verdict, config_label
-from . import report, target_info
+from . import pipeline, report, target_info
 from .plan import RunPlan
 
 #: upper bound on warm worker groups kept by one gate run
@@ -29,6 +30,7 @@ class Progress:
 
     def __init__(self, quiet: bool, also=None):
         self.quiet, self.t0, self.done, self.also = quiet, time.monotonic(), 0, also
+        self._lock = threading.Lock()  # verdicts come from the judge thread and two exploring ones
 
     def started(self, property_id: str) -> None:
         if self.also is not None:
@@ -37,15 +39,24 @@ class Progress:
             print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] running {property_id} ...",
                   file=sys.stderr, flush=True)
 
+    def exploring(self, property_id: str) -> None:
+        """A property's fuzz runs or exploration begin (after every property's fixed cases)."""
+        with self._lock:
+            if self.quiet:
+                return
+            print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] exploring {property_id} ...",
+                  file=sys.stderr, flush=True)
+
     def __call__(self, verdict: Verdict) -> None:
-        if self.also is not None:
-            self.also(verdict)
-        self.done += 1
-        if self.quiet:
-            return
-        tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
-        print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
-              f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
+        with self._lock:
+            if self.also is not None:
+                self.also(verdict)
+            self.done += 1
+            if self.quiet:
+                return
+            tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
+            print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
+                  f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
 
 
 def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", journal=None) -> int:
@@ -79,36 +90,19 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     Never raises for a target's failure: a property that cannot run becomes an ``error`` verdict
     saying why."""
     own_pool = pool is None
-    # one warm group per (world size, mode) so no property restarts ranks another one just used
-    # (a restart costs seconds); idle ranks only cost memory
     opts = plan.options
+    pool = pool or size_pool(Pool(), plan)
     fuzz = _fuzzer(plan.fuzz, _explore_share(plan))
-    sizes = (len(opts.world_sizes) + len(opts.meshes)
-             + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
-    if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
-        from ..space import explore_max_world_size
-
-        sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
-                    | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
-    pool = pool or Pool(max_groups=min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes)))
     verdicts: List[Verdict] = []
     # every noisy run any property makes feeds the release judge (properties/engine/releases.py)
     ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
-    _prestart(pool, opts)
     try:
         with releases.collecting(ledger):
-            for pid in plan.properties:
-                if progress and hasattr(progress, "started"):
-                    progress.started(pid)
-                t0 = time.monotonic()
-                try:
-                    found = run_property(PROPERTIES[pid], opts, pool, fuzz=fuzz)
-                except Exception as e:  # a bug in a check or an unloadable target: report, go on
-                    found = [PROPERTIES[pid].internal_error(opts, "running", e, time.monotonic() - t0)]
-                for v in found:
-                    verdicts.append(v)
-                    if progress:
-                        progress(v)
+            if pipeline.usable(pool):
+                verdicts += _pipelined(plan, pool, fuzz, progress)
+            else:
+                _prestart(pool, opts)
+                verdicts += _one_by_one(plan, pool, fuzz, progress)
         if ledger is not None:
             t0 = time.monotonic()
             try:
@@ -124,6 +118,92 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
         if own_pool:
             pool.close()
     return verdicts
+
+
+def size_pool(pool: Pool, plan: RunPlan) -> Pool:
+    """``pool`` keeping one warm group per (world size, mode) the plan (and its exploration) uses, so
+    that no property restarts ranks another one just used (a restart costs seconds; idle ranks only
+    cost memory), at most ``MAX_WARM_GROUPS`` (+2 with exploration)."""
+    opts = plan.options
+    sizes = (len(opts.world_sizes) + len(opts.meshes)
+             + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
+    if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
+        from ..space import explore_max_world_size
+
+        sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
+                    | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
+    pool.max_groups = min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes))
+    return pool
+
+
+#: the zygotes ``early_pool`` starts: those of the first groups a gate run forks (1 and 2 ranks)
+EARLY_ZYGOTES = 2
+
+
+def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
+    """The gate's pool, made before its plan is checked, its first ``EARLY_ZYGOTES`` zygotes already
+    importing torch and the target's modules (``target_modules``) while this process imports its own
+    (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
+    environment is a mode's: nothing is started ahead. The caller closes it."""
+    pool = Pool()
+    if not mode_env:
+        pool.warm(EARLY_ZYGOTES, None, target_modules(target))
+    return pool
+
+
+def _one_by_one(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], progress) -> List[Verdict]:
+    """Every selected property's verdicts, property by property (``runner.run_property``)."""
+    verdicts: List[Verdict] = []
+    for pid in plan.properties:
+        if progress and hasattr(progress, "started"):
+            progress.started(pid)
+        t0 = time.monotonic()
+        try:
+            found = run_property(PROPERTIES[pid], plan.options, pool, fuzz=fuzz)
+        except Exception as e:  # a bug in a check or an unloadable target: report, go on
+            found = [PROPERTIES[pid].internal_error(plan.options, "running", e, time.monotonic() - t0)]
+        for v in found:
+            verdicts.append(v)
+            if progress:
+                progress(v)
+    return verdicts
+
+
+def _pipelined(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], progress) -> List[Verdict]:
+    """The same verdicts as ``_one_by_one``, in the same order: every property's fixed cases run and
+    judged at once (``pipeline.run_fixed``: the ranks run jobs while this process judges and plans),
+    then each property's fuzz runs and exploration."""
+    started = progress.started if progress and hasattr(progress, "started") else None
+    # the wide and node groups start while the first property is planned
+    fixed = pipeline.run_fixed(plan.properties, plan.options, pool, progress, started,
+                               warm_up=lambda: _prestart(pool, plan.options))
+    explored = _explore_all(plan, pool, fuzz, fixed, progress)
+    return [v for pid in plan.properties for v in fixed[pid][1] + explored.get(pid, [])]
+
+
+def _explores(plan: RunPlan, pid: str) -> bool:
+    """Whether ``pid`` has fuzz runs or an exploration in this run."""
+    prop = PROPERTIES[pid]
+    return bool((plan.fuzz and prop.fuzz is not None) or (plan.explore > 0 and prop.explore is not None))
+
+
+def _explore_all(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], fixed: dict, progress
+                 ) -> Dict[str, List[Verdict]]:
+    """Each property's fuzz and exploration verdicts (``runner.fuzz_property``), by property id, one
+    property after another: explorations adapt (each draw's verdict decides the next) and keep both
+    cores busy on their own (two at once, measured: as many draws in all as one after the other)."""
+    todo = [pid for pid in plan.properties if fuzz is not None and fixed[pid][0] is not None
+            and _explores(plan, pid)]  # no options: its planning, jobs or judging raised
+
+    out: Dict[str, List[Verdict]] = {}
+    for pid in todo:
+        if progress and hasattr(progress, "exploring"):
+            progress.exploring(pid)
+        out[pid] = fuzz_property(PROPERTIES[pid], fixed[pid][0], pool, fuzz)
+        if progress:
+            for v in out[pid]:
+                progress(v)
+    return out
 
 
 def _prestart(pool, opts) -> None:

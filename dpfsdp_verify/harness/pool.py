@@ -25,12 +25,16 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 # the default deadline for a job, seconds (marker ``timeout=``, ini ``dpfsdp_timeout``, CLI ``--timeout``),
 # is ``defaults.DEFAULT_TIMEOUT_S``: re-exported here, where the harness has always named it
 from ..defaults import DEFAULT_TIMEOUT_S
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
+from .launch import rank_env
 from .proof import Evidence
 from .zygote import PRELOAD, Zygotes
 
@@ -58,7 +62,13 @@ class Pool:
         #: the fork servers of this pool's ranks (their pids join ``started_pids``)
         self.zygotes = (Zygotes(zygote_preload, start_timeout, self.started_pids) if zygote_preload is not None
                         else None)
-        self._lock = threading.Lock()
+        # guards the groups, spares and zygote bookkeeping; held while a group is looked up or started,
+        # not while a job runs (``run``)
+        self._lock = threading.RLock()
+        self._free = threading.Condition(self._lock)
+        #: keys whose group runs a job now: never closed to make room (``group``)
+        self._busy: set = set()
+        self._lane: Optional["ThreadPoolExecutor"] = None
 
     @staticmethod
     def key(world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> Key:
@@ -79,9 +89,8 @@ class Pool:
         if g is not None:
             self._lost.add(key)
         self.groups.pop(key, None)
-        while len(self.groups) >= self.max_groups:
-            _, old = self.groups.popitem(last=False)
-            old.close()
+        for old_key in [k for k in self.groups if k not in self._busy][:max(0, len(self.groups) - self.max_groups + 1)]:
+            self.groups.pop(old_key).close()  # least recently used first; a group running a job stays
         g = self.spares.pop(key, None)
         if g is not None:
             try:
@@ -129,26 +138,54 @@ class Pool:
             self._start_spare(key, tuple(dict.fromkeys(tuple(preload) + learned)))
             return key in self.spares
 
+    def warm(self, world_size: int, env: Optional[Dict[str, str]] = None, preload: Sequence[str] = ()) -> None:
+        """Start the zygotes that fork the ranks of groups up to ``world_size`` with ``env`` now (not
+        waited for; ``Zygotes.start``), importing torch and ``preload`` (e.g. the target's modules)
+        while the caller does its own imports: the first group then forks from a zygote already
+        (nearly) ready. Nothing without zygotes; never raises."""
+        if self.zygotes is not None:
+            self.zygotes.start(rank_env(env), world_size, preload)
+
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
             env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S,
             evidence: Optional[Evidence] = None, **kwargs) -> GroupResult:
         """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` group; see ``WorkerGroup.run``
         (``evidence``: the caller's reading of the ranks' progress, ``proof.Evidence``)."""
-        with self._lock:
+        key = self.key(world_size, backend, env)
+        with self._free:
+            while key in self._busy:  # one job at a time per group (another thread's job on this key)
+                self._free.wait()
             g = self.group(world_size, backend, env)
-            key = self.key(world_size, backend, env)
             if self.spares_enabled and key in self._lost:
                 self._start_spare(key, g.job_modules or g.preload)
-            try:
-                res = g.run(fn, args, kwargs, timeout=timeout, evidence=evidence)
-            finally:
+            self._busy.add(key)
+        try:  # without the lock: a job on another group (another thread's: ``side_lane``) runs meanwhile
+            res = g.run(fn, args, kwargs, timeout=timeout, evidence=evidence)
+        finally:
+            with self._free:
+                self._busy.discard(key)
                 if not self.reuse:
                     g.close()
+                self._free.notify_all()
+        with self._lock:
             if self.zygotes is not None:
                 self.zygotes.learn(g.job_modules)
             if g.closed and self.reuse:
                 self._lost.add(key)
-            return res
+        return res
+
+    def side_lane(self):
+        """A thread of this pool's own (a one-worker ``concurrent.futures`` executor, started on first
+        use, ended by ``close``) for jobs that run beside the caller's on other groups: the gate runs
+        its 1-rank jobs there while its larger groups run the rest (``gate/pipeline.py``). Ranks a
+        lane's job starts live as long as the pool (a spawned rank's parent-death signal follows the
+        thread that started it: this one ends only when the pool closes)."""
+        with self._lock:
+            if self._lane is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfsdp-side-lane")
+            return self._lane
 
     def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
         """A new group outside the warm set, for jobs that must be the first thing their rank
@@ -162,6 +199,9 @@ class Pool:
         return g
 
     def close(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is not None:  # its jobs end first (a caller that closes a pool has nothing running on it)
+            lane.shutdown(wait=True)
         with self._lock:
             while self.groups:
                 self.groups.popitem()[1].close()

@@ -309,20 +309,42 @@ class Zygotes:
                ) -> Optional[Zygote]:
         """Zygote ``index`` of a set, ready; the group's other missing zygotes are started meanwhile
         (not waited for), so that a group's zygotes import in parallel."""
-        while len(zygotes) < world_size:
-            zygotes.append(None)
-        for i in range(index, world_size):
-            z = zygotes[i]
-            if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
-                if z is not None:
-                    z.close()
-                zygotes[i] = z = Zygote(env, self.preload + tuple(m + "?" for m in self.learned))
-                self.started_pids.append(z.pid)
+        self._fill(env, zygotes, index, world_size)
         reason = cast(Zygote, zygotes[index]).wait_ready(self.start_timeout)  # every slot filled above
         if reason is not None:
             self._give_up(f"zygote {index} could not start: {reason}")
             return None
         return zygotes[index]
+
+    def _fill(self, env: Dict[str, str], zygotes: List[Optional[Zygote]], first: int, world_size: int,
+              extra: Sequence[str] = ()) -> None:
+        """Start (not wait for) zygotes ``first .. world_size - 1`` of a set where none runs; they import
+        the preload, what was learned and ``extra`` (optional: one that fails is skipped)."""
+        while len(zygotes) < world_size:
+            zygotes.append(None)
+        for i in range(first, world_size):
+            z = zygotes[i]
+            if z is None or (z.ready and not z.alive()):  # never started, or died (killed?): a new one
+                if z is not None:
+                    z.close()
+                optional = tuple(dict.fromkeys(tuple(self.learned) + tuple(extra)))
+                zygotes[i] = z = Zygote(env, self.preload + tuple(m + "?" for m in optional))
+                self.started_pids.append(z.pid)
+
+    def start(self, env: Dict[str, str], world_size: int, extra: Sequence[str] = ()) -> None:
+        """Start the zygotes of ranks ``0 .. world_size - 1`` with ``env`` now, not waited for, so that
+        their imports (torch, ``extra``: e.g. the target's modules) overlap the caller's own start-up
+        instead of delaying the first group. Never raises: a zygote that cannot start is found out
+        when a group needs it."""
+        try:
+            with self._lock:
+                if self.failed is not None:
+                    return
+                chosen = self._set_for(env)
+                if chosen is not None:
+                    self._fill(*chosen, 0, world_size, extra)
+        except Exception:
+            return
 
     def _all(self) -> List[Zygote]:
         return [z for _, zs in self.sets.values() for z in zs if z is not None]

@@ -42,6 +42,7 @@ from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_r
 from ..wording.releases import finding_message, pass_message, pooled_message
 from .contract import Case, Options, Outputs
 from .prechecks import device_facts
+from .threads import one_thread
 
 #: the property whose verdicts the ledger gives
 PROPERTY_ID = "noise_calibration"
@@ -72,12 +73,9 @@ class Ledger:
         if case.facts.get("releases_judged"):
             return
         t0, c0 = time.monotonic(), time.process_time()
-        threads = torch.get_num_threads()
-        # one thread, as the ranks run (runner.one_thread: threads per core on shared cores slowed the
-        # reference several-fold)
-        torch.set_num_threads(1)
         try:
-            with torch.no_grad():
+            # one thread, as the ranks run (threads per core on shared cores slowed the reference several-fold)
+            with one_thread(), torch.no_grad():
                 for mode, runs in zip(case.modes, outputs):
                     last: Dict[object, dict] = {}
                     for spec, ranks in zip(case.specs, runs):
@@ -96,7 +94,6 @@ class Ledger:
         except Exception as e:  # a bug in the judge: an internal_error verdict, never a verdict on the target
             self.errors.append((case, f"{type(e).__name__}: {e}", traceback.format_exc()))
         finally:
-            torch.set_num_threads(threads)
             self.seconds += time.monotonic() - t0
             self.cpu_seconds += time.process_time() - c0
 

@@ -28,6 +28,7 @@ from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
 from . import releases
+from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
                         non_finite, physical_problem, poisson_problem, privacy_steps_problem, tf32_problem)
@@ -54,19 +55,39 @@ def case_deadline(deadline: Optional[float], timeout: float) -> float:
 def run_property(prop: Property, opts: Options, pool: Optional[JobPool] = None, fuzz: Optional[Fuzzer] = None
                  ) -> List[Verdict]:
     """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz``, its fuzz
-    runs' verdicts where it has a recipe and the modes suit it."""
+    runs' verdicts where it has a recipe and the modes suit it. (The gate runs the same three steps,
+    ``plan_property``, ``judge_cases`` + ``in_plan_order``, ``fuzz_property``, pipelined:
+    ``gate/pipeline.py``.)"""
+    opts, items, cases = plan_property(prop, opts)
+    verdicts = in_plan_order(items, judge_cases(prop, cases, pool, opts.timeout))
+    return verdicts + fuzz_property(prop, opts, pool, fuzz)
+
+
+def plan_property(prop: Property, opts: Options) -> Tuple[Options, list, List[Case]]:
+    """``prop``'s options with its defaults, its plan (cases and plan-time verdicts, in report
+    order) and the plan's cases."""
     opts = prop.with_defaults(opts)
     items = prop.plan(opts)
-    cases = [c for c in items if isinstance(c, Case)]
-    judged = iter(judge_cases(prop, cases, pool, opts.timeout))
-    verdicts = [next(judged) if isinstance(item, Case) else item for item in items]
-    if fuzz is not None and (prop.fuzz is not None or prop.explore is not None) and not modes_problem(prop, opts.modes):
-        t0 = time.monotonic()
-        try:
-            verdicts += fuzz(prop, opts, pool)
-        except Exception as e:  # the fuzzer's bug: the matrix's verdicts above still stand
-            verdicts.append(prop.internal_error(opts, "fuzzing", e, time.monotonic() - t0))
-    return verdicts
+    return opts, items, [c for c in items if isinstance(c, Case)]
+
+
+def in_plan_order(items: Sequence[Union[Case, Verdict]], judged: Sequence[Verdict]) -> List[Verdict]:
+    """The plan's verdicts in report order: each case's verdict (``judged``, in case order) where the
+    plan has the case."""
+    it = iter(judged)
+    return [next(it) if isinstance(item, Case) else item for item in items]
+
+
+def fuzz_property(prop: Property, opts: Options, pool: Optional[JobPool], fuzz: Optional[Fuzzer]) -> List[Verdict]:
+    """With ``fuzz``, ``prop``'s fuzz runs' verdicts (its recipe, modes that suit it; ``opts`` with its
+    defaults); a bug of the fuzzer is its ``internal_error`` verdict (the matrix's verdicts stand)."""
+    if fuzz is None or (prop.fuzz is None and prop.explore is None) or modes_problem(prop, opts.modes):
+        return []
+    t0 = time.monotonic()
+    try:
+        return fuzz(prop, opts, pool)
+    except Exception as e:  # the fuzzer's bug: the matrix's verdicts still stand
+        return [prop.internal_error(opts, "fuzzing", e, time.monotonic() - t0)]
 
 
 def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: JobPool,
@@ -82,21 +103,6 @@ def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int,
             return case
         outcome = run_cases([case], pool, opts.timeout)[0]
         return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch on one thread in this process while it computes the reference, as the ranks run (the
-    harness starts them with ``OMP_NUM_THREADS=1``): threads per core on 2 shared cores slowed an
-    example ~3-5x, measured; a switch and back costs ~0.35 ms."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 #: ``listener(case, verdict)`` in force (``telling``): judge each case as soon as its runs are in
@@ -117,6 +123,11 @@ def telling(listener: Optional[Callable[[Case, Verdict], None]]):
         yield
     finally:
         _TOLD.reset(token)
+
+
+def telling_listener() -> Optional[Callable[[Case, Verdict], None]]:
+    """The listener of ``telling`` in force (``None``: none)."""
+    return _TOLD.get()
 
 
 def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], timeout: float) -> List[Verdict]:
@@ -268,11 +279,15 @@ class _NotRun:
 
 
 def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
-              on_ready: Optional[Callable[[int, Any], None]] = None
+              on_ready: Optional[Callable[[int, Any], None]] = None, shared: Optional[Dict[Any, list]] = None
               ) -> List[Union[List[List[List[RankOutput]]], Verdict]]:
     """For each case, ``outputs[mode][spec][rank]`` or the case's failure verdict; ``on_ready(i,
     that)`` is called for case ``i`` as soon as the job that settles its last run has ended (a
     job's runs are settled when it returns, its retries and splits included), once per case.
+    ``shared``: the outputs of runs made by earlier calls, by run (the gate's, across properties:
+    ``gate/pipeline.py``): a run asked again -- the same target, backend, world size, mode, specs
+    and deadline, in a warm group -- takes them instead of running again, and this call's
+    finished runs are added.
 
     Runs sharing (world size, env, backend, target) go to the ranks as one job (one job per case
     for ``Case.isolate``; ``Case.fresh_groups`` cases in groups of ranks started for them, ``_run_fresh``).
@@ -290,11 +305,14 @@ def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
                 for m in c.modes]
                for i, c in enumerate(cases)]
     unique = list(dict.fromkeys(r for runs in runs_of for r in runs))
-    jobs: Dict[tuple, List[_Run]] = {}
-    for r in unique:
-        jobs.setdefault((r.world_size, r.mode.env, r.backend, r.target_ref, r.isolate_key), []).append(r)
     done: Dict[_Run, Union[list, str, _NotRun, _Failed]] = {}  # outputs, a skip's reason, or why not
     seconds: Dict[_Run, float] = {}
+    jobs: Dict[tuple, List[_Run]] = {}
+    for r in unique:
+        if shared is not None and r in shared:
+            done[r] = shared[r]
+        else:
+            jobs.setdefault((r.world_size, r.mode.env, r.backend, r.target_ref, r.isolate_key), []).append(r)
     case_of: Dict[_Run, Case] = {}
     for case, runs in zip(cases, runs_of):
         for r in runs:
@@ -316,6 +334,9 @@ def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
         if on_ready is not None:
             settle()
     settle()
+    if shared is not None:
+        shared.update((r, cast(list, done[r])) for r in unique
+                      if r.isolate_key is None and not r.fresh_groups and isinstance(done[r], list))
     return [out[i] for i in range(len(cases))]
 
 
@@ -550,7 +571,8 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
                         details=failure_details(found, res.details))
 
 
-__all__ = ["Fuzzer", "case_deadline", "run_property", "check_example", "one_thread", "telling", "judge_cases",
+__all__ = ["Fuzzer", "case_deadline", "run_property", "plan_property", "in_plan_order", "fuzz_property",
+           "check_example", "one_thread", "telling", "telling_listener", "judge_cases",
            "judge_case", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_finding",
            "failure_evidence", "failure_verdict"]

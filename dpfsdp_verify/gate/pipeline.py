@@ -1,0 +1,201 @@
+"""The gate's fixed cases, pipelined: the ranks run one property's jobs while this process judges
+the cases already run and plans the properties after it.
+
+Run property by property (``runner.run_property``), the gate's own work -- planning (reference
+norms for the clip bounds, the layer zoo), judging (the float64 reference of every case, the
+noise statistics) and the ranks' jobs -- took turns: ~12 s of this process' CPU per default run
+while the ranks waited, and the ranks' ~45 s of jobs while this process waited. Here the same
+three steps (``runner.plan_property``, ``runner.judge_case``, ``runner.in_plan_order``) run in two
+threads:
+
+* the **judge** thread (started in a copy of the caller's context, so it feeds the release ledger
+  in force, ``engine/releases.py``) plans every property in order and hands each one's cases to
+  the calling thread; then it judges each property's cases in case order as their outcomes come
+  in, and hands the property's verdicts, in report order, to ``progress``;
+* the **calling** thread runs the cases' jobs (``runner.run_cases``), property after property,
+  and hands each case's outcome to the judge as soon as the job that settles it has ended.
+
+Two more overlaps: a property's 1-rank gloo cases (``solo_case``) run on the pool's side lane
+(``Pool.side_lane``, a thread of the pool's own) beside its larger groups' jobs -- a 1-rank job
+leaves the second core to the judge, a 2-rank one none, so 1-rank jobs beside 2-rank ones fill the
+cores -- and a run two properties ask for (the same target, world size, mode and specs:
+``norm_fidelity`` and ``clipped_step`` share 14 one-step runs in the default gate) runs once
+(``runner.run_cases``' ``shared``; the runs are deterministic in their specs, seeds included).
+
+Only the calling thread and the side lane start and talk to ranks, each on groups of its own (a
+rank's parent-death signal follows the thread that started it: both live as long as the ranks
+they start), and only the judge thread computes with torch while they run (on one torch thread,
+``threads.one_thread``, as the ranks do). So the verdicts, and the order in which cases feed the
+ledger, are those of the property-by-property run; only when each is judged differs. Fuzzing and
+exploration (adaptive: each draw's verdict decides the next) run after, in the calling thread
+(``gate/run.py``).
+
+Where it is not used (``usable``): a torchrun job's rank 0 (its pool runs rank 0's share of a job in
+this very process, and its journal, ``runner.telling``, follows one property at a time) and a
+caller's own job pool; those run property by property, with the same verdicts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
+
+from ..harness import JobPool
+from ..properties import PROPERTIES
+from ..properties.engine import runner
+from ..properties.engine.contract import Case, Options, Outputs, Property
+from ..verdict import Verdict
+
+#: what the calling thread sends for a property whose jobs raised (a bug of the runner)
+_CRASHED = -1
+#: what the calling thread sends every property's judge when it stops early (an interrupt)
+_ABORTED = -2
+
+
+class _Aborted(Exception):
+    """The calling thread stopped before this property's jobs had run."""
+
+
+@dataclass
+class _Planned:
+    pid: str
+    prop: Property
+    opts: Options
+    items: list
+    cases: List[Case]
+    t0: float
+    inbox: "queue.Queue[Tuple[int, object]]" = field(default_factory=queue.Queue)
+
+
+def usable(pool: object) -> bool:
+    """Whether the gate's fixed cases may run pipelined on ``pool``: the in-process ``harness.Pool``
+    (ranks in processes of their own) and no ``runner.telling`` listener in force."""
+    from ..harness import Pool
+
+    return isinstance(pool, Pool) and runner.telling_listener() is None
+
+
+def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
+              progress: Optional[Callable[[Verdict], None]] = None,
+              started: Optional[Callable[[str], None]] = None, warm_up: Optional[Callable[[], None]] = None
+              ) -> Dict[str, Tuple[Optional[Options], List[Verdict]]]:
+    """Each property's options (with its defaults) and its fixed cases' verdicts in report order,
+    by property id (module docstring). A property whose planning, jobs or judging raised has no
+    options (``None``) and one ``error`` / ``internal_error`` verdict (a bug of this suite; the
+    others' verdicts stand).
+    ``progress`` gets each property's verdicts once it is judged, ``started`` each property's id as
+    its jobs begin; ``warm_up`` is called in the calling thread while the first property is planned
+    (e.g. groups started ahead, ``run._prestart``)."""
+    todo: "queue.Queue[Optional[_Planned]]" = queue.Queue()
+    results: Dict[str, Tuple[Optional[Options], List[Verdict]]] = {}
+    planned: List[_Planned] = []
+
+    def judge_all() -> None:
+        try:
+            with runner.one_thread():
+                for pid in properties:
+                    item = _plan(pid, opts, results)
+                    if item is not None:
+                        planned.append(item)
+                        todo.put(item)
+                todo.put(None)
+                for item in planned:
+                    results[item.pid] = _judge(item)
+                    if progress is not None:
+                        for v in results[item.pid][1]:
+                            progress(v)
+        finally:
+            todo.put(None)  # never leave the calling thread waiting for a plan
+
+    judge = threading.Thread(target=contextvars.copy_context().run, args=(judge_all,), name="dpfsdp-judge",
+                             daemon=True)
+    judge.start()
+    finished = False
+    lane = _side_lane(pool)
+    beside: list = []  # the side lane's futures
+    shared: Dict[object, list] = {}  # a run two properties ask for runs once (``run_cases``' ``shared``)
+    try:
+        if warm_up is not None:
+            warm_up()
+        while (item := todo.get()) is not None:
+            if started is not None:
+                started(item.pid)
+            solo = [i for i, case in enumerate(item.cases) if lane is not None and solo_case(case)]
+            if solo:
+                beside.append(lane.submit(_run_part, item, solo, pool, shared))
+            _run_part(item, [i for i in range(len(item.cases)) if i not in set(solo)], pool, shared)
+        for future in beside:
+            future.result()
+        finished = True
+    finally:
+        if not finished:  # interrupted: no judge may wait for outcomes that will never come
+            for item in planned:
+                item.inbox.put((_ABORTED, None))
+        judge.join()
+    return results
+
+
+def solo_case(case: Case) -> bool:
+    """Whether ``case`` runs on the side lane: one gloo rank in a warm group of the pool's own
+    environment (no mode variables, no fresh processes)."""
+    return (case.world_size == 1 and case.backend == "gloo" and not case.fresh_groups
+            and not any(m.env_dict for m in case.modes))
+
+
+def _side_lane(pool: JobPool):
+    """The pool's side lane (``Pool.side_lane``), or ``None`` for a pool without one."""
+    lane = getattr(pool, "side_lane", None)
+    return lane() if lane is not None else None
+
+
+def _run_part(item: _Planned, indices: List[int], pool: JobPool, shared: Dict[object, list]) -> None:
+    """Run the cases ``indices`` of ``item`` (``runner.run_cases``, runs made for an earlier property
+    taken from ``shared``), each outcome handed to the property's judge under its index; a bug of
+    the runner is handed over as ``_CRASHED``."""
+    if not indices:
+        return
+    try:
+        runner.run_cases([item.cases[i] for i in indices], pool, item.opts.timeout,
+                         on_ready=lambda k, outcome: item.inbox.put((indices[k], outcome)), shared=shared)
+    except Exception as e:  # a bug of the runner: this property's internal error, the others go on
+        item.inbox.put((_CRASHED, e))
+
+
+def _plan(pid: str, opts: Options, results: dict) -> Optional[_Planned]:
+    """``pid``'s plan, or ``None`` with its internal error in ``results`` when planning raised."""
+    prop, t0 = PROPERTIES[pid], time.monotonic()
+    try:
+        popts, items, cases = runner.plan_property(prop, opts)
+    except Exception as e:  # a bug in a check or an unloadable target: report, go on
+        results[pid] = (None, [prop.internal_error(opts, "running", e, time.monotonic() - t0)])
+        return None
+    return _Planned(pid, prop, popts, items, cases, t0)
+
+
+def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
+    """``item``'s options and verdicts in report order, each case judged (``runner.judge_case``) in
+    case order as its outcome comes in (no options: it raised)."""
+    outcomes: Dict[int, object] = {}
+    judged: List[Verdict] = []
+    try:
+        for i, case in enumerate(item.cases):
+            while i not in outcomes:
+                k, outcome = item.inbox.get()
+                if k == _CRASHED:
+                    raise outcome  # type: ignore[misc]  # the runner's exception, with its traceback
+                if k == _ABORTED:
+                    raise _Aborted(f"stopped before {item.pid}'s jobs had run")
+                outcomes[k] = outcome
+            outcome = outcomes.pop(i)
+            judged.append(outcome if isinstance(outcome, Verdict)
+                          else runner.judge_case(item.prop, case, cast(Outputs, outcome)))
+        return item.opts, runner.in_plan_order(item.items, judged)
+    except Exception as e:  # a bug in a check: this property's internal error (as run property by property)
+        return None, [item.prop.internal_error(item.opts, "running", e, time.monotonic() - item.t0)]
+
+
+__all__ = ["usable", "run_fixed", "solo_case"]
