@@ -19,7 +19,7 @@ Two more overlaps: a property's 1-rank gloo cases (``solo_case``) run on the poo
 (``Pool.side_lane``, a thread of the pool's own) beside its larger groups' jobs -- a 1-rank job
 leaves the second core to the judge, a 2-rank one none, so 1-rank jobs beside 2-rank ones fill the
 cores -- and a run two properties ask for (the same target, world size, mode and specs:
-``norm_fidelity`` and ``clipped_step`` share 14 one-step runs in the default gate) runs once
+two properties' one-step clip runs at the same bound: 14 in the default gate) runs once
 (``runner.run_cases``' ``shared``; the runs are deterministic in their specs, seeds included).
 
 Only the calling thread and the side lane start and talk to ranks, each on groups of its own (a
@@ -52,8 +52,8 @@ from ..verdict import Verdict
 
 #: what the calling thread sends for a property whose jobs raised (a bug of the runner)
 _CRASHED = -1
-#: what the calling thread sends every property's judge when it stops early (an interrupt)
-_ABORTED = -2
+#: how often a waiting judge looks whether the calling thread stopped early (an interrupt)
+_POLL_S = 0.25
 
 
 class _Aborted(Exception):
@@ -68,15 +68,16 @@ class _Planned:
     items: list
     cases: List[Case]
     t0: float
+    #: set when the calling thread stopped early: no more outcomes will come
+    stop: threading.Event
     inbox: "queue.Queue[Tuple[int, object]]" = field(default_factory=queue.Queue)
 
 
 def usable(pool: object) -> bool:
-    """Whether the gate's fixed cases may run pipelined on ``pool``: the in-process ``harness.Pool``
-    (ranks in processes of their own) and no ``runner.telling`` listener in force."""
-    from ..harness import Pool
-
-    return isinstance(pool, Pool) and runner.telling_listener() is None
+    """Whether the gate's fixed cases may run pipelined on ``pool``: a pool of ranks in processes of
+    their own, with a side lane (``harness.Pool``, or a view of one) and no ``runner.telling``
+    listener in force."""
+    return getattr(pool, "side_lane", None) is not None and runner.telling_listener() is None
 
 
 def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
@@ -91,6 +92,7 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
     its jobs begin; ``warm_up`` is called in the calling thread while the first property is planned
     (e.g. groups started ahead, ``run._prestart``)."""
     todo: "queue.Queue[Optional[_Planned]]" = queue.Queue()
+    stop = threading.Event()
     results: Dict[str, Tuple[Optional[Options], List[Verdict]]] = {}
     planned: List[_Planned] = []
 
@@ -98,7 +100,9 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         try:
             with runner.one_thread():
                 for pid in properties:
-                    item = _plan(pid, opts, results)
+                    if stop.is_set():
+                        break
+                    item = _plan(pid, opts, results, stop)
                     if item is not None:
                         planned.append(item)
                         todo.put(item)
@@ -133,8 +137,7 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         finished = True
     finally:
         if not finished:  # interrupted: no judge may wait for outcomes that will never come
-            for item in planned:
-                item.inbox.put((_ABORTED, None))
+            stop.set()
         judge.join()
     return results
 
@@ -165,7 +168,7 @@ def _run_part(item: _Planned, indices: List[int], pool: JobPool, shared: Dict[ob
         item.inbox.put((_CRASHED, e))
 
 
-def _plan(pid: str, opts: Options, results: dict) -> Optional[_Planned]:
+def _plan(pid: str, opts: Options, results: dict, stop: threading.Event) -> Optional[_Planned]:
     """``pid``'s plan, or ``None`` with its internal error in ``results`` when planning raised."""
     prop, t0 = PROPERTIES[pid], time.monotonic()
     try:
@@ -173,7 +176,7 @@ def _plan(pid: str, opts: Options, results: dict) -> Optional[_Planned]:
     except Exception as e:  # a bug in a check or an unloadable target: report, go on
         results[pid] = (None, [prop.internal_error(opts, "running", e, time.monotonic() - t0)])
         return None
-    return _Planned(pid, prop, popts, items, cases, t0)
+    return _Planned(pid, prop, popts, items, cases, t0, stop)
 
 
 def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
@@ -184,11 +187,14 @@ def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
     try:
         for i, case in enumerate(item.cases):
             while i not in outcomes:
-                k, outcome = item.inbox.get()
+                try:
+                    k, outcome = item.inbox.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if item.stop.is_set():
+                        raise _Aborted(f"stopped before {item.pid}'s jobs had run") from None
+                    continue
                 if k == _CRASHED:
                     raise outcome  # type: ignore[misc]  # the runner's exception, with its traceback
-                if k == _ABORTED:
-                    raise _Aborted(f"stopped before {item.pid}'s jobs had run")
                 outcomes[k] = outcome
             outcome = outcomes.pop(i)
             judged.append(outcome if isinstance(outcome, Verdict)

@@ -146,7 +146,7 @@ def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
     (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
     environment is a mode's: nothing is started ahead. The caller closes it."""
     pool = Pool()
-    if not mode_env:
+    if not mode_env and EARLY_ZYGOTES > 0:
         pool.warm(EARLY_ZYGOTES, None, target_modules(target))
     return pool
 

@@ -1,0 +1,209 @@
+"""The gate's pipelined run (``gate/pipeline.py``): the same verdicts as property by property, runs two
+properties ask for made once, a bug of one property its own internal error, no wait left behind on an
+interrupt; and what it rests on: the pool's side lane and per-group locking (``Pool.run``), the
+zygotes started ahead (``run.early_pool``), the counted one-thread switch, the model lock."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from dpfsdp_verify.gate import cli, pipeline
+from dpfsdp_verify.gate import run as gate_run
+from dpfsdp_verify.gate.plan import RunPlan
+from dpfsdp_verify.harness import Pool, wait_gone
+from dpfsdp_verify.properties import PROPERTIES
+from dpfsdp_verify.properties.engine import runner
+
+SMALL = ["--properties", "norm_fidelity,clipped_step", "--world-sizes", "1,2", "--models", "mlp", "--dtypes",
+         "float64,float32", "--loss-reductions", "mean", "--sampling", "fixed", "--horizon", "0",
+         "--wide-world-size", "0", "--node-world-size", "0", "--explore", "0", "--seed", "5"]
+
+
+def _plan(target: str, *extra: str) -> RunPlan:
+    return RunPlan.from_args(cli.build_parser().parse_args(["run", "--target", target, *SMALL, *extra]))
+
+
+def _key(v):
+    return (v.property, v.status, v.diagnosis, tuple(sorted((k, repr(x)) for k, x in v.config.items())))
+
+
+class _Counting:
+    """A view of the tests' pool that counts the runs shipped to ranks (one per spec of a job)."""
+
+    def __init__(self, pool, lane: bool = True):
+        self._pool, self.runs, self._lane = pool, 0, lane
+        self._lock = threading.Lock()
+
+    def run(self, fn, *args, **kwargs):
+        with self._lock:
+            self.runs += len(args[1])  # run_many_on_rank(target_ref, specs, ...)
+        return self._pool.run(fn, *args, **kwargs)
+
+    def fresh_group(self, *args, **kwargs):
+        return self._pool.fresh_group(*args, **kwargs)
+
+    def close(self):
+        pass
+
+    def __getattr__(self, name):
+        if name == "side_lane" and not self._lane:
+            raise AttributeError(name)
+        return getattr(self._pool, name)
+
+
+@pytest.mark.parametrize("target", ["fixtures.specimens:Correct", "fixtures.specimens:NoClipMin"])
+def test_pipelined_verdicts_are_the_property_by_property_ones(pool, target):
+    """The same verdicts, in the same order, with and without the pipeline -- on a correct target and on
+    one whose clipping fails -- and the pipelined run ships fewer runs to the ranks (the one-step clip
+    runs both properties ask for run once)."""
+    piped, plain = _Counting(pool), _Counting(pool, lane=False)
+    assert pipeline.usable(piped) and not pipeline.usable(plain)
+    a = gate_run.run_plan(_plan(target), pool=piped)
+    b = gate_run.run_plan(_plan(target), pool=plain)
+    assert [_key(v) for v in a] == [_key(v) for v in b]
+    assert any(v.status == "fail" for v in a) == (target.endswith("NoClipMin"))
+    assert 0 < piped.runs < plain.runs
+
+
+def _failing_for(pid, real, boom):
+    return lambda cases, *a, **k: boom() if cases[0].property == pid else real(cases, *a, **k)
+
+
+def test_a_property_that_raises_is_its_own_internal_error(pool, monkeypatch):
+    """A bug in one property's planning, judging or jobs is that property's ``internal_error`` verdict;
+    the other property's verdicts stand."""
+    plan = _plan("fixtures.specimens:Correct")
+    good = [_key(v) for v in gate_run.run_plan(plan, pool=pool) if v.property == "clipped_step"]
+
+    def boom(*a, **k):
+        raise RuntimeError("planted")
+
+    for where in ("plan", "judge", "jobs"):
+        with monkeypatch.context() as m:
+            prop = PROPERTIES["norm_fidelity"]
+            if where == "plan":
+                m.setitem(PROPERTIES, "norm_fidelity", dataclasses.replace(prop, cases=boom))
+            elif where == "judge":
+                m.setitem(PROPERTIES, "norm_fidelity", dataclasses.replace(prop, judge=boom))
+            else:
+                m.setattr(runner, "run_cases", _failing_for("norm_fidelity", runner.run_cases, boom))
+            verdicts = gate_run.run_plan(plan, pool=pool)
+        broken = [v for v in verdicts if v.property == "norm_fidelity"]
+        assert len(broken) == 1 and broken[0].diagnosis == "internal_error" and "planted" in broken[0].message, where
+        assert [_key(v) for v in verdicts if v.property == "clipped_step"] == good, where
+
+
+def test_an_interrupt_leaves_no_thread_waiting(pool, monkeypatch):
+    """An interrupt in the thread that runs the jobs reaches the caller at once: the judge thread, waiting
+    for outcomes that will not come, is told to stop and joined (never a hung gate)."""
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_cases", interrupt)
+    plan = _plan("fixtures.specimens:Correct")
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_fixed(plan.properties, plan.options, pool)
+    assert time.monotonic() - t0 < 20
+    assert not [t for t in threading.enumerate() if t.name == "dpfsdp-judge"]
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_jobs_on_different_groups_run_at_once_and_a_busy_group_is_kept():
+    """``Pool.run`` holds its lock only to find a group: a 1-rank job on the side lane and a 2-rank job
+    here overlap; two jobs on one group take turns; a group running a job is never closed to make room
+    for another (``max_groups=1``)."""
+    with Pool(max_groups=1) as p:
+        for ws in (1, 2):
+            assert p.run(_sleep, 0, world_size=ws).ok
+        t0 = time.monotonic()
+        beside = p.side_lane().submit(p.run, _sleep, 1.5, world_size=1)
+        here = p.run(_sleep, 1.5, world_size=2)
+        assert here.ok and beside.result().ok
+        overlapped = time.monotonic() - t0
+        t0 = time.monotonic()
+        beside = p.side_lane().submit(p.run, _sleep, 1.0, world_size=1)
+        here = p.run(_sleep, 1.0, world_size=1)
+        assert here.ok and beside.result().ok
+        queued = time.monotonic() - t0
+        started = list(p.started_pids)
+    assert overlapped < 2.8, overlapped
+    assert queued >= 2.0, queued
+    assert wait_gone(started) == []
+
+
+def test_early_zygotes_fork_the_first_groups():
+    """``early_pool`` starts the zygotes of the first groups before anything else runs; the first 1- and
+    2-rank groups fork from them (no other zygote is started), and closing the pool ends them all."""
+    pool = gate_run.early_pool("fixtures.specimens:Correct")
+    try:
+        if gate_run.EARLY_ZYGOTES == 0:  # the tests' own setting (tests/conftest.py): start them here
+            pool.warm(2, None, gate_run.target_modules("fixtures.specimens:Correct"))
+        zygotes = list(pool.started_pids)
+        assert len(zygotes) == 2
+        assert pool.run(_sleep, 0, world_size=2).ok and pool.run(_sleep, 0, world_size=1).ok
+        assert set(pool.zygotes.pids()) == set(zygotes)
+    finally:
+        pool.close()
+    assert wait_gone(pool.started_pids) == []
+    with gate_run.early_pool("fixtures.specimens:Correct", ["m:X=1"]) as other:
+        assert other.started_pids == []
+
+
+def test_one_thread_is_the_calling_threads():
+    """Torch's thread count is the calling thread's: the judge thread's ``one_thread`` gives it one
+    thread and leaves the thread that runs the jobs as it was; leaving restores what it had."""
+    import torch
+
+    from dpfsdp_verify.properties.engine.threads import one_thread
+
+    before = torch.get_num_threads()
+    inside, leave = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def hold():
+        outside = torch.get_num_threads()
+        with one_thread():
+            seen["judge inside"] = torch.get_num_threads()
+            inside.wait()
+            leave.wait()
+        seen["judge restored"] = torch.get_num_threads() == outside
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait()
+    seen["jobs meanwhile"] = torch.get_num_threads()
+    leave.set()
+    t.join()
+    assert seen == {"judge inside": 1, "jobs meanwhile": before, "judge restored": True}
+
+
+def test_models_built_in_threads_are_the_ones_built_alone():
+    """Model parameters come from torch's default generator, seeded per model: built in two threads at
+    once they equal those built one after another (``models._DEFAULT_GENERATOR``)."""
+    import torch
+
+    from dpfsdp_verify.models import build_model
+
+    alone = {s: [p.detach().clone() for p in build_model("mlp", seed=s).parameters()] for s in range(16)}
+    built = {}
+
+    def build(seeds):
+        for _ in range(3):
+            for s in seeds:
+                built[s] = [p.detach().clone() for p in build_model("mlp", seed=s).parameters()]
+
+    threads = [threading.Thread(target=build, args=(range(k, 16, 2),)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(all(torch.equal(a, b) for a, b in zip(alone[s], built[s])) for s in range(16))
