@@ -95,6 +95,7 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
     stop = threading.Event()
     results: Dict[str, Tuple[Optional[Options], List[Verdict]]] = {}
     planned: List[_Planned] = []
+    died: List[BaseException] = []
 
     def judge_all() -> None:
         try:
@@ -109,9 +110,15 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
                 todo.put(None)
                 for item in planned:
                     results[item.pid] = _judge(item)
-                    if progress is not None:
+                    try:
                         for v in results[item.pid][1]:
-                            progress(v)
+                            if progress is not None:
+                                progress(v)
+                    except Exception as e:  # a bug in reporting progress: this property's internal error
+                        results[item.pid] = (None, [item.prop.internal_error(item.opts, "reporting", e, 0.0)])
+        except BaseException as e:  # never silently: the calling thread raises it once this thread ends
+            died.append(e)
+            raise
         finally:
             todo.put(None)  # never leave the calling thread waiting for a plan
 
@@ -139,6 +146,8 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         if not finished:  # interrupted: no judge may wait for outcomes that will never come
             stop.set()
         judge.join()
+    if died:
+        raise RuntimeError(f"the gate's judge thread stopped: {died[0]!r}") from died[0]
     return results
 
 

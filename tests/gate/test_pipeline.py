@@ -97,6 +97,20 @@ def test_a_property_that_raises_is_its_own_internal_error(pool, monkeypatch):
         assert [_key(v) for v in verdicts if v.property == "clipped_step"] == good, where
 
 
+def test_a_failing_progress_report_is_an_internal_error(pool):
+    """A bug in reporting progress (a journal that cannot write, say) is the property's internal
+    error, never a lost verdict list or a dead judge thread the caller waits on."""
+    plan = _plan("fixtures.specimens:Correct")
+
+    def progress(v):
+        if v.property == "norm_fidelity":
+            raise OSError("planted")
+
+    found = pipeline.run_fixed(plan.properties, plan.options, pool, progress)
+    assert found["norm_fidelity"][0] is None and "planted" in found["norm_fidelity"][1][0].message
+    assert found["clipped_step"][0] is not None and all(v.status == "pass" for v in found["clipped_step"][1])
+
+
 def test_an_interrupt_leaves_no_thread_waiting(pool, monkeypatch):
     """An interrupt in the thread that runs the jobs reaches the caller at once: the judge thread, waiting
     for outcomes that will not come, is told to stop and joined (never a hung gate)."""
