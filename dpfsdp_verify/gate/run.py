@@ -30,7 +30,7 @@ class Progress:
 
     def __init__(self, quiet: bool, also=None):
         self.quiet, self.t0, self.done, self.also = quiet, time.monotonic(), 0, also
-        self._lock = threading.Lock()  # verdicts come from the judge thread and two exploring ones
+        self._lock = threading.Lock()  # verdicts come from the judge thread (gate/pipeline.py) and this one
 
     def started(self, property_id: str) -> None:
         if self.also is not None:
