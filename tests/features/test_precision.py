@@ -190,3 +190,22 @@ def test_the_default_gate_judges_each_bf16_form_once_where_the_target_declares_i
     prop, cases = default_bf16_cases(P + "NoMixedPrecision")
     skipped = judge_cases(prop, cases, pool, 120.0)
     assert [v.status for v in skipped] == ["skip", "skip"] and "does not declare mixed precision" in skipped[0].message
+
+
+# A false alarm found by the whole-gate false-alarm benchmark (benchmarks/gate_runs.py, run seed 40005:
+# clipped_step's exploration drew it at draw 8 and shrank it): the correct specimen under bf16-fsdp on a
+# 1-channel 4x4 conv. Its per-sample norms differ from the float64 reference by up to 0.56 relative: a conv
+# weight's per-sample gradient is a sum over positions (and a backprop a sum over outputs) of bf16-rounded
+# terms that cancel, where the first-order bound (precision_bounds: K u relative per coordinate) assumes
+# products. Pinned until the bound is taken relative to the terms' magnitudes (an absolute-value reference);
+# strict: the fix makes this pass and the pin must go.
+@pytest.mark.xfail(strict=True, reason="bf16 bound ignores cancellation in sums (docs/precision.md, known gap)")
+def test_correct_passes_bf16_fsdp_on_a_tiny_conv_with_cancelling_sums(pool):
+    from dpfsdp_verify.fuzz.explore import check_exact
+
+    spec = RunSpec(model="conv", model_kwargs=(("channels", 1), ("classes", 2), ("groups", 1), ("mixer", 1),
+                                               ("size", 4), ("width", 1)),
+                   global_batch_size=5, dtype="float32", precision="bf16-fsdp", lr=1.0,
+                   max_grad_norm=0.38527710217175887, model_seed=3, batch_seed=4, noise_multiplier=0.0)
+    v = check_exact(PROPERTIES["clipped_step"], Options(target="fixtures.specimens:Correct"), spec, 1, pool)
+    assert v.status == "pass", v.message
