@@ -135,10 +135,10 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         while (item := todo.get()) is not None:
             if started is not None:
                 started(item.pid)
-            solo = [i for i, case in enumerate(item.cases) if lane is not None and solo_case(case)]
+            solo = [i for i, case in enumerate(item.cases) if solo_case(case)] if lane is not None else []
             if solo:
                 beside.append(lane.submit(_run_part, item, solo, pool, shared))
-            _run_part(item, [i for i in range(len(item.cases)) if i not in set(solo)], pool, shared)
+            _run_part(item, sorted(set(range(len(item.cases))) - set(solo)), pool, shared)
         for future in beside:
             future.result()
         finished = True
