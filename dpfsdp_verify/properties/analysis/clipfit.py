@@ -21,6 +21,7 @@ from ...lazy import torch
 
 from ...lazy import reference
 from ...targets import RunSpec
+from .kinks import bf16_kinks, complement
 from .compare import (norm_picked, reference_batch, reference_grads, reference_model, reference_norms, sample_columns,
                       tensors_close)
 
@@ -84,10 +85,12 @@ IDENTIFIABLE = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-1}
 ROUNDING_MARGIN = 4.0
 
 
-def identifiable(basis: torch.Tensor, min_distance: float) -> torch.Tensor:
+def identifiable(basis: torch.Tensor, min_distance: float, norms: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B]`` bool: which columns of ``basis`` (``[P, B]`` per-sample gradients) have a relative
-    distance >= ``min_distance`` from the span of the other columns."""
-    norms = basis.norm(dim=0)
+    distance >= ``min_distance`` from the span of the other columns (relative to ``norms``, the
+    columns' own norms unless given: a basis projected off other directions is judged against the
+    norms before the projection)."""
+    norms = basis.norm(dim=0) if norms is None else norms
     ok = norms > 1e-12 * float(norms.max().clamp_min(1e-300))
     for i in range(basis.shape[1]):
         others = torch.cat([basis[:, :i], basis[:, i + 1:]], dim=1)
@@ -204,13 +207,19 @@ def recover_clip_coefficients(spec: RunSpec, indices: Sequence[int], gradient: D
     basis = sample_columns(grads, indices)
     d = spec.divisor
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * d
+    whole = released.norm().clamp_min(1e-300)
+    found = bf16_kinks(spec) if step == 0 else None
+    q = complement(found, indices, names) if found is not None else None
+    norms = basis.norm(dim=0)
+    if q is not None:  # ReLU flips a correct bf16 target may make: fitted off their span (kinks.py)
+        basis, released = basis - q @ (q.T @ basis), released - q @ (q.T @ released)
     # gelsd (SVD): torch's default CPU driver (gelsy) returns a wrong solution, with a residual above
     # 1, when samples repeat exactly (measured on a fuzzed transformer with duplicate inputs)
     coef = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    residual = float((basis @ coef - released).norm() / released.norm().clamp_min(1e-300))
+    residual = float((basis @ coef - released).norm() / whole)
     # bf16 compute rounds each gradient far more than its float32 parameters do
     key = "bfloat16" if spec.precision != "fp32" else spec.dtype
-    seen = identifiable(basis, IDENTIFIABLE.get(key, IDENTIFIABLE["float64"]))
+    seen = identifiable(basis, IDENTIFIABLE.get(key, IDENTIFIABLE["float64"]), norms)
     if key == "bfloat16":  # precision_bounds sizes its tolerances from the same dual vectors
         return RecoveredCoefficients(indices, coef, residual, seen, dtype=key)
     # what the target's own rounding does here, with the reference's coefficients (a target's could

@@ -18,11 +18,12 @@ from ...lazy import reference
 from ...targets import RunSpec
 from .clipfit import IDENTIFIABLE, amplification, identifiable
 from .compare import reference_grads, reference_model, rows, sample_columns
+from .kinks import BF16_UNIT_ROUNDOFF, Kinks, complement, flip_columns, kinks, norm_deviations
 
 
 #: unit roundoff u = 2^-p of each compute dtype (p significand bits, the implicit one included): the
 #: largest relative error of rounding one value to it (round to nearest)
-UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+UNIT_ROUNDOFF = {"bfloat16": BF16_UNIT_ROUNDOFF, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 #: model sizes a mixed-precision case runs at: an accumulation error grows with the number of terms
 #: summed, so a norm accumulated in bf16 (a fork's bug) only shows once a layer holds thousands of
@@ -86,6 +87,22 @@ def precision_bound(spec: RunSpec) -> Optional[PrecisionBound]:
                           UNIT_ROUNDOFF["float32"])
 
 
+def precision_kinks(spec: RunSpec, bound: PrecisionBound) -> Kinks:
+    """The ReLU units of ``spec``'s reference batch a correct computation at ``bound``'s unit roundoff
+    may flip, and what each flip does (``kinks.kinks``): where the first-order bound does not hold."""
+    return kinks(spec, bound.u)
+
+
+def precision_norm_tolerances(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
+                              want: torch.Tensor) -> torch.Tensor:
+    """Per sample, how far a correct reported norm can be from the reference norm ``want``:
+    ``norm_rtol |want|`` plus, for a sample with ambiguous ReLU units, the most any combination of
+    its flips moves its norm (``kinks.norm_deviations``)."""
+    grads = reference_grads(spec)
+    return (bound.norm_rtol * want.abs().to(torch.float64)
+            + norm_deviations(precision_kinks(spec, bound), grads, list(indices), sorted(grads)))
+
+
 def precision_coefficient_bounds(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int]
                                  ) -> Tuple[float, float]:
     """``(coefficient tolerance, residual tolerance)`` of clip coefficients recovered from a
@@ -96,20 +113,35 @@ def precision_coefficient_bounds(spec: RunSpec, bound: PrecisionBound, indices: 
     against the float64 ``g_j`` reads ``c_i`` through the dual vector ``h_i`` (``<h_i, g_j> =
     [i = j]``), so it recovers ``c_i`` within ``norm_rtol c_i + K u <|h_i|, sum_j c_j |g_j|>``,
     and leaves a relative residual of at most ``||(norm_rtol + K u) sum_j c_j |g_j||| /
-    ||sum_j c_j g_j||``. Only the samples ``recover_clip_coefficients`` judges (identifiable) count."""
+    ||sum_j c_j g_j||``. Only the samples ``recover_clip_coefficients`` judges (identifiable) count.
+    With ambiguous ReLU units (``precision_kinks``) the fit runs off the span of their flip
+    directions (``kinks.complement``: the flips a target made do not move the coefficients), the
+    dual vectors are the projected basis', and a sample's coefficient may move with its norm by the
+    most its flips move that norm (``kinks.norm_deviations``)."""
     indices = list(indices)
-    basis = sample_columns(reference_grads(spec), indices)
+    grads = reference_grads(spec)
+    names = sorted(grads)
+    basis = sample_columns(grads, indices)
     norms = basis.norm(dim=0)
     coef = reference.clip_coefficients(norms, spec.max_grad_norm)
+    found = precision_kinks(spec, bound)
+    own = norm_deviations(found, grads, indices, names) / norms.clamp_min(1e-300)
     spread = basis.abs() @ coef                              # sum_j c_j |g_j|, coordinate-wise
-    amplified = amplification(basis, spread)                 # <|h_i|, spread>, h_i: <h_i, g_j> = [i = j]
-    seen = identifiable(basis, IDENTIFIABLE["bfloat16"])
+    fit_basis = project_off(basis, complement(found, indices, names))
+    amplified = amplification(fit_basis, spread)             # <|h_i|, spread>, h_i: <h_i, g_j> = [i = j]
+    seen = identifiable(fit_basis, IDENTIFIABLE["bfloat16"], norms)
     worst = 0.0
     for i in range(basis.shape[1]):
         if bool(seen[i]):
-            worst = max(worst, bound.norm_rtol * float(coef[i]) + bound.coordinate * float(amplified[i]))
+            worst = max(worst, (bound.norm_rtol + float(own[i])) * float(coef[i])
+                        + bound.coordinate * float(amplified[i]))
     released = float((basis @ coef).norm())
     return worst, (bound.norm_rtol + bound.coordinate) * float(spread.norm()) / max(released, 1e-300)
+
+
+def project_off(x: torch.Tensor, q: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x - Q (Q^T x)`` (``x`` unchanged when ``q`` is ``None``)."""
+    return x if q is None else x - q @ (q.T @ x)
 
 
 def precision_gradient_bound(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
@@ -128,5 +160,13 @@ def precision_gradient_bound(spec: RunSpec, bound: PrecisionBound, indices: Sequ
     return (bound.norm_rtol + bound.coordinate) * spread + bound.u_accumulate * want
 
 
+def precision_flip_columns(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
+                           coefficients: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """``[P, k]``: how each ReLU flip a correct computation may make moves the released gradient
+    (``kinks.flip_columns``; ``[0, 0]`` when there is none)."""
+    return flip_columns(spec, precision_kinks(spec, bound), list(indices), reference_grads(spec), coefficients, names)
+
+
 __all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
-           "precision_coefficient_bounds", "precision_gradient_bound"]
+           "precision_kinks", "precision_norm_tolerances", "precision_coefficient_bounds", "project_off",
+           "precision_gradient_bound", "precision_flip_columns"]

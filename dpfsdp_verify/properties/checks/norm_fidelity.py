@@ -60,7 +60,8 @@ from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_g
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
-from ..analysis.precision_bounds import precision_bound, precision_coefficient_bounds, precision_spec
+from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
+                                         precision_norm_tolerances, precision_spec)
 
 #: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
 HYPOTHESIS_RTOL = 1e-6
@@ -170,20 +171,27 @@ def _reported_norms(case: Case, steps, want, tols: tuple, bound, evidence: Dict[
     got = [s.norms.to(torch.float64).reshape(-1) for s in steps]
     # what rounding in the target's dtype alone does to a norm of this model (a LayerNorm over two
     # features: ~1e-3 relative in float32, against ~1e-7 on the default models)
+    # under bf16 compute: the derived bound, plus what flipping a ReLU unit within rounding of 0 can do
+    # to the norm of a sample that has one (kinks.py)
     floors = ([ROUNDING_MARGIN * norm_rounding(spec, s.indices) for s in steps] if bound is None
-              else [torch.zeros(len(s.indices), dtype=torch.float64) for s in steps])
+              else [precision_norm_tolerances(spec, bound, s.indices, w) for s, w in zip(steps, want)])
     ratios = torch.cat([norm_ratios(g, w) for g, w in zip(got, want)])
     evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
                      "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
                      "mean_ratio": float(ratios.mean())})
-    if max(float((f - rtol * w.abs()).max()) for f, w in zip(floors, want)) > atol:
+    kinked = "" if bound is None else precision_kinks(spec, bound).describe([i for s in steps for i in s.indices])
+    if kinked:
+        evidence["ambiguous_relu_units"] = precision_kinks(spec, bound).count([i for s in steps for i in s.indices])
+    elif max(float((f - rtol * w.abs()).max()) for f, w in zip(floors, want)) > atol:
         evidence["norm_rounding_floor"] = max(float(f.max()) for f in floors)
     if all(bool(((g - w).abs() <= atol + torch.maximum(rtol * w.abs(), f)).all())
            for g, w, f in zip(got, want, floors)):
         reported = (None, f"per-sample norms equal the float64 reference on all {ws} rank(s) (max abs error "
                           f"{fmt(evidence['max_abs_error'])}"
                           + (f"; within the {spec.precision} bound {fmt(rtol)} relative: ratio "
-                             f"{evidence['ratio_min']:.4g}..{evidence['ratio_max']:.4g})" if bound else ")")
+                             f"{evidence['ratio_min']:.4g}..{evidence['ratio_max']:.4g}"
+                             + (f"; {kinked}, and the norms are judged with what those flips can do" if kinked
+                                else "") + ")" if bound else ")")
                           + (f" -- within what rounding in {spec.dtype} alone does to this model's norms "
                              f"({fmt(evidence['norm_rounding_floor'])})" if "norm_rounding_floor" in evidence
                              else ""))
@@ -191,7 +199,8 @@ def _reported_norms(case: Case, steps, want, tols: tuple, bound, evidence: Dict[
         reported = diagnose(case, got, want, steps, ratios)
         if bound is not None:
             reported = (reported[0], f"{reported[1]} That is beyond the error bf16 compute explains: "
-                        f"{bound.describe()}.")
+                        f"{bound.describe()}" + (f"; {kinked}, and the norms are judged with what those flips "
+                                                 "can do" if kinked else "") + ".")
     return None, reported
 
 
