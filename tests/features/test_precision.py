@@ -216,3 +216,16 @@ def test_correct_passes_bf16_fsdp_on_a_tiny_conv_with_cancelling_sums(pool):
                         spec.with_(max_grad_norm=5.0), 1, pool)
     assert (wrong.status, wrong.diagnosis) == ("fail", "mismatch"), wrong.message
     assert wrong.evidence["rank0_grad_error"] > 10 * wrong.evidence["gradient_error_bound"], wrong.evidence
+
+
+def test_a_bf16_draw_with_too_many_kinks_is_skipped_and_says_why(pool):
+    """The default conv under bf16 (~30 ReLU units per sample within rounding of 0): clipped_step
+    and norm_fidelity skip it, naming the cause, rather than pass or fail it on a bound that does not hold."""
+    from dpfsdp_verify.fuzz.explore import check_exact
+
+    spec = RunSpec(model="conv", global_batch_size=8, dtype="float32", precision="bf16-fsdp", max_grad_norm=1.0,
+                   noise_multiplier=0.0)
+    for prop in ("clipped_step", "norm_fidelity"):
+        v = check_exact(PROPERTIES[prop], Options(target="fixtures.specimens:NoClipMin"), spec, 1, pool)
+        assert v.status == "skip" and "within rounding of 0" in v.message, (prop, v.status, v.message)
+

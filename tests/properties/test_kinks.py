@@ -13,7 +13,7 @@ from dpfsdp_verify.properties.analysis import kinks as K
 from dpfsdp_verify.properties.analysis.clipfit import recover_clip_coefficients
 from dpfsdp_verify.properties.analysis.compare import reference_batch, reference_grads, reference_model
 from dpfsdp_verify.properties.analysis.precision_bounds import (precision_bound, precision_coefficient_bounds,
-                                                                precision_norm_tolerances)
+                                                                precision_norm_tolerances, precision_unjudgeable)
 from dpfsdp_verify.targets import RunSpec
 
 #: the false alarm the whole-gate benchmark found (run seed 40005): conv1d pre-activations of sample 4
@@ -88,3 +88,14 @@ def test_coefficients_of_a_bf16_release_are_recovered_off_the_flips(scale):
     assert got.residual <= res_tol, (got.residual, res_tol)
     err = float((got.coefficients[seen] - 1.0).abs().max())
     assert (err <= tol) == (scale == 1.0), (err, tol)
+
+
+def test_too_many_kinks_is_said_not_judged():
+    """The default conv under bf16: GroupNorm amplifies rounding and ~30 ReLU units per sample are within
+    rounding of 0 -- beyond what the judges model (MAX_PER_SAMPLE): not judged, and said why. The widened
+    mlp (~5 per sample) is judged."""
+    conv = RunSpec(model="conv", global_batch_size=16, dtype="float32", precision="bf16-fsdp", max_grad_norm=1.0)
+    why = precision_unjudgeable(conv, range(16))
+    assert "not judged under bf16" in why and f"> {K.MAX_PER_SAMPLE} in one sample" in why
+    assert precision_unjudgeable(WIDE, range(16)) == ""
+    assert precision_unjudgeable(conv.with_(precision="fp32"), range(16)) == ""

@@ -51,6 +51,11 @@ SAMPLES = 64
 #: freedom), so LAMBDA = 8 is at least LAMBDA_EFFECTIVE = 5.6 true standard deviations.
 LAMBDA = 8.0
 LAMBDA_EFFECTIVE = 5.6
+#: the most flips modelled for one sample (each combination's norm is enumerated: 2^k vertices) and
+#: for one batch (each is a backward pass, and a column of the box fit): a configuration with more has
+#: too many activations within rounding of 0 for a bf16 verdict, and its bf16 judges skip it, saying so
+MAX_PER_SAMPLE = 12
+MAX_FLIPS = 1024
 #: bf16's unit roundoff 2^-8 (precision_bounds.UNIT_ROUNDOFF, the same value)
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
 #: seed of the Monte Carlo signs (the analysis is a function of the spec alone)
@@ -133,6 +138,21 @@ class Kinks:
     ambiguous: Dict[int, int]                            # sample -> ambiguous units (only samples with any)
     flips: Dict[int, List[Dict[str, "torch.Tensor"]]]   # sample -> per-sample gradient change of each flip
     together: Dict[int, Dict[str, "torch.Tensor"]]      # sample -> the change with all its flips at once (>= 2)
+    unmodelled: Tuple[int, ...] = ()                    # samples past MAX_PER_SAMPLE / MAX_FLIPS: no flips computed
+
+    def unjudgeable(self, indices: Sequence[int]) -> str:
+        """Why a bf16 verdict on the samples ``indices`` cannot be reached (``""`` if it can): some of
+        them have more ReLU units within rounding of 0 than the judges model."""
+        out = set(self.unmodelled)
+        hit = [i for i in indices if i in out]
+        if not hit:
+            return ""
+        n = sum(self.ambiguous.get(i, 0) for i in indices)
+        return (f"not judged under bf16: {n} ReLU pre-activations of the {len(indices)} processed samples are within "
+                f"rounding of 0 ({len(hit)} sample(s) beyond what the bf16 judges model: > {MAX_PER_SAMPLE} in one "
+                f"sample or > {MAX_FLIPS} in the batch); a correct bf16 forward may flip any of them, each moving a "
+                "sample's gradient by O(1), so no bound in bf16's unit roundoff decides this configuration "
+                "(docs/precision.md, ReLU kinks)")
 
     def count(self, indices: Sequence[int]) -> int:
         return sum(self.ambiguous.get(i, 0) for i in indices)
@@ -188,11 +208,17 @@ def _analyse(model, batch, reduction: str, u: float) -> Kinks:
     counts: Dict[int, int] = {}
     flips: Dict[int, List[Dict[str, "torch.Tensor"]]] = {}
     together: Dict[int, Dict[str, "torch.Tensor"]] = {}
+    unmodelled: List[int] = []
+    modelled = 0
     for i in range(len(batch)):
         where = [(c, idx) for c, m in enumerate(ambiguous_masks) for idx in m[i].flatten().nonzero().flatten().tolist()]
         if not where:
             continue
         counts[i] = len(where)
+        if len(where) > MAX_PER_SAMPLE or modelled + len(where) > MAX_FLIPS:
+            unmodelled.append(i)
+            continue
+        modelled += len(where)
         one = batch.select([i])
         base = _grad(model, one, reduction, {})
         flips[i] = [_minus(_grad(model, one, reduction, {c: _flip_mask(true[c], i, [idx])}), base) for c, idx in where]
@@ -202,7 +228,7 @@ def _analyse(model, batch, reduction: str, u: float) -> Kinks:
                 by_call.setdefault(c, []).append(idx)
             together[i] = _minus(_grad(model, one, reduction,
                                        {c: _flip_mask(true[c], i, idxs) for c, idxs in by_call.items()}), base)
-    return Kinks(units, counts, flips, together)
+    return Kinks(units, counts, flips, together, tuple(unmodelled))
 
 
 def _flip_mask(z_batch: "torch.Tensor", i: int, flat: List[int]) -> "torch.Tensor":
@@ -229,9 +255,9 @@ def _flat(d: Dict[str, "torch.Tensor"], names: Sequence[str]) -> "torch.Tensor":
     return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
 
 
-#: up to this many flips in one sample, the largest norm over their combinations is found at every
-#: vertex of the box (2^k of them); beyond, the triangle bound
-ENUMERATE = 12
+#: up to this many flips in one sample (MAX_PER_SAMPLE: all modelled ones), the largest norm over
+#: their combinations is found at every vertex of the box (2^k of them); beyond, the triangle bound
+ENUMERATE = MAX_PER_SAMPLE
 
 
 _DEVIATIONS: "OrderedDict[tuple, Tuple[Kinks, torch.Tensor]]" = OrderedDict()

@@ -93,6 +93,14 @@ def precision_kinks(spec: RunSpec, bound: PrecisionBound) -> Kinks:
     return kinks(spec, bound.u)
 
 
+def precision_unjudgeable(spec: RunSpec, indices: Sequence[int]) -> str:
+    """Why ``spec``'s bf16 verdict on the processed samples ``indices`` cannot be reached (``""``
+    where it can, and always under fp32): more ReLU units within rounding of 0 than the judges
+    model (``kinks.Kinks.unjudgeable``)."""
+    bound = precision_bound(spec)
+    return "" if bound is None else precision_kinks(spec, bound).unjudgeable(list(indices))
+
+
 def precision_norm_tolerances(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
                               want: torch.Tensor) -> torch.Tensor:
     """Per sample, how far a correct reported norm can be from the reference norm ``want``:
@@ -168,5 +176,5 @@ def precision_flip_columns(spec: RunSpec, bound: PrecisionBound, indices: Sequen
 
 
 __all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
-           "precision_kinks", "precision_norm_tolerances", "precision_coefficient_bounds", "project_off",
-           "precision_gradient_bound", "precision_flip_columns"]
+           "precision_kinks", "precision_unjudgeable", "precision_norm_tolerances", "precision_coefficient_bounds",
+           "project_off", "precision_gradient_bound", "precision_flip_columns"]
