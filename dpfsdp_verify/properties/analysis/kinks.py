@@ -312,7 +312,22 @@ def _norm_deviations(found: Kinks, grads, indices: Sequence[int], names: Sequenc
     return out
 
 
+_COMPLEMENTS: "OrderedDict[tuple, Tuple[Kinks, Optional[torch.Tensor]]]" = OrderedDict()
+
+
 def complement(found: Kinks, indices: Sequence[int], names: Sequence[str]) -> Optional["torch.Tensor"]:
+    """``_complement``, cached per analysis and samples (the coefficient fit and its bound both ask)."""
+    key = (id(found), tuple(indices))
+    got = _COMPLEMENTS.get(key)
+    if got is None or got[0] is not found:
+        got = (found, _complement(found, indices, names))
+        _COMPLEMENTS[key] = got
+        while len(_COMPLEMENTS) > 64:
+            _COMPLEMENTS.popitem(last=False)
+    return got[1]
+
+
+def _complement(found: Kinks, indices: Sequence[int], names: Sequence[str]) -> Optional["torch.Tensor"]:
     """An orthonormal basis ``Q`` (``[P, k]``) of the span of the flip directions of the samples
     ``indices`` (``None`` if there is none): a least-squares fit of a released gradient against the
     per-sample gradients projected off it (``x - Q Q^T x``) recovers each sample's coefficient as a
