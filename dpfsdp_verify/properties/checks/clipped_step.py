@@ -444,16 +444,17 @@ def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str
     # ReLU units within rounding of 0: a correct bf16 forward may flip them (kinks.py); the gradient is
     # judged from the nearest reference-with-flips, the bound then as derived
     columns = precision_flip_columns(spec, bound, indices, step.coefficients, names)
-    kinked = precision_kinks(spec, bound).describe(indices)
+    found = precision_kinks(spec, bound)
+    kinked = found.describe(indices)
     if kinked:
-        evidence[f"{tag}ambiguous_relu_units"] = precision_kinks(spec, bound).count(indices)
+        evidence[f"{tag}ambiguous_relu_units"] = found.count(indices)
     for r, o in enumerate(outputs):
         s = o.steps[0]
         if any(n not in s.gradient or s.gradient[n].shape != step.gradient[n].shape for n in names):
             missing = sorted(n for n in names if n not in s.gradient or s.gradient[n].shape != step.gradient[n].shape)
             return f"rank {r}: parameters missing or of the wrong shape in the released gradient: {missing}"
         diff = _flat(s.gradient, names) - want
-        flips, rest = nearest_with_flips(diff, columns)
+        _, rest = nearest_with_flips(diff, columns)
         err = float(rest.norm())
         evidence[f"{tag}rank{r}_grad_error"] = err
         if kinked:

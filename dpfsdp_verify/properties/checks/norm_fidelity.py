@@ -182,9 +182,11 @@ def _reported_norms(case: Case, steps, want, tols: tuple, bound, evidence: Dict[
     evidence.update({"max_abs_error": max(float((g - w).abs().max()) for g, w in zip(got, want)),
                      "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
                      "mean_ratio": float(ratios.mean())})
-    kinked = "" if bound is None else precision_kinks(spec, bound).describe([i for s in steps for i in s.indices])
-    if kinked:
-        evidence["ambiguous_relu_units"] = precision_kinks(spec, bound).count([i for s in steps for i in s.indices])
+    processed = [i for s in steps for i in s.indices]
+    found = None if bound is None else precision_kinks(spec, bound)
+    kinked = "" if found is None else found.describe(processed)
+    if found is not None and kinked:
+        evidence["ambiguous_relu_units"] = found.count(processed)
     elif max(float((f - rtol * w.abs()).max()) for f, w in zip(floors, want)) > atol:
         evidence["norm_rounding_floor"] = max(float(f.max()) for f in floors)
     if all(bool(((g - w).abs() <= atol + torch.maximum(rtol * w.abs(), f)).all())
