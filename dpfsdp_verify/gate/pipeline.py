@@ -90,7 +90,8 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
     others' verdicts stand).
     ``progress`` gets each property's verdicts once it is judged, ``started`` each property's id as
     its jobs begin; ``warm_up`` is called in the calling thread while the first property is planned
-    (e.g. groups started ahead, ``run._prestart``)."""
+    and again before each property's jobs (e.g. groups started ahead, ``run._prestart``: it must not
+    wait, and starts what it could not start before)."""
     todo: "queue.Queue[Optional[_Planned]]" = queue.Queue()
     stop = threading.Event()
     results: Dict[str, Tuple[Optional[Options], List[Verdict]]] = {}
@@ -135,6 +136,8 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         while (item := todo.get()) is not None:
             if started is not None:
                 started(item.pid)
+            if warm_up is not None:  # groups whose zygotes were still importing last time
+                warm_up()
             solo = [i for i, case in enumerate(item.cases) if solo_case(case)] if lane is not None else []
             if solo:
                 beside.append(lane.submit(_run_part, item, solo, pool, shared))

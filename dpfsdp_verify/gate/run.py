@@ -207,14 +207,16 @@ def _explore_all(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], fixed: di
 
 
 def _prestart(pool, opts) -> None:
-    """Start the groups of the wide and node world sizes in the background as the run begins: their
-    first jobs come after each property's 1- and 2-rank cases, so a group's start (fork, rendezvous,
-    process group, the target's imports: ``target_modules``) overlaps those jobs instead of adding to
-    the run's wall time."""
+    """Start the groups of the run's world sizes (the wide and node ones too) in the background, as
+    the run begins and again before each property (``pipeline.run_fixed``), so that a group's start
+    (fork, rendezvous, process group, the target's imports: ``target_modules``) overlaps the jobs
+    and planning before its first job instead of adding to the run's wall time. Never waits: a group
+    whose zygotes still import (the wide and node ranks' at the start) is started by a later call
+    (``Pool.prestart``); it waited 1-2.5 s here before its first job could run."""
     prestart = getattr(pool, "prestart", None)
     if prestart is None:  # a caller's own job pool
         return
-    for ws in sorted({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)):
+    for ws in sorted(set(opts.world_sizes) | {opts.wide_world_size, opts.node_world_size} - {0}):
         if (ws == opts.wide_world_size and opts.wide_unavailable) or (
                 ws == opts.node_world_size and opts.node_unavailable):
             continue

@@ -123,8 +123,10 @@ class Pool:
         """Start a group for the key in the background (not waited for) if the pool has none, so that
         the first job there finds its ranks (nearly) ready instead of starting them: ``group`` takes it
         as it takes a spare. Its ranks import ``preload`` (e.g. the target's modules; one that fails
-        is skipped) and what the zygotes have learned. Whether one was started. Never raises: a group
-        that cannot start here is started (and its error reported) by the first job that needs it."""
+        is skipped) and what the zygotes have learned. Whether one was started: not while its
+        zygotes still import (they are started, not waited for: a later call starts the group, so
+        the caller never waits for imports here). Never raises: a group that cannot start here is
+        started (and its error reported) by the first job that needs it."""
         try:
             check_backend(backend, world_size)
         except Exception:
@@ -135,7 +137,10 @@ class Pool:
             if (g is not None and not g.closed) or key in self.spares:
                 return False
             learned = tuple(self.zygotes.learned) if self.zygotes is not None else ()
-            self._start_spare(key, tuple(dict.fromkeys(tuple(preload) + learned)))
+            preload = tuple(dict.fromkeys(tuple(preload) + learned))
+            if self.zygotes is not None and not self.zygotes.start(rank_env(env), world_size, preload):
+                return False  # its zygotes import now; the group starts on a later call, or with its first job
+            self._start_spare(key, preload)
             return key in self.spares
 
     def warm(self, world_size: int, env: Optional[Dict[str, str]] = None, preload: Sequence[str] = ()) -> None:

@@ -182,6 +182,20 @@ class Zygote:
         self.output.close()
         return reason + (f"; its output: {tail}" if tail and tail not in reason else "")
 
+    def answered(self) -> bool:
+        """Whether the zygote has said it is ready, or why it is not (or exited): a fork asked now
+        does not wait for its imports. Never waits, reads nothing: ``wait_ready`` takes the answer."""
+        if self.ready:
+            return True
+        if not self._lock.acquire(blocking=False):  # another thread talks to it: not settled yet
+            return False
+        try:
+            return _readable(self.ctl, 0.0)
+        except (OSError, ValueError):  # closed: the next fork finds out
+            return True
+        finally:
+            self._lock.release()
+
     def fork(self, cfg: RankConfig, env: Dict[str, str], log_fd: int, timeout: float) -> ForkedRank:
         """Fork rank ``cfg.rank`` (its channel ends ``cfg.job_fd``/``cfg.diag_fd``, output on
         ``log_fd``); ``timeout`` covers imports queued before the request. Raises ``ZygoteGone``
@@ -331,20 +345,23 @@ class Zygotes:
                 zygotes[i] = z = Zygote(env, self.preload + tuple(m + "?" for m in optional))
                 self.started_pids.append(z.pid)
 
-    def start(self, env: Dict[str, str], world_size: int, extra: Sequence[str] = ()) -> None:
+    def start(self, env: Dict[str, str], world_size: int, extra: Sequence[str] = ()) -> bool:
         """Start the zygotes of ranks ``0 .. world_size - 1`` with ``env`` now, not waited for, so that
         their imports (torch, ``extra``: e.g. the target's modules) overlap the caller's own start-up
-        instead of delaying the first group. Never raises: a zygote that cannot start is found out
-        when a group needs it."""
+        instead of delaying the first group. Whether a group of ``world_size`` ranks would start now
+        without waiting for a zygote's imports (each has answered, ``Zygote.answered``; or its ranks
+        are spawned). Never raises: a zygote that cannot start is found out when a group needs it."""
         try:
             with self._lock:
                 if self.failed is not None:
-                    return
+                    return True
                 chosen = self._set_for(env)
-                if chosen is not None:
-                    self._fill(*chosen, 0, world_size, extra)
+                if chosen is None:
+                    return True
+                self._fill(*chosen, 0, world_size, extra)
+                return all(z is not None and z.answered() for z in chosen[1][:world_size])
         except Exception:
-            return
+            return True
 
     def _all(self) -> List[Zygote]:
         return [z for _, zs in self.sets.values() for z in zs if z is not None]

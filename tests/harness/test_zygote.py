@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -175,10 +176,11 @@ def imported(name):
 
 
 def test_a_prestarted_group_is_the_one_the_first_job_runs_on_with_its_preload():
-    """``Pool.prestart`` (the gate starts its 3- and 4-rank groups as a run begins): the group starts
-    in the background, the first job at that size runs on its ranks (no second start), its ranks
-    imported the preload before they were ready, a second prestart of a live key starts nothing,
-    and nothing is left behind."""
+    """``Pool.prestart`` (the gate starts its groups as a run begins, and again before each
+    property): it never waits for a zygote's imports -- while they run it starts the zygotes and
+    no group, and a later call starts the group -- the group starts in the background, the first job
+    at that size runs on its ranks (no second start), its ranks imported the preload before they
+    were ready, a second prestart of a live key starts nothing, and nothing is left behind."""
     from dpfsdp_verify.gate.run import target_modules
 
     assert target_modules("opacus") == ("opacus", "dpfsdp_verify.targets.opacus_target")
@@ -186,7 +188,16 @@ def test_a_prestarted_group_is_the_one_the_first_job_runs_on_with_its_preload():
     assert target_modules("some-entry-point") == ()
     p = Pool()
     try:
-        assert p.prestart(2, preload=("fixtures.specimens",)) is True
+        t0 = time.monotonic()
+        assert p.prestart(2, preload=("fixtures.specimens",)) is False  # the zygotes import torch first
+        waited = time.monotonic() - t0
+        zygotes = list(p.started_pids)
+        assert len(zygotes) == 2 and waited < 1.0, (zygotes, waited)  # started, not waited for (imports take s)
+        deadline = time.monotonic() + 120
+        while not p.prestart(2, preload=("fixtures.specimens",)):
+            assert time.monotonic() < deadline, "the zygotes never answered"
+            assert p.started_pids == zygotes  # no group (and no second zygote) before they answer
+            time.sleep(0.05)
         started = list(p.started_pids)
         assert len(started) >= 2 and p.prestart(2) is False  # pending: not started twice
         res = p.run(imported, "fixtures.specimens", world_size=2)
