@@ -94,10 +94,27 @@ def rows(grads: "reference.Grads", indices: Sequence[int]) -> "reference.Grads":
     return {n: g[index] for n, g in grads.items()}
 
 
+def flat(tensors: Dict[str, "torch.Tensor"], names: Optional[Sequence[str]] = None) -> "torch.Tensor":
+    """``tensors[n]`` for ``n`` in ``names`` (default: sorted names) flattened into one float64
+    vector: how the checks line a released gradient (or parameters) up with the reference's, and
+    the order of ``sample_columns``' rows."""
+    return torch.cat([tensors[n].reshape(-1).to(torch.float64) for n in (sorted(tensors) if names is None else names)])
+
+
+def unflat(vector: "torch.Tensor", names: Sequence[str], like: Dict[str, "torch.Tensor"]) -> Dict[str, "torch.Tensor"]:
+    """``flat``'s inverse: ``vector`` cut back into tensors shaped as ``like[n]``."""
+    out, at = {}, 0
+    for n in names:
+        k = like[n].numel()
+        out[n] = vector[at:at + k].reshape(like[n].shape)
+        at += k
+    return out
+
+
 def sample_columns(grads: "reference.Grads", indices: Sequence[int]) -> torch.Tensor:
     """``[P, len(indices)]``: the per-sample gradients of the samples ``indices`` as float64 columns,
-    each sample's tensors flattened and concatenated in sorted name order (the order in which the
-    checks concatenate a released gradient to fit it against them)."""
+    each sample's tensors flattened and concatenated in sorted name order (``flat``'s order: the
+    order in which the checks concatenate a released gradient to fit it against them)."""
     picked = rows(grads, indices)
     count = len(list(indices))
     return torch.cat([picked[n].reshape(count, -1).to(torch.float64) for n in sorted(picked)], dim=1).T
@@ -278,7 +295,8 @@ def fmt(x: float) -> str:
 
 #: what a property's ``judge`` may use (CONTRIBUTING.md's example uses ``tolerance``,
 #: ``reference_model`` and ``reference_batch``)
-__all__ = ["TOLERANCES", "tolerance", "reference_model", "reference_batch", "reference_grads", "reference_norms",
+__all__ = ["flat", "unflat", "TOLERANCES", "tolerance",
+           "reference_model", "reference_batch", "reference_grads", "reference_norms",
            "norm_picked", "planned", "planning_only", "trainable_shapes", "PLANNED_CLIP", "PLANNED_NUMEL",
            "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios",
            "data_outputs",

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...lazy import reference, torch
 from ...targets import RunSpec
-from .compare import reference_batch, reference_model
+from .compare import flat, reference_batch, reference_model
 
 #: Monte Carlo runs that estimate each pre-activation's rounding spread
 SAMPLES = 64
@@ -251,10 +251,6 @@ def _minus(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"]) -> Dict[s
     return {n: a[n] - b[n] for n in a}
 
 
-def _flat(d: Dict[str, "torch.Tensor"], names: Sequence[str]) -> "torch.Tensor":
-    return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
-
-
 #: up to this many flips in one sample (MAX_PER_SAMPLE: all modelled ones), the largest norm over
 #: their combinations is found at every vertex of the box (2^k of them); beyond, the triangle bound
 ENUMERATE = MAX_PER_SAMPLE
@@ -286,7 +282,7 @@ def _norm_deviations(found: Kinks, grads, indices: Sequence[int], names: Sequenc
         if not dirs:
             continue
         g = torch.cat([grads[n][i].reshape(-1) for n in names])
-        cols = torch.stack([_flat(d, names) for d in found.directions(i)], dim=1)
+        cols = torch.stack([flat(d, names) for d in found.directions(i)], dim=1)
         norm = float(g.norm())
         # the lowest over the individual flips' box (the all-at-once direction, nearly their sum, would
         # only slow the solver), then the all-at-once vertex
@@ -333,7 +329,7 @@ def _complement(found: Kinks, indices: Sequence[int], names: Sequence[str]) -> O
     per-sample gradients projected off it (``x - Q Q^T x``) recovers each sample's coefficient as a
     fit with the flips as free extra columns would (Frisch-Waugh-Lovell), whatever flips the target
     made."""
-    cols = [_flat(d, names) for i in indices for d in found.directions(i)]
+    cols = [flat(d, names) for i in indices for d in found.directions(i)]
     if not cols:
         return None
     # SVD, not QR: a flip direction that repeats others (a sample's "all at once" of one flip) would
@@ -356,7 +352,7 @@ def flip_columns(spec: RunSpec, found: Kinks, indices: Sequence[int], grads, coe
         g = torch.cat([grads[n][i].reshape(-1) for n in names])
         c = float(coefficients[pos])
         for d in dirs:
-            moved = g + _flat(d, names)
+            moved = g + flat(d, names)
             c2 = float(reference.clip_coefficients(moved.norm().reshape(1), spec.max_grad_norm)[0])
             cols.append((c2 * moved - c * g) / spec.divisor)
     if not cols:

@@ -61,8 +61,8 @@ from ...verdict import Verdict
 from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon,
                                 pick_clip_bound,
                       recover_clip_coefficients)
-from ..analysis.compare import (fmt, max_rel_diff, norm_picked, processed_indices, reference_batch, reference_model,
-                                smallest_norm, tensors_close, tolerance)
+from ..analysis.compare import (flat, fmt, max_rel_diff, norm_picked, processed_indices, reference_batch,
+                                reference_model, smallest_norm, tensors_close, tolerance, unflat)
 from ..engine.contract import (DEFAULT_PRECISION_FACT, Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared,
                                Property)
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
@@ -326,9 +326,9 @@ def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdic
             names = sorted(step.gradient)
             if all(n in first and first[n].shape == step.gradient[n].shape for n in names):
                 def at(e: float, i=indices, n=names) -> torch.Tensor:
-                    return _flat(_dataset_step(spec, grads, norms, i, e).gradient, n)
+                    return flat(_dataset_step(spec, grads, norms, i, e).gradient, n)
 
-                eps = fit_clip_epsilon(at, _flat(first, names))
+                eps = fit_clip_epsilon(at, flat(first, names))
                 own = _dataset_step(spec, grads, norms, indices, eps)
                 if tensors_close(first, own.gradient, rtol, atol):
                     step = own
@@ -418,8 +418,8 @@ def own_epsilon_step(spec: RunSpec, indices: List[int], gradient, step):
     names = sorted(step.gradient)
     if any(n not in gradient or gradient[n].shape != step.gradient[n].shape for n in names):
         return None
-    eps = fit_clip_epsilon(lambda e: _flat(reference_step(spec, indices, e)[0].gradient, names),
-                           _flat(gradient, names))
+    eps = fit_clip_epsilon(lambda e: flat(reference_step(spec, indices, e)[0].gradient, names),
+                           flat(gradient, names))
     return (*reference_step(spec, indices, eps), eps)
 
 
@@ -437,9 +437,9 @@ def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str
         return None
     limit = precision_gradient_bound(spec, bound, indices, step.coefficients)
     names = sorted(step.gradient)
-    want = _flat(step.gradient, names)
+    want = flat(step.gradient, names)
     p_names = sorted(params)
-    p_want = _flat(params, p_names)
+    p_want = flat(params, p_names)
     evidence[f"{tag}gradient_error_bound"] = limit
     # ReLU units within rounding of 0: a correct bf16 forward may flip them (kinks.py); the gradient is
     # judged from the nearest reference-with-flips, the bound then as derived
@@ -453,7 +453,7 @@ def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str
         if any(n not in s.gradient or s.gradient[n].shape != step.gradient[n].shape for n in names):
             missing = sorted(n for n in names if n not in s.gradient or s.gradient[n].shape != step.gradient[n].shape)
             return f"rank {r}: parameters missing or of the wrong shape in the released gradient: {missing}"
-        diff = _flat(s.gradient, names) - want
+        diff = flat(s.gradient, names) - want
         _, rest = nearest_with_flips(diff, columns)
         err = float(rest.norm())
         evidence[f"{tag}rank{r}_grad_error"] = err
@@ -468,9 +468,9 @@ def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str
                                              if kinked else "") + ".")
         if any(n not in s.parameters for n in p_names):
             return f"rank {r}: parameters missing after the step: {sorted(set(p_names) - set(s.parameters))}"
-        moved = _unflat(diff - rest, names, step.gradient)  # what the flips moved the gradient by
-        p_err = float((_flat(s.parameters, p_names) - p_want
-                       + spec.lr * _flat({n: moved.get(n, torch.zeros_like(params[n])) for n in p_names},
+        moved = unflat(diff - rest, names, step.gradient)  # what the flips moved the gradient by
+        p_err = float((flat(s.parameters, p_names) - p_want
+                       + spec.lr * flat({n: moved.get(n, torch.zeros_like(params[n])) for n in p_names},
                                          p_names)).norm())
         p_limit = spec.lr * limit + bound.u_accumulate * float(p_want.norm())
         evidence[f"{tag}rank{r}_param_error"] = p_err
@@ -479,20 +479,6 @@ def judge_precision(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str
                     f"are {p_err:.4g} from p - lr * grad (lr={spec.lr}; bound {p_limit:.4g}): the optimizer does not "
                     "apply the DP gradient it computed")
     return None
-
-
-def _flat(d: Dict[str, torch.Tensor], names) -> torch.Tensor:
-    return torch.cat([d[n].reshape(-1).to(torch.float64) for n in names])
-
-
-def _unflat(flat: torch.Tensor, names, like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``_flat``'s inverse: ``flat`` cut back into tensors shaped as ``like[n]``."""
-    out, at = {}, 0
-    for n in names:
-        k = like[n].numel()
-        out[n] = flat[at:at + k].reshape(like[n].shape)
-        at += k
-    return out
 
 
 def _factor_why(spec: RunSpec, ws: int, k: float, realised: int) -> str:
@@ -532,7 +518,7 @@ def explain(case: Case, spec: RunSpec, s, step, indices, rank: int, err: float, 
     if len(names) != len(step.gradient):
         missing = sorted(set(step.gradient) - set(names))
         return f"{head}: parameters missing or of the wrong shape: {missing}"
-    got, want = _flat(s.gradient, names), _flat(step.gradient, names)
+    got, want = flat(s.gradient, names), flat(step.gradient, names)
     if not indices:
         return f"{head}: the realised batch is empty, so the gradient must be zero (noise 0); it is not."
     k = float(got @ want / (want @ want))

@@ -40,7 +40,8 @@ from ...model_catalog import EXTREME_SCALES
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import describe_clip_fit, fit_clip_coefficients
-from ..analysis.compare import norm_picked, reference_grads, reference_norms, sample_columns, smallest_norm, tolerance
+from ..analysis.compare import (flat, norm_picked, reference_grads, reference_norms, sample_columns, smallest_norm,
+                                tolerance)
 from ..engine.contract import Case, Outputs, Point, Property
 
 
@@ -102,10 +103,6 @@ def _near_first(norms: torch.Tensor) -> float:
     return float(norms[0]) / EXTREME_NEAR_C
 
 
-def _flat(grads: Dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1).to(torch.float64) for n in sorted(grads)])
-
-
 def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.facts.get("extreme"):
         return judge_extreme(case, outputs[0][0])
@@ -116,10 +113,10 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     rtol, atol = tolerance(spec.dtype)
     c = spec.max_grad_norm
     d = spec.divisor  # fixed sampling only: the global batch size under "mean"
-    full = _flat(runs[0][0].steps[0].gradient)
+    full = flat(runs[0][0].steps[0].gradient)
     contributions = []
     for j in range(spec.global_batch_size):
-        without = _flat(runs[1 + j][0].steps[0].gradient)
+        without = flat(runs[1 + j][0].steps[0].gradient)
         contributions.append(float(((full - without) * d).norm()))
     # two gradients of magnitude ~|full| are subtracted: their rounding is an absolute error
     slack = c * rtol + d * float(full.abs().max()) * rtol * full.numel() ** 0.5 + atol
