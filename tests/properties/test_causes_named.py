@@ -6,7 +6,11 @@ at 4 ranks, noise halved from step k, a batch of one left unclipped, the seed-de
 expectation -- are pinned in test_horizon.py, test_extreme_samples.py and
 test_seed_independence.py.)"""
 
+import pytest
+
 import dpfsdp_verify.properties as props
+from dpfsdp_verify.properties.engine.contract import Options
+from dpfsdp_verify.targets import RunSpec
 
 
 def test_groupnorm_left_out_is_an_undercounted_norm_in_clipped_step(pool):
@@ -93,3 +97,28 @@ def test_scale_dispersion_tells_a_varying_std_from_a_heavy_tailed_one():
                * (0.5 + 1.5 * float(torch.rand(1, generator=g)))}
               for _ in range(12)] for _ in range(2)]
     assert scale_dispersion(mixed, ["w"])[2] < 1e-12
+
+
+# -- a clip without its min(1, .) (fixtures.specimens:NoClipMin) in norm_fidelity, at a C above
+# every norm of a tiny conv. Before: in float32 "the norms it clips with are inflated ... over-clipped
+# (utility loss)"; under bf16-fsdp, whose coefficient bound is loose (0.45), "they leave out every
+# Conv2d layer", a norm-registry hypothesis that fitted within it at a factor 4.5
+
+TINY_CONV = RunSpec(model="conv", model_kwargs=(("channels", 1), ("classes", 2), ("groups", 1), ("mixer", 1),
+                                                ("size", 4), ("width", 1)),
+                    global_batch_size=5, dtype="float32", lr=1.0, max_grad_norm=5.0, model_seed=3, batch_seed=4,
+                    noise_multiplier=0.0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-fsdp"])
+def test_a_clip_without_its_min_is_named_uncapped_in_norm_fidelity(pool, precision):
+    from dpfsdp_verify.fuzz.explore import check_exact
+
+    spec = TINY_CONV.with_(precision=precision)
+    v = check_exact(props.PROPERTIES["norm_fidelity"], Options(target="fixtures.specimens:NoClipMin"), spec, 1, pool)
+    assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
+    assert "are C/||g_i|| for every sample, uncapped" in v.message and "without its min(1, .)" in v.message, v.message
+    assert "leave out" not in v.message and "over-clipped" not in v.message, v.message
+    assert abs(v.evidence["gradient_scale"] - 1) < 0.05, v.evidence  # the factor nearer 1 than the other readings'
+    ok = check_exact(props.PROPERTIES["norm_fidelity"], Options(target="fixtures.specimens:Correct"), spec, 1, pool)
+    assert ok.status == "pass", ok.message

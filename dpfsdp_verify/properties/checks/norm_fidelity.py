@@ -317,6 +317,13 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
                       f"gradient's overall scale (clipped_step judges it)"), fit
     matched = _matched_hypothesis(case, want, steps, indices, coef, tol)
+    uncapped = _uncapped(coef, expected, ref_norms, c, tol)
+    # both fit (a loose bf16 bound, or a norm bug that clips every sample: up to a factor the same
+    # shape): the reading that needs the factor nearer 1
+    if uncapped is not None and (matched is None or abs(math.log(abs(uncapped[2]) or 1e-300))
+                                 < abs(math.log(abs(matched[2]) or 1e-300))):
+        fit["gradient_scale"] = uncapped[2]
+        return uncapped[0], uncapped[1], fit
     if matched is not None:
         diagnosis, message, k = matched
         if abs(k - 1) > tol:
@@ -328,6 +335,27 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
         return "sample_mixing", _borrowed_message("it clips with", borrowed, where), fit
     changed, low, high, direction = _direction(coef, expected, ref_norms, c, tol)
     return _direction_message(changed, low, high, direction, where) + (fit,)
+
+
+def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
+    """``(diagnosis, message, factor)`` when the recovered coefficients ``coef`` are ``C/||g_i||`` for
+    every sample, those below C too (times one factor, as ``_matched_hypothesis``): a clip without its
+    ``min(1, .)``, which scales every sample to norm C. ``None`` otherwise, or when no judged sample is
+    below C (``expected``: the true coefficients; all clipped, the two shapes are one). Read up to a
+    factor, as this property reads every coefficient, the shape is also that of a C below every norm
+    (every sample clipped) with the gradient rescaled: both are said, and the factor."""
+    below = expected >= 1
+    if not bool(below.any()):
+        return None
+    shape = c / (true_norms + CLIP_EPSILON)
+    k = float(coef @ shape / (shape @ shape))
+    if float((coef - k * shape).abs().max()) > tol * max(1.0, abs(k)):
+        return None
+    return "mismatch", (f"the clip coefficients recovered from the released gradient are C/||g_i|| for every sample, "
+                        f"uncapped, times one factor {k:.6g}: the {int(below.sum())} judged sample(s) below C={c:.4g} "
+                        "are scaled up to norm C instead of left as they are -- a clip without its min(1, .) (each "
+                        "sample's contribution is still at most C, but small gradients are inflated: a biased update), "
+                        "or, up to that factor, a C below every norm."), k
 
 
 def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, tol: float):
