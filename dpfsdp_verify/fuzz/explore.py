@@ -39,7 +39,7 @@ from hypothesis import settings as Settings
 from ..harness import Pool
 from ..modes import Mode
 from ..properties.engine import runner
-from ..properties.engine.contract import Case, Options, Property
+from ..properties.engine.contract import Case, Options, Property, resumed_halves
 from ..space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
@@ -89,8 +89,10 @@ class _Explorer:
             self.cache[key] = v
             self.seen[v.status] += 1
             if self.found_at is None:
+                resumed = knobs.get("resume_fraction")
                 self.draws.append(f"ws={ws} {strategies.spec_summary(spec, ws)}; lr {spec.lr:g}; "
-                                  f"C quantile {knobs.get('clip_quantile', 0.5):.2f}")
+                                  f"C quantile {knobs.get('clip_quantile', 0.5):.2f}"
+                                  + (f"; resumed at {resumed:.2f} of its steps" if resumed is not None else ""))
         if v.status in FAILING:
             if self.found_at is None:
                 self.found_at, self.found_draw = time.monotonic(), sum(self.seen.values())
@@ -161,6 +163,8 @@ class _Explorer:
             parts.append("Poisson sampling" + (" and runs up to 200 steps" if kw.get("long_runs", True) else ""))
         if kw.get("physical", True):
             parts.append("physical batch sizes")
+        if kw.get("resume", False):
+            parts.append("resume points")
         return "".join(", " + p for p in parts)
 
 
@@ -213,7 +217,8 @@ def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, p
     modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
     labels = prop.explore.labels(spec) if prop.explore is not None else {}
     case = Case(prop.id, opts.target, spec, world_size, modes, backend=opts.backend, doing="explored configuration",
-                drawn=spec, explored=True, labels=labels, facts={"explored": True}, seed=opts.seed)
+                drawn=spec, explored=True, labels=labels, facts={"explored": True}, seed=opts.seed,
+                **resumed_halves(spec))
     with runner.one_thread():
         return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
 

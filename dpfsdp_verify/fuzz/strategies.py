@@ -374,7 +374,8 @@ def _int_range(name: str) -> Tuple[int, int]:
 def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequence[str] = space.EXPLORE_MODELS,
                   samplings: Sequence[str] = AXES["sampling"].explore,  # type: ignore[attr-defined]
                   precisions: Sequence[str] = AXES["precision"].explore,  # type: ignore[attr-defined]
-                  physical: bool = True, long_runs: bool = True, grad_sample_mode: str = "ghost_fsdp"):
+                  physical: bool = True, long_runs: bool = True, resume: bool = False,
+                  grad_sample_mode: str = "ghost_fsdp"):
     """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
     (``dpfsdp_verify.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
     (default ``space.explore_max_world_size()``), a model of ``models`` at its default size or a
@@ -387,9 +388,12 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     capped so that it processes about ``LONG_RUN_SAMPLE_STEPS`` samples) -- the lr in (0, 1], and with
     ``physical`` a physical batch size (gradient accumulation) of 1..64 on fixed batches.
     ``knobs["clip_quantile"]`` in [0, 1] says where the property puts C among the reference norms
-    (0: below every norm, all clipped; 1: above, none). Shrinks towards one rank, the mlp at its
-    default size, mean, fixed sampling, fp32 float64, one sample per rank, one step, no
-    accumulation, the smallest lr and C below every norm."""
+    (0: below every norm, all clipped; 1: above, none). With ``resume``, a third of the draws
+    without accumulation also get ``knobs["resume_fraction"]`` in [0, 1): where among its steps the
+    property checkpoints the run and resumes it in fresh ranks (``resume_at`` axis; none
+    otherwise). Shrinks towards one rank, the mlp at its default size, mean, fixed sampling, fp32
+    float64, one sample per rank, one step, no accumulation, no resume, the smallest lr and C below
+    every norm."""
     hi = max_world_size or space.explore_max_world_size()
     ws = draw(st.integers(1, hi))
     model = draw(st.sampled_from(tuple(models)))
@@ -413,6 +417,9 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     p = draw(st.integers(*_int_range("physical_batch_size"))) if physical and sampling == "fixed" and draw(
         st.booleans()) else 0
     quantile = draw(st.floats(*AXES["clip_quantile"].explore))  # type: ignore[attr-defined]
+    knobs: Dict[str, Any] = {"clip_quantile": quantile}
+    if resume and not p and draw(st.integers(0, 2)) == 2:  # resume without accumulation (space.combination_problem)
+        knobs["resume_fraction"] = draw(st.floats(0.0, 1.0, exclude_max=True))
     seeds = dict(model_seed=draw(st.integers(0, 3)), batch_seed=draw(st.integers(1, 4)))
     base = dict(model=model, reduction=reduction, dtype=dtype, precision=precision, lr=lr, steps=steps,
                 grad_sample_mode=grad_sample_mode, model_kwargs=tuple(sorted(dims.items())), **seeds)
@@ -427,7 +434,7 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
                        epochs=capped_epochs(steps, per_epoch), sampling_seed=draw(st.integers(0, 3)))
     else:
         spec = RunSpec(**base, global_batch_size=local * ws, physical_batch_size=p)
-    return ws, spec, {"clip_quantile": quantile}
+    return ws, spec, knobs
 
 
 def spec_summary(spec: RunSpec, world_size: int) -> str:

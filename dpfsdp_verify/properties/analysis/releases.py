@@ -110,6 +110,8 @@ class RunReleases:
     repeat: Optional[Tuple[int, int, int, int, bool, int]] = None
     #: steps left out, and why (an unknown starting point)
     skipped: List[Tuple[int, str]] = field(default_factory=list)
+    #: the run's first step (k for the ``load`` half of a run resumed after step k, else 0)
+    first_step: int = 0
 
     @property
     def label(self) -> str:
@@ -242,11 +244,15 @@ def _count_on_grid(released: torch.Tensor, clean: torch.Tensor, raw: torch.Tenso
 
 
 def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
-              start: Optional[Dict[str, torch.Tensor]] = None) -> Optional[RunReleases]:
+              start: Optional[Dict[str, torch.Tensor]] = None,
+              earlier: Optional[List[Tuple[int, int, torch.Tensor]]] = None) -> Optional[RunReleases]:
     """The run's releases (module docstring), ``None`` if it released no noise. ``start``: the
     parameters its first step started from where they are not the initial model's (a resumed
     ``load`` half: its ``save`` half's last parameters); ``None`` there with lr > 0 leaves the first
-    step out."""
+    step out. ``earlier``: the noise cells of the same run's earlier half (a resumed run's ``save``
+    half, collected by passing the list to it): repeats are searched across both halves (a resumed
+    generator seeded as at the start adds step 0's noise again at step k), and this run's cells are
+    appended to it."""
     if spec.noise_multiplier <= 0 or spec.task != "train" or not ranks or not ranks[0].steps:
         return None
     first = ranks[0]
@@ -262,7 +268,8 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
     d = spec.divisor
     moving = spec.lr != 0
     out = RunReleases(spec.dtype, spec.precision, world_size, spec.lr, spec.momentum, spec.noise_multiplier,
-                      spec.max_grad_norm, d, spec.sampling, spec.physical_batch_size, spec.phase)
+                      spec.max_grad_norm, d, spec.sampling, spec.physical_batch_size, spec.phase,
+                      first_step=spec.first_step)
     grid_on = {g: 0 for g in GRIDS}
     grid_n = 0
     eps = torch.finfo(spec.torch_dtype).eps
@@ -288,7 +295,9 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
     if not out.cells:
         return out
     out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}
-    out.repeat = repeats(raw_cells)
+    out.repeat = repeats((earlier or []) + raw_cells)
+    if earlier is not None:
+        earlier.extend(raw_cells)
     return out
 
 

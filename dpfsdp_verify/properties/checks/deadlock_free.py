@@ -79,6 +79,8 @@ from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 STEPS = 2
 #: an explored configuration (``explore_prepare``): at least this many steps, at this noise multiplier
 EXPLORE_MIN_STEPS, EXPLORE_SIGMA = 2, 1.0
+#: where a drawn resume point's checkpoint goes (the runner puts it under a directory of its own)
+EXPLORE_CHECKPOINT = "explored"
 EPOCHS = 4
 #: built-in watchdog for a Poisson scenario at the default timeout (module docstring): a correct
 #: one finishes in ~1 s on 2 loaded cores; 12 steps of a target taking ~2 s each still fit
@@ -205,14 +207,20 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     """An explored configuration (docs/explore.md) as a noisy training run: at least
     ``EXPLORE_MIN_STEPS`` steps (a divergence needs a step after the one that diverges), noise
     multiplier ``EXPLORE_SIGMA`` and C at the drawn quantile of the reference norms, at the drawn lr
-    (a long run's: 0). The run must finish on every rank; what it releases feeds the release judge
-    (``engine/releases.py``) like every run of the gate: the noise of a drawn world size, dtype,
-    precision, lr, batch and loop shape is judged there."""
+    (a long run's: 0), checkpointed at the drawn resume point and resumed in fresh ranks where one
+    was drawn (``knobs["resume_fraction"]``). The run must finish on every rank; what it releases
+    (both halves of a resumed run) feeds the release judge (``engine/releases.py``) like every run of
+    the gate: the noise of a drawn world size, dtype, precision, lr, batch, loop shape and resume
+    point is judged there."""
     steps = max(EXPLORE_MIN_STEPS, spec.steps)
     fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=EXPLORE_SIGMA,
                                   max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
     if spec.poisson:  # twice the epochs the steps need, as the draws have (strategies.explore_specs)
         fields["epochs"] = capped_epochs(steps, spec.steps_per_epoch)
+    fraction = knobs.get("resume_fraction")
+    if fraction is not None and not spec.physical_batch_size:
+        # a drawn resume point k in 1..steps-1: written as the save half (contract.resumed_halves runs both)
+        fields.update(resume_at=1 + int(float(fraction) * (steps - 1)), phase="save", checkpoint_dir=EXPLORE_CHECKPOINT)
     return spec.with_(**fields)
 
 
@@ -220,6 +228,14 @@ def _judge_explored(case: Case, runs: Outputs) -> Verdict:
     outputs = runs[0][0]
     counts = [len(o.steps) for o in outputs]
     sizes = [[len(s.indices) for s in o.steps] for o in outputs]
+    if len(runs[0]) > 1:  # a drawn resume point: the load half ran in fresh ranks (contract.resumed_halves)
+        after = [len(o.steps) for o in runs[0][1]]
+        return case.verdict("pass", None, (
+            f"explored configuration: every rank took {counts[0]} step(s), was checkpointed, and, resumed in fresh "
+            f"rank processes, took {after[0]} more (local batch sizes {sizes} then "
+            f"{[[len(s.indices) for s in o.steps] for o in runs[0][1]]}) and finished"),
+            {"step_counts": counts, "step_counts_after_resume": after, "resume_at": case.spec.resume_at,
+             "local_batch_sizes": sizes})
     return case.verdict("pass", None, (
         f"explored configuration: every rank took {counts[0]} step(s) (local batch sizes {sizes}) and finished"),
         {"step_counts": counts, "local_batch_sizes": sizes})
@@ -252,7 +268,7 @@ PROPERTY = Property(
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
     params=(("local_batches", None),), wide=wide,
-    explore=ExploreRecipe(prepare=explore_prepare))
+    explore=ExploreRecipe(draw=(("resume", True),), prepare=explore_prepare))
 
 
 __all__ = ["STEPS", "EPOCHS", "POISSON_DEADLINE_S", "POISSON_SEEDINGS", "POISSON_DEFAULT", "ACCUM_P", "ACCUM_EPOCHS",

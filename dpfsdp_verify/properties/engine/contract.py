@@ -214,6 +214,8 @@ class Case:
             run_keys["explore"] = explored_keys(self.spec)
         if self.spec.mesh:  # a 2-D mesh adds a key; 1-D configs are unchanged
             run_keys["mesh"] = self.spec.mesh
+        if self.spec.resume_at:  # so does a resumed run (an explored resume point; checkpoint_resume's label)
+            run_keys["resume_at"] = self.spec.resume_at
         return {"world_size": self.world_size, "data_layout": self.spec.data_layout, "model": self.spec.model,
                 "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.spec.grad_sample_mode,
                 "reduction": self.spec.reduction, "dtype": self.spec.dtype, **run_keys, **self.labels}
@@ -588,7 +590,7 @@ class Property:
         run = ready if isinstance(ready, RunSpec) else spec
         case = Case(self.id, opts.target, run, world_size, tuple(modes), backend=opts.backend,
                     doing="explored configuration", drawn=run, explored=True, labels=self.explore.labels(run),
-                    facts={"explored": True, **knobs}, seed=opts.seed)
+                    facts={"explored": True, **knobs}, seed=opts.seed, **resumed_halves(run))
         return case.verdict("skip", None, ready) if isinstance(ready, str) else case
 
     def fuzz_config(self, opts: Options, world_size: int, modes: Sequence[Mode], models: Sequence[str],
@@ -615,6 +617,16 @@ class Property:
     def _whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
         return {"world_size": world_size, "data_layout": None, "model": None, "mode": opts.modes[0].label,
                 "grad_sample_mode": opts.grad_sample_mode, **config}
+
+
+def resumed_halves(spec: RunSpec) -> Dict[str, Any]:
+    """The ``Case`` fields that run an explored ``spec`` which is the ``save`` half of a resumed run
+    (``RunSpec.resume_at`` > 0, ``phase="save"``: how a drawn resume point is written, and replayed
+    by ``replay --exact``): both halves, each in rank processes started for it, as
+    ``checkpoint_resume`` runs them (docs/resume.md). ``{}`` for any other spec."""
+    if spec.phase != "save":
+        return {}
+    return dict(specs=(spec, spec.with_(phase="load")), fresh_groups=2, fresh_jobs=(1, 1))
 
 
 def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:
@@ -673,4 +685,4 @@ def by_id(registry: Iterable[Property]) -> Dict[str, Property]:
 
 __all__ = ["DEFAULT_PRECISION_FACT", "Outputs", "Options", "Case", "Point", "Prepared", "unchanged", "explored_keys",
            "ExploreRecipe", "FuzzRecipe", "Property",
-           "sampling_problem", "precision_problem", "modes_problem", "by_id"]
+           "resumed_halves", "sampling_problem", "precision_problem", "modes_problem", "by_id"]

@@ -155,8 +155,10 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
 
     * a target that cannot do what was asked (``RankOutput.unsupported``, e.g. no data pipeline to
       sample from) is a ``fail`` saying so: what a target cannot do is a verdict, never a skip (a
-      user who accepts it says so explicitly); one that *refuses* the configuration (it raised
-      ``targets.Refused``, e.g. for tied parameters) is ``fail`` / ``refused`` with its reason;
+      user who accepts it says so explicitly) -- but an explored draw (``Case.explored``) of a feature
+      the target does not declare is a ``skip``: the fixed cases give that verdict, once; one that
+      *refuses* the configuration (it raised ``targets.Refused``, e.g. for tied parameters) is
+      ``fail`` / ``refused`` with its reason;
     * every rank took the steps it was asked for and processed exactly the samples it was given
       (read back from the data, not echoed): otherwise ``fail`` / ``mismatch`` -- no property can
       compare against the reference on other data. A Poisson run's samples are random: its ranks
@@ -200,6 +202,8 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                 return case.verdict("skip", None, (
                     f"not run: {unsupported}{where}. A run without --precisions judges each bf16 form once where "
                     "the target declares it; --precisions asks for it (then an undeclared form fails)"))
+            if unsupported and case.explored:  # the fixed cases give that verdict, once
+                return case.verdict("skip", None, f"explored configuration not run: {unsupported}{where}")
             if unsupported:
                 return case.verdict("fail", None, f"not checkable on this target: {unsupported}{where}")
             tf32 = tf32_problem(spec, ranks)

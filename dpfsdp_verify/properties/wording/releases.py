@@ -56,9 +56,12 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
     at = where(owner, config, run)
     if f.kind == "repeat":
         (ta, tb), (ra, rb) = f.steps, f.ranks
+        resumed = (f" The run was checkpointed after step {run.first_step} and resumed in fresh rank processes: the "
+                   "resumed run's noise generator started again as at the start instead of from its saved state."
+                   if run.phase == "load" and ta < run.first_step <= tb else "")
         return (f"PRIVACY VIOLATION: the noise released at step {tb} on rank {rb}'s shard repeats the noise of step "
                 f"{ta} on rank {ra}'s ({f.detail}, each within {1e-3:g} sigma*C) {at}. Repeated noise cancels in the "
-                "difference (or sum) of two releases: no privacy for what it was meant to hide.")
+                f"difference (or sum) of two releases: no privacy for what it was meant to hide.{resumed}")
     if f.kind == "grid":
         return (f"PRIVACY VIOLATION: the released noise lies on the {f.detail} grid {at}: {f.ratio:.1%} of its values "
                 f"(released gradient x D minus the reference's clipped sum) have at most the {f.detail} significand, "
