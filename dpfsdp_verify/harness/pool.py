@@ -138,7 +138,9 @@ class Pool:
                 return False
             learned = tuple(self.zygotes.learned) if self.zygotes is not None else ()
             preload = tuple(dict.fromkeys(tuple(preload) + learned))
-            if self.zygotes is not None and not self.zygotes.start(rank_env(env), world_size, preload):
+            # the zygotes import torch and what they learned, never ``preload``: a zygote serves every
+            # target of the pool, and a target's module may patch a library at import (a fork's)
+            if self.zygotes is not None and not self.zygotes.start(rank_env(env), world_size):
                 return False  # its zygotes import now; the group starts on a later call, or with its first job
             self._start_spare(key, preload)
             return key in self.spares

@@ -207,3 +207,26 @@ def test_a_prestarted_group_is_the_one_the_first_job_runs_on_with_its_preload():
     finally:
         p.close()
     assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
+
+
+def test_prestart_keeps_the_target_its_group_preloads_out_of_the_zygotes():
+    """A zygote forks the ranks of every target its pool runs: the modules a prestarted group's ranks
+    import (its preload: the target's) stay out of the zygotes. Else a module that patches a library
+    at import -- a fork's (``fixtures.sqrtn_fork``) -- patches every later group's ranks: it did, and
+    upstream's tests in the same pool ran the planted bug."""
+    p = Pool()
+    try:
+        deadline = time.monotonic() + 120
+        while not p.prestart(2, preload=("fixtures.explore_specimens",)):
+            assert time.monotonic() < deadline, "the zygotes never answered"
+            time.sleep(0.05)
+        res = p.run(imported, "fixtures.explore_specimens", world_size=2)
+        assert res.status == "ok" and list(res.values()) == [True, True], res.message  # its own ranks did
+        other = p.fresh_group(2)  # forked by the same zygotes, for another target
+        try:
+            assert list(other.run(imported, ("fixtures.explore_specimens",), timeout=120).values()) == [False, False]
+        finally:
+            other.close()
+    finally:
+        p.close()
+    assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"

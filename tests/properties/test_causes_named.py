@@ -119,6 +119,6 @@ def test_a_clip_without_its_min_is_named_uncapped_in_norm_fidelity(pool, precisi
     assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
     assert "are C/||g_i|| for every sample, uncapped" in v.message and "without its min(1, .)" in v.message, v.message
     assert "leave out" not in v.message and "over-clipped" not in v.message, v.message
-    assert abs(v.evidence["gradient_scale"] - 1) < 0.05, v.evidence  # the factor nearer 1 than the other readings'
+    assert abs(v.evidence["gradient_scale"] - 1) < 0.05, v.evidence  # the clip's own scale: no other factor
     ok = check_exact(props.PROPERTIES["norm_fidelity"], Options(target="fixtures.specimens:Correct"), spec, 1, pool)
     assert ok.status == "pass", ok.message

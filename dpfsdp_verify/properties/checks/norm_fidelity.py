@@ -318,14 +318,14 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
                       f"gradient's overall scale (clipped_step judges it)"), fit
     matched = _matched_hypothesis(case, want, steps, indices, coef, tol)
     uncapped = _uncapped(coef, expected, ref_norms, c, tol)
-    # both fit (a loose bf16 bound, or a norm bug that clips every sample: up to a factor the same
-    # shape): the reading that needs the factor nearer 1
-    if uncapped is not None and (matched is None or abs(math.log(abs(uncapped[2]) or 1e-300))
-                                 < abs(math.log(abs(matched[2]) or 1e-300))):
+    # both fit: a known bug shape is named, unless the uncapped clip fits it far better (under a loose
+    # bf16 bound a norm hypothesis can fit within it by chance); where they are one shape up to a
+    # factor (a norm bug that clips every sample) the hypothesis, which also explains the norms
+    if uncapped is not None and (matched is None or uncapped[3] < UNCAPPED_BETTER * matched[3]):
         fit["gradient_scale"] = uncapped[2]
         return uncapped[0], uncapped[1], fit
     if matched is not None:
-        diagnosis, message, k = matched
+        diagnosis, message, k, _ = matched
         if abs(k - 1) > tol:
             fit["gradient_scale"] = k
             message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
@@ -337,8 +337,13 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
 
+#: the uncapped clip is named over a fitting hypothesis only when its residual (relative to the
+#: factor) is below this fraction of the hypothesis' (``_off_clip``)
+UNCAPPED_BETTER = 0.1
+
+
 def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
-    """``(diagnosis, message, factor)`` when the recovered coefficients ``coef`` are ``C/||g_i||`` for
+    """``(diagnosis, message, factor, residual)`` when the recovered coefficients ``coef`` are ``C/||g_i||`` for
     every sample, those below C too (times one factor, as ``_matched_hypothesis``): a clip without its
     ``min(1, .)``, which scales every sample to norm C. ``None`` otherwise, or when no judged sample is
     below C (``expected``: the true coefficients; all clipped, the two shapes are one). Read up to a
@@ -349,17 +354,18 @@ def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tens
         return None
     shape = c / (true_norms + CLIP_EPSILON)
     k = float(coef @ shape / (shape @ shape))
-    if float((coef - k * shape).abs().max()) > tol * max(1.0, abs(k)):
+    residual = float((coef - k * shape).abs().max()) / max(1.0, abs(k))
+    if residual > tol:
         return None
     return "mismatch", (f"the clip coefficients recovered from the released gradient are C/||g_i|| for every sample, "
                         f"uncapped, times one factor {k:.6g}: the {int(below.sum())} judged sample(s) below C={c:.4g} "
                         "are scaled up to norm C instead of left as they are -- a clip without its min(1, .) (each "
                         "sample's contribution is still at most C, but small gradients are inflated: a biased update), "
-                        "or, up to that factor, a C below every norm."), k
+                        "or, up to that factor, a C below every norm."), k, residual
 
 
 def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, tol: float):
-    """``(diagnosis, message, factor)`` of the first known bug shape (``hypotheses``) whose clip
+    """``(diagnosis, message, factor, residual)`` of the first known bug shape (``hypotheses``) whose clip
     coefficients are the recovered ones ``coef`` (of samples ``indices``) times one factor; ``None``.
     The gradient's overall scale is not this property's business (and is not 1 where a target
     normalises replicated data its own way): each bug shape is matched up to one free factor."""
@@ -378,8 +384,9 @@ def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, to
         # w_i min(1, C/(w_i ||g_i||))
         shape = reference.clip_coefficients(flat, c) * scale
         k = float(coef @ shape / (shape @ shape))
-        if float((coef - k * shape).abs().max()) <= tol * max(1.0, abs(k)):
-            return diagnosis, message, k
+        residual = float((coef - k * shape).abs().max()) / max(1.0, abs(k))
+        if residual <= tol:
+            return diagnosis, message, k, residual
     return None
 
 
