@@ -221,16 +221,36 @@ def cmd_run(args) -> int:
         pool.close()
 
 
+def _replayable(property_id: str, exact: bool):
+    """The property a ``replay`` re-runs: one with a fuzz recipe, or with ``--exact`` (an explored
+    draw's line) one with an explore recipe too (``deadlock_free``); ``ValueError`` naming them."""
+    from ..fuzz import fuzzable_property
+    from ..properties import PROPERTIES
+
+    prop = PROPERTIES.get(property_id)
+    if exact and prop is not None and prop.explore is not None:
+        return prop
+    try:
+        return fuzzable_property(property_id)
+    except ValueError:
+        if not exact:
+            raise
+    explorable = sorted(p.id for p in PROPERTIES.values() if p.explore is not None or p.fuzz is not None)
+    raise ValueError(f"property {property_id!r} has no fuzzed or explored draws to replay; choose one of "
+                     f"{', '.join(explorable)}")
+
+
 def cmd_replay(args) -> int:
-    """Re-run one fuzzed spec; prints its verdict; exit 1 if it fails."""
+    """Re-run one fuzzed (or, with ``--exact``, explored) spec; prints its verdict; exit 1 if it fails."""
     require_hypothesis("replay")  # hypothesis is the optional [fuzz] extra: exit 2, not 3
-    from ..fuzz import check_example, format_failure, fuzzable_property, spec_from_json
+    from ..fuzz import check_example, format_failure, spec_from_json
     from ..harness import Pool
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    exact = getattr(args, "exact", False)
     try:
-        fuzzable_property(args.property)
+        prop = _replayable(args.property, exact)
     except ValueError as e:
         raise UsageError(f"--property: {e}", "see 'dpfsdp-verify list'") from None
     world_size = positive_world_size(args.world_size)
@@ -245,10 +265,10 @@ def cmd_replay(args) -> int:
     opts = Options(target=args.target, world_sizes=(world_size,), modes=modes or Options.modes,
                    backend=args.backend, timeout=args.timeout)
     with Pool() as pool:
-        if getattr(args, "exact", False):
+        if exact:
             from ..fuzz.explore import check_exact
 
-            v = check_exact(fuzzable_property(args.property), opts, spec, world_size, pool)
+            v = check_exact(prop, opts, spec, world_size, pool)
         else:
             v = check_example(args.property, opts, spec, world_size, pool=pool)
     print(format_failure(v) if v.status in FAILING else f"{v.property}: {v.status}: {v.message}")

@@ -92,3 +92,25 @@ def test_an_undeclared_feature_in_an_explored_draw_is_a_skip_not_a_finding(pool)
     spec = explore_prepare(LONG.with_(steps=4, epochs=2), {"clip_quantile": 0.5, "resume_fraction": 0.5})
     v = check_exact(DEADLOCK, Options(target="fixtures.resume_specimens:UndeclaredResume"), spec, 1, pool)
     assert v.status == "skip" and "explored configuration not run" in v.message and "resume" in v.message, v.message
+
+
+def test_a_resumed_draw_replays_from_its_line(pool, capsys):
+    """An explored verdict's repro line is ``replay --exact`` of the spec as run -- for a resumed draw
+    its save half, which the replay runs as both halves again. ``deadlock_free``'s lines exited 2
+    ("cannot be fuzzed") before: replay took only properties with a fuzz recipe."""
+    import shlex
+
+    from dpfsdp_verify.gate import cli
+
+    spec = explore_prepare(RunSpec(steps=4, global_batch_size=4, lr=0.5), {"clip_quantile": 0.5,
+                                                                            "resume_fraction": 0.6})
+    line = check_exact(DEADLOCK, Options(target="fixtures.specimens:Correct"), spec, 2, pool).repro
+    argv = shlex.split(line)
+    assert argv[:2] == ["dpfsdp-verify", "replay"] and "--exact" in argv and "deadlock_free" in argv, line
+    assert RunSpec.from_json(argv[argv.index("--spec") + 1]) == spec
+    assert cli.main(argv[1:]) == cli.EXIT_OK
+    assert "resumed in fresh rank processes, took 2 more" in capsys.readouterr().out
+    # a property with neither recipe is still refused, naming the ones that replay
+    assert cli.main(["replay", "--target", "fixtures.specimens:Correct", "--property", "trajectory", "--world-size",
+                     "1", "--spec", spec.to_json(), "--exact"]) == cli.EXIT_USAGE
+    assert "deadlock_free" in capsys.readouterr().err
