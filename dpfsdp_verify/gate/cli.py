@@ -223,7 +223,7 @@ def cmd_run(args) -> int:
 
 def _replayable(property_id: str, exact: bool):
     """The property a ``replay`` re-runs: one with a fuzz recipe, or with ``--exact`` (an explored
-    draw's line) one with an explore recipe too (``deadlock_free``); ``ValueError`` naming them."""
+    draw's line) one with an explore recipe too; ``ValueError`` naming them."""
     from ..fuzz import fuzzable_property
     from ..properties import PROPERTIES
 
