@@ -39,7 +39,7 @@ from hypothesis import settings as Settings
 from ..harness import Pool
 from ..modes import Mode
 from ..properties.engine import runner
-from ..properties.engine.contract import Case, Options, Property, resumed_halves
+from ..properties.engine.contract import Options, Property
 from ..space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
@@ -215,10 +215,7 @@ def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, p
     --exact`` line: no recipe ``prepare``), judged by its ``judge``."""
     opts = prop.with_defaults(opts)
     modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
-    labels = prop.explore.labels(spec) if prop.explore is not None else {}
-    case = Case(prop.id, opts.target, spec, world_size, modes, backend=opts.backend, doing="explored configuration",
-                drawn=spec, explored=True, labels=labels, facts={"explored": True}, seed=opts.seed,
-                **resumed_halves(spec))
+    case = prop.exact_case(opts, spec, world_size, modes)
     with runner.one_thread():
         return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
 

@@ -122,3 +122,38 @@ def test_a_clip_without_its_min_is_named_uncapped_in_norm_fidelity(pool, precisi
     assert abs(v.evidence["gradient_scale"] - 1) < 0.05, v.evidence  # the clip's own scale: no other factor
     ok = check_exact(props.PROPERTIES["norm_fidelity"], Options(target="fixtures.specimens:Correct"), spec, 1, pool)
     assert ok.status == "pass", ok.message
+
+
+# -- which reading of norm_fidelity's recovered clip coefficients is named when several fit: the
+# first in order, unless a later one fits decisively better (a loose bf16 bound lets a wrong shape
+# fit by chance). Pure arithmetic: the hypotheses are stubbed.
+
+def test_a_later_hypothesis_that_fits_decisively_better_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dpfsdp_verify.properties.checks import norm_fidelity as nf
+    from dpfsdp_verify.reference import clip_coefficients
+
+    true = torch.tensor([0.5, 0.8, 1.5, 2.5, 4.0], dtype=torch.float64)
+    c, tol = 1.0, 0.05
+    coef = clip_coefficients(true * 1.3, c)  # the target clips with norms 1.3x too large
+    near = true * 1.27  # within the loose tolerance, not the shape
+    readings = [("first_loose", near), ("second_exact", true * 1.3), ("third_loose", true * 1.32)]
+
+    def hypotheses(case, want, steps, subject):
+        for name, norms in readings:
+            yield name, [norms], name + " message", None
+
+    monkeypatch.setattr(nf, "hypotheses", hypotheses)
+    case = SimpleNamespace(spec=SimpleNamespace(max_grad_norm=c))
+    steps = [SimpleNamespace(indices=list(range(5)))]
+    for _, norms in readings[::2]:  # both loose readings fit within the tolerance on their own
+        assert nf.fit_factor(coef, clip_coefficients(norms, c)).relative <= tol
+    got = nf._matched_hypothesis(case, None, steps, list(range(5)), coef, tol)
+    assert got is not None and got[0] == "second_exact" and got[3] < 1e-12, got
+    # a near tie keeps the earlier, more specific reading
+    readings[1] = ("second_close", true * 1.268)
+    got = nf._matched_hypothesis(case, None, steps, list(range(5)), coef, tol)
+    assert got is not None and got[0] == "first_loose", got

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Any, Dict
+from typing import Any, Dict, NamedTuple, Tuple
 
 from ...defaults import CLIP_EPSILON
 from ...lazy import torch
@@ -236,10 +236,33 @@ def _both_verdict(case: Case, reported, clipping, bound, evidence: Dict[str, Any
                         f"Clips with: {clips_msg}", evidence)
 
 
+class Factor(NamedTuple):
+    """One overall factor fitted between recovered clip coefficients and a shape (``fit_factor``)."""
+    k: float  #: the factor (least squares): ``coef ~ k * shape``
+    error: float  #: the largest ``|coef - k * shape|``
+
+    @property
+    def relative(self) -> float:
+        """``error`` relative to the factor where it exceeds 1 (a shape matched up to a scale)."""
+        return self.error / max(1.0, abs(self.k))
+
+    def relative_pair(self) -> Tuple[float, float]:
+        """``(k, relative)``."""
+        return self.k, self.relative
+
+
+def fit_factor(coef: torch.Tensor, shape: torch.Tensor) -> Factor:
+    """The one factor that brings ``shape`` nearest to ``coef`` (least squares; 1 for a zero shape) and
+    what it leaves: every reading of the recovered coefficients as a known shape up to the gradient's
+    overall scale (the scale is ``clipped_step``'s business) goes through here."""
+    den = float(shape @ shape)
+    k = float(coef @ shape) / den if den else 1.0
+    return Factor(k, float((coef - k * shape).abs().max()) if coef.numel() else 0.0)
+
+
 def _scaled_to(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """``expected`` times the factor that brings it nearest to ``got`` (least squares)."""
-    den = float(expected @ expected)
-    return expected * (float(got @ expected) / den if den else 1.0)
+    return expected * fit_factor(got, expected).k
 
 
 def clipped_with(case: Case, outputs, ref: torch.Tensor, want, steps):
@@ -308,10 +331,9 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
     epsilons and the coefficients at an epsilon."""
     (indices, coef, expected), (candidates, coefficients), c = samples, fitted, case.spec.max_grad_norm
     # the overall scale at the epsilon that fits best up to a scale
-    eps_scaled = min(candidates, key=lambda e: float((coef - _scaled_to(coef, coefficients(e))).abs().max()))
-    at_scaled = coefficients(eps_scaled)
-    scale = float(coef @ at_scaled / (at_scaled @ at_scaled))
-    if float((coef - scale * at_scaled).abs().max()) <= tol:
+    eps_scaled = min(candidates, key=lambda e: fit_factor(coef, coefficients(e)).error)
+    scale, error = fit_factor(coef, coefficients(eps_scaled))
+    if error <= tol:
         fit["gradient_scale"] = scale
         return None, (f"the clip coefficients recovered from the released gradient are min(1, C/||g_i||) times "
                       f"one factor {scale:.6g} for every sample: clipped with the true norms; the factor is the "
@@ -321,7 +343,7 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
     # both fit: a known bug shape is named, unless the uncapped clip fits it far better (under a loose
     # bf16 bound a norm hypothesis can fit within it by chance); where they are one shape up to a
     # factor (a norm bug that clips every sample) the hypothesis, which also explains the norms
-    if uncapped is not None and (matched is None or uncapped[3] < UNCAPPED_BETTER * matched[3]):
+    if uncapped is not None and (matched is None or uncapped[3] < DECISIVELY_BETTER * matched[3]):
         fit["gradient_scale"] = uncapped[2]
         return uncapped[0], uncapped[1], fit
     if matched is not None:
@@ -337,9 +359,12 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
     return _direction_message(changed, low, high, direction, where) + (fit,)
 
 
-#: the uncapped clip is named over a fitting hypothesis only when its residual (relative to the
-#: factor) is below this fraction of the hypothesis' (``_off_clip``)
-UNCAPPED_BETTER = 0.1
+#: one reading of the recovered coefficients is named over an earlier one that also fits only when
+#: its residual (relative to the factor) is below this fraction of the earlier one's: the uncapped
+#: clip over a fitting hypothesis (``_off_clip``), a later hypothesis over an earlier
+#: (``_matched_hypothesis``). Under a loose bound (bf16) a wrong shape can fit within it by chance;
+#: a near tie keeps the earlier, more specific reading
+DECISIVELY_BETTER = 0.1
 
 
 def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tensor, c: float, tol: float):
@@ -352,9 +377,7 @@ def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tens
     below = expected >= 1
     if not bool(below.any()):
         return None
-    shape = c / (true_norms + CLIP_EPSILON)
-    k = float(coef @ shape / (shape @ shape))
-    residual = float((coef - k * shape).abs().max()) / max(1.0, abs(k))
+    k, residual = fit_factor(coef, c / (true_norms + CLIP_EPSILON)).relative_pair()
     if residual > tol:
         return None
     return "mismatch", (f"the clip coefficients recovered from the released gradient are C/||g_i|| for every sample, "
@@ -365,12 +388,15 @@ def _uncapped(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Tens
 
 
 def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, tol: float):
-    """``(diagnosis, message, factor, residual)`` of the first known bug shape (``hypotheses``) whose clip
+    """``(diagnosis, message, factor, residual)`` of the known bug shape (``hypotheses``) whose clip
     coefficients are the recovered ones ``coef`` (of samples ``indices``) times one factor; ``None``.
     The gradient's overall scale is not this property's business (and is not 1 where a target
-    normalises replicated data its own way): each bug shape is matched up to one free factor."""
+    normalises replicated data its own way): each bug shape is matched up to one free factor. Of
+    several that fit, the first in ``hypotheses``' order, unless a later one fits decisively better
+    (``DECISIVELY_BETTER``)."""
     c = case.spec.max_grad_norm
     pos = {i: j for j, i in enumerate(indices)}
+    best = None
     for diagnosis, norms, message, weights in hypotheses(case, want, steps, subject="the norms it clips with"):
         flat = torch.zeros(len(indices), dtype=torch.float64)
         scale = torch.ones(len(indices), dtype=torch.float64)
@@ -382,12 +408,10 @@ def _matched_hypothesis(case: Case, want, steps, indices, coef: torch.Tensor, to
                         scale[pos[i]] = float(weights[r][j])
         # a target whose per-sample loss is w_i l_i clips w_i g_i: read against g_i, its coefficient is
         # w_i min(1, C/(w_i ||g_i||))
-        shape = reference.clip_coefficients(flat, c) * scale
-        k = float(coef @ shape / (shape @ shape))
-        residual = float((coef - k * shape).abs().max()) / max(1.0, abs(k))
-        if residual <= tol:
-            return diagnosis, message, k, residual
-    return None
+        k, residual = fit_factor(coef, reference.clip_coefficients(flat, c) * scale).relative_pair()
+        if residual <= tol and (best is None or residual < DECISIVELY_BETTER * best[3]):
+            best = (diagnosis, message, k, residual)
+    return best
 
 
 #: ranks up to which every assignment of another rank's norms is tried (``_borrowed_clip``: ws^ws fits)
@@ -410,9 +434,8 @@ def _borrowed_clip(case: Case, want, steps, indices, coef: torch.Tensor, tol: fl
             for i, value in zip(s.indices, want[j].tolist()):
                 if i in pos:
                     shape[pos[i]] = float(reference.clip_coefficients(torch.tensor([value]), c)[0])
-        k = float(coef @ shape / (shape @ shape))
         # a cause is named at the hypotheses' looser tolerance (the clip form's epsilon is not the point)
-        if float((coef - k * shape).abs().max()) <= max(tol, HYPOTHESIS_RTOL) * max(1.0, abs(k)):
+        if fit_factor(coef, shape).relative <= max(tol, HYPOTHESIS_RTOL):
             return {r: j for r, j in enumerate(mapping) if j != r}
     return {}
 

@@ -587,11 +587,18 @@ class Property:
         ``skip`` verdict saying why it cannot run."""
         assert self.explore is not None, f"{self.id} has no explore recipe"
         ready = self.explore.prepare(spec, knobs)
-        run = ready if isinstance(ready, RunSpec) else spec
-        case = Case(self.id, opts.target, run, world_size, tuple(modes), backend=opts.backend,
-                    doing="explored configuration", drawn=run, explored=True, labels=self.explore.labels(run),
-                    facts={"explored": True, **knobs}, seed=opts.seed, **resumed_halves(run))
+        case = self.exact_case(opts, ready if isinstance(ready, RunSpec) else spec, world_size, modes, knobs)
         return case.verdict("skip", None, ready) if isinstance(ready, str) else case
+
+    def exact_case(self, opts: Options, run: RunSpec, world_size: int, modes: Sequence[Mode],
+                   knobs: Optional[Dict[str, Any]] = None) -> Case:
+        """The case that runs ``run`` exactly as given: an explored draw after its recipe's ``prepare``
+        (``explore_case``, ``knobs`` its drawn knobs) or the spec of a ``replay --exact`` line; a
+        resumed run's save half runs both halves (``resumed_halves``)."""
+        labels = self.explore.labels(run) if self.explore is not None else {}
+        return Case(self.id, opts.target, run, world_size, tuple(modes), backend=opts.backend,
+                    doing="explored configuration", drawn=run, explored=True, labels=labels,
+                    facts={"explored": True, **(knobs or {})}, seed=opts.seed, **resumed_halves(run))
 
     def fuzz_config(self, opts: Options, world_size: int, modes: Sequence[Mode], models: Sequence[str],
                     dtypes: Sequence[str]) -> dict:
