@@ -204,7 +204,8 @@ AXES: Dict[str, Axis] = {a.name: a for a in (
     Real("max_grad_norm", "the clip bound C", D.SPEC_DEFAULTS["max_grad_norm"], lo=0.0, lo_open=True),
     Real("clip_quantile", "where C sits among the reference norms (0: below all, every sample clipped; 1: above "
          "all, none clipped)", 0.5, lo=0.0, hi=1.0, explore=(0.0, 1.0)),
-    Real("noise_multiplier", "sigma: the noise std is sigma C", D.SPEC_DEFAULTS["noise_multiplier"], lo=0.0),
+    Real("noise_multiplier", "sigma: the noise std is sigma C", D.SPEC_DEFAULTS["noise_multiplier"], lo=0.0,
+         explore=(0.5, 4.0)),
     Real("timeout", "deadline of one distributed job, seconds", D.DEFAULT_TIMEOUT_S, lo=0.0, lo_open=True),
     Real("explore", "seconds of exploration a gate run adds (docs/explore.md)", D.DEFAULT_EXPLORE_S, lo=0.0),
     Integer("seed", "the run's statistical seed (every stream's seed derives from it: seed_for)", None,

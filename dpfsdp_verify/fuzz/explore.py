@@ -92,7 +92,8 @@ class _Explorer:
                 resumed = knobs.get("resume_fraction")
                 self.draws.append(f"ws={ws} {strategies.spec_summary(spec, ws)}; lr {spec.lr:g}; "
                                   f"C quantile {knobs.get('clip_quantile', 0.5):.2f}"
-                                  + (f"; resumed at {resumed:.2f} of its steps" if resumed is not None else ""))
+                                  + (f"; resumed at {resumed:.2f} of its steps" if resumed is not None else "")
+                                  + (f"; sigma {knobs['noise_multiplier']:.3g}" if "noise_multiplier" in knobs else ""))
         if v.status in FAILING:
             if self.found_at is None:
                 self.found_at, self.found_draw = time.monotonic(), sum(self.seen.values())

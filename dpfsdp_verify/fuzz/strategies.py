@@ -374,7 +374,7 @@ def _int_range(name: str) -> Tuple[int, int]:
 def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequence[str] = space.EXPLORE_MODELS,
                   samplings: Sequence[str] = AXES["sampling"].explore,  # type: ignore[attr-defined]
                   precisions: Sequence[str] = AXES["precision"].explore,  # type: ignore[attr-defined]
-                  physical: bool = True, long_runs: bool = True, resume: bool = False,
+                  physical: bool = True, long_runs: bool = True, resume: bool = False, noise: bool = False,
                   grad_sample_mode: str = "ghost_fsdp"):
     """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
     (``dpfsdp_verify.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
@@ -391,9 +391,11 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     (0: below every norm, all clipped; 1: above, none). With ``resume``, a third of the draws
     without accumulation also get ``knobs["resume_fraction"]`` in [0, 1): where among its steps the
     property checkpoints the run and resumes it in fresh ranks (``resume_at`` axis; none
-    otherwise). Shrinks towards one rank, the mlp at its default size, mean, fixed sampling, fp32
-    float64, one sample per rank, one step, no accumulation, no resume, the smallest lr and C below
-    every norm."""
+    otherwise). With ``noise`` (a property that runs the draw with noise), ``knobs["noise_multiplier"]``:
+    sigma in [0.5, 4] (the axis' ``explore`` range: at sigma 1 a noise std or a told sigma that is
+    sigma^2, sqrt(sigma) or 1/sigma is right). Shrinks towards one rank, the mlp at its default
+    size, mean, fixed sampling, fp32 float64, one sample per rank, one step, no accumulation, no
+    resume, the smallest lr and C below every norm, and sigma 0.5."""
     hi = max_world_size or space.explore_max_world_size()
     ws = draw(st.integers(1, hi))
     model = draw(st.sampled_from(tuple(models)))
@@ -420,6 +422,8 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     knobs: Dict[str, Any] = {"clip_quantile": quantile}
     if resume and not p and draw(st.integers(0, 2)) == 2:  # resume without accumulation (space.combination_problem)
         knobs["resume_fraction"] = draw(st.floats(0.0, 1.0, exclude_max=True))
+    if noise:
+        knobs["noise_multiplier"] = draw(st.floats(*AXES["noise_multiplier"].explore))  # type: ignore[attr-defined]
     seeds = dict(model_seed=draw(st.integers(0, 3)), batch_seed=draw(st.integers(1, 4)))
     base = dict(model=model, reduction=reduction, dtype=dtype, precision=precision, lr=lr, steps=steps,
                 grad_sample_mode=grad_sample_mode, model_kwargs=tuple(sorted(dims.items())), **seeds)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 #: opacus' ``RDPAccountant.DEFAULT_ALPHAS``: the orders the conversion to (epsilon, delta) minimises over
 ORDERS: Tuple[float, ...] = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
@@ -135,6 +135,25 @@ def epsilon(history: History, delta: float, orders: Sequence[float] = ORDERS) ->
     return best
 
 
+#: the deltas a fork hard-codes (``delta_of``): opacus' examples' 1e-5 and every other power of ten
+ROUND_DELTAS = tuple(10.0 ** -k for k in range(1, 13))
+
+
+def delta_of(history: History, reported: float, asked: float, extra: Sequence[float] = (),
+             rtol: float = 1e-6) -> Optional[float]:
+    """The delta other than ``asked`` at which ``history``'s RDP epsilon is ``reported`` (relative
+    ``rtol``), among the deltas a fork would hard-code or derive (``ROUND_DELTAS``, and ``extra``:
+    e.g. 1/N of the run's dataset); ``None`` if none is. An epsilon that is the right history's at
+    another delta is named for that (a hard-coded delta), not for a step count or a sigma that
+    happen to give the same number."""
+    if not (reported > 0 and math.isfinite(reported) and history):
+        return None
+    for d in (*ROUND_DELTAS, *extra):
+        if 0 < d < 1 and abs(d - asked) > 1e-12 * asked and abs(epsilon(history, d) - reported) <= rtol * reported:
+            return d
+    return None
+
+
 def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> None:
     """Append one step at ``(sigma, q)`` to ``history`` the way opacus' accountants do: the last
     entry's count grows when its parameters are the same, else a new entry starts."""
@@ -144,4 +163,4 @@ def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> No
         history.append((sigma, q, 1))
 
 
-__all__ = ["ORDERS", "rdp", "epsilon", "merge", "History"]
+__all__ = ["ORDERS", "ROUND_DELTAS", "rdp", "epsilon", "delta_of", "merge", "History"]

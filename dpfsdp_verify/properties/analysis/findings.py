@@ -37,6 +37,8 @@ class HistoryFinding:
     got: float = 0.0
     accountant: Optional[str] = None
     floor: float = 0.0
+    #: ``epsilon``: the other delta at which the told history's RDP epsilon is the reported one, if any
+    at_delta: Optional[float] = None
 
 
 __all__ = ["HistoryFinding"]

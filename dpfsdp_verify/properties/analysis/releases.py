@@ -450,7 +450,9 @@ def pooled_tests(runs: Sequence[RunReleases], alpha: float) -> List[Tuple[str, f
 def contrasts(run: RunReleases, runs: Sequence[RunReleases]) -> Dict[str, Tuple[str, float]]:
     """What the other runs released, against which a finding in ``run`` names its cause: the pooled
     std ratio of the runs in another dtype (``"dtype"``), at another world size (``"world_size"``), at
-    lr 0 (``"lr"``, for a run at lr > 0): ``{key: (what they are, ratio)}`` for the groups that exist."""
+    lr 0 (``"lr"``, for a run at lr > 0), at sigma 1 and at C = 1 (``"sigma"``, ``"clip"``, for a run
+    at another: there a std that leaves sigma or C out, or has it twice, is right): ``{key: (what
+    they are, ratio)}`` for the groups that exist."""
     out: Dict[str, Tuple[str, float]] = {}
     groups = {
         "dtype": ([r for r in runs if (r.dtype, r.precision) != (run.dtype, run.precision)],
@@ -458,6 +460,8 @@ def contrasts(run: RunReleases, runs: Sequence[RunReleases]) -> Dict[str, Tuple[
         "world_size": ([r for r in runs if r.world_size != run.world_size],
                        f"the runs at other world sizes than {run.world_size}"),
         "lr": ([r for r in runs if not r.lr] if run.lr else [], "the runs at lr 0"),
+        "sigma": ([r for r in runs if r.sigma == 1] if run.sigma != 1 else [], "the runs at sigma 1"),
+        "clip": ([r for r in runs if r.clip == 1] if run.clip != 1 else [], "the runs at C = 1"),
     }
     for key, (group, what) in groups.items():
         cells = [c for r in group for c in r.cells]

@@ -77,7 +77,8 @@ from ..engine.contract import Case, ExploreRecipe, Outputs, Point, Prepared, Pro
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
 
 STEPS = 2
-#: an explored configuration (``explore_prepare``): at least this many steps, at this noise multiplier
+#: an explored configuration (``explore_prepare``): at least this many steps, at the drawn noise
+#: multiplier (``knobs["noise_multiplier"]``; this one where none was drawn)
 EXPLORE_MIN_STEPS, EXPLORE_SIGMA = 2, 1.0
 #: where a drawn resume point's checkpoint goes (the runner puts it under a directory of its own)
 EXPLORE_CHECKPOINT = "explored"
@@ -205,15 +206,17 @@ def wide(point: Point):
 
 def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     """An explored configuration (docs/explore.md) as a noisy training run: at least
-    ``EXPLORE_MIN_STEPS`` steps (a divergence needs a step after the one that diverges), noise
-    multiplier ``EXPLORE_SIGMA`` and C at the drawn quantile of the reference norms, at the drawn lr
+    ``EXPLORE_MIN_STEPS`` steps (a divergence needs a step after the one that diverges), the drawn
+    noise multiplier (``knobs["noise_multiplier"]``, ``EXPLORE_SIGMA`` where none was drawn: sigma 1
+    hides a noise std or a told sigma that is a wrong function of sigma) and C at the drawn quantile
+    of the reference norms, at the drawn lr
     (a long run's: 0), checkpointed at the drawn resume point and resumed in fresh ranks where one
     was drawn (``knobs["resume_fraction"]``). The run must finish on every rank; what it releases
     (both halves of a resumed run) feeds the release judge (``engine/releases.py``) like every run of
     the gate: the noise of a drawn world size, dtype, precision, lr, batch, loop shape and resume
     point is judged there."""
     steps = max(EXPLORE_MIN_STEPS, spec.steps)
-    fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=EXPLORE_SIGMA,
+    fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=float(knobs.get("noise_multiplier", EXPLORE_SIGMA)),
                                   max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
     if spec.poisson:  # twice the epochs the steps need, as the draws have (strategies.explore_specs)
         fields["epochs"] = capped_epochs(steps, spec.steps_per_epoch)
@@ -268,7 +271,7 @@ PROPERTY = Property(
              "hangs on some batches pushes users to sampling that breaks the privacy accounting"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean",),
     params=(("local_batches", None),), wide=wide,
-    explore=ExploreRecipe(draw=(("resume", True),), prepare=explore_prepare))
+    explore=ExploreRecipe(draw=(("resume", True), ("noise", True)), prepare=explore_prepare))
 
 
 __all__ = ["STEPS", "EPOCHS", "POISSON_DEADLINE_S", "POISSON_SEEDINGS", "POISSON_DEFAULT", "ACCUM_P", "ACCUM_EPOCHS",

@@ -123,7 +123,11 @@ FAMILY_ALPHA = 1e-3
 #: false-alarm probability of a correct target in the node run (``nodes``: one per gate run, judged
 #: apart from the family above), Bonferroni over its tests (``analysis.releases.tests_of``)
 NODE_ALPHA = 1e-4
-SIGMA = 1.0
+#: sigma of every noise case: not 1, where a noise std of sigma^2 C or C, or a told sqrt(sigma), is
+#: right (``fixtures.sigma_specimens``); and its ratios sigma, 1/sigma (a std with sigma twice or
+#: left out) 17 % or more from every ratio a world size explains (1/sqrt(N), 1/N, N for N <= 4), so
+#: that a cause is named by the ratio alone. Exploration draws others (``deadlock_free``'s draws)
+SIGMA = 2.5
 CLIP = 1.0
 #: power target: a std error of this size on a shard (as tested) of >= POWER_MIN_NUMEL coordinates ...
 POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
@@ -484,7 +488,8 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         return case.verdict("fail", "non_gaussian_noise", shape_message(excess, z_kurt, p_kurt, values, where, alpha),
                             evidence)
     if failures:
-        return case.verdict("fail", "mismatch", scale_message(failures[0], ws, s, where, alpha, case.spec.mesh),
+        return case.verdict("fail", "mismatch", scale_message(failures[0], ws, s, where, alpha, case.spec.mesh,
+                                                                 case.spec.noise_multiplier, case.spec.max_grad_norm),
                             evidence)
     for test, (r_corr, p_corr, pairs) in noise_stats.independence(noise, names, ws).items():
         evidence[f"{test}_correlation"] = r_corr

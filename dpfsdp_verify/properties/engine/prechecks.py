@@ -356,8 +356,10 @@ def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resu
     evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
     if low <= got <= high:
         return None
+    extra = (1.0 / spec.dataset_size,) if spec.poisson and spec.dataset_size else ()
+    other = accounting.delta_of(history, got, spec.accountant_delta, extra=extra) if rdp else None
     return HistoryFinding("epsilon", history, resume_at, delta=spec.accountant_delta, want=want, got=got,
-                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR)
+                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR, at_delta=other)
 
 
 def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:

@@ -72,6 +72,12 @@ def _rate(f: HistoryFinding) -> str:
 
 
 def _epsilon(f: HistoryFinding) -> str:
+    if f.at_delta is not None:
+        from ..analysis.accountant import wrong_delta_tail, wrong_delta_words
+
+        return (f"PRIVACY ACCOUNTING: {wrong_delta_words(f.got, f.delta, f.at_delta)}{_where(f)} (the suite's own RDP "
+                f"accountant on that history {fmt_history(f.history)} gives {f.want:.4g} at delta {f.delta:g})."
+                + wrong_delta_tail(f.delta, f.at_delta))
     return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}; the "
             f"suite's own RDP accountant on its history {fmt_history(f.history)} gives {f.want:.4g}"
             + ("" if f.accountant == "rdp" else f" (a {f.accountant!r} accountant may be tighter than RDP, not below "

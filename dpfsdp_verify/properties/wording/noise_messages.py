@@ -76,7 +76,32 @@ def pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: floa
             "correlated noise partly cancels in the difference of two releases.")
 
 
-def scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: str = "") -> str:
+#: a std ratio names a cause when it is within this fraction of the cause's ratio (the nearest one)
+HINT_RTOL = 0.15
+
+
+def ratio_hint(value: float, ws: int, mesh: str = "", sigma: float = 1.0, clip: float = 1.0) -> str:
+    """The cause a noise std ratio ``value`` points to, as a sentence ("" if none): a 2-D mesh's
+    divisor mistakes first, else the nearest of the world size's (1/sqrt(N), 1/N, N) and sigma's or
+    C's (sigma or C left out of the std, or applied twice), within ``HINT_RTOL``."""
+    for k, what in mesh_ratios(mesh):
+        if abs(value - k) < HINT_RTOL * k:
+            return f" The ratio is close to {what}."
+    causes = []
+    if ws > 1:
+        causes += [(1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
+                   (1 / ws, "1/N: noise divided by N once too often"),
+                   (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")]
+    for name, v in (("sigma", sigma), ("C", clip)):
+        if v > 0 and abs(math.log(v)) > 0.2:
+            causes += [(1 / v, f"1/{name} = {1 / v:.3g}: the noise std leaves {name} = {v:g} out"),
+                       (v, f"{name} = {v:g}: the noise std has {name} twice ({name}^2 in place of {name})")]
+    near = [(abs(math.log(value / k)), what) for k, what in causes if value > 0 and abs(value - k) < HINT_RTOL * k]
+    return f" The ratio is close to {min(near)[1]}." if near else ""
+
+
+def scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: str = "", sigma: float = 1.0,
+                  clip: float = 1.0) -> str:
     test, name, rank, value, p = failure[:5]
     shard = f" in rank {rank}'s shard" if ws > 1 and rank is not None else ""
     if test == "sum":
@@ -97,13 +122,7 @@ def scale_message(failure, ws: int, s: float, where: str, alpha: float, mesh: st
                 f"their values, p={p:.2g} < {alpha:.2g}): their noise is calibrated with another formula than the "
                 "weight matrices'." + (" The released gradient is less private than the accounting states."
                                        if value < 1 else ""))
-    hint = ""
-    for k, what in mesh_ratios(mesh) + ((1 / math.sqrt(ws), "1/sqrt(N): noise drawn on every rank and averaged"),
-                    (1 / ws, "1/N: noise divided by N once too often"),
-                    (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")):
-        if ws > 1 and abs(value - k) < 0.15 * k:
-            hint = f" The ratio is close to {what}."
-            break  # the first cause that fits (a mesh's own first; the 1-D ratios' windows do not overlap)
+    hint = ratio_hint(value, ws, mesh, sigma, clip)
     if value < 1:
         return (f"PRIVACY VIOLATION: too little noise on {name!r}{shard} {where}: measured std {value * s:.4g} = "
                 f"{value:.3f} x the required sigma*C/D = {s:.4g} (two-sided chi-square p={p:.2g} < {alpha:.2g})."

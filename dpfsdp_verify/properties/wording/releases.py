@@ -36,6 +36,13 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
     if lr and fine("lr") and abs(ratio - min(lr, 1.0)) <= CAUSE_RTOL * min(lr, 1.0):
         notes.append(f"it is min(lr, 1) = {min(lr, 1.0):g} at lr {lr:g} while {contrast['lr'][0]} release "
                      f"{contrast['lr'][1]:.3f} x: the noise is scaled by the learning rate")
+    for key, name, value in (("sigma", "sigma", run.sigma), ("clip", "C", run.clip)):
+        for k, what in ((1 / value, f"1/{name} = {1 / value:.4g}: the noise std leaves {name} = {value:.4g} out"),
+                        (value, f"{name} = {value:.4g}: the noise std has {name} twice ({name}^2 in place of "
+                                f"{name})")) if value > 0 and fine(key) and not notes else ():
+            if abs(ratio - k) <= CAUSE_RTOL * k:
+                notes.append(f"it is {what} ({contrast[key][0]} release {contrast[key][1]:.3f} x)")
+                break
     if fine("dtype") and not notes:
         notes.append(f"only the {run.dtype}{'' if run.precision == 'fp32' else ' ' + run.precision} runs are off: "
                      f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x")
