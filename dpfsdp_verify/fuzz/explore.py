@@ -166,6 +166,8 @@ class _Explorer:
             parts.append("physical batch sizes")
         if kw.get("resume", False):
             parts.append("resume points")
+        if kw.get("noise", False):
+            parts.append("noise multipliers")
         return "".join(", " + p for p in parts)
 
 
