@@ -89,6 +89,8 @@ def test_the_release_judge_names_sigma_or_c_left_out_against_the_runs_at_1():
     # the runs at sigma 1 off too: not sigma's doing
     assert "sigma" not in cause(run, 2.03, {"sigma": ("the runs at sigma 1", 1.6)})
     assert cause(run, 0.8, fine) == ""
+    # one rank's (or from one step on): no std formula's; a rank's halved noise at C = 2 is not "1/C"
+    assert cause(run, 0.41, fine, whole_run=False) == ""
 
 
 def test_an_accountant_told_sqrt_sigma_fails_the_first_explored_draw(pool):

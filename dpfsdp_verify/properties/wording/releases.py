@@ -24,11 +24,13 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]) -> str:
+def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]], whole_run: bool = True) -> str:
     """The cause the other runs single out (``analysis.releases.contrasts``), in words ("" if none):
     a factor that appears in this run's kind of run only and equals a known mistake's. A ratio
     alone never names a cause (0.7 is 1/sqrt(2) to 1 %: a float32-only factor is not noise averaged
-    over two ranks unless the float64 runs at two ranks show it too)."""
+    over two ranks unless the float64 runs at two ranks show it too). A factor of sigma or C is
+    named only for a ratio of the ``whole_run`` (every step and rank alike, as a std formula's is),
+    never for one rank's or from one step on."""
     def fine(key):
         return key in contrast and abs(contrast[key][1] - 1) < CAUSE_RTOL
     ws, lr = run.world_size, run.lr
@@ -39,7 +41,7 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
     for key, name, value in (("sigma", "sigma", run.sigma), ("clip", "C", run.clip)):
         for k, what in ((1 / value, f"1/{name} = {1 / value:.4g}: the noise std leaves {name} = {value:.4g} out"),
                         (value, f"{name} = {value:.4g}: the noise std has {name} twice ({name}^2 in place of "
-                                f"{name})")) if value > 0 and fine(key) and not notes else ():
+                                f"{name})")) if value > 0 and whole_run and fine(key) and not notes else ():
             if abs(ratio - k) <= CAUSE_RTOL * k:
                 notes.append(f"it is {what} ({contrast[key][0]} release {contrast[key][1]:.3f} x)")
                 break
@@ -101,7 +103,7 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
     return (f"{lead} {at}, {place} (the released gradient x D minus the float64 reference's clipped sum at the "
             f"parameters the step started from, off the span of the batch's per-sample gradients; two-sided chi-square "
             f"p = {f.p:.2g} < {alpha:.2g}). Every release needs Gaussian noise of std sigma*C/D on every coordinate."
-            + cause(run, f.ratio, contrast or {}))
+            + cause(run, f.ratio, contrast or {}, whole_run=f.scope == "run"))
 
 
 def pooled_message(failures: Sequence[Tuple[str, float, float, float]], alpha: float) -> str:
