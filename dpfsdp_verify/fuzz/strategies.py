@@ -354,12 +354,25 @@ LONG_RUN_SAMPLE_STEPS = 1600
 DIM0_KEYS = ("hidden", "classes", "width", "mixer", "vocab", "d_model", "d_ff", "seq_len", "rank")
 
 
+#: the dims a normalisation layer normalises over (the mlp's LayerNorm, the transformer's norms):
+#: exploration draws them >= 2 (``_no_short_rows``)
+NORMALISED_KEYS = ("hidden", "d_model")
+
+
 def _no_short_rows(dims: Dict[str, object], ws: int) -> Dict[str, object]:
     """``dims`` with every dim 0 at least ``ws`` (kept a multiple of its heads / groups): a parameter
     with fewer rows than ranks is a fixed short-layer case's and fuzzing's, and upstream
     opacus 1.6.0 crashes on it (docs/findings.md, finding 3) -- an exploration that drew it would
-    end there on every upstream run instead of looking further."""
+    end there on every upstream run instead of looking further. And every dim a normalisation layer
+    normalises over (``NORMALISED_KEYS``) at least 2: a LayerNorm over one feature has zero variance
+    by construction, its output is its bias and nothing before it gets a gradient, and float32's
+    rounding of ``x - mean`` (not exactly 0 in torch's fused kernel) comes out of it amplified by
+    1/sqrt(eps) = 316 -- beyond the fixed float32 tolerance (``clipped_step`` failed ``Correct`` on
+    such a draw, a d_model 1 transformer, gate run seed 40191: docs/explore.md)."""
     out = {k: (max(v, ws) if k in DIM0_KEYS and isinstance(v, int) else v) for k, v in dims.items()}
+    for key in NORMALISED_KEYS:
+        if isinstance(out.get(key), int):
+            out[key] = max(cast(int, out[key]), 2)
     for key, unit in (("d_model", "n_heads"), ("width", "groups")):
         if key in out and unit in out:
             out[key] += (-out[key]) % out[unit]  # type: ignore[operator]

@@ -163,3 +163,27 @@ def test_profiles_are_selectable_and_ci_is_deterministic(monkeypatch, tmp_path):
     monkeypatch.setenv(profiles.PROFILE_ENV, "weekly")
     with pytest.raises(profiles.ProfileError, match="ci, dev, nightly"):
         profiles.resolve_name()
+
+
+def test_exploration_never_draws_a_normalisation_over_one_feature():
+    """A LayerNorm over one feature has zero variance by construction (its output is its bias) and
+    amplifies float32's rounding of ``x - mean`` by 1/sqrt(eps): ``clipped_step`` failed ``Correct``
+    on such a draw (a d_model 1 transformer, gate run seed 40191). Exploration draws the normalised
+    dims >= 2; the fuzzer's own dims (``mlp_dims``) still shrink to hidden 1 (short rows at 2 ranks)."""
+    from hypothesis.errors import NoSuchExample
+
+    from dpfsdp_verify.fuzz.strategies import NORMALISED_KEYS, explore_specs
+
+    def degenerate(drawn):
+        dims = dict(drawn[1].model_kwargs)
+        return any(isinstance(dims.get(k), int) and dims[k] < 2 for k in NORMALISED_KEYS)
+
+    with pytest.raises(NoSuchExample):
+        find(explore_specs(2), degenerate, settings=settings(max_examples=300, database=None))
+    # variants are drawn (the check is not vacuous): a transformer at d_model 2
+    def narrow(d):
+        return d[1].model == "transformer" and dict(d[1].model_kwargs).get("d_model") == 2
+
+    found = find(explore_specs(2), narrow, settings=settings(max_examples=300, database=None))
+    assert dict(found[1].model_kwargs)["d_model"] == 2
+    assert find(dps.mlp_dims(2), lambda d: True)["hidden"] == 1
