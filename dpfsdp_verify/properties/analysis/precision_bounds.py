@@ -10,14 +10,14 @@ tells a fork's bf16 accumulation bug (a wrong norm, so a wrong clip) from honest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ...lazy import torch
 
 from ...lazy import reference
 from ...targets import RunSpec
 from .clipfit import IDENTIFIABLE, amplification, identifiable
-from .compare import reference_grads, reference_model, rows, sample_columns
+from .compare import reference_batch, reference_grads, reference_model, rows, sample_columns
 from .kinks import BF16_UNIT_ROUNDOFF, Kinks, complement, flip_columns, kinks, norm_deviations
 
 
@@ -93,12 +93,64 @@ def precision_kinks(spec: RunSpec, bound: PrecisionBound) -> Kinks:
     return kinks(spec, bound.u)
 
 
+#: the largest relative condition of a normalisation's output in its inputs (``normalisation_condition``)
+#: at which the first-order bound (every operation's condition number taken as 1) still judges a bf16
+#: run: the default models' are 3.8-5.2 (precision dims); a draw's 2-feature LayerNorm over inputs
+#: 0.399 and 0.364 had 22, and a correct target missed that bound by 4.4 x (gate run seed 40177)
+NORM_CONDITION_MAX = 10.0
+
+
+def normalisation_condition(spec: RunSpec, indices: Sequence[int]) -> Tuple[float, str]:
+    """``(kappa, layer)``: the largest ``max |x| / sqrt(var(x) + eps)`` over the normalisation groups
+    of every LayerNorm and GroupNorm of the float64 reference on the processed samples: a relative
+    rounding ``u`` of the inputs moves the normalised output by up to ``kappa u`` (its inputs nearly
+    agree, their spread is small against their size). ``(0.0, "")`` without such layers."""
+    model = reference_model(spec)
+    batch = reference_batch(spec).select(list(indices))
+    worst: List[Tuple[float, str]] = [(0.0, "")]
+
+    def hook(name):
+        def record(mod, inputs, output):
+            x = inputs[0].detach()
+            if isinstance(mod, torch.nn.LayerNorm):
+                groups = x.reshape(*x.shape[:x.dim() - len(mod.normalized_shape)], -1)
+            else:
+                groups = x.reshape(x.shape[0], mod.num_groups, -1)
+            if groups.numel():
+                spread = (groups.var(-1, unbiased=False) + mod.eps).sqrt()
+                worst.append((float((groups.abs().amax(-1) / spread).max()), name))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm))]
+    try:
+        with torch.no_grad():
+            model(*batch.inputs) if isinstance(batch.inputs, tuple) else model(batch.inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return max(worst)
+
+
 def precision_unjudgeable(spec: RunSpec, indices: Sequence[int]) -> str:
     """Why ``spec``'s bf16 verdict on the processed samples ``indices`` cannot be reached (``""``
     where it can, and always under fp32): more ReLU units within rounding of 0 than the judges
-    model (``kinks.Kinks.unjudgeable``)."""
+    model (``kinks.Kinks.unjudgeable``), or a normalisation whose inputs nearly agree
+    (``normalisation_condition`` above ``NORM_CONDITION_MAX``: the first-order bound takes every
+    operation's condition number as 1)."""
     bound = precision_bound(spec)
-    return "" if bound is None else precision_kinks(spec, bound).unjudgeable(list(indices))
+    if bound is None:
+        return ""
+    kinked = precision_kinks(spec, bound).unjudgeable(list(indices))
+    if kinked or not indices:
+        return kinked
+    kappa, layer = normalisation_condition(spec, indices)
+    if kappa > NORM_CONDITION_MAX:
+        return (f"not judgeable under {spec.precision}: the inputs of {layer!r} nearly agree on some sample (max |x| / "
+                f"std = {kappa:.3g} > {NORM_CONDITION_MAX:g}), so bf16's rounding of them moves the normalised output "
+                f"up to {kappa:.3g} x more than the first-order bound allows (it takes every operation's condition "
+                "number as 1; docs/precision.md)")
+    return ""
 
 
 def precision_norm_tolerances(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
