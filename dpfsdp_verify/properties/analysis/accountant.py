@@ -195,7 +195,7 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
     if mechanism == "rdp":
         # an epsilon that is exactly the told history's at a delta a fork hard-codes is named for that
         # before a step count is looked for: a step count fits within sigma's interval by chance
-        other = accounting.delta_of(run[0].accountant_history or [], r, delta, extra=_derived_deltas(specs[asking]))
+        other = accounting.delta_of(run[0].accountant_history or [], r, delta, extra=derived_deltas(specs[asking]))
         if other is not None:
             evidence["epsilon_delta"] = other
             words = wrong_delta_words(r, delta, other)
@@ -225,7 +225,7 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
         f"steps) gives {eps:.4g}, and {r:.4g} is outside {bound}")), evidence
 
 
-def _derived_deltas(spec: RunSpec) -> Tuple[float, ...]:
+def derived_deltas(spec: RunSpec) -> Tuple[float, ...]:
     """Deltas a fork derives from the run rather than hard-codes (``accounting.delta_of``): 1/N."""
     return (1.0 / spec.dataset_size,) if spec.poisson and spec.dataset_size else ()
 
@@ -310,4 +310,4 @@ def describe(evidence: Dict) -> str:
     return text
 
 
-__all__ = ["accountant_problem", "describe", "DELTA", "TIGHTER_FLOOR"]
+__all__ = ["accountant_problem", "describe", "derived_deltas", "DELTA", "TIGHTER_FLOOR"]

@@ -344,7 +344,7 @@ def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resu
     if not (spec.accountant_delta > 0 and any(r is not None for r in reported) and float(spec.noise_multiplier) > 0):
         return None
     from ...targets import accounting
-    from ..analysis.accountant import TIGHTER_FLOOR
+    from ..analysis.accountant import TIGHTER_FLOOR, derived_deltas
 
     if any(r != reported[0] for r in reported):
         return HistoryFinding("epsilons_differ", history, resume_at, reported=reported)
@@ -356,8 +356,7 @@ def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resu
     evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
     if low <= got <= high:
         return None
-    extra = (1.0 / spec.dataset_size,) if spec.poisson and spec.dataset_size else ()
-    other = accounting.delta_of(history, got, spec.accountant_delta, extra=extra) if rdp else None
+    other = accounting.delta_of(history, got, spec.accountant_delta, extra=derived_deltas(spec)) if rdp else None
     return HistoryFinding("epsilon", history, resume_at, delta=spec.accountant_delta, want=want, got=got,
                           accountant=outputs[0].accountant, floor=TIGHTER_FLOOR, at_delta=other)
 

@@ -5,6 +5,7 @@ statistics (``noise_stats.py``) and the verdict's ``where``; no test is computed
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 
 def late_message(late, where: str, alpha: float) -> str:
@@ -80,6 +81,15 @@ def pairs_message(a, b, r_ij: float, t_pairs: float, n_pairs: int, p_pairs: floa
 HINT_RTOL = 0.15
 
 
+def formula_causes(name: str, value: float) -> Tuple[Tuple[float, str], ...]:
+    """``(std ratio, cause)`` of a noise std formula that leaves ``name`` (sigma or C, at ``value``) out
+    or has it twice: the ratios 1/value and value (``()`` for a value <= 0)."""
+    if not value > 0:
+        return ()
+    return ((1 / value, f"1/{name} = {1 / value:.4g}: the noise std leaves {name} = {value:.4g} out"),
+            (value, f"{name} = {value:.4g}: the noise std has {name} twice ({name}^2 in place of {name})"))
+
+
 def ratio_hint(value: float, ws: int, mesh: str = "", sigma: float = 1.0, clip: float = 1.0) -> str:
     """The cause a noise std ratio ``value`` points to, as a sentence ("" if none): a 2-D mesh's
     divisor mistakes first, else the nearest of the world size's (1/sqrt(N), 1/N, N) and sigma's or
@@ -93,9 +103,8 @@ def ratio_hint(value: float, ws: int, mesh: str = "", sigma: float = 1.0, clip: 
                    (1 / ws, "1/N: noise divided by N once too often"),
                    (float(ws), "N: noise not divided by N although the ranks' gradients are averaged")]
     for name, v in (("sigma", sigma), ("C", clip)):
-        if v > 0 and abs(math.log(v)) > 0.2:
-            causes += [(1 / v, f"1/{name} = {1 / v:.3g}: the noise std leaves {name} = {v:g} out"),
-                       (v, f"{name} = {v:g}: the noise std has {name} twice ({name}^2 in place of {name})")]
+        if v > 0 and abs(math.log(v)) > 0.2:  # near 1 its ratios are the unexplained ones
+            causes += formula_causes(name, v)
     near = [(abs(math.log(value / k)), what) for k, what in causes if value > 0 and abs(value - k) < HINT_RTOL * k]
     return f" The ratio is close to {min(near)[1]}." if near else ""
 

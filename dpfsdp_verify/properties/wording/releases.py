@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 from ..analysis.releases import Finding, RunReleases
+from .noise_messages import formula_causes
 
 #: a measured std ratio "is" a candidate cause's factor within this relative distance
 CAUSE_RTOL = 0.06
@@ -39,9 +40,7 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
         notes.append(f"it is min(lr, 1) = {min(lr, 1.0):g} at lr {lr:g} while {contrast['lr'][0]} release "
                      f"{contrast['lr'][1]:.3f} x: the noise is scaled by the learning rate")
     for key, name, value in (("sigma", "sigma", run.sigma), ("clip", "C", run.clip)):
-        for k, what in ((1 / value, f"1/{name} = {1 / value:.4g}: the noise std leaves {name} = {value:.4g} out"),
-                        (value, f"{name} = {value:.4g}: the noise std has {name} twice ({name}^2 in place of "
-                                f"{name})")) if value > 0 and whole_run and fine(key) and not notes else ():
+        for k, what in formula_causes(name, value) if whole_run and fine(key) and not notes else ():
             if abs(ratio - k) <= CAUSE_RTOL * k:
                 notes.append(f"it is {what} ({contrast[key][0]} release {contrast[key][1]:.3f} x)")
                 break
