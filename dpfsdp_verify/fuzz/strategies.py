@@ -367,8 +367,9 @@ def _no_short_rows(dims: Dict[str, object], ws: int) -> Dict[str, object]:
     normalises over (``NORMALISED_KEYS``) at least 2: a LayerNorm over one feature has zero variance
     by construction, its output is its bias and nothing before it gets a gradient, and float32's
     rounding of ``x - mean`` (not exactly 0 in torch's fused kernel) comes out of it amplified by
-    1/sqrt(eps) = 316 -- beyond the fixed float32 tolerance (``clipped_step`` failed ``Correct`` on
-    such a draw, a d_model 1 transformer, gate run seed 40191: docs/explore.md)."""
+    1/sqrt(eps) = 316 -- beyond the fixed float32 tolerance (the one-step check of the
+    clipped DP step failed ``Correct`` on such a draw, a d_model 1 transformer, gate run seed 40191:
+    docs/explore.md)."""
     out = {k: (max(v, ws) if k in DIM0_KEYS and isinstance(v, int) else v) for k, v in dims.items()}
     for key in NORMALISED_KEYS:
         if isinstance(out.get(key), int):
