@@ -187,3 +187,18 @@ def test_exploration_never_draws_a_normalisation_over_one_feature():
     found = find(explore_specs(2), narrow, settings=settings(max_examples=300, database=None))
     assert dict(found[1].model_kwargs)["d_model"] == 2
     assert find(dps.mlp_dims(2), lambda d: True)["hidden"] == 1
+
+
+def test_a_drawn_q_always_gives_an_expected_batch_of_at_least_one():
+    """1/49 * 49 rounds to 0.999...: int(q N) = 0, which RunSpec refuses (opacus would divide by it);
+    a draw of N = 49 at one sample per step stopped ``explore_specs`` in a CI run."""
+    from dpfsdp_verify.fuzz.strategies import opacus_sample_rate, with_whole_expected_batch
+
+    q = opacus_sample_rate(49, 1, 1)
+    assert int(q * 49) == 0  # the rounding itself
+    fixed = with_whole_expected_batch(q, 49)
+    assert int(fixed * 49) == 1 and fixed - q < 1e-15
+    RunSpec(sampling="poisson", sample_rate=fixed, dataset_size=49, epochs=1)  # accepted
+    for n in range(1, 200):
+        for k in range(1, n + 1):
+            assert int(with_whole_expected_batch(1.0 / k, n) * n) >= 1
