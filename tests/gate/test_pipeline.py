@@ -229,3 +229,27 @@ def test_models_built_in_threads_are_the_ones_built_alone():
     for t in threads:
         t.join()
     assert all(all(torch.equal(a, b) for a, b in zip(alone[s], built[s])) for s in range(16))
+
+
+def test_exploration_seconds_left_are_shared_out_as_the_properties_explore(monkeypatch):
+    """One exploration's overrun (its last draw ends past its share) comes out of the next one's, so
+    the phase ends near --explore: before, each explored property got a fixed half of 6 s and the
+    phase took ~12 s on Correct. A property left nothing still gets one draw (a tiny share > 0)."""
+    plan = RunPlan.from_args(cli.build_parser().parse_args(
+        ["run", "--target", "fixtures.specimens:Correct", "--explore", "6", "--seed", "5"]))
+    explored = [p for p in plan.properties if PROPERTIES[p].explore is not None]
+    assert len(explored) == 2
+    budget = gate_run._ExploreBudget(plan)
+    assert budget.share() == 3.0  # property by property (no begin): the fixed share
+    clock = [100.0]
+    monkeypatch.setattr(gate_run.time, "monotonic", lambda: clock[0])
+    budget.begin(2)
+    assert budget.share() == 3.0
+    clock[0] += 4.0  # the first overran its 3 s by 1 s
+    assert budget.share() == 2.0
+    budget.begin(2)
+    clock[0] += 7.0  # the whole budget gone before the second starts
+    budget.share()
+    assert 0 < budget.share() <= gate_run.MIN_EXPLORE_SHARE_S
+    assert gate_run._ExploreBudget(RunPlan.from_args(cli.build_parser().parse_args(
+        ["run", "--target", "fixtures.specimens:Correct", "--explore", "0"]))).share() == 0.0

@@ -161,3 +161,28 @@ def test_noise_tied_to_the_local_batch_max_norm_is_named():
     own = [float(norms[r::2].max()) / 100.0 for r in range(2)]
     f = run_tests(decompose(spec, 2, fake_run(spec.with_(steps=1), factor=lambda t, r: own[r])), ALPHA_TEST)
     assert f.kind == "scale" and f.scope == "max_norm", f
+
+
+def test_a_late_finding_names_no_cause_the_same_steps_of_other_runs_refute():
+    """Noise halved from step 8 in every run: a run at lr 0.5 reads 0.5 from step 8 on, which is
+    min(lr, 1). The lr-0 runs' whole-run std is right (most of them stop before step 8), but at steps
+    >= 8 they are halved too: compared at the finding's place, nothing singles out the lr, and
+    the message names no lr cause (it did, comparing whole runs: seed 5's NoiseHalvedFromStep64 gate)."""
+    from dpfsdp_verify.properties.analysis.releases import contrasts
+    from dpfsdp_verify.properties.wording.releases import cause
+
+    late = lambda t, r: 0.5 if t >= 8 else 1.0  # noqa: E731
+    moving = SPEC.with_(steps=10, lr=0.5)
+    still = SPEC.with_(steps=12, lr=0.0)
+    run = decompose(moving, 2, fake_run(moving, factor=late))
+    short = SPEC.with_(steps=6, lr=0.0)
+    others = [decompose(still, 2, fake_run(still, factor=late, seed=1))] + [
+        decompose(short, 2, fake_run(short, factor=late, seed=s)) for s in (2, 3, 4, 5, 6, 7)]
+    f = run_tests(run, ALPHA_TEST)
+    assert f.kind == "scale" and f.scope == "from" and f.steps[0] == 8 and abs(f.ratio - 0.5) < 0.1
+    whole = contrasts(run, [run, *others])
+    assert abs(whole["lr"][1] - 1) < 0.06, whole  # the old comparison: the lr-0 runs look right as a whole
+    assert "learning rate" in cause(run, 0.5, whole, whole_run=False)
+    here = contrasts(run, [run, *others], f)
+    assert abs(here["lr"][1] - 0.5) < 0.1  # at steps >= 8 they are halved too
+    assert cause(run, f.ratio, here, whole_run=False) == ""

@@ -212,3 +212,38 @@ def test_sampling_accounting_upstream(pool):
 
 def by_key(vs, key):
     return next(v for v in vs if (v.config["world_size"], v.config["dataset"], v.config["seeding"]) == key)
+
+
+#: opacus 1.6.0 make_private (every grad_sample_mode): the expected batch size is
+#: int(len(dataset) * (1 / len(loader))), which floating point rounds down for some sizes
+EXPECTED_BATCH_ROUNDING = (
+    "upstream opacus 1.6.0 bug: make_private's expected batch size is int(len(dataset) * (1 / len(data_loader))); "
+    "at 49 samples and batch size 1 that is int(0.999...) = 0, and the first mean-reduced step divides by 0 "
+    "(parameters -inf); at 98 samples and batch size 2 it is 1, not 2 (the update and the noise twice as large)")
+
+
+@pytest.mark.xfail(strict=True, raises=KnownUpstreamFailure, reason=EXPECTED_BATCH_ROUNDING)
+def test_make_private_expected_batch_size_rounds_down():
+    """docs/findings.md, finding 17: one process, no ranks. Correct: the expected batch size of a
+    loader of ``batch_size`` b over N samples is b (N / len(loader) in general), and the step finite."""
+    import warnings
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from opacus import PrivacyEngine
+
+    seen = []
+    for n, b in ((49, 1), (98, 2)):
+        data = TensorDataset(torch.randn(n, 3, generator=torch.Generator().manual_seed(n)),
+                             torch.zeros(n, dtype=torch.long))
+        model = torch.nn.Linear(3, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(data, batch_size=b), noise_multiplier=1.0, max_grad_norm=1.0)
+        seen.append((n, b, opt.expected_batch_size))
+    assert all(isinstance(e, int) for _, _, e in seen)
+    if seen == [(49, 1, 0), (98, 2, 1)]:
+        raise KnownUpstreamFailure(f"(samples, batch size, opacus' expected batch size): {seen}")
+    assert [e for _, _, e in seen] == [1, 2], seen

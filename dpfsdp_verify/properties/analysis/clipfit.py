@@ -35,6 +35,24 @@ def pick_clip_bound(spec: RunSpec) -> Optional[float]:
     return norm_picked(spec, _middle_bound)
 
 
+def upper_clip(spec: RunSpec) -> RunSpec:
+    """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
+    dataset): the largest sample clipped, the others not (``spec`` as it is if they tie). Where a
+    run's outcome does not depend on C (``deadlock_free``'s scenarios, the gate's noisy long run), its
+    noisy releases still feed the release judge (``engine/releases.py``), and a noise scale that
+    depends on the batch's norms shows only on batches whose samples are all below C (at C = 1 every
+    sample of the gate's models is clipped)."""
+    c = norm_picked(spec, _between_largest)
+    return spec if c is None else spec.with_(max_grad_norm=c)
+
+
+def _between_largest(norms) -> Optional[float]:
+    top = sorted(float(x) for x in norms)
+    if len(top) < 2 or top[-1] - top[-2] < 1e-6 * top[-1]:
+        return None
+    return (top[-1] + top[-2]) / 2
+
+
 def _middle_bound(norms: torch.Tensor) -> Optional[float]:
     n = torch.sort(norms).values
     lo, hi = float(n[len(n) // 2 - 1]), float(n[len(n) // 2])
@@ -383,8 +401,8 @@ def describe_clip_fit(fit: CoefficientFit, c: float) -> str:
     return f"{fit.value:.6g} x min(1, C/||g_i||): every coefficient scaled by one factor"
 
 
-__all__ = ["clip_at_quantile", "pick_clip_bound", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE", "identifiable",
-           "ROUNDING_MARGIN",
+__all__ = ["clip_at_quantile", "pick_clip_bound", "upper_clip", "with_picked_clip", "COEF_TOL", "IDENTIFIABLE",
+           "identifiable", "ROUNDING_MARGIN",
            "amplification", "rounding_floor", "epsilon_rounding", "norm_rounding", "RecoveredCoefficients",
            "recover_clip_coefficients", "fit_clip_epsilon", "at_own_clip_epsilon", "spec_trajectory_at_own_epsilon",
            "CoefficientFit", "fit_clip_coefficients", "describe_clip_fit"]

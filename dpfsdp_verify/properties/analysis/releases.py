@@ -447,12 +447,16 @@ def pooled_tests(runs: Sequence[RunReleases], alpha: float) -> List[Tuple[str, f
     return out
 
 
-def contrasts(run: RunReleases, runs: Sequence[RunReleases]) -> Dict[str, Tuple[str, float]]:
+def contrasts(run: RunReleases, runs: Sequence[RunReleases], finding: Optional[Finding] = None
+              ) -> Dict[str, Tuple[str, float]]:
     """What the other runs released, against which a finding in ``run`` names its cause: the pooled
     std ratio of the runs in another dtype (``"dtype"``), at another world size (``"world_size"``), at
     lr 0 (``"lr"``, for a run at lr > 0), at sigma 1 and at C = 1 (``"sigma"``, ``"clip"``, for a run
     at another: there a std that leaves sigma or C out, or has it twice, is right): ``{key: (what
-    they are, ratio)}`` for the groups that exist."""
+    they are, ratio)}`` for the groups that exist. With a ``finding`` of a place (from a step on, at
+    some steps, on some ranks) only the other runs' releases at that place count: noise halved from
+    step 64 is not "scaled by the lr" because the one lr-0.5 run that reaches step 64 is the only run
+    compared whose lr-0 runs stop before it (``at_place``)."""
     out: Dict[str, Tuple[str, float]] = {}
     groups = {
         "dtype": ([r for r in runs if (r.dtype, r.precision) != (run.dtype, run.precision)],
@@ -464,10 +468,25 @@ def contrasts(run: RunReleases, runs: Sequence[RunReleases]) -> Dict[str, Tuple[
         "clip": ([r for r in runs if r.clip == 1] if run.clip != 1 else [], "the runs at C = 1"),
     }
     for key, (group, what) in groups.items():
-        cells = [c for r in group for c in r.cells]
+        cells = [c for r in group for c in r.cells if at_place(c, finding)]
         if cells:
             out[key] = (what, _scale(cells)[0])
     return out
+
+
+def at_place(cell: Cell, finding: Optional[Finding]) -> bool:
+    """Whether ``cell`` (a step and rank of some run) lies where ``finding`` was found: at or after its
+    first step (scope ``from``), at one of its steps (``step``), on one of its ranks (``rank``);
+    anywhere for a whole run's finding or none."""
+    if finding is None:
+        return True
+    if finding.scope == "from":
+        return cell.step >= finding.steps[0]
+    if finding.scope == "step":
+        return cell.step in finding.steps
+    if finding.scope == "rank":
+        return cell.rank in finding.ranks
+    return True
 
 
 def detectable_ratio(df: float, alpha: float) -> float:
@@ -492,5 +511,5 @@ def _z(p: float) -> float:
 
 
 __all__ = ["GRIDS", "GRID_FRACTION", "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "Cell", "RunReleases", "Finding",
-           "shard_index", "decompose", "repeats", "tests_of", "run_tests", "pooled_groups", "pooled_tests",
+           "shard_index", "decompose", "repeats", "tests_of", "run_tests", "pooled_groups", "pooled_tests", "at_place",
            "contrasts", "detectable_ratio"]

@@ -66,15 +66,14 @@ pass count (e.g. the maximum, padding with empty passes). Their built-in deadlin
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from ...verdict import Verdict
-from ..analysis.compare import norm_picked
 from ...targets import RunSpec
 from ...targets.base import capped_epochs
-from ..analysis.clipfit import clip_at_quantile
+from ..analysis.clipfit import clip_at_quantile, upper_clip
 from ..engine.contract import Case, ExploreRecipe, Outputs, Point, Prepared, Property
-from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
+from ..engine.horizon import horizon_labels, horizon_point, noisy_long_spec
 
 STEPS = 2
 #: an explored configuration (``explore_prepare``): at least this many steps, at the drawn noise
@@ -112,23 +111,6 @@ def scenarios(ws: int) -> Dict[str, tuple]:
         empty = [list(range(r, b, ws - 1)) for r in range(ws - 1)] + [[]]
         out["empty"] = tuple(tuple(e) for e in empty)
     return out
-
-
-def upper_clip(spec):
-    """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
-    dataset): the largest sample clipped, the others not. The scenarios' outcome does not depend on
-    C; their noisy releases feed the release judge (``engine/releases.py``), where a noise scale
-    that depends on the batch's norms shows only on batches whose samples are all below C (at C = 1
-    every sample of the gate's models is clipped)."""
-    c = norm_picked(spec, _between_largest)
-    return spec if c is None else spec.with_(max_grad_norm=c)
-
-
-def _between_largest(norms) -> Optional[float]:
-    top = sorted(float(x) for x in norms)
-    if len(top) < 2 or top[-1] - top[-2] < 1e-6 * top[-1]:
-        return None
-    return (top[-1] + top[-2]) / 2
 
 
 def poisson_spec(point: Point, seeding: str):
@@ -169,7 +151,8 @@ def cases(point: Point):
             only is None or "poisson_horizon" in only):
         # the long run (horizon.py): a collective only some ranks issue every k steps, or a sampler that
         # changes after some epochs, hangs here and nowhere in the short scenarios
-        spec = upper_clip(horizon_spec(point, noise_multiplier=1.0))
+        # the gate's one noisy long run, which noise_calibration judges step by step too: one job for both
+        spec = noisy_long_spec(point)
         yield point.case(spec, labels={"local_batches": "poisson_horizon", **horizon_labels(spec)}, doing=(
             f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
             f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)

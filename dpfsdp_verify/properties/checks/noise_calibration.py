@@ -49,10 +49,11 @@ Beyond the matrix (``horizon.py``): at the wide world size (3 ranks) the two exa
 ``LOCAL_RANK``
 or ``rank % 2`` repeats on two shards at the same place of each ("ranks seeded alike"); replicated
 noise sliced at a wrong row offset puts another shard's rows at another place of this one ("a
-shard offset"). And one long Poisson run at the largest world size (``Options.horizon`` steps
-beside its noise-0 twin): the exact checks at every lag, then each step's noise std on its own
-(two-sided chi-square over all its coordinates, Bonferroni over the steps): "too little noise
-from step k".
+shard offset"). And the gate's one noisy long Poisson run at the largest world size
+(``horizon.noisy_long_spec``: ``Options.horizon`` steps at lr 0.5, the same run -- one job -- as
+``deadlock_free``'s long scenario), every release decomposed as the release judge does
+(``analysis/releases.py``): repeats at every lag and across ranks, then the run's, each step's and
+each rank's noise std: "too little noise ... from step k on".
 
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
 Gaussian noise), each at ``alpha / m`` (Bonferroni over the ``m`` tests of a verdict, and ``alpha`` =
@@ -101,11 +102,11 @@ from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
-from ..engine.horizon import horizon_labels, horizon_point, horizon_spec, node_spec
+from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
 from ..engine.releases import DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
 from ..analysis.releases import decompose, detectable_ratio, run_tests, tests_of
-from ..wording.releases import finding_message, node_layout_note, node_pass_message
+from ..wording.releases import finding_message, node_layout_note, one_run_pass_message
 from ...harness.launch import local_world_size
 from ...verdict import config_label
 from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
@@ -186,10 +187,10 @@ def cases(point: Point):
     yield from _exact_cases(point, spec, once)
     if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
         # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
-        h = horizon_spec(point, model_kwargs=MLP_DIMS, max_grad_norm=CLIP, noise_multiplier=SIGMA, lr=0.0,
-                         noise_seed=point.seed_for("horizon", point.param("noise_seed"), point.world_size))
-        yield point.case(h, [h.with_(noise_multiplier=0.0), h], doing=f"{h.steps} DP steps with noise (long run)",
-                         facts={"horizon": True, "alpha_per_test": FAMILY_ALPHA / verdicts},
+        # (the gate's one noisy long run, deadlock_free's too: one job), every release decomposed
+        h = noisy_long_spec(point)
+        yield point.case(h, doing=f"{h.steps} DP steps with noise at lr {h.lr:g} (long run)",
+                         facts={"releases_judged": True, "alpha": FAMILY_ALPHA / verdicts},
                          labels=horizon_labels(h), isolate=True)
     if once:
         one = spec.with_(steps=1)
@@ -294,16 +295,16 @@ def nodes(point: Point):
     spec = with_picked_clip(node_spec(point, model_kwargs=MLP_DIMS, noise_multiplier=SIGMA,
                                       noise_seed=point.seed_for("nodes", point.param("noise_seed"))))
     yield point.case(spec, doing=f"{spec.steps} noisy DP steps at lr {spec.lr:g} on 2 nodes x 2 ranks",
-                     facts={"releases_judged": True, "alpha": NODE_ALPHA})
+                     facts={"releases_judged": True, "alpha": NODE_ALPHA, "nodes": True})
 
 
-def _judge_nodes(case: Case, outputs: Outputs) -> Verdict:
-    """The node run (``nodes``): every release decomposed and judged per run, step and rank
-    (``analysis.releases.run_tests``), ``NODE_ALPHA`` split over its tests."""
+def _judge_releases(case: Case, outputs: Outputs) -> Verdict:
+    """The node run (``nodes``) and the long run (``cases``): every release decomposed and judged per
+    run, step and rank (``analysis.releases.run_tests``), the case's ``alpha`` split over its tests."""
     run = decompose(case.spec, case.world_size, outputs[0][0])
     if run is None or not run.cells:
         skipped = "; ".join(f"step {t}: {why}" for t, why in (run.skipped if run else [])[:3])
-        return case.verdict("fail", None, "not checkable on this target: no release of the node run could be "
+        return case.verdict("fail", None, f"not checkable on this target: no release of the {case.doing} could be "
                             f"decomposed ({skipped or 'no step with noise reported'})")
     tests = tests_of(run)
     alpha = case.facts["alpha"] / max(1, tests)
@@ -313,23 +314,23 @@ def _judge_nodes(case: Case, outputs: Outputs) -> Verdict:
     if f is not None:
         evidence.update(finding=f.kind, scope=f.scope, finding_steps=list(f.steps), finding_ranks=list(f.ranks),
                         std_ratio=f.ratio, p=f.p)
-        local = local_world_size(case.world_size)
-        note = node_layout_note(f.ranks, case.world_size, local) if f.scope in ("rank", "run") else ""
+        nodes = case.facts.get("nodes") and f.scope in ("rank", "run")
+        note = node_layout_note(f.ranks, case.world_size, local_world_size(case.world_size)) if nodes else ""
         return case.verdict("fail", RELEASE_DIAGNOSIS[f.kind],
                             finding_message(f, PROPERTY.id, config_label(case.config()), run, alpha) + note, evidence)
     df = sum(c.df for c in run.cells)
-    return case.verdict("pass", None, node_pass_message(run, tests, alpha, detectable_ratio(df, alpha)), evidence)
+    layout = " as 2 nodes x 2" if case.facts.get("nodes") else ""
+    return case.verdict("pass", None, one_run_pass_message(run, tests, alpha, detectable_ratio(df, alpha), layout),
+                        evidence)
 
 
 def judge(case: Case, outputs: Outputs) -> Verdict:
     if case.facts.get("releases_judged"):
-        return _judge_nodes(case, outputs)
+        return _judge_releases(case, outputs)
     if case.fresh_groups:
         return _judge_fresh(case, outputs)
     if case.facts.get("exact_only"):
         return _judge_exact(case, outputs)
-    if case.facts.get("horizon"):
-        return _judge_horizon(case, outputs)
     spec, runs = case.spec, outputs[0]
     ws = shard_divisor(spec, case.world_size)  # the shards each tensor is cut into (the world on a 1-D mesh)
     d = spec.divisor
@@ -515,45 +516,6 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     tests = _tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)
     return case.verdict("pass", None, _pass_message(tensors, shard_power, excess, kurt_power, tests, len(names), ws,
                                                     where, alpha), evidence)
-
-
-def _judge_horizon(case: Case, outputs: Outputs) -> Verdict:
-    """The long run (``horizon.py``): the exact checks, then every step's noise scale on its own."""
-    spec, ws, runs = case.spec, case.world_size, outputs[0]
-    s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
-    alpha = case.facts["alpha_per_test"]
-    where = (f"at world_size={ws}, {spec.steps}-step run of Poisson sampling q={spec.sample_rate:g} over "
-             f"N={spec.dataset_size} ({spec.epochs} epochs), {spec.dtype} (sigma={spec.noise_multiplier}, "
-             f"C={spec.max_grad_norm}, D={spec.divisor:g})")
-    resampled = resampled_run(runs)
-    if resampled is not None:
-        return case.verdict("fail", None, (
-            f"not checkable on this target: with the same sampling seed, the noisy run sampled other batches than "
-            f"the noise-0 run {where}. The noise is measured as gradient(sigma) - gradient(0) on the same batches."))
-    noise = noise_differences(runs)
-    names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
-    scales = step_scales(noise, names, s)
-    evidence: Dict = {"expected_std": s, "steps": len(scales), "alpha_per_test": alpha,
-                      "step_std_ratios": [round(r, 4) for _, _, r, _ in scales]}
-    exact = _exact_failure(case, runs, noise, names, s, where, evidence)
-    if exact is not None:
-        return exact
-    late = late_scale_change(scales, alpha, from_first=True)
-    if late is not None:
-        return case.verdict("fail", "mismatch", late_message(late, where, alpha), evidence)
-    level = alpha / len(scales)
-    odd = [(k, r) for _, k, r, p in scales if not p >= level]
-    if odd:
-        return case.verdict("fail", "mismatch", (
-            f"the noise std is wrong at {len(odd)} of the {len(scales)} steps {where}: "
-            + ", ".join(f"step {k}: {r:.3f} x sigma*C/D" for k, r in odd[:6])
-            + f" (each step's two-sided chi-square p < {level:.2g}). Every release needs noise of std sigma*C/D "
-            "(less: a privacy violation; more: utility lost)."), evidence)
-    ratios = [r for _, _, r, _ in scales]
-    return case.verdict("pass", None, (
-        f"noise of std sigma*C/D at every one of the {len(scales)} steps {where}: std ratio per step "
-        f"{min(ratios):.3f}..{max(ratios):.3f} (each step's two-sided chi-square at {alpha / len(scales):.2g}), no "
-        f"value repeated at any lag up to {len(scales) - 1}"), evidence)
 
 
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,

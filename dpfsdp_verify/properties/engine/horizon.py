@@ -41,7 +41,9 @@ from typing import Iterable
 # runs' q and samples per rank: defaults.py, the one place defaults are written
 from ...defaults import (HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, NODE_WORLD_SIZE,
                          WIDE_WORLD_SIZE)
+from ...space import seed_for
 from ...targets import RunSpec
+from ..analysis.clipfit import upper_clip
 from .contract import Point
 
 
@@ -74,6 +76,25 @@ def horizon_spec(point: Point, **fields) -> RunSpec:
     return point.spec(**{**base, **fields})
 
 
+#: the noise multiplier of the gate's noisy long run (not 1: at sigma 1 a std that leaves sigma out, or
+#: has it squared, is right), and its lr (> 0: the noise is judged where the parameters move)
+LONG_RUN_SIGMA, LONG_RUN_LR = 2.5, 0.5
+
+
+def noisy_long_spec(point: Point) -> RunSpec:
+    """The gate's one noisy long run at ``point`` (a ``horizon_point``): ``horizon_spec`` with noise
+    (``LONG_RUN_SIGMA``) at ``LONG_RUN_LR``, C between the dataset's two largest norms
+    (``clipfit.upper_clip``: batches without a clipped sample, where a norm-dependent noise scale
+    shows), its sampling and noise seeds from the run's seed alone -- not the property's -- so that
+    every property asking for it asks for the same run: ``deadlock_free`` (a collective some ranks
+    skip late, a sampler that changes after some epochs) and ``noise_calibration`` (every step's
+    noise, from the first step on) share one job (``runner.run_cases``' ``shared``)."""
+    seed = point.options.seed
+    return upper_clip(horizon_spec(point, noise_multiplier=LONG_RUN_SIGMA, lr=LONG_RUN_LR,
+                                   sampling_seed=seed_for(seed, "horizon", "sampling"),
+                                   noise_seed=seed_for(seed, "horizon", "noise")))
+
+
 #: the node run's steps (one Poisson epoch at q = 1/4) and learning rate (> 0: the noise is judged
 #: where the parameters move, as users train)
 NODE_STEPS, NODE_LR = 4, 0.5
@@ -98,4 +119,4 @@ def horizon_labels(spec: RunSpec) -> dict:
 
 __all__ = ["WIDE_WORLD_SIZE", "NODE_WORLD_SIZE", "NODE_STEPS", "NODE_LR", "node_spec",
            "HORIZON_STEPS", "HORIZON_SAMPLE_RATE", "HORIZON_SAMPLES_PER_RANK", "horizon_point",
-           "horizon_spec", "horizon_labels"]
+           "horizon_spec", "horizon_labels", "LONG_RUN_SIGMA", "LONG_RUN_LR", "noisy_long_spec"]

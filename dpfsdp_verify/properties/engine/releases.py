@@ -62,6 +62,10 @@ class Ledger:
         #: where each judged case's ranks computed (``prechecks.device_facts``), by ``id(case)``: every
         #: verdict's evidence names its device(s), this judge's too
         self.devices: Dict[int, str] = {}
+        #: each decomposed run's identity (``run_key``), by ``id`` of its ``RunReleases``
+        self.keys: Dict[int, str] = {}
+        #: the runs a ``releases_judged`` case judges itself (``add``)
+        self.owned: set = set()
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -69,8 +73,12 @@ class Ledger:
     def add(self, case: Case, outputs: Outputs) -> None:
         """Decompose every noisy run of ``case`` (``outputs[mode][spec][rank]``, prechecks passed); a
         case whose own property judges its releases with these tests (``facts["releases_judged"]``:
-        ``noise_calibration``'s node run) is left to that verdict, so one finding is told once."""
+        ``noise_calibration``'s node and long runs) is left to that verdict, and so is the same run
+        made for another property (``deadlock_free``'s long run is ``noise_calibration``'s: one job), so
+        one finding is told once; a run two cases share is judged once (``verdicts``)."""
         if case.facts.get("releases_judged"):
+            self.owned.update(run_key(case.world_size, mode.apply(spec))
+                              for mode in case.modes for spec in case.specs)
             return
         t0, c0 = time.monotonic(), time.process_time()
         try:
@@ -83,6 +91,8 @@ class Ledger:
                     halves: Dict[object, list] = {}
                     for spec, ranks in zip(case.specs, runs):
                         spec = mode.apply(spec)
+                        if run_key(case.world_size, spec) in self.keys.values():
+                            continue  # the same run, made for an earlier case: already decomposed
                         key = repr(sorted((k, v) for k, v in asdict(spec).items()
                                           if k not in ("phase", "checkpoint_dir")))
                         start = last.get(key) if spec.phase == "load" else None
@@ -92,6 +102,7 @@ class Ledger:
                         found = decompose(spec, case.world_size, ranks, start, earlier)
                         if found is not None and found.cells:
                             self.runs.append((case, found))
+                            self.keys[id(found)] = run_key(case.world_size, spec)
                             device = device_facts(ranks).get("device")
                             if device:
                                 self.devices[id(case)] = str(device)
@@ -106,6 +117,26 @@ class Ledger:
         seen = list(dict.fromkeys(self.devices[id(c)] for c in cases if id(c) in self.devices))
         return {"device": ", ".join(seen)} if seen else {}
 
+    def judged(self) -> List[Tuple[Case, RunReleases]]:
+        """The runs this judge tells of: every decomposed run but those whose own property judged their
+        releases (``add``), even where another property's case asked for the same run and was judged
+        first."""
+        return [(c, r) for c, r in self.runs if self.keys[id(r)] not in self.owned]
+
+    def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
+        """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
+        what the other ``runs`` released at the same place (``contrasts``)."""
+        owner = case.property
+        v = replace(case, property=PROPERTY_ID).verdict(
+            "fail", DIAGNOSIS[f.kind], finding_message(f, owner, config_label(case.config()), run, alpha,
+                                                       contrasts(run, runs, f)),
+            {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
+             "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
+             "dtype": run.dtype, "lr": run.lr, **self._device([case])})
+        v.config = {**case.config(), "releases": owner}
+        v.repro = case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1)
+        return v
+
     def verdicts(self, opts: Options) -> List[Verdict]:
         t0 = time.monotonic()
         base = {"world_size": None, "data_layout": None, "model": None, "mode": opts.modes[0].label,
@@ -115,45 +146,36 @@ class Ledger:
             out.append(Verdict(PROPERTY_ID, "error", {**case.config(), "releases": case.property},
                                diagnosis=INTERNAL_ERROR, message=f"judging the releases of {case.property} "
                                f"[{config_label(case.config())}] failed: {message}", details=details))
-        runs = [r for _, r in self.runs]
+        judged = self.judged()
+        runs = [r for _, r in judged]
         groups = pooled_groups(runs)
         tests = sum(tests_of(r) for r in runs) + len(groups)
         if not runs:
             return out
         alpha = ALPHA / max(1, tests)
         failed_cases = set()
-        for case, run in self.runs:
+        for case, run in judged:
             if id(case) in failed_cases:
                 continue
             f = run_tests(run, alpha)
             if f is None:
                 continue
             failed_cases.add(id(case))
-            config = {**case.config(), "releases": case.property}
-            owner = case.property
-            v = replace(case, property=PROPERTY_ID).verdict(
-                "fail", DIAGNOSIS[f.kind], finding_message(f, owner, config_label(case.config()), run, alpha,
-                                                           contrasts(run, runs)),
-                {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
-                 "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
-                 "dtype": run.dtype, "lr": run.lr, **self._device([case])})
-            v.config = config
-            v.repro = case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1)
-            out.append(v)
+            out.append(self._failure(case, run, f, runs, alpha))
         pooled = pooled_tests(runs, alpha)
         seconds = round(self.seconds + time.monotonic() - t0, 3)
         if pooled and not failed_cases:
             out.append(Verdict(PROPERTY_ID, "fail", {**base, "releases": "pooled"}, diagnosis="mismatch",
                                message=pooled_message(pooled, alpha),
                                evidence={"pooled": [list(p) for p in pooled], "alpha_per_test": alpha,
-                                         **self._device([c for c, _ in self.runs])},
+                                         **self._device([c for c, _ in judged])},
                                seconds=seconds))
         if not failed_cases and not pooled:
             cells = [c for r in runs for c in r.cells]
             df = sum(c.df for c in cells)
             ratio = (sum(c.ss for c in cells) / df) ** 0.5 if df else float("nan")
             counts: Dict[str, int] = {}
-            for case, _ in self.runs:
+            for case, _ in judged:
                 counts[case.property] = counts.get(case.property, 0) + 1
             steps = sum(len({c.step for c in r.cells}) for r in runs)
             skipped = sum(len(r.skipped) for r in runs)
@@ -163,9 +185,15 @@ class Ledger:
                           "tests": tests, "alpha_per_test": alpha, "std_ratio": ratio,
                           "dtypes": sorted({r.dtype for r in runs}), "skipped_steps": skipped,
                           "judge_cpu_seconds": round(self.cpu_seconds, 3),
-                          **self._device([c for c, _ in self.runs])},
+                          **self._device([c for c, _ in judged])},
                 seconds=seconds))
         return out
+
+
+def run_key(world_size: int, spec) -> str:
+    """One run's identity: its world size and spec (seeds and checkpoint directory included), so that
+    cases that share a job (``runner.run_cases``' ``shared``) share one entry."""
+    return f"{world_size}:{sorted(asdict(spec).items())!r}"
 
 
 def current() -> Optional[Ledger]:
@@ -183,4 +211,4 @@ def collecting(ledger: Optional[Ledger]) -> Iterator[Optional[Ledger]]:
         _CURRENT.reset(token)
 
 
-__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "current", "collecting"]
+__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key", "current", "collecting"]

@@ -142,20 +142,21 @@ def node_layout_note(ranks, world_size: int, local: int) -> str:
             "node.")
 
 
-def node_pass_message(run: RunReleases, tests: int, alpha: float, detects: float) -> str:
-    """The node run's pass (``checks/noise_calibration.nodes``): what was judged, and the power."""
+def one_run_pass_message(run: RunReleases, tests: int, alpha: float, detects: float, layout: str = "") -> str:
+    """The pass of a run ``noise_calibration`` judges release by release (its node run, ``layout`` " as 2
+    nodes x 2"; the long run): what was judged, and the power."""
     ranks = sorted({c.rank for c in run.cells})
     steps = sorted({c.step for c in run.cells})
     df = sum(c.df for c in run.cells)
     ratio = (sum(c.ss for c in run.cells) / df) ** 0.5 if df else float("nan")
-    return (f"noise of std sigma*C/D on every release of the {len(steps)}-step run on {len(ranks)} ranks as 2 "
-            f"nodes x 2 ({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, D={run.divisor:g}): std ratio "
+    return (f"noise of std sigma*C/D on every release of the {len(steps)}-step run on {len(ranks)} ranks{layout} "
+            f"({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, D={run.divisor:g}): std ratio "
             f"{ratio:.3f} over {len(run.cells)} (step, rank) releases, each rank's and each step's own scale within "
             f"its test, no shard's noise repeated on another rank or step ({tests} tests at {alpha:.2g} each; "
             f"detects a std error of {detects:.1%} on the whole run with ~99% probability)")
 
 
-__all__ = ["node_layout_note", "node_pass_message",
+__all__ = ["node_layout_note", "one_run_pass_message",
            "CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
            "not_decomposed_message"]
 
