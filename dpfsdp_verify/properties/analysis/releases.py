@@ -454,9 +454,9 @@ def contrasts(run: RunReleases, runs: Sequence[RunReleases], finding: Optional[F
     lr 0 (``"lr"``, for a run at lr > 0), at sigma 1 and at C = 1 (``"sigma"``, ``"clip"``, for a run
     at another: there a std that leaves sigma or C out, or has it twice, is right): ``{key: (what
     they are, ratio)}`` for the groups that exist. With a ``finding`` of a place (from a step on, at
-    some steps, on some ranks) only the other runs' releases at that place count: noise halved from
-    step 64 is not "scaled by the lr" because the one lr-0.5 run that reaches step 64 is the only run
-    compared whose lr-0 runs stop before it (``at_place``)."""
+    some steps, on some ranks) only the other runs' releases at that place count (``at_place``): noise
+    halved from step 64 in every run is not "scaled by the lr" in the one lr-0.5 run it shows in just
+    because the lr-0 runs, most of which stop before step 64, are right as a whole."""
     out: Dict[str, Tuple[str, float]] = {}
     groups = {
         "dtype": ([r for r in runs if (r.dtype, r.precision) != (run.dtype, run.precision)],
