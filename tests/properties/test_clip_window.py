@@ -69,6 +69,8 @@ def test_correct_passes_the_wide_and_long_cases(pool):
 
 
 # -- a floor on the clip coefficient: only far above C -------------------------------------------
+# slow (the README command's 5-minute budget): two properties' matrices on the specimen, ~12 s idle
+@pytest.mark.slow
 def test_floored_clip_coefficient_is_a_privacy_violation(pool):
     vs = leave_one_out(run(pool, "sensitivity_bound", C + "FlooredClipCoefficient", world_sizes=(1, 2)))
     fails(vs, "PRIVACY VIOLATION", "floored at 0.05")
