@@ -64,6 +64,8 @@ class Ledger:
         self.devices: Dict[int, str] = {}
         #: each decomposed run's identity (``run_key``), by ``id`` of its ``RunReleases``
         self.keys: Dict[int, str] = {}
+        #: the identities of the runs decomposed so far (the values of ``keys``, as a set)
+        self.decomposed: set = set()
         #: the runs a ``releases_judged`` case judges itself (``add``)
         self.owned: set = set()
         self.seconds = 0.0
@@ -91,7 +93,8 @@ class Ledger:
                     halves: Dict[object, list] = {}
                     for spec, ranks in zip(case.specs, runs):
                         spec = mode.apply(spec)
-                        if run_key(case.world_size, spec) in self.keys.values():
+                        identity = run_key(case.world_size, spec)
+                        if identity in self.decomposed:
                             continue  # the same run, made for an earlier case: already decomposed
                         key = repr(sorted((k, v) for k, v in asdict(spec).items()
                                           if k not in ("phase", "checkpoint_dir")))
@@ -102,7 +105,8 @@ class Ledger:
                         found = decompose(spec, case.world_size, ranks, start, earlier)
                         if found is not None and found.cells:
                             self.runs.append((case, found))
-                            self.keys[id(found)] = run_key(case.world_size, spec)
+                            self.keys[id(found)] = identity
+                            self.decomposed.add(identity)
                             device = device_facts(ranks).get("device")
                             if device:
                                 self.devices[id(case)] = str(device)
