@@ -130,6 +130,10 @@ def bench_hang_gate(repeats: int = 3, gate_args: tuple = ()) -> dict:
     out["gate_hook_collective_verdicts"] = len(verdicts)
     out["gate_hook_collective_hang_verdicts"] = sum((v["status"], v["diagnosis"]) == ("hang", "deadlock")
                                                     for v in verdicts)
+    # the verdicts that are not a proven deadlock, shortened: what a failing check shows
+    out["gate_hook_collective_other_verdicts"] = [
+        f'{v["status"]}/{v["diagnosis"]}: {v["message"][:400]}' for v in verdicts
+        if (v["status"], v["diagnosis"]) != ("hang", "deadlock")]
     return out
 
 

@@ -44,7 +44,8 @@ def test_benchmark_script_quick_form_runs_every_section(tmp_path):
         hang = results["hang_gate"]
         # HookCollective hangs in every 2-rank job: each deadlock_free case is a proven deadlock, exit 1
         assert hang["gate_hook_collective_exit_code"] == 1
-        assert hang["gate_hook_collective_hang_verdicts"] == hang["gate_hook_collective_verdicts"] > 0
+        assert hang["gate_hook_collective_hang_verdicts"] == hang["gate_hook_collective_verdicts"] > 0, (
+            hang["gate_hook_collective_other_verdicts"], proc.stdout[-3000:])
     finally:
         assert_no_ranks(tag)
 
