@@ -103,7 +103,7 @@ from ..analysis.compare import replica_problem, shard_divisor, planned, trainabl
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
-from ..engine.releases import DIAGNOSIS as RELEASE_DIAGNOSIS
+from ..engine.releases import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
 from ..analysis.releases import decompose, detectable_ratio, run_tests, tests_of
 from ..wording.releases import finding_message, node_layout_note, one_run_pass_message
@@ -120,10 +120,10 @@ from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, 
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
 #: false-alarm probability of a correct target over every noise verdict of one run
-FAMILY_ALPHA = 1e-3
+FAMILY_ALPHA = 1e-4
 #: false-alarm probability of a correct target in the node run (``nodes``: one per gate run, judged
 #: apart from the family above), Bonferroni over its tests (``analysis.releases.tests_of``)
-NODE_ALPHA = 1e-4
+NODE_ALPHA = 1e-5
 #: sigma of every noise case: not 1, where a noise std of sigma^2 C or C, or a told sqrt(sigma), is
 #: right (``fixtures.sigma_specimens``); and its ratios sigma, 1/sigma (a std with sigma twice or
 #: left out) 17 % or more from every ratio a world size explains (1/sqrt(N), 1/N, N for N <= 4), so
@@ -584,8 +584,10 @@ PROPERTY = Property(
              "job, independent across shards and tensors, under fixed and Poisson sampling"),
     cases=cases, judge=judge, models=("mlp",), layouts=("split",), reductions=("mean", "sum"),
     samplings=("fixed", "poisson"), wide=wide, nodes=nodes,
-    # the family's, and the node run's where the options ask for one (the gate's default does)
-    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)), false_alarm_rate=FAMILY_ALPHA + NODE_ALPHA)
+    # the family's, the node run's where the options ask for one (the gate's default does), and the
+    # release judge's (its verdicts are this property's)
+    params=(("noise_seed", RunSpec.noise_seed), ("draws", None)),
+    false_alarm_rate=FAMILY_ALPHA + NODE_ALPHA + RELEASE_ALPHA)
 
 
 __all__ = ["FAMILY_ALPHA", "SIGMA", "CLIP", "POWER_STD_ERROR", "POWER_MIN_NUMEL", "POWER", "MLP_DIMS", "WIDE_MLP_DIMS",
