@@ -10,8 +10,9 @@ one JSON line per gate run appended to ``--out`` (target, seed, exit code, wall 
 the non-passing verdicts that are not expected, the explored configurations judged: the
 exploration summary's ``draws``), then the tally per target: runs, runs that did not exit 0 (a
 false alarm: a correct target must pass the gate), verdicts judged, explored configurations. The
-gate's statistical checks state their false-alarm bounds (``noise_calibration`` 1e-3 per gate
-run, the release judge 1e-3; docs/properties.md), so the expected count over N runs is ~N x 2e-3.
+gate's statistical checks state their false-alarm bounds (``noise_calibration`` 1e-4 + 1e-5 per gate
+run, the release judge 1e-4, ``sampling_accounting`` 1.1e-4; docs/properties.md), so the expected
+count over N runs is ~N x 3.3e-4.
 ``--budget-s`` stops starting new runs after that many seconds (the results so far are kept; a
 later call with ``--seed`` past the last one adds to them).
 """

@@ -140,6 +140,18 @@ def test_noise_halved_from_step_64_fails_the_long_run(pool):
     assert any("64" in v.message for v in bad), [v.message for v in bad]
 
 
+@pytest.mark.slow
+def test_no_noise_on_biases_from_step_50_fails_the_long_run(pool):
+    """The biases released with no noise from step 50 on: a few dozen of the long run's coordinates,
+    which no scale test sees (the default gate passed it before the silent-coordinate check)."""
+    own, found = judged(pool, "noise_calibration", R + "NoNoiseOnBiasesFromStep50", _horizon)
+    bad = [v for v in own + found if v.status != "pass"]
+    assert bad and all((v.status, v.diagnosis) == ("fail", "mismatch") for v in bad), [
+        (v.config, v.message) for v in bad]
+    assert any("PRIVACY VIOLATION: no noise on" in v.message and ".bias'" in v.message and "steps 50-71" in v.message
+               for v in bad), [v.message for v in bad]
+
+
 def test_noise_drawn_in_float16_is_on_a_grid(pool):
     own, found = judged(pool, "trajectory", R + "NoiseDrawnInFloat16", update_cases)
     only_failure(found, "non_gaussian_noise", "float16")

@@ -13,7 +13,7 @@ import torch
 
 from dpfsdp_verify import reference
 from dpfsdp_verify.properties.analysis.compare import reference_batch, reference_model
-from dpfsdp_verify.properties.analysis.releases import decompose, run_tests, shard_index
+from dpfsdp_verify.properties.analysis.releases import SILENT_P0, decompose, run_tests, shard_index, silent
 from dpfsdp_verify.properties.engine.contract import Case, Options
 from dpfsdp_verify.properties.engine.prechecks import accountant_history_problem
 from dpfsdp_verify.properties.engine.releases import ALPHA, Ledger
@@ -22,9 +22,11 @@ from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, accounting
 ALPHA_TEST = 1e-6
 
 
-def fake_run(spec, ws=2, factor=lambda step, rank: 1.0, transform=None, seed=0, clip_eps=reference.CLIP_EPSILON):
+def fake_run(spec, ws=2, factor=lambda step, rank: 1.0, transform=None, seed=0, clip_eps=reference.CLIP_EPSILON,
+             silent=lambda step, name: False):
     """Rank outputs of ``spec``: the reference DP-SGD step at every step (plain SGD at spec.lr),
-    each rank's shard of the noise scaled by ``factor(step, rank)`` and passed through ``transform``."""
+    each rank's shard of the noise scaled by ``factor(step, rank)`` and passed through ``transform``;
+    no noise at all on tensor ``name`` at ``step`` where ``silent(step, name)``."""
     model = copy.deepcopy(reference_model(spec))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(seed)
@@ -42,6 +44,8 @@ def fake_run(spec, ws=2, factor=lambda step, rank: 1.0, transform=None, seed=0, 
             noise = torch.cat([c * factor(t, r) for r, c in enumerate(chunks)]) if noise.dim() else noise
             if transform is not None:
                 noise = transform(noise)
+            if silent(t, n):
+                noise = torch.zeros_like(noise)
             grad[n] = ((step.clipped_sum[n] + noise) / spec.divisor).to(spec.torch_dtype).to(torch.float64)
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -107,6 +111,40 @@ def test_float16_grid_and_repeat():
         return cache[key]
     f = run_tests(decompose(SPEC.with_(lr=0.0), 2, fake_run(SPEC.with_(lr=0.0), transform=same)), ALPHA_TEST)
     assert f.kind == "repeat"
+
+
+def test_coordinates_released_without_noise_are_named_with_their_tensor_and_steps():
+    """A bias left out of the noise from step 8 on (a few of the model's coordinates: no scale test
+    moves) is the exact ``silent`` finding naming the tensor and the steps, at lr 0.5 and 0, in float64
+    and float32; one tensor silent in a single release is named too, and one silent at every step."""
+    spec = SPEC.with_(steps=12)
+    for s in (spec, spec.with_(lr=0.0), spec.with_(dtype="float32")):
+        run = decompose(s, 2, fake_run(s, silent=lambda t, n: t >= 8 and n == "fc2.bias"))
+        f = run_tests(run, ALPHA_TEST)
+        assert f.kind == "silent" and f.steps == tuple(range(8, 12)) and "'fc2.bias'" in f.detail, (s, f)
+        assert "5 of 5 coordinates" in f.detail and set(f.ranks) == {0, 1}
+        run.silent = None  # without it: nothing else sees 10 of 324 coordinates unnoised in 4 of 12 steps
+        assert run_tests(run, ALPHA_TEST) is None
+    two = SPEC.with_(steps=2)
+    f = run_tests(decompose(two, 2, fake_run(two, silent=lambda t, n: t == 1 and n == "norm.weight")), ALPHA_TEST)
+    assert f.kind == "silent" and f.steps == (1,) and "'norm.weight'" in f.detail
+    lr0 = SPEC.with_(lr=0.0)
+    run = decompose(lr0, 2, fake_run(lr0, silent=lambda t, n: n == "fc1.bias"))  # every step
+    f = run_tests(run, ALPHA_TEST)
+    assert f.kind == "silent" and f.steps == tuple(range(6)) and "'fc1.bias'" in f.detail
+
+
+def test_silent_values_of_correct_noise_are_not_named():
+    """Correct noise over long runs: values within 1e-3 sigma C of 0 occur (~8e-4 of them), never as
+    many as ``silent`` names (the gate's long-run layout, 72 steps x 2 ranks, 300 runs)."""
+    g = torch.Generator().manual_seed(1)
+    layout = [[("fc1.bias", 6), ("fc1.weight", 36), ("fc2.bias", 5), ("fc2.weight", 55)]] * 2
+    seen = 0
+    for _ in range(300):
+        cells = [(t, r, torch.randn(102, generator=g, dtype=torch.float64)) for t in range(72) for r in range(2)]
+        seen += sum(int((v.abs() < 1e-3).sum()) for _, _, v in cells)
+        assert silent(cells, layout) is None
+    assert 0.5 < seen / (300 * 144 * 102 * SILENT_P0) < 1.5  # the near-zero values are there
 
 
 def test_ledger_verdicts_name_the_run():

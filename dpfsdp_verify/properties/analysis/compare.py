@@ -271,15 +271,22 @@ def max_rel_diff(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) ->
     return worst, name
 
 
-def tensors_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], rtol: float, atol: float) -> bool:
+def tensors_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], rtol: float, atol: float,
+                  extra: Optional[Dict[str, torch.Tensor]] = None) -> bool:
     """Every tensor within ``atol + rtol * max|want|`` (a tensor-wise scale: a coordinate near zero
-    is judged against its tensor's magnitude, since it is a difference of large terms). NaN or
-    inf anywhere is never close."""
+    is judged against its tensor's magnitude, since it is a difference of large terms), plus
+    ``extra[name]`` coordinate by coordinate where given (the rounding a correct target is measured to
+    leave there: ``clipfit.rounding_floor``). NaN or inf anywhere is never close."""
     for n, w in want.items():
         g = got.get(n)
         if g is None or g.shape != w.shape:
             return False
-        if not (g.to(torch.float64) - w).abs().max().item() <= atol + rtol * w.abs().max().item():
+        allowed = atol + rtol * (w.abs().max().item() if w.numel() else 0.0)
+        diff = (g.to(torch.float64) - w).abs()
+        if extra is not None and n in extra:
+            if not bool((diff <= allowed + extra[n]).all()):
+                return False
+        elif not diff.max().item() <= allowed:
             return False
     return True
 

@@ -41,7 +41,14 @@ each dtype/precision, the runs at lr > 0. Deterministic (no alpha): a value grid
 11 (float16) significand bits on more than half the values, where continuous noise puts < 5 %
 (``GRID_FRACTION``); a (step, rank) shard whose noise equals (or negates) another's to 1e-3 sigma C
 on >= ``REPEAT_MIN`` values (two independent Gaussian draws agree that closely with probability
-< 1e-25).
+< 1e-25); coordinates released with no noise (``silent``): a raw residual within ``SILENT`` sigma C
+of 0 (a Gaussian value that close: probability ``SILENT_P0`` ~ 8e-4), either on too many of one
+tensor's (step, rank) shard at once, or on one coordinate at too many of a run's steps, where
+"too many" is a count that a correct run reaches with probability < ``SILENT_LEVEL`` (Chernoff
+bound of the Binomial tail; over the < 1e6 such counts of a gate run, < 1e-6 in all): a parameter left
+out of the noise at some step, or some coordinates from step k on. It is looked for first (exact, and
+the cause of any scale finding it comes with). Under bf16 compute the clean sum's rounding (~1e-2 of it) sits
+above ``SILENT`` sigma C, so silent coordinates show there only through the scale tests.
 """
 
 from __future__ import annotations
@@ -70,6 +77,15 @@ CLIP_LATITUDE = 2e-5
 REPEAT_MIN, REPEAT_EQUAL = 8, 1e-3
 #: a batch with more samples than this fraction of the coordinates is not projected (too few left)
 MAX_SPAN_FRACTION = 0.5
+#: silent coordinates: |raw residual| below this many sigma C is "no noise there" ...
+SILENT = 1e-3
+#: ... which a N(0, 1) value is with this probability (erf(SILENT / sqrt 2))
+SILENT_P0 = math.erf(SILENT / math.sqrt(2))
+#: ... and a count of such values is named when a correct run reaches it with probability below this
+#: (per count; a gate run makes < 1e6 counts: a tensor shard's per step, a coordinate's per run)
+SILENT_LEVEL = 1e-12
+#: the fewest silent values named in one release (and the fewest steps for one coordinate)
+SILENT_MIN = 4
 
 
 @dataclass
@@ -108,6 +124,9 @@ class RunReleases:
     grids: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     #: ``(step a, rank a, step b, rank b, negated, values)`` of the first repeat found
     repeat: Optional[Tuple[int, int, int, int, bool, int]] = None
+    #: silent coordinates (``silent``): ``(tensor, rank, steps, silent coordinates of the tensor's
+    #: shard, its coordinates, other tensors with some, ranks with some)`` of the rank and tensor with the most
+    silent: Optional[Tuple[str, int, Tuple[int, ...], int, int, Tuple[str, ...], Tuple[int, ...]]] = None
     #: steps left out, and why (an unknown starting point)
     skipped: List[Tuple[int, str]] = field(default_factory=list)
     #: the run's first step (k for the ``load`` half of a run resumed after step k, else 0)
@@ -295,6 +314,8 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
     if not out.cells:
         return out
     out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}
+    if spec.precision == "fp32":
+        out.silent = silent(raw_cells, _shard_layout(names, shapes, shards))
     out.repeat = repeats((earlier or []) + raw_cells)
     if earlier is not None:
         earlier.extend(raw_cells)
@@ -307,6 +328,64 @@ def _round_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
     m, e = torch.frexp(v)
     scale = float(2 ** bits)
     return torch.ldexp(torch.round(m * scale) / scale, e)
+
+
+def _shard_layout(names: Sequence[str], shapes: Sequence[torch.Size], ws: int) -> List[List[Tuple[str, int]]]:
+    """Per rank, ``(tensor, coordinates)`` in the order ``shard_index`` lays its shard out."""
+    out: List[List[Tuple[str, int]]] = [[] for _ in range(ws)]
+    for name, shape in zip(names, shapes):
+        rows_ = shape[0] if len(shape) else 1
+        per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        for r, chunk in enumerate(torch.arange(rows_).chunk(ws)):
+            if r < ws and len(chunk):
+                out[r].append((name, len(chunk) * per_row))
+    return out
+
+
+def _too_many(k: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether each count ``k`` of values within ``SILENT`` of 0 among ``n`` N(0, 1) values is one a
+    correct run reaches with probability < ``SILENT_LEVEL``: the Chernoff bound ``P(K >= k) <= (e n
+    p0 / k)^k`` for ``K ~ Binomial(n, p0)`` (an upper bound: never more false alarms than stated)."""
+    kf = k.to(torch.float64).clamp(min=1)
+    log_tail = kf * torch.log(math.e * n * SILENT_P0 / kf)
+    return (k >= SILENT_MIN) & (kf > n * SILENT_P0) & (log_tail < math.log(SILENT_LEVEL))
+
+
+def silent(cells: List[Tuple[int, int, torch.Tensor]], layout: List[List[Tuple[str, int]]]
+           ) -> Optional[Tuple[str, int, Tuple[int, ...], int, int, Tuple[str, ...], Tuple[int, ...]]]:
+    """Coordinates released with no noise (module docstring), from the raw residual cells (``(step,
+    rank, values in sigma C)``): per rank and tensor, the steps whose shard of the tensor has too many
+    values within ``SILENT`` of 0, and its coordinates silent at too many steps. For the (rank, tensor) with
+    the most: ``(tensor, rank, steps where most of its silent coordinates are silent, its silent
+    coordinates, its shard's coordinates, the other tensors with some, every rank with some)``;
+    ``None`` if none."""
+    by_rank: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+    for t, r, v in cells:
+        by_rank.setdefault(r, []).append((t, v))
+    found = []  # (silent coordinates, tensor, rank, steps, size)
+    for r, items in sorted(by_rank.items()):
+        n = min(v.numel() for _, v in items)
+        if n < SILENT_MIN or any(v.numel() != n for _, v in items):
+            continue
+        small = torch.stack([v for _, v in items]).abs() < SILENT  # [steps, coordinates]
+        if not bool(small.any()):
+            continue
+        offset = 0
+        for name, size in (layout[r] if r < len(layout) else [("?", n)]):
+            part = small[:, offset:offset + size]
+            # a tensor's shard at one step with too many, or one of its coordinates at too many steps
+            part = part & (_too_many(part.sum(1), size)[:, None] | _too_many(part.sum(0), len(items))[None, :])
+            k = int(part.any(0).sum())
+            if k:
+                # the steps where at least half of them are silent (not a chance near-zero value of one)
+                steps = tuple(items[i][0] for i in (part.sum(1) * 2 >= k).nonzero().flatten().tolist())
+                found.append((k, name, r, steps, size))
+            offset += size
+    if not found:
+        return None
+    k, name, r, steps, size = max(found, key=lambda f: f[0])
+    others = tuple(sorted({f[1] for f in found} - {name}))
+    return name, r, steps, k, size, others, tuple(sorted({f[2] for f in found}))
 
 
 def repeats(cells: List[Tuple[int, int, torch.Tensor]]) -> Optional[Tuple[int, int, int, int, bool, int]]:
@@ -341,7 +420,7 @@ def repeats(cells: List[Tuple[int, int, torch.Tensor]]) -> Optional[Tuple[int, i
 class Finding:
     """One failed test: what, where (steps, ranks), how far off, and its p-value (``None``: exact)."""
 
-    kind: str  # "scale", "mean", "grid", "repeat"
+    kind: str  # "silent", "scale", "mean", "grid", "repeat"
     ratio: float = float("nan")
     p: Optional[float] = None
     steps: Tuple[int, ...] = ()
@@ -366,11 +445,14 @@ def tests_of(run: RunReleases) -> int:
     return 2 + steps + (ranks if ranks > 1 else 0) if run.cells else 0
 
 
-def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
-    """The first failure of one run's releases (exact checks first, then the tests at ``alpha``
-    each), or ``None``."""
-    if not run.cells:
-        return None
+def exact_finding(run: RunReleases) -> Optional[Finding]:
+    """The first exact finding of one run (no alpha): coordinates without noise, noise repeated, a
+    value grid; ``None``."""
+    if run.silent is not None:
+        name, r, where_, k, size, also_in, with_some = run.silent
+        also = (f" (silent coordinates also in {', '.join(repr(o) for o in also_in)})" if also_in else "")
+        return Finding("silent", ratio=k / size, steps=where_, ranks=(r,) + tuple(x for x in with_some if x != r),
+                       scope="step", detail=f"{k} of {size} coordinates of {name!r} on rank {r}'s shard{also}")
     if run.repeat is not None:
         ta, ra, tb, rb, neg, m = run.repeat
         return Finding("repeat", steps=(ta, tb), ranks=(ra, rb), scope="run",
@@ -378,6 +460,17 @@ def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
     for name, (on, n) in run.grids.items():
         if n >= 64 and on > GRID_FRACTION * n:
             return Finding("grid", ratio=on / n, detail=name, scope="run")
+    return None
+
+
+def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
+    """The first failure of one run's releases (exact checks first, then the tests at ``alpha``
+    each), or ``None``."""
+    if not run.cells:
+        return None
+    exact = exact_finding(run)
+    if exact is not None:
+        return exact
     ratio, p, _ = _scale(run.cells)
     steps = sorted({c.step for c in run.cells})
     per_step = {t: _scale([c for c in run.cells if c.step == t]) for t in steps}
@@ -510,6 +603,7 @@ def _z(p: float) -> float:
     return (lo + hi) / 2
 
 
-__all__ = ["GRIDS", "GRID_FRACTION", "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "Cell", "RunReleases", "Finding",
-           "shard_index", "decompose", "repeats", "tests_of", "run_tests", "pooled_groups", "pooled_tests", "at_place",
+__all__ = ["GRIDS", "GRID_FRACTION", "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "SILENT", "SILENT_P0",
+           "SILENT_LEVEL", "SILENT_MIN", "Cell", "RunReleases", "Finding", "shard_index", "decompose", "silent",
+           "repeats", "tests_of", "exact_finding", "run_tests", "pooled_groups", "pooled_tests", "at_place",
            "contrasts", "detectable_ratio"]

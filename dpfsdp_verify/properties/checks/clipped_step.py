@@ -47,6 +47,7 @@ names the first wrong step ("from step k (epoch e) on"), how many followed, and 
 
 from __future__ import annotations
 
+import math
 import dataclasses
 from typing import Any, Dict, List, Optional
 
@@ -58,11 +59,11 @@ from ...space import AXES
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS, capped_epochs
 from ...verdict import Verdict
-from ..analysis.clipfit import (COEF_TOL, clip_at_quantile, describe_clip_fit, fit_clip_coefficients, fit_clip_epsilon,
-                                pick_clip_bound,
-                      recover_clip_coefficients)
+from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, clip_at_quantile, describe_clip_fit, fit_clip_coefficients,
+                                fit_clip_epsilon, pick_clip_bound, recover_clip_coefficients, rounding_floor)
 from ..analysis.compare import (flat, fmt, max_rel_diff, norm_picked, processed_indices, reference_batch,
-                                reference_model, smallest_norm, tensors_close, tolerance, unflat)
+                                reference_grads, reference_model, sample_columns, smallest_norm, tensors_close,
+                                tolerance, unflat)
 from ..engine.contract import (DEFAULT_PRECISION_FACT, Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared,
                                Property)
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
@@ -320,7 +321,11 @@ def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdic
         indices = processed_indices(outputs, k, spec)
         step = _dataset_step(spec, grads, norms, indices)
         first = outputs[0].steps[k].gradient
-        if indices and not tensors_close(first, step.gradient, rtol, atol):
+        scale = None  # float32, past the tolerance: the measured rounding (as judge_spec)
+        if indices and spec.dtype == "float32" and not all(tensors_close(o.steps[k].gradient, step.gradient, rtol,
+                                                                         atol) for o in outputs):
+            scale = rounding_allowance(spec, indices, step.coefficients)
+        if indices and not tensors_close(first, step.gradient, rtol, atol, scale):
             # as judge_spec does: any epsilon in [0, MAX_CLIP_EPSILON] is DP-SGD's clip (C/max(||g||, C)
             # is e = 0), so the step is judged against the reference at the target's own
             names = sorted(step.gradient)
@@ -330,11 +335,11 @@ def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdic
 
                 eps = fit_clip_epsilon(at, flat(first, names))
                 own = _dataset_step(spec, grads, norms, indices, eps)
-                if tensors_close(first, own.gradient, rtol, atol):
+                if tensors_close(first, own.gradient, rtol, atol, scale):
                     step = own
                     epsilons.add(eps)
         for r, o in enumerate(outputs):
-            if not tensors_close(o.steps[k].gradient, step.gradient, rtol, atol):
+            if not tensors_close(o.steps[k].gradient, step.gradient, rtol, atol, scale):
                 err, name = max_rel_diff(o.steps[k].gradient, step.gradient)
                 wrong.append((k, r, err, name, step, indices))
                 break
@@ -391,24 +396,50 @@ def judge_spec(case: Case, spec: RunSpec, outputs, evidence: dict, tag: str):
         evidence["precision_bound"] = bound.describe()
         return judge_precision(case, spec, outputs, evidence, tag, bound, step, params, indices)
     first = outputs[0].steps[0].gradient
-    if indices and not tensors_close(first, step.gradient, rtol, atol):
+    # float32 (below float64's 1e-9, nothing needs it): past the tolerance, each coordinate may be off by
+    # the rounding a correct target is measured to leave there (rounding_allowance), computed only then
+    scale = None
+    if indices and spec.dtype == "float32" and not all(tensors_close(o.steps[0].gradient, step.gradient, rtol, atol)
+                                                       for o in outputs):
+        scale = rounding_allowance(spec, indices, step.coefficients)
+    if indices and not tensors_close(first, step.gradient, rtol, atol, scale):
         # DP-SGD's clip is min(1, C/||g_i||): any epsilon in [0, MAX_CLIP_EPSILON] in the denominator
         # is accepted (MAX_CLIP_EPSILON); judged against the reference at the target's own
         own = own_epsilon_step(spec, indices, first, step)
-        if own is not None and tensors_close(first, own[0].gradient, rtol, atol):
+        if own is not None and tensors_close(first, own[0].gradient, rtol, atol, scale):
             (step, params), evidence[tag + "clip_epsilon"] = own[:2], own[2]
     for r, o in enumerate(outputs):
         s = o.steps[0]
         g_err, g_name = max_rel_diff(s.gradient, step.gradient)
         p_err, p_name = max_rel_diff(s.parameters, params)
         evidence.update({f"{tag}rank{r}_grad_rel_err": g_err, f"{tag}rank{r}_param_rel_err": p_err})
-        if not tensors_close(s.gradient, step.gradient, rtol, atol):
+        if not tensors_close(s.gradient, step.gradient, rtol, atol, scale):
             return explain(case, spec, s, step, indices, r, g_err, g_name)
         if not tensors_close(s.parameters, params, rtol, atol):
             return (f"rank {r}: the gradient is right but the parameters after the step differ from "
                     f"p - lr * grad (lr={spec.lr}) by up to {fmt(p_err)} relative (worst {p_name!r}): the "
                     "optimizer does not apply the DP gradient it computed")
     return None
+
+
+def rounding_allowance(spec: RunSpec, indices: List[int], coefficients) -> Dict[str, Any]:
+    """Per tensor and coordinate, ``ROUNDING_MARGIN`` x the rounding a correct target computing in
+    ``spec.dtype`` leaves in the released ``sum_i c_i g_i / D`` (``clipfit.rounding_floor``: this model's
+    per-sample gradients computed in float32 against float64, plus ``u sum_i |c_i g_i|``). ~u of the
+    summed terms on the default models; on a tiny one, whose gradients flow back through a normalisation
+    over two features (the component along the input removed: a difference of nearly equal terms), up to
+    ~1e-2 of the gradient: gate seed 40404's d_model-2 transformer in float32, where a correct target was
+    6e-4 relative off the reference, 7 x inside this floor (a fixed 1e-4 called it a mismatch)."""
+    grads = reference_grads(spec, 0)
+    floor = rounding_floor(spec, indices, sample_columns(grads, indices), coefficients)
+    floor = floor * ROUNDING_MARGIN / (float(spec.expected_batch_size) if spec.reduction == "mean" else 1.0)
+    out, offset = {}, 0
+    for n in sorted(grads):
+        shape = grads[n].shape[1:]
+        size = int(math.prod(shape))
+        out[n] = floor[offset:offset + size].reshape(shape)
+        offset += size
+    return out
 
 
 def own_epsilon_step(spec: RunSpec, indices: List[int], gradient, step):

@@ -48,7 +48,8 @@ from .threads import one_thread
 PROPERTY_ID = "noise_calibration"
 #: false-alarm probability of one gate run's release verdicts (module docstring)
 ALPHA = 1e-4
-DIAGNOSIS = {"scale": "mismatch", "mean": "mismatch", "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
+DIAGNOSIS = {"silent": "mismatch", "scale": "mismatch", "mean": "mismatch", "grid": "non_gaussian_noise",
+             "repeat": "dependent_noise"}
 
 _CURRENT: "contextvars.ContextVar[Optional[Ledger]]" = contextvars.ContextVar("dpfsdp_release_ledger", default=None)
 

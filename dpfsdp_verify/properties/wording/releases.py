@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..analysis.releases import Finding, RunReleases
+from ..analysis.releases import SILENT, SILENT_LEVEL, SILENT_P0, Finding, RunReleases
 from .noise_messages import formula_causes
 
 #: a measured std ratio "is" a candidate cause's factor within this relative distance
@@ -62,6 +62,13 @@ def where(owner: str, config: str, run: RunReleases) -> str:
 def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
                     contrast: Optional[Dict[str, Tuple[str, float]]] = None) -> str:
     at = where(owner, config, run)
+    if f.kind == "silent":
+        ranks = f" (ranks with silent coordinates: {', '.join(map(str, sorted(f.ranks)))})" if len(f.ranks) > 1 else ""
+        return (f"PRIVACY VIOLATION: no noise on {f.detail} at {_steps(f.steps)}{ranks} {at}: "
+                f"there the released gradient x D equals the float64 reference's clipped sum to within {SILENT:g} "
+                f"sigma*C, which a Gaussian value is with probability {SILENT_P0:.1g} each (these counts: < "
+                f"{SILENT_LEVEL:g} for correct noise). Coordinates released without noise release their clipped sum "
+                "exactly: every coordinate of every release needs Gaussian noise of std sigma*C/D.")
     if f.kind == "repeat":
         (ta, tb), (ra, rb) = f.steps, f.ranks
         resumed = (f" The run was checkpointed after step {run.first_step} and resumed in fresh rank processes: the "
@@ -121,7 +128,8 @@ def pass_message(counts: Dict[str, int], releases: int, steps: int, runs: int, t
     return (f"every release of every noisy run of this gate run decomposed into the float64 reference's clipped sum "
             f"and noise of std sigma*C/D: {runs} runs ({owners}), {steps} steps, {releases} rank shards; pooled std "
             f"{ratio:.4f} x sigma*C/D; no value on a bfloat16/float16 grid, no shard's noise repeated at another step "
-            f"or rank; {tests} tests at {alpha:.2g} each (false alarm <= {alpha * tests:.2g} per gate run); pooled, "
+            f"or rank, no coordinate released without noise; "
+            f"{tests} tests at {alpha:.2g} each (false alarm <= {alpha * tests:.2g} per gate run); pooled, "
             f"a std error of {detect:.2%} is detected with ~99% probability{left}")
 
 
