@@ -152,6 +152,14 @@ def test_no_noise_on_biases_from_step_50_fails_the_long_run(pool):
                for v in bad), [v.message for v in bad]
 
 
+def test_noise_left_out_with_an_empty_local_batch_is_named_so(pool):
+    """The noise std scaled by the batch's largest norm, 0 on an empty local batch (a Poisson round):
+    the release judge names the coordinates without noise and that the steps are the rank's empty ones."""
+    own, found = judged(pool, "deadlock_free", "fixtures.cause_specimens:NoiseScaledByBatchMaxNorm", poisson_scenarios)
+    bad = only_failure(found, "mismatch", "PRIVACY VIOLATION: no noise on", "'s local batch was empty")
+    assert all("made for deadlock_free" in v.message for v in bad)
+
+
 def test_noise_drawn_in_float16_is_on_a_grid(pool):
     own, found = judged(pool, "trajectory", R + "NoiseDrawnInFloat16", update_cases)
     only_failure(found, "non_gaussian_noise", "float16")

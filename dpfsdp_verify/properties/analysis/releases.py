@@ -131,6 +131,8 @@ class RunReleases:
     skipped: List[Tuple[int, str]] = field(default_factory=list)
     #: the run's first step (k for the ``load`` half of a run resumed after step k, else 0)
     first_step: int = 0
+    #: ``(step, rank)`` of the releases whose local batch was empty (a Poisson round, an empty split)
+    empty: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -245,6 +247,8 @@ def _add_cells(out: RunReleases, raw_cells: List[Tuple[int, int, torch.Tensor]],
         ur = u[idx]
         mine = [position[i] for i in ranks[r].steps[j].indices if i in position] if r < len(ranks) else []
         own = min(1.0, float(norms[mine].max()) / spec.max_grad_norm) if mine and not spec.mesh else 1.0
+        if r < len(ranks) and not ranks[r].steps[j].indices and not spec.mesh:
+            out.empty.append((t, r))
         out.cells.append(Cell(t, r, float(z[idx].pow(2).sum()), float(len(idx) - ur.pow(2).sum()),
                               float(z[idx].sum()), float(len(idx) - ur.sum(0).pow(2).sum()), own))
         raw_cells.append((t, r, raw[idx] / unit))

@@ -64,11 +64,15 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
     at = where(owner, config, run)
     if f.kind == "silent":
         ranks = f" (ranks with silent coordinates: {', '.join(map(str, sorted(f.ranks)))})" if len(f.ranks) > 1 else ""
+        empty = sorted(set(f.steps) & {t for t, r in run.empty if r == f.ranks[0]})
+        why = (f" At {_steps(empty)} rank {f.ranks[0]}'s local batch was empty: the noise went with the batch, but a "
+               "release needs it whatever the local batch holds (without it the release is the clipped sum of the "
+               "other ranks' samples, exactly)." if empty else "")
         return (f"PRIVACY VIOLATION: no noise on {f.detail} at {_steps(f.steps)}{ranks} {at}: "
                 f"there the released gradient x D equals the float64 reference's clipped sum to within {SILENT:g} "
                 f"sigma*C, which a Gaussian value is with probability {SILENT_P0:.1g} each (these counts: < "
                 f"{SILENT_LEVEL:g} for correct noise). Coordinates released without noise release their clipped sum "
-                "exactly: every coordinate of every release needs Gaussian noise of std sigma*C/D.")
+                f"exactly: every coordinate of every release needs Gaussian noise of std sigma*C/D.{why}")
     if f.kind == "repeat":
         (ta, tb), (ra, rb) = f.steps, f.ranks
         resumed = (f" The run was checkpointed after step {run.first_step} and resumed in fresh rank processes: the "
