@@ -149,18 +149,25 @@ class RunReleases:
         return ", ".join(bits)
 
 
-def shard_index(shapes: Sequence[torch.Size], ws: int) -> List[torch.Tensor]:
-    """Each rank's coordinates in the flat vector of ``shapes`` (in order): its dim-0 chunk of every
-    tensor (``torch.chunk``, FSDP2's sharding; a 0-dim tensor is one row)."""
-    out: List[List[torch.Tensor]] = [[] for _ in range(ws)]
+def _row_chunks(shapes: Sequence[torch.Size], ws: int):
+    """``(tensor position, rank, its rows, coordinates per row, the tensor's flat offset)`` for every
+    non-empty dim-0 chunk of every tensor (``torch.chunk``, FSDP2's sharding; a 0-dim tensor is one row)."""
     offset = 0
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         rows_ = shape[0] if len(shape) else 1
         per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
         for r, chunk in enumerate(torch.arange(rows_).chunk(ws)):
             if r < ws and len(chunk):
-                out[r].append((offset + chunk[:, None] * per_row + torch.arange(per_row)[None, :]).reshape(-1))
+                yield i, r, chunk, per_row, offset
         offset += rows_ * per_row
+
+
+def shard_index(shapes: Sequence[torch.Size], ws: int) -> List[torch.Tensor]:
+    """Each rank's coordinates in the flat vector of ``shapes`` (in order): its dim-0 chunk of every
+    tensor (``torch.chunk``, FSDP2's sharding; a 0-dim tensor is one row)."""
+    out: List[List[torch.Tensor]] = [[] for _ in range(ws)]
+    for _, r, chunk, per_row, offset in _row_chunks(shapes, ws):
+        out[r].append((offset + chunk[:, None] * per_row + torch.arange(per_row)[None, :]).reshape(-1))
     return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in out]
 
 
@@ -337,12 +344,8 @@ def _round_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
 def _shard_layout(names: Sequence[str], shapes: Sequence[torch.Size], ws: int) -> List[List[Tuple[str, int]]]:
     """Per rank, ``(tensor, coordinates)`` in the order ``shard_index`` lays its shard out."""
     out: List[List[Tuple[str, int]]] = [[] for _ in range(ws)]
-    for name, shape in zip(names, shapes):
-        rows_ = shape[0] if len(shape) else 1
-        per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for r, chunk in enumerate(torch.arange(rows_).chunk(ws)):
-            if r < ws and len(chunk):
-                out[r].append((name, len(chunk) * per_row))
+    for i, r, chunk, per_row, _ in _row_chunks(shapes, ws):
+        out[r].append((names[i], len(chunk) * per_row))
     return out
 
 
