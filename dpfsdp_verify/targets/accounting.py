@@ -154,6 +154,27 @@ def delta_of(history: History, reported: float, asked: float, extra: Sequence[fl
     return None
 
 
+def steps_of(history: History, reported: float, delta: float, rtol: float = 1e-6) -> Optional[int]:
+    """The step count k other than ``history``'s at which the RDP epsilon of k steps of its one
+    (sigma, q) is ``reported`` (relative ``rtol``), for k in 1 .. 4 x its steps + 64; ``None`` if none
+    is, or the history mixes parameters. An epsilon that is exactly another number of steps of the
+    right (sigma, q) is named for that count: the steps since a resume, one per physical pass, a cap."""
+    pairs = {(float(s), float(q)) for s, q, n in history if n}
+    if len(pairs) != 1 or not (reported > 0 and math.isfinite(reported)):
+        return None
+    (sigma, q), told = next(iter(pairs)), sum(int(n) for _, _, n in history)
+    lo, hi = 1, 4 * told + 64
+    if not epsilon([(sigma, q, lo)], delta) * (1 - rtol) <= reported <= epsilon([(sigma, q, hi)], delta) * (1 + rtol):
+        return None
+    while lo < hi:  # the epsilon grows with k: the smallest k whose epsilon reaches the reported one
+        mid = (lo + hi) // 2
+        if epsilon([(sigma, q, mid)], delta) < reported * (1 - rtol):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo != told and abs(epsilon([(sigma, q, lo)], delta) - reported) <= rtol * reported else None
+
+
 def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> None:
     """Append one step at ``(sigma, q)`` to ``history`` the way opacus' accountants do: the last
     entry's count grows when its parameters are the same, else a new entry starts."""
@@ -163,4 +184,4 @@ def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> No
         history.append((sigma, q, 1))
 
 
-__all__ = ["ORDERS", "ROUND_DELTAS", "rdp", "epsilon", "delta_of", "merge", "History"]
+__all__ = ["ORDERS", "ROUND_DELTAS", "rdp", "epsilon", "delta_of", "steps_of", "merge", "History"]

@@ -31,6 +31,7 @@ that skips empty rounds takes fewer steps than nominal, which ``sampling_account
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
@@ -42,6 +43,10 @@ from .stats import chi2_quantile, chi2_two_sided_p
 #: 1e-6: opacus' examples'); at 1e-5 an epsilon reported at a hard-coded 1e-5 was right
 #: (``fixtures.sigma_specimens:EpsilonAtHardCodedDelta``)
 DELTA = 2e-6
+#: the range the other runs' deltas are drawn from, log-uniform (``asked_delta``)
+ASKED_DELTAS = (1e-8, 1e-4)
+#: a run of at least this many steps is asked for its epsilon (``asked_delta``)
+ASK_STEPS = 24
 #: how far below the RDP epsilon of the measured mechanism a tighter accountant (PRV, GDP) may report
 TIGHTER_FLOOR = 0.5
 #: relative rounding allowed between two RDP computations of one history (measured: 2e-14)
@@ -225,9 +230,37 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
         f"steps) gives {eps:.4g}, and {r:.4g} is outside {bound}")), evidence
 
 
+def asked_delta(spec: RunSpec, world_size: int) -> float:
+    """The delta a run of a fixed case is asked for its epsilon at (``RunSpec.accountant_delta``).
+
+    Besides noise_calibration's Poisson runs (``DELTA``), every noisy training run whose accountant
+    history is of a kind those runs do not have: a resumed ``load`` half (restored steps), gradient
+    accumulation (physical passes), >= 3 ranks or a 2-D mesh, >= ``ASK_STEPS`` steps. Its delta is
+    drawn log-uniform in ``ASKED_DELTAS`` from a hash of the spec (so every replay asks the same; 3
+    significant digits, never a power of ten nor ``DELTA``): an epsilon computed at a delta of the
+    fork's own, or wrong only after a resume, under accumulation, at more ranks or past some step,
+    fails the run it is wrong in (``prechecks.accountant_history_problem``). A spec that asks already
+    keeps its delta; a run without noise or not training is not asked (0). Explored and fuzzed draws
+    are not asked: opacus' default PRV accountant costs up to ~10 s per epsilon at sigma 0.5 over
+    200 steps, and at one step of a small q reports down to 0.32 x the RDP epsilon, below
+    ``TIGHTER_FLOOR`` (measured 2026-11-28; at the fixed runs' parameters 0.84-0.95, 0.03-0.3 s)."""
+    if spec.accountant_delta > 0 or spec.task != "train" or not float(spec.noise_multiplier) > 0:
+        return spec.accountant_delta
+    if not (spec.phase == "load" or spec.physical_batch_size or world_size >= 3 or spec.mesh
+            or spec.nominal_steps >= ASK_STEPS):
+        return 0.0
+    u = int.from_bytes(hashlib.sha256(spec.to_json().encode()).digest()[:8], "big") / 2.0 ** 64
+    lo, hi = (math.log10(d) for d in ASKED_DELTAS)
+    delta = float(f"{10.0 ** (lo + (hi - lo) * u):.3g}")
+    if delta == DELTA or any(abs(delta - d) <= 1e-9 * d for d in accounting.ROUND_DELTAS):
+        delta = float(f"{delta * 1.37:.3g}")  # not a value a fork would hard-code
+    return delta
+
+
 def derived_deltas(spec: RunSpec) -> Tuple[float, ...]:
-    """Deltas a fork derives from the run rather than hard-codes (``accounting.delta_of``): 1/N."""
-    return (1.0 / spec.dataset_size,) if spec.poisson and spec.dataset_size else ()
+    """Deltas a fork derives from the run rather than hard-codes (``accounting.delta_of``): 1/N; and
+    ``DELTA``, the one delta noise_calibration asks at, which a fork tuned to the gate would hard-code."""
+    return ((1.0 / spec.dataset_size,) if spec.poisson and spec.dataset_size else ()) + (DELTA,)
 
 
 def wrong_delta_words(reported: float, asked: float, other: float) -> str:
@@ -310,4 +343,5 @@ def describe(evidence: Dict) -> str:
     return text
 
 
-__all__ = ["accountant_problem", "describe", "derived_deltas", "DELTA", "TIGHTER_FLOOR"]
+__all__ = ["accountant_problem", "asked_delta", "describe", "derived_deltas", "ASKED_DELTAS", "ASK_STEPS", "DELTA",
+           "TIGHTER_FLOOR"]

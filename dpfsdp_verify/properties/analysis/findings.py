@@ -39,6 +39,10 @@ class HistoryFinding:
     floor: float = 0.0
     #: ``epsilon``: the other delta at which the told history's RDP epsilon is the reported one, if any
     at_delta: Optional[float] = None
+    #: ``epsilon``: the other step count whose RDP epsilon (at the told sigma and q) is the reported
+    #: one, if any; ``steps_how``: which count that is (``since_resume``, ``per_pass``, or ``""``)
+    at_steps: Optional[int] = None
+    steps_how: str = ""
 
 
 __all__ = ["HistoryFinding"]

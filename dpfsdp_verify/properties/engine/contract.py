@@ -50,6 +50,7 @@ from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_D
 from ...space import seed_for as _seed_for
 from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ...verdict import INTERNAL_ERROR, Verdict
+from ..analysis.accountant import asked_delta
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
 Outputs = Sequence[Sequence[Sequence[RankOutput]]]
@@ -147,7 +148,9 @@ class Options:
 class Case:
     """One configuration a property judges: ``specs`` run, in order, at ``world_size`` under each
     of ``modes`` (one mode; two for a comparing property). ``spec`` is the configuration's own spec
-    (what ``config()`` and the repro line describe)."""
+    (what ``config()`` and the repro line describe). A fixed case's ``specs`` that
+    ``analysis.accountant.asked_delta`` picks are asked for their epsilon at a delta drawn from the
+    spec (resumed, accumulated, >= 3-rank, mesh and long noisy runs)."""
 
     property: str
     target_ref: str
@@ -190,6 +193,8 @@ class Case:
 
     def __post_init__(self):
         self.specs = tuple(self.specs) or (self.spec,)
+        if not self.explored and self.drawn is None:  # the runs asked for their epsilon (accountant.asked_delta)
+            self.specs = tuple(s.with_(accountant_delta=asked_delta(s, self.world_size)) for s in self.specs)
         if self.fresh_jobs and (len(self.fresh_jobs) != self.fresh_groups or sum(self.fresh_jobs) != len(self.specs)):
             raise ValueError(f"fresh_jobs {self.fresh_jobs} must give each of the {self.fresh_groups} fresh groups its "
                              f"number of specs, {len(self.specs)} in all")

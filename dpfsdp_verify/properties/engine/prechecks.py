@@ -357,8 +357,18 @@ def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resu
     if low <= got <= high:
         return None
     other = accounting.delta_of(history, got, spec.accountant_delta, extra=derived_deltas(spec)) if rdp else None
+    steps = accounting.steps_of(history, got, spec.accountant_delta) if rdp and other is None else None
     return HistoryFinding("epsilon", history, resume_at, delta=spec.accountant_delta, want=want, got=got,
-                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR, at_delta=other)
+                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR, at_delta=other, at_steps=steps,
+                          steps_how="" if steps is None else _epsilon_steps_how(spec, outputs, steps))
+
+
+def _epsilon_steps_how(spec: RunSpec, outputs: Sequence[RankOutput], steps: int) -> str:
+    """Which count an epsilon of ``steps`` steps is (``HistoryFinding.steps_how``)."""
+    if spec.phase == "load" and steps == len(outputs[0].steps):
+        return "since_resume"
+    passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
+    return "per_pass" if spec.physical_batch_size and steps == passes else ""
 
 
 def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:

@@ -6,6 +6,8 @@ finding; nothing is detected here.
 
 from __future__ import annotations
 
+from typing import cast
+
 from ..analysis.findings import HistoryFinding
 
 
@@ -78,10 +80,28 @@ def _epsilon(f: HistoryFinding) -> str:
         return (f"PRIVACY ACCOUNTING: {wrong_delta_words(f.got, f.delta, f.at_delta)}{_where(f)} (the suite's own RDP "
                 f"accountant on that history {fmt_history(f.history)} gives {f.want:.4g} at delta {f.delta:g})."
                 + wrong_delta_tail(f.delta, f.at_delta))
+    if f.at_steps is not None:
+        return _epsilon_steps(f)
     return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}; the "
             f"suite's own RDP accountant on its history {fmt_history(f.history)} gives {f.want:.4g}"
             + ("" if f.accountant == "rdp" else f" (a {f.accountant!r} accountant may be tighter than RDP, not below "
                f"{f.floor:g} x)") + ": the epsilon a user reads is not the one of the steps it was told")
+
+
+def _epsilon_steps(f: HistoryFinding) -> str:
+    """An epsilon that is exactly another step count's of the told (sigma, q)."""
+    told = sum(int(n) for _, _, n in f.history)
+    k = cast(int, f.at_steps)
+    which = {"since_resume": f": only the {k} steps this process took since the resume, the {told - k} restored "
+                             "ones left out of the epsilon (a step counter the resume restarted)",
+             "per_pass": f": one step per physical pass ({k} passes), not one per logical step (the optimizer's "
+                         "step counter under gradient accumulation)"}.get(f.steps_how, "")
+    tail = (" The epsilon a user reads is too small: a privacy violation in the accounting." if k < told else
+            " The epsilon a user reads is overstated (utility of the guarantee, not privacy).")
+    return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}, which is "
+            f"exactly the RDP epsilon of {k} steps of the sigma and q it was told, while its history "
+            f"{fmt_history(f.history)} counts {told}{which} (the suite's own RDP accountant on that history gives "
+            f"{f.want:.4g}); the history is right, the epsilon computed from it is not." + tail)
 
 
 def history_message(f: HistoryFinding) -> str:
