@@ -76,6 +76,20 @@ def test_an_epsilon_at_the_suites_own_delta_is_named_so():
     assert f"at delta {DELTA:g}" in message and f"{spec.accountant_delta:g}" in message, message
 
 
+def test_an_epsilon_of_fewer_steps_is_named_for_its_count():
+    spec = _noisy(steps=40)
+    spec = spec.with_(accountant_delta=asked_delta(spec, 1))
+    history = [(1.0, 1 / 40, 40)]
+    capped = accounting.epsilon([(1.0, 1 / 40, 32)], spec.accountant_delta)  # EpsilonCapsSteps' epsilon
+    diagnosis, message, evidence = accountant_history_problem(spec, _outputs(history, capped, 40))
+    assert diagnosis == "accountant_mismatch"
+    assert "exactly the RDP epsilon of 32 steps of the sigma and q it was told, while its history [(1, 0.025, 40)] " \
+        "counts 40 (the suite's own" in message and "too small: a privacy violation" in message, message
+    # an epsilon that is no step count's is not given one
+    _, message, _ = accountant_history_problem(spec, _outputs(history, capped * 1.01, 40))
+    assert "exactly" not in message and "not the one of the steps it was told" in message, message
+
+
 # -- on ranks: each specimen fails the run its epsilon is wrong in; Correct and upstream pass ---------------
 def _resume(pool, target):
     return props.run("checkpoint_resume", target, pool=pool, world_sizes=(1,), timeout=240)
@@ -126,3 +140,17 @@ def test_correct_and_upstream_report_the_asked_epsilon(pool, target):
                 assert ranks[0].epsilon is not None and accountant_history_problem(spec, ranks) is None, (
                     spec.phase, ranks[0].epsilon, accountant_history_problem(spec, ranks))
     assert asked == len(runs)  # the resumed load half (and the accumulation run)
+
+
+@pytest.mark.slow
+def test_an_epsilon_capped_at_32_steps_fails_the_long_run(pool):
+    """noise_calibration's 36-step run at one rank asks (>= ``ASK_STEPS``): an epsilon of at most 32
+    steps is named for its count there (noise_calibration's own judge of the measured mechanism words
+    it); every run of <= 32 steps reports right."""
+    from tests.verdict_helpers import without_extra_noise_cases
+
+    verdicts = props.run(without_extra_noise_cases(), S + "EpsilonCapsSteps", pool=pool, world_sizes=(1,),
+                         models=("mlp",), reductions=("mean",), samplings=("fixed",), timeout=240)
+    failed = [v for v in verdicts if v.status != "pass"]
+    assert [v.diagnosis for v in failed] == ["accountant_mismatch"], [(v.status, v.message) for v in verdicts]
+    assert "the epsilon composes 32 of the 36 releases" in failed[0].message, failed[0].message
