@@ -154,6 +154,25 @@ def delta_of(history: History, reported: float, asked: float, extra: Sequence[fl
     return None
 
 
+def steps_bracket(sigma: float, q: float, delta: float, reported: float, most: int) -> Optional[Tuple[int, int]]:
+    """``(k, k + 1)``, 1 <= k < ``most``, whose RDP epsilons of k steps at (sigma, q) bracket
+    ``reported``; ``None`` where it lies outside those of 1 and ``most`` steps. The epsilon grows
+    with the steps, so a bisection finds them."""
+    def eps(k: int) -> float:
+        return epsilon([(sigma, q, k)], delta)
+
+    lo, hi = 1, max(most, 2)
+    if not eps(lo) <= reported <= eps(hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if eps(mid) <= reported:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
 def steps_of(history: History, reported: float, delta: float, rtol: float = 1e-6) -> Optional[int]:
     """The step count k other than ``history``'s at which the RDP epsilon of k steps of its one
     (sigma, q) is ``reported`` (relative ``rtol``), for k in 1 .. 4 x its steps + 64; ``None`` if none
@@ -163,16 +182,9 @@ def steps_of(history: History, reported: float, delta: float, rtol: float = 1e-6
     if len(pairs) != 1 or not (reported > 0 and math.isfinite(reported)):
         return None
     (sigma, q), told = next(iter(pairs)), sum(int(n) for _, _, n in history)
-    lo, hi = 1, 4 * told + 64
-    if not epsilon([(sigma, q, lo)], delta) * (1 - rtol) <= reported <= epsilon([(sigma, q, hi)], delta) * (1 + rtol):
-        return None
-    while lo < hi:  # the epsilon grows with k: the smallest k whose epsilon reaches the reported one
-        mid = (lo + hi) // 2
-        if epsilon([(sigma, q, mid)], delta) < reported * (1 - rtol):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo if lo != told and abs(epsilon([(sigma, q, lo)], delta) - reported) <= rtol * reported else None
+    bracket = steps_bracket(sigma, q, delta, reported, 4 * told + 64)
+    return next((k for k in bracket or () if k != told
+                 and abs(epsilon([(sigma, q, k)], delta) - reported) <= rtol * reported), None)
 
 
 def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> None:
@@ -184,4 +196,4 @@ def merge(history: List[Tuple[float, float, int]], sigma: float, q: float) -> No
         history.append((sigma, q, 1))
 
 
-__all__ = ["ORDERS", "ROUND_DELTAS", "rdp", "epsilon", "delta_of", "steps_of", "merge", "History"]
+__all__ = ["ORDERS", "ROUND_DELTAS", "rdp", "epsilon", "delta_of", "steps_bracket", "steps_of", "merge", "History"]

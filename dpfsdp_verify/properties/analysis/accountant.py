@@ -287,16 +287,8 @@ def _steps_for(reported: float, q: float, s_lo: float, s_hi: float, sigma_hat: f
     def eps(sigma, k):
         return accounting.epsilon([(sigma, q, k)], delta)
 
-    lo, hi = 1, 4 * max(taken, 1)
-    if not eps(sigma_hat, lo) <= reported <= eps(sigma_hat, hi):
-        return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if eps(sigma_hat, mid) <= reported:
-            lo = mid
-        else:
-            hi = mid
-    for k in sorted((lo, hi), key=lambda k: abs(eps(sigma_hat, k) - reported)):
+    bracket = accounting.steps_bracket(sigma_hat, q, delta, reported, 4 * max(taken, 1))
+    for k in sorted(bracket or (), key=lambda k: abs(eps(sigma_hat, k) - reported)):
         if k != taken and eps(s_hi, k) * (1 - RDP_RTOL) <= reported <= eps(s_lo, k) * (1 + RDP_RTOL):
             return k
     return None

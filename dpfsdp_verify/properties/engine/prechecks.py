@@ -310,8 +310,7 @@ def _expand(history) -> List[Tuple[float, float]]:
 def _step_count_how(spec: RunSpec, outputs: Sequence[RankOutput], told: int) -> str:
     """Which miscount a told step count that is not the steps taken is (``HistoryFinding.how``)."""
     steps = len(outputs[0].steps)
-    passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
-    if spec.physical_batch_size and told == passes:
+    if spec.physical_batch_size and told == _passes_counted(spec, outputs):
         return "per_pass"
     if spec.phase == "load" and told == steps:
         return "lost_restored"
@@ -367,8 +366,13 @@ def _epsilon_steps_how(spec: RunSpec, outputs: Sequence[RankOutput], steps: int)
     """Which count an epsilon of ``steps`` steps is (``HistoryFinding.steps_how``)."""
     if spec.phase == "load" and steps == len(outputs[0].steps):
         return "since_resume"
-    passes = spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
-    return "per_pass" if spec.physical_batch_size and steps == passes else ""
+    return "per_pass" if spec.physical_batch_size and steps == _passes_counted(spec, outputs) else ""
+
+
+def _passes_counted(spec: RunSpec, outputs: Sequence[RankOutput]) -> int:
+    """The steps an accountant counting one per physical pass reports: the restored steps of a
+    resumed ``load`` half, then each step's passes."""
+    return spec.first_step + sum(len(s.physical_batches or (0,)) for s in outputs[0].steps)
 
 
 def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> Optional[Tuple[str, str, dict]]:
