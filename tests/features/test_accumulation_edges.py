@@ -48,7 +48,10 @@ def test_accumulation_plans_a_short_last_pass_and_empty_rounds():
     clean, noisy = poisson.specs
     assert clean.poisson and clean.steps == 0 and clean.epochs == trajectory.EMPTY_EPOCHS
     assert clean.sample_rate == 0.5 and clean.dataset_size == 4 and clean.physical_batch_size == 2
-    assert (clean.noise_multiplier, noisy.noise_multiplier) == (0.0, 1.0) and noisy.with_(noise_multiplier=0.0) == clean
+    assert (clean.noise_multiplier, noisy.noise_multiplier) == (0.0, 1.0)
+    # the noisy run accumulates, so it is asked for its epsilon (analysis.accountant.asked_delta); else the same
+    assert clean.accountant_delta == 0 < noisy.accountant_delta
+    assert noisy.with_(noise_multiplier=0.0, accountant_delta=0.0) == clean
     [cs, _] = plan("clipped_step", world_sizes=[2], physical_batch_size=2)
     assert cs.spec.global_batch_size == 6 and cs.spec.physical_batch_size == 2
     # without the option nothing changes: no accumulating case
