@@ -52,7 +52,7 @@ def fuzz_throughput(n_examples: int = 40, repeats: int = 5) -> dict:
 
     from dpfsdp_verify import fuzz
     from dpfsdp_verify.harness import Pool
-    from dpfsdp_verify.hypothesis_profiles import profile_settings
+    from dpfsdp_verify.config.hypothesis_profiles import profile_settings
 
     base = settings(profile_settings("ci"), phases=[Phase.generate])
     out = {}

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .defaults import CLIP_EPSILON, MAX_CLIP_EPSILON  # the clip form's constants, defined torch-free
+from .config.defaults import CLIP_EPSILON, MAX_CLIP_EPSILON  # the clip form's constants, defined torch-free
 from .models import IGNORE_INDEX, Batch
 
 #: Layers opacus 1.6.0 can sample (grad sampler or ghost norm sampler) that matter for FSDP

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from dpfsdp_verify.defaults import EXPLORE_ENV
+from dpfsdp_verify.config.defaults import EXPLORE_ENV
 from dpfsdp_verify.gate import run as _gate_run
 from dpfsdp_verify.harness import Pool, wait_gone
 

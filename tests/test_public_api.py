@@ -18,8 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PUBLIC = ["dpfsdp_verify", "dpfsdp_verify.reference", "dpfsdp_verify.models", "dpfsdp_verify.harness",
           "dpfsdp_verify.targets", "dpfsdp_verify.targets.base", "dpfsdp_verify.targets.util",
           "dpfsdp_verify.targets.progress", "dpfsdp_verify.properties", "dpfsdp_verify.properties.analysis.compare",
-          "dpfsdp_verify.strategies", "dpfsdp_verify.fuzz", "dpfsdp_verify.hypothesis_profiles",
-          "dpfsdp_verify.verdict", "dpfsdp_verify.errors", "dpfsdp_verify.defaults"]
+          "dpfsdp_verify.strategies", "dpfsdp_verify.fuzz", "dpfsdp_verify.config.hypothesis_profiles",
+          "dpfsdp_verify.verdict", "dpfsdp_verify.errors", "dpfsdp_verify.config.defaults"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

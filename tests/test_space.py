@@ -1,4 +1,4 @@
-"""The configuration space (``dpfsdp_verify.space``): axes that validate themselves, the
+"""The configuration space (``dpfsdp_verify.config.space``): axes that validate themselves, the
 combination rules (checked against ``RunSpec``'s own), seeds derived by name, and every default
 and seed defined once (a grep of the package for strays)."""
 
@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from dpfsdp_verify import defaults, space
-from dpfsdp_verify.space import AXES, Configuration, combination_problem, seed_for
+from dpfsdp_verify.config import defaults, space
+from dpfsdp_verify.config.space import AXES, Configuration, combination_problem, seed_for
 
-PKG = pathlib.Path(space.__file__).parent
+PKG = pathlib.Path(space.__file__).parent.parent  # the package (space is in config/)
 ROOT = PKG.parent
 
 
@@ -122,7 +122,7 @@ def test_every_default_and_seed_is_defined_once():
     strays = []
     for path in sorted(PKG.rglob("*.py")):
         rel = str(path.relative_to(PKG))
-        if rel in ("defaults.py", "space.py"):
+        if rel in ("config/defaults.py", "config/space.py"):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

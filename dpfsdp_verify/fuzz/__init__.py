@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
-from .. import modes as modes_mod
+from ..config import modes as modes_mod
 from ..harness import JobPool, Pool
-from ..modes import Mode
+from ..config.modes import Mode
 from ..properties import PROPERTIES, Property, fuzzable
 from ..properties.engine import runner
 from ..properties.engine.contract import Case, Options

@@ -6,7 +6,7 @@ batch left unclipped, when the largest fixed local batch was 33 -- the floor now
 float32 at lr 0.3 at 4 ranks) passes every one of them. Each property with an ``explore`` recipe
 (``contract.ExploreRecipe``) therefore spends a share of the run's exploration budget on
 configurations hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'
-``explore`` range in ``dpfsdp_verify.space`` -- each prepared by the recipe (e.g. C at a drawn
+``explore`` range in ``dpfsdp_verify.config.space`` -- each prepared by the recipe (e.g. C at a drawn
 quantile of the reference norms), run on the gate's warm pool and judged by the property's own
 ``judge``. The draws are seeded by the run's seed (``space.seed_for(seed, property, "explore",
 round)``), so ``--seed S`` draws the same configurations in the same order (how many fit in the
@@ -37,10 +37,10 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 
 from ..harness import Pool
-from ..modes import Mode
+from ..config.modes import Mode
 from ..properties.engine import runner
 from ..properties.engine.contract import Options, Property
-from ..space import explore_max_world_size, seed_for
+from ..config.space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
 from . import strategies

@@ -26,8 +26,8 @@ from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 
-from ..hypothesis_profiles import profile_settings
-from ..modes import Mode
+from ..config.hypothesis_profiles import profile_settings
+from ..config.modes import Mode
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
 from ..properties.engine.contract import FuzzRecipe, Options, Property, modes_problem

@@ -28,10 +28,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union, cast
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from .. import space
+from ..config import space
 from ..models import BASE_MODELS, MODEL_NAMES, TIES
 from ..reference import REDUCTIONS
-from ..space import AXES
+from ..config.space import AXES
 from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec, capped_epochs
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
@@ -402,7 +402,7 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
                   physical: bool = True, long_runs: bool = True, resume: bool = False, noise: bool = False,
                   grad_sample_mode: str = "ghost_fsdp"):
     """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
-    (``dpfsdp_verify.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
+    (``dpfsdp_verify.config.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
     (default ``space.explore_max_world_size()``), a model of ``models`` at its default size or a
     variant (``model_dims``: conv groups, widths, norms...), the reduction, precision and dtype
     (a bf16 form over float32; a variant's every dim 0 at least the world size: ``_no_short_rows``),

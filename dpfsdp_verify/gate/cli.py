@@ -30,7 +30,7 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED,
+from ..config.defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED,
                         SCALE_STEPS,
                         SCALE_WORLD_SIZES, WIDE_WORLD_SIZE, NODE_WORLD_SIZE)
 from ..errors import HintedError

@@ -11,16 +11,16 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from .. import modes as modes_mod
-from ..defaults import DEFAULT_WORLD_SIZES as _DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
+from ..config import modes as modes_mod
+from ..config.defaults import DEFAULT_WORLD_SIZES as _DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
 from ..errors import HintedError
-from ..modes import Mode
+from ..config.modes import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
     from ..properties import Options
 
-#: ``--world-sizes`` when not given (a torchrun job: the job's own world size): ``defaults.py``'s
+#: ``--world-sizes`` when not given (a torchrun job: the job's own world size): ``config/defaults.py``'s
 DEFAULT_WORLD_SIZES = ",".join(map(str, _DEFAULT_WORLD_SIZES))
 REDUCTIONS = ("mean", "sum")
 
@@ -150,8 +150,8 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     """``(seconds, note)`` of exploration from ``--explore`` (``UsageError`` for a bad value, or
     for asking for it where it cannot run). Not given: ``defaults.DEFAULT_EXPLORE_S`` where
     hypothesis is installed and the ranks are the gate's own; else 0 with the note saying why."""
-    from ..defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV
-    from ..space import AXES
+    from ..config.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV
+    from ..config.space import AXES
 
     given = getattr(args, "explore", None)
     if given is not None:
@@ -188,12 +188,12 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
 def parse_reach(args, world_sizes: List[int], job_world_size: Optional[int],
                 probe: bool = True) -> Tuple[int, int, str]:
     """``(wide world size, horizon steps, why the wide world size cannot run here or "")`` from
-    ``--wide-world-size`` / ``--horizon`` (defaults: ``defaults.py``'s); ``UsageError``
+    ``--wide-world-size`` / ``--horizon`` (defaults: ``config/defaults.py``'s); ``UsageError``
     for values that cannot run. The default wide world size on a backend that cannot give its ranks
     (nccl on fewer GPUs) is kept, with the reason: its cases become ``skip`` verdicts saying so and
     the run goes on; one given explicitly must run. Inside a torchrun job the ranks are the job's: no
     wide world size unless it is the job's own (then it is in the matrix)."""
-    from ..defaults import HORIZON_STEPS, WIDE_WORLD_SIZE
+    from ..config.defaults import HORIZON_STEPS, WIDE_WORLD_SIZE
 
     wide = getattr(args, "wide_world_size", None)
     horizon = getattr(args, "horizon", None)
@@ -223,7 +223,7 @@ def parse_nodes(args, world_sizes: List[int], job_world_size: Optional[int],
     wide world size: ``UsageError`` for a value that cannot run (odd, or below 4), none inside a
     torchrun job or a run of meshes only, the default kept with the reason where the backend cannot
     give its ranks (its cases become ``skip`` verdicts)."""
-    from ..defaults import NODE_WORLD_SIZE
+    from ..config.defaults import NODE_WORLD_SIZE
 
     nodes = getattr(args, "node_world_size", None)
     if nodes is not None and (nodes < 0 or (nodes and (nodes < 4 or nodes % 2))):
@@ -339,7 +339,7 @@ def launched_world_sizes(text: Optional[str], job_world_size: int) -> List[int]:
 def parse_axes(args) -> Dict:
     """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own),
     ``--precisions`` (``None``: fp32 only)."""
-    from ..model_catalog import MODEL_NAMES
+    from ..models.catalog import MODEL_NAMES
     from ..properties.analysis.compare import TOLERANCES
 
     from ..properties.engine.contract import precision_problem

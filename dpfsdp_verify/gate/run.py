@@ -129,7 +129,7 @@ def size_pool(pool: Pool, plan: RunPlan) -> Pool:
     sizes = (len(opts.world_sizes) + len(opts.meshes)
              + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
     if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
-        from ..space import explore_max_world_size
+        from ..config.space import explore_max_world_size
 
         sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
                     | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import HintedError
-from ..space import seed_for
+from ..config.space import seed_for
 from ..targets.base import RunSpec, Target
 
 #: trials use sampling seeds this far apart, so ``seed + rank`` (per_rank seeding) never repeats

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # the default deadline for a job, seconds (marker ``timeout=``, ini ``dpfsdp_timeout``, CLI ``--timeout``),
 # is ``defaults.DEFAULT_TIMEOUT_S``: re-exported here, where the harness has always named it
-from ..defaults import DEFAULT_TIMEOUT_S
+from ..config.defaults import DEFAULT_TIMEOUT_S
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
 from .launch import rank_env
 from .proof import Evidence

@@ -296,7 +296,7 @@ def _run_collectively(item, world: int, timeout: float) -> bool:
     pytest.fail(failure, pytrace=False)
 
 
-# -- hypothesis profiles for fuzzing (dpfsdp_verify.hypothesis_profiles) -----------------------
+# -- hypothesis profiles for fuzzing (dpfsdp_verify.config.hypothesis_profiles) -----------------------
 def _hypothesis_addoption(group) -> None:
     group.addoption(
         "--dpfsdp-hypothesis-profile", default=None, dest="dpfsdp_hypothesis_profile",
@@ -309,7 +309,7 @@ def _hypothesis_addoption(group) -> None:
 
 
 def _hypothesis_configure(config) -> None:
-    from ..hypothesis_profiles import PROFILE_ENV, load_profile, register_profiles
+    from ..config.hypothesis_profiles import PROFILE_ENV, load_profile, register_profiles
 
     name = config.getoption("dpfsdp_hypothesis_profile", None) or os.environ.get(PROFILE_ENV)
     register_profiles(str(config.rootpath))

@@ -145,10 +145,10 @@ from typing import Dict, List, Optional, Tuple
 from ..lazy import torch
 
 from ..lazy import models
-from ..defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
-from ..space import AXES
+from ..config.defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
+from ..config.space import AXES
 
-# the axes' values are the configuration space's (``dpfsdp_verify.space``); a spec's defaults are
+# the axes' values are the configuration space's (``dpfsdp_verify.config.space``); a spec's defaults are
 # ``defaults.SPEC_DEFAULTS``
 DATA_LAYOUTS = AXES["data_layout"].values  # type: ignore[attr-defined]
 #: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
@@ -244,7 +244,7 @@ class RunSpec:
             from .mesh import Mesh
 
             Mesh.parse(self.mesh)  # MeshError (a ValueError) for a malformed name
-            from ..space import mesh_problem
+            from ..config.space import mesh_problem
 
             problem = mesh_problem(self.mesh, self.sampling, self.physical_batch_size, self.resume_at,
                                    self.data_layout)

@@ -16,7 +16,7 @@ from hypothesis import find
 
 from dpfsdp_verify import fuzz
 from dpfsdp_verify import strategies as dps
-from dpfsdp_verify.hypothesis_profiles import active_profile, profile_settings
+from dpfsdp_verify.config.hypothesis_profiles import active_profile, profile_settings
 from dpfsdp_verify.properties.engine.prechecks import poisson_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, progress
 from dpfsdp_verify.verdict import DIAGNOSES

@@ -10,8 +10,8 @@ pytest.importorskip("hypothesis")
 
 from hypothesis import given, seed, settings  # noqa: E402
 
-from dpfsdp_verify import space  # noqa: E402
-from dpfsdp_verify.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV  # noqa: E402
+from dpfsdp_verify.config import space  # noqa: E402
+from dpfsdp_verify.config.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV  # noqa: E402
 from dpfsdp_verify.fuzz import explore, strategies  # noqa: E402
 from dpfsdp_verify.gate import cli  # noqa: E402
 from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
@@ -119,7 +119,7 @@ def test_the_fixed_floor_reaches_every_row_a_draw_can(pool):
     from dpfsdp_verify.gate.plan import RunPlan
     from dpfsdp_verify.properties.checks.clipped_step import WIDE_LOCAL_BATCH
     from dpfsdp_verify.properties.engine.runner import judge_cases
-    from dpfsdp_verify.space import AXES
+    from dpfsdp_verify.config.space import AXES
 
     assert WIDE_LOCAL_BATCH == AXES["local_batch"].explore[1] > FIRST_UNCLIPPED_ROW
     for target, status in ((SPECIMEN, "fail"), ("fixtures.specimens:Correct", "pass")):

@@ -18,7 +18,7 @@ from hypothesis import settings as Settings
 
 from dpfsdp_verify import fuzz
 from dpfsdp_verify.properties import Options
-from dpfsdp_verify.hypothesis_profiles import active_profile, profile_settings
+from dpfsdp_verify.config.hypothesis_profiles import active_profile, profile_settings
 from dpfsdp_verify.targets import RunSpec
 
 CORRECT = "fixtures.specimens:Correct"

@@ -11,7 +11,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from dpfsdp_verify import hypothesis_profiles as profiles
+from dpfsdp_verify.config import hypothesis_profiles as profiles
 from dpfsdp_verify import models, reference
 from dpfsdp_verify import strategies as dps
 from dpfsdp_verify.fuzz.strategies import _relation_holds

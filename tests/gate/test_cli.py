@@ -127,7 +127,7 @@ def test_help_shows_groups_and_imports_no_torch():
     first = out.index("what to check:")
     where = lambda opt: out.index("\n  " + opt, first)  # noqa: E731 - its line in the groups, not the usage
     assert where("--target") < where("--expect") < where("--json") < out.index("\nmatrix (")
-    from dpfsdp_verify.defaults import POISSON_DEFAULTS
+    from dpfsdp_verify.config.defaults import POISSON_DEFAULTS
 
     assert f"q in (0, 1] (default {POISSON_DEFAULTS[0]:g})" in out
 

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from dpfsdp_verify import modes
+from dpfsdp_verify.config import modes
 from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Options, fuzzable, modes_problem
 import dpfsdp_verify.properties as props  # noqa: E402
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
+from ...config.defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference

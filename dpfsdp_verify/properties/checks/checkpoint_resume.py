@@ -60,7 +60,7 @@ import copy
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...defaults import CLIP_EPSILON
+from ...config.defaults import CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference

@@ -51,11 +51,11 @@ import math
 import dataclasses
 from typing import Any, Dict, List, Optional
 
-from ...defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
+from ...config.defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference
-from ...space import AXES
+from ...config.space import AXES
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS, capped_epochs
 from ...verdict import Verdict

@@ -41,7 +41,7 @@ from typing import Dict, Optional, Tuple
 
 from ...lazy import torch
 
-from ...modes import Mode
+from ...config.modes import Mode
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import COEF_TOL, recover_clip_coefficients, with_picked_clip

@@ -92,7 +92,7 @@ from typing import Dict, Optional, Tuple
 
 from ...lazy import torch
 
-from ...space import adjacent
+from ...config.space import adjacent
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA

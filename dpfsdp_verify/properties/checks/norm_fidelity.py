@@ -46,7 +46,7 @@ import math
 from dataclasses import replace
 from typing import Any, Dict, NamedTuple, Tuple
 
-from ...defaults import CLIP_EPSILON
+from ...config.defaults import CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference

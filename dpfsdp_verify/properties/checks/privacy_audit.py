@@ -54,7 +54,7 @@ from typing import Dict, Iterator, List, Union
 from ...lazy import torch
 
 from ...lazy import models, reference
-from ...space import mesh_problem
+from ...config.space import mesh_problem
 from ...targets import RunSpec, accounting
 from ...verdict import Verdict
 from ..analysis.audit_bound import CONFIDENCE, audit, guess_choices

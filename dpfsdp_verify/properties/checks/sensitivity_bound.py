@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Tuple
 from ...lazy import torch
 
 from ...lazy import reference
-from ...model_catalog import EXTREME_SCALES
+from ...models.catalog import EXTREME_SCALES
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import describe_clip_fit, fit_clip_coefficients

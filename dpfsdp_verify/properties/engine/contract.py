@@ -42,12 +42,12 @@ import traceback
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
-from ... import modes as modes_mod
+from ...config import modes as modes_mod
 from ...harness import DEFAULT_TIMEOUT_S
-from ...modes import Mode
+from ...config.modes import Mode
 from ...targets import RankOutput, RunSpec
-from ...defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
-from ...space import seed_for as _seed_for
+from ...config.defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
+from ...config.space import seed_for as _seed_for
 from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ...verdict import INTERNAL_ERROR, Verdict
 from ..analysis.accountant import asked_delta
@@ -376,7 +376,7 @@ DEFAULT_PRECISION_FACT = "default_precision"
 @dataclass(frozen=True)
 class ExploreRecipe:
     """How exploration (``--explore SECONDS``, docs/explore.md) draws a property's configurations
-    from the configuration space (``dpfsdp_verify.space``): ``draw`` holds the keywords of
+    from the configuration space (``dpfsdp_verify.config.space``): ``draw`` holds the keywords of
     ``strategies.explore_specs`` (which axes vary; the others stay at the space's defaults), and
     ``prepare(spec, knobs)`` turns a drawn spec and its knobs (e.g. ``clip_quantile``: where C sits
     among the reference norms) into the spec to run (a string: the reason it cannot run, a skip);

@@ -38,10 +38,10 @@ from __future__ import annotations
 from typing import Iterable
 
 # the gate's wide world size (``--wide-world-size``), long-run length (``--horizon``), and the long
-# runs' q and samples per rank: defaults.py, the one place defaults are written
-from ...defaults import (HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, NODE_WORLD_SIZE,
+# runs' q and samples per rank: config/defaults.py, the one place defaults are written
+from ...config.defaults import (HORIZON_SAMPLE_RATE, HORIZON_SAMPLES_PER_RANK, HORIZON_STEPS, NODE_WORLD_SIZE,
                          WIDE_WORLD_SIZE)
-from ...space import seed_for
+from ...config.space import seed_for
 from ...targets import RunSpec
 from ..analysis.clipfit import upper_clip
 from .contract import Point

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, 
 
 from ...harness import DEFAULT_TIMEOUT_S, JobPool, default_pool
 from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
-from ...modes import Mode
+from ...config.modes import Mode
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem

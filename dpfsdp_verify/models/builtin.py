@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model_catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS, EXTREME_MODELS, AUDIT_MODELS,
+from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS, EXTREME_MODELS, AUDIT_MODELS,
                             MODEL_NAMES, EXTREME_SCALES, MLP_IN, MLP_HIDDEN,
                             MLP_CLASSES, CONV_CHANNELS, CONV_SIZE, CONV_CLASSES,
                             CONV_WIDTH, CONV_GROUPS, CONV_MIXER, VOCAB, SEQ_LEN,

@@ -2,7 +2,7 @@
 falls back to, and a ``RunSpec`` starts from. Kept free of torch, so that ``dpfsdp-verify
 --help`` (which prints them) starts in a fraction of a second.
 
-``dpfsdp_verify.space`` reads these: it is the configuration space (each axis, its range, which
+``dpfsdp_verify.config.space`` reads these: it is the configuration space (each axis, its range, which
 combinations are valid) and gives each axis its default from here. Nothing else in the package
 writes one of these numbers (``tests/test_space.py`` greps for strays); a property's own options
 (``Property.params``: ``physical_batch_size``, ``resume_at``...) keep their defaults in the

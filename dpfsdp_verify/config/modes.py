@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .errors import HintedError
+from ..errors import HintedError
 
 Env = Dict[str, str]
 
