@@ -30,6 +30,7 @@ from hypothesis.errors import InvalidArgument
 
 from ..config import space
 from ..models import BASE_MODELS, MODEL_NAMES, TIES
+from ..models.catalog import contract_path
 from ..reference import REDUCTIONS
 from ..config.space import AXES
 from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec, capped_epochs
@@ -178,6 +179,8 @@ MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": trans
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:
     """The dims strategy of ``model`` (``mlp_dims``, ``conv_dims`` or ``transformer_dims``) at
     ``world_size``. Raises ``InvalidArgument`` for an unknown model."""
+    if model not in MODEL_DIM_STRATEGIES and contract_path(model) is not None:
+        return st.just({})  # a model of its own (docs/models.md) has no dims to vary
     if model not in MODEL_DIM_STRATEGIES:
         raise InvalidArgument(f"unknown model {model!r}; choose from {MODEL_NAMES}")
     # each draws a Dict[str, int] or Dict[str, object]: read-only here, so a Dict[str, object]

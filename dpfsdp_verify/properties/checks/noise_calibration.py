@@ -292,8 +292,9 @@ def nodes(point: Point):
     (node 1's local rank 0 repeats node 0's local rank 1: a repeat naming both ranks)."""
     if (point.sampling, point.seeding) != PROPERTY.sampling_points(point.options)[0]:
         return
-    spec = with_picked_clip(node_spec(point, model_kwargs=MLP_DIMS, noise_multiplier=SIGMA,
-                                      noise_seed=point.seed_for("nodes", point.param("noise_seed"))))
+    # on its mlp whatever the --models (a check sized for the mlp's tensors)
+    spec = with_picked_clip(node_spec(point, noise_multiplier=SIGMA, noise_seed=point.seed_for(
+        "nodes", point.param("noise_seed"))).with_(model="mlp", model_kwargs=MLP_DIMS))
     yield point.case(spec, doing=f"{spec.steps} noisy DP steps at lr {spec.lr:g} on 2 nodes x 2 ranks",
                      facts={"releases_judged": True, "alpha": NODE_ALPHA, "nodes": True})
 

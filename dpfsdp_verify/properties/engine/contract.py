@@ -552,7 +552,9 @@ class Property:
         unmeshed = [] if self.meshes else [
             self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
                       world_size=None, mesh=mesh) for mesh in opts.meshes]
-        items = [item for point in self.points(opts) for item in self.cases(point)]
+        from .own_models import point_cases  # a model of its own without float64: a skip per point
+
+        items = [item for point in self.points(opts) for item in point_cases(self, point)]
         return items + self.wide_plan(opts) + self.nodes_plan(opts) + unmeshed
 
     def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
