@@ -142,8 +142,6 @@ class ContractCriterion(nn.Module):
 
 _LOADED: Dict[str, Any] = {}
 _LOCK = threading.RLock()
-#: held while a model's parameters are drawn from torch's default generator (as ``builtin.build_model``)
-_DEFAULT_GENERATOR = threading.Lock()
 
 
 def load(name: str) -> Any:
@@ -191,6 +189,8 @@ def _forward(self, *args, **kwargs):
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``build(seed)`` of model ``name`` in ``dtype``, under torch's default generator seeded with
     ``seed`` too (a ``build`` that draws from it is then seeded all the same)."""
+    from .builtin import _DEFAULT_GENERATOR  # the one lock on torch's default generator (builtin.build_model's)
+
     obj = load(name)
     with _DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
