@@ -10,7 +10,8 @@ class's weight gradient scaled -- gives ``n_i^2 = ||g_i||^2 + (k^2 - 1) sum_{p i
 squared norms minus the true ones are a multiple of ``P``'s shares over the samples. That multiple
 is fitted by least squares for every candidate ``P``; the candidates whose residual is within the
 tolerance are the explanation (several when their shares are proportional on these samples: all are
-named). Single parameters are tried before modules (the more specific reading first).
+named). Single parameters are tried before modules (the more specific reading first); a set that
+holds the whole norm (a model of one parameter) is not tried: that is one factor on every norm.
 
 DP meaning: ``k < 1`` undercounts the sample's norm (it can contribute more than C: a privacy
 violation); ``k > 1`` over-clips (utility).
@@ -79,8 +80,8 @@ def fit_shares(spec: RunSpec, indices: Sequence[int], got_sq: "torch.Tensor", rt
     for names in candidates(spec):
         s = torch.stack([parts[n] for n in names]).sum(0)
         den = float(s @ s)
-        if den <= 0:
-            continue
+        if den <= 0 or bool(((true_sq - s).abs() <= allowed).all()):
+            continue  # no share, or the whole norm: a factor on every norm, not one parameter's
         a = float(d @ s) / den
         resid = (d - a * s).abs()
         k2 = 1.0 + a
