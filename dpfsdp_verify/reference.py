@@ -192,7 +192,7 @@ def _contract_grads(model: nn.Module, batch: Batch, reduction: str, dtype: torch
         m.train()
         with torch.enable_grad():  # a caller may judge under no_grad
             return _per_sample_grads_loop(m, b, reduction)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
+    except (RuntimeError, TypeError, NotImplementedError):
         problem = float64_problem(batch.loss.name) if dtype == torch.float64 else ""
         if not problem:
             raise
