@@ -1,5 +1,5 @@
 """Every release of a noisy run decomposed into the reference's clipped sum and the noise, and the
-noise's statistics, pooled over the runs of a gate run (``engine/releases.py`` collects them).
+noise's statistics, pooled over the runs of a gate run (``releases/judge.py`` collects them).
 
 DP meaning: the Gaussian mechanism's guarantee is for each release ``(sum_i c_i g_i + N(0, (sigma
 C)^2 I)) / D`` at every step, on every rank's shard, in whatever dtype, lr and loop shape the user
@@ -63,8 +63,8 @@ from ...lazy import torch
 
 from ...lazy import reference
 from ...targets import RankOutput, RunSpec
-from .compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
-from .stats import chi2_two_sided_p, normal_two_sided_p
+from ..analysis.compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
+from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 
 #: significand bits of the coarse float formats whose grid the noise must not sit on
 GRIDS = {"bfloat16": 8, "float16": 11}
