@@ -58,7 +58,7 @@ def _pages():
 def test_every_default_the_docs_quote_is_the_codes():
     code = code_defaults()
     by_option: dict = {}
-    for (cmd, opt), value in code.items():
+    for (_cmd, opt), value in code.items():
         by_option.setdefault(opt, set()).add(value)
     wrong, seen = [], 0
     for page in _pages():
