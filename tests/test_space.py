@@ -165,3 +165,15 @@ def test_the_docs_option_table_is_the_space():
     text = (ROOT / "docs" / "explore.md").read_text()
     table = text.split("<!-- space-table -->")[1].split("<!-- /space-table -->")[0].strip()
     assert table == space.option_table(), "regenerate it from space.option_table()"
+
+
+def test_typed_axis_lookups_say_which_kind():
+    """``choice`` / ``integer`` / ``real`` give an axis typed by its kind (no ``type: ignore`` at a
+    lookup), and a lookup of the wrong kind or an axis exploration never draws says so."""
+    assert space.choice("precision").values == AXES["precision"].values
+    assert space.integer("local_batch").drawn == (1, 64)
+    assert space.real("noise_multiplier").drawn == (0.5, 4.0)
+    with pytest.raises(TypeError, match="'lr' is a Real, not a Integer"):
+        space.integer("lr")
+    with pytest.raises(ValueError, match="axis max_grad_norm is not explored"):
+        space.real("max_grad_norm").drawn

@@ -29,7 +29,7 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
 
 from . import defaults as D
 
@@ -85,6 +85,11 @@ class Choice(Axis):
     values: Tuple[str, ...] = ()
     explore: Optional[Tuple[str, ...]] = None
 
+    @property
+    def drawn(self) -> Tuple[str, ...]:
+        """The values exploration draws from."""
+        return self.values if self.explore is None else self.explore
+
     def __post_init__(self):
         if self.explore is None:
             object.__setattr__(self, "explore", self.values)
@@ -112,6 +117,13 @@ class Integer(Axis):
     hi: Optional[int] = None
     none: Optional[int] = None
     explore: Optional[Tuple[int, int]] = None
+
+    @property
+    def drawn(self) -> Tuple[int, int]:
+        """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
+        if self.explore is None:
+            raise ValueError(f"axis {self.name} is not explored")
+        return self.explore
 
     def __post_init__(self):
         ex = self.explore
@@ -143,6 +155,13 @@ class Real(Axis):
     lo_open: bool = False
     hi_open: bool = False
     explore: Optional[Tuple[float, float]] = None
+
+    @property
+    def drawn(self) -> Tuple[float, float]:
+        """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
+        if self.explore is None:
+            raise ValueError(f"axis {self.name} is not explored")
+        return self.explore
 
     def check(self, value: Any) -> Optional[str]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -221,12 +240,37 @@ def axis(name: str) -> Axis:
         raise KeyError(f"no axis {name!r}; the axes: {', '.join(AXES)}") from None
 
 
+A = TypeVar("A", bound=Axis)
+
+
+def _typed(name: str, kind: Type[A]) -> A:
+    found = axis(name)
+    if not isinstance(found, kind):
+        raise TypeError(f"axis {name!r} is a {type(found).__name__}, not a {kind.__name__}")
+    return found
+
+
+def choice(name: str) -> Choice:
+    """The named-values axis ``name`` (typed: ``.values``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Choice)
+
+
+def integer(name: str) -> Integer:
+    """The integer axis ``name`` (typed: ``.lo``, ``.hi``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Integer)
+
+
+def real(name: str) -> Real:
+    """The real axis ``name`` (typed: ``.lo``, ``.hi``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Real)
+
+
 def explore_max_world_size(cores: Optional[int] = None) -> int:
     """The largest world size exploration draws on this host: ``EXPLORE_MAX_WORLD_SIZE`` (8), but
     no more than two ranks per core (ranks on an oversubscribed host are slow, not wrong; more
     would spend the budget on scheduling) and at least 2."""
     cores = cores or os.cpu_count() or 1
-    hi = AXES["world_size"].explore[1]  # type: ignore[attr-defined]
+    hi = integer("world_size").drawn[1]
     return max(2, min(hi, 2 * cores))
 
 
@@ -330,4 +374,5 @@ def option_table(names: Sequence[str] = tuple(AXES)) -> str:
 
 
 __all__ = ["SEED_MODULUS", "seed_for", "adjacent", "Axis", "Choice", "Integer", "Real", "MODELS", "EXPLORE_MODELS",
-           "AXES", "axis", "explore_max_world_size", "Configuration", "combination_problem", "option_table"]
+           "AXES", "axis", "choice", "integer", "real",
+           "explore_max_world_size", "Configuration", "combination_problem", "option_table"]

@@ -146,15 +146,15 @@ from ..lazy import torch
 
 from ..lazy import models
 from ..config.defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
-from ..config.space import AXES
+from ..config.space import choice
 
 # the axes' values are the configuration space's (``dpfsdp_verify.config.space``); a spec's defaults are
 # ``defaults.SPEC_DEFAULTS``
-DATA_LAYOUTS = AXES["data_layout"].values  # type: ignore[attr-defined]
+DATA_LAYOUTS = choice("data_layout").values
 #: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
-SAMPLINGS = AXES["sampling"].values  # type: ignore[attr-defined]
+SAMPLINGS = choice("sampling").values
 #: how a Poisson run's random source is seeded on the ranks (see module docstring)
-SEEDINGS = AXES["seeding"].values  # type: ignore[attr-defined]
+SEEDINGS = choice("seeding").values
 #: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
 #: is answered ``RankOutput.unsupported``, a failing verdict that says so)
 FEATURE_PHYSICAL_BATCHES = "physical_batches"
@@ -166,7 +166,7 @@ FEATURE_MOMENTUM = "momentum"
 #: ``load`` (load the checkpoint, then steps k..K-1)
 RESUME_PHASES = ("", "save", "load")
 #: the mixed-precision forms (module docstring): ``fp32`` is no form, just the parameters' dtype
-PRECISIONS = AXES["precision"].values  # type: ignore[attr-defined]
+PRECISIONS = choice("precision").values
 FEATURE_BF16_FSDP = "bf16-fsdp"
 FEATURE_BF16_AUTOCAST = "bf16-autocast"
 #: the feature a target declares for each mixed-precision form
