@@ -176,4 +176,4 @@ def test_typed_axis_lookups_say_which_kind():
     with pytest.raises(TypeError, match="'lr' is a Real, not a Integer"):
         space.integer("lr")
     with pytest.raises(ValueError, match="axis max_grad_norm is not explored"):
-        space.real("max_grad_norm").drawn
+        _ = space.real("max_grad_norm").drawn
