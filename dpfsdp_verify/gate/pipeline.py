@@ -9,7 +9,7 @@ three steps (``runner.plan_property``, ``runner.judge_case``, ``runner.in_plan_o
 threads:
 
 * the **judge** thread (started in a copy of the caller's context, so it feeds the release ledger
-  in force, ``engine/releases.py``) plans every property in order and hands each one's cases to
+  in force, ``releases/judge.py``) plans every property in order and hands each one's cases to
   the calling thread; then it judges each property's cases in case order as their outcomes come
   in, and hands the property's verdicts, in report order, to ``progress``;
 * the **calling** thread runs the cases' jobs (``runner.run_cases``), property after property,

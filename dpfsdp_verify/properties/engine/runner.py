@@ -28,7 +28,7 @@ from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
-from . import releases
+from ..releases import judge as releases
 from .own_models import float64_skip
 from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
@@ -118,7 +118,7 @@ def telling(listener: Optional[Callable[[Case, Verdict], None]]):
     has ended (not when every case of the property has run) and hands ``listener`` the case and
     its verdict -- what a torchrun job's rank 0 keeps on disk should a later job kill it
     (``gate/journal.py``). The verdicts are the same; only when they are judged differs (and so
-    the order in which the release ledger, ``releases.py``, takes the cases' runs). Outside it the
+    the order in which the release ledger, ``releases/judge.py``, takes the cases' runs). Outside it the
     cases are judged at the end, in order."""
     token = _TOLD.set(listener)
     try:
@@ -242,7 +242,7 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    ledger = releases.current()  # every noisy run is evidence for the noise at every step (engine/releases.py)
+    ledger = releases.current()  # every noisy run is evidence for the noise at every step (releases/judge.py)
     if ledger is not None:
         ledger.add(case, outputs)
     try:
