@@ -113,8 +113,9 @@ from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_d
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
-                                      pairs_message, scale_message, shape_message, tensor_pair_message,
+                                      pairs_message, scale_message, shape_message, tail_message, tensor_pair_message,
                                       varying_scale_message)
+from ..analysis import noise_tails
 from ..wording.noise_repeats import repeat_message
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
@@ -171,14 +172,14 @@ def _tests_per_verdict(shapes: Dict[str, Tuple[int, ...]], ws: int) -> int:
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
     accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval) +
     the per-release scale (Bonferroni over the releases: one test's share) + the per-release scale's
-    dispersion (``noise_stats.scale_dispersion``)."""
+    dispersion (``noise_stats.scale_dispersion``) + the two tail tests (``noise_tails``)."""
     sizes = [k for s in shapes.values() for k in shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
     multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
     pairs = 1 if len(set(multi)) < len(multi) else 0
     matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
     return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
-            + pairs + matrices + 1 + 1 + 1)
+            + pairs + matrices + 1 + 1 + 1 + 2)
 
 
 def cases(point: Point):
@@ -347,7 +348,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     at = f"mesh {spec.mesh} (world_size={case.world_size})" if spec.mesh else f"world_size={ws}"
     where = (f"at {at}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
-    evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
+    evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"],
+                      "clean_gradient_max": noise_tails.clean_max(runs, names)}
     silent = silent_shard(stacked, names, ws)
     if silent:
         n, r, k, numel = silent
@@ -483,6 +485,12 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         if not spread[2] >= alpha:
             return case.verdict("fail", "mismatch", varying_scale_message(spread, s, evidence["std_ratio"], where,
                                                                           alpha, case.spec.poisson), evidence)
+    # a clamped tail moves the std and the kurtosis too little for those tests: named before the shape
+    # test, where the scale tests pass (a scale error would also shift the mass beyond k sigma)
+    t = noise_tails.tails(stacked, names, s, noise_tails.rounding_quantum(case.spec, s, evidence["clean_gradient_max"]))
+    evidence.update(tail_mass_p=t.p_mass, tail_boundary_p=t.p_boundary, largest_noise_over_std=t.top)
+    if not failures and t.failed(alpha):
+        return case.verdict("fail", "non_gaussian_noise", tail_message(t, t.failed(alpha), where, alpha), evidence)
     excess, z_kurt, p_kurt, kurt_power, values = shape_stats(stacked, names, ws, alpha, POWER)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
