@@ -100,7 +100,7 @@ from ..analysis.accountant import accountant_problem
 from ..wording.accountant import measured_history_message
 from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
-from ..engine.contract import Case, Outputs, Point, Property
+from ..engine.contract import DEFAULT_PRECISION_FACT, Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
 from ..engine.releases import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
@@ -146,6 +146,11 @@ STEPS_PER_RUN = 12
 #: exact repeat check then covers lags 1..LONG_RUN-1 within a run (a pool of up to 35 noise vectors
 #: reused in turn); the other runs are STEPS_PER_RUN steps
 LONG_RUN = 36
+#: the mlp with a one-row output layer: at 2+ ranks fc2's FSDP shards are one row and empty ones
+FEW_ROWS_DIMS = (("classes", 1), ("d_in", 32), ("hidden", 64))
+#: steps of each of the two noisy runs of the default bf16 case (noise divided by N twice under bf16
+#: is N times too small: one draw of a 2048-coordinate tensor shows it)
+BF16_STEPS = 6
 
 
 def draws_for(numel: int, alpha: float) -> int:
@@ -186,6 +191,7 @@ def cases(point: Point):
     spec, once, verdicts, statistical = _statistical_case(point)
     yield statistical
     yield from _exact_cases(point, spec, once)
+    yield from _edge_cases(point, spec, verdicts)
     if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
         # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
         # (the gate's one noisy long run, deadlock_free's too: one job), every release decomposed
@@ -218,7 +224,9 @@ def _statistical_case(point: Point):
     # frozen parameters are not released (the runner checks they get no noise at all)
     shapes = trainable_shapes(spec)
     # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
-    verdicts = point.matrix_size + (1 if point.options.horizon else 0)
+    # ... and so does the bf16 case at 2+ ranks (``_edge_cases``)
+    verdicts = (point.matrix_size + (1 if point.options.horizon else 0)
+                + (1 if any(w >= 2 for w in point.options.world_sizes) else 0))
     shards = shard_divisor(spec, point.world_size)
     alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
     big = [k for s in shapes.values() for k in shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
@@ -262,6 +270,30 @@ def _exact_cases(point: Point, spec: RunSpec, once: bool):
                        noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
+
+
+def _edge_cases(point: Point, spec: RunSpec, verdicts: int):
+    """At the smallest world size >= 2 (first fixed-batch point, fp32): the noise of every tensor under
+    bf16 mixed precision (``bf16-fsdp``, statistical; skipped where the target does not declare it),
+    and one step of the mlp with a one-row layer, whose shards are one row and empty (exact checks)."""
+    o = point.options
+    multi = [w for w in o.world_sizes if w >= 2]
+    if (point.mesh or point.sampling != "fixed" or not multi or point.world_size != min(multi)
+            or spec.precision != "fp32" or not point.first_of_axes(PROPERTY.models, PROPERTY.reductions,
+                                                                    PROPERTY.dtypes)):
+        return
+    if o.precisions is None and (o.dtypes is None or "float32" in o.dtypes):
+        seed = point.seed_for("bf16", point.param("noise_seed"), point.world_size)
+        b = spec.with_(dtype="float32", precision="bf16-fsdp", steps=BF16_STEPS, noise_seed=seed)
+        alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(trainable_shapes(b), shard_divisor(b, point.world_size))
+        yield point.case(b, [b.with_(noise_multiplier=0.0), b, b.with_(noise_seed=adjacent(seed, 1))],
+                         doing="DP steps with noise under bf16 mixed precision", isolate=True,
+                         facts={"alpha_per_test": alpha, DEFAULT_PRECISION_FACT: True})
+    f = spec.with_(model_kwargs=FEW_ROWS_DIMS, steps=1,
+                   noise_seed=point.seed_for("few_rows_exact", point.param("noise_seed"), point.world_size))
+    yield point.case(f, [f.with_(noise_multiplier=0.0), f], doing="one DP step with noise on a parameter with fewer "
+                     "rows than ranks (exact checks)", facts={"exact_only": True}, isolate=True,
+                     labels={"model_kwargs": dict(FEW_ROWS_DIMS)})
 
 
 def wide(point: Point):
@@ -599,4 +631,5 @@ PROPERTY = Property(
 
 
 __all__ = ["FAMILY_ALPHA", "SIGMA", "CLIP", "POWER_STD_ERROR", "POWER_MIN_NUMEL", "POWER", "MLP_DIMS", "WIDE_MLP_DIMS",
-           "STEPS_PER_RUN", "LONG_RUN", "NODE_ALPHA", "draws_for", "cases", "wide", "nodes", "judge", "PROPERTY"]
+           "STEPS_PER_RUN", "LONG_RUN",
+           "FEW_ROWS_DIMS", "BF16_STEPS", "NODE_ALPHA", "draws_for", "cases", "wide", "nodes", "judge", "PROPERTY"]
