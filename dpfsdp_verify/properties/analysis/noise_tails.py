@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from ...lazy import torch
 
@@ -115,4 +115,29 @@ def tails(stacked, names: Sequence[str], s: float, quantum: Optional[float]) -> 
                  top_k[m_best - 1] if len(top_k) >= m_best else 0.0)
 
 
-__all__ = ["KS", "M_MAX", "Tails", "two_sided_sf", "binomial_lower_bound", "rounding_quantum", "clean_max", "tails"]
+
+
+#: a noise that takes at most this many distinct values (and at most a quarter of its values' count) is
+#: on a grid; Gaussian noise quantised at ``quantum`` (far below its std) has nearly as many as values
+GRID_MAX_DISTINCT = 1024
+
+
+def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float]]:
+    """``(distinct values, values, grid step, fraction exactly on 0)`` where ``values`` (noise, in any
+    unit; ``quantum`` in the same unit, far above its rounding) take few distinct values -- noise
+    rounded to a grid, a discrete mechanism the Gaussian accounting does not cover; ``None``
+    otherwise (or for fewer than 64 values)."""
+    v = values.reshape(-1).to(torch.float64)
+    n = v.numel()
+    if n < 64:
+        return None
+    keys = torch.unique(torch.round(v / quantum).to(torch.int64))
+    if keys.numel() > min(GRID_MAX_DISTINCT, n // 4):
+        return None
+    gaps = torch.diff(keys)
+    step = float(gaps.min()) * quantum if gaps.numel() else 0.0
+    return int(keys.numel()), n, step, float((torch.round(v / quantum) == 0).double().mean())
+
+
+__all__ = ["KS", "M_MAX", "GRID_MAX_DISTINCT", "Tails", "two_sided_sf", "binomial_lower_bound", "rounding_quantum",
+           "clean_max", "tails", "coarse_grid"]

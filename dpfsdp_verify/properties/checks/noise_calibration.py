@@ -113,8 +113,8 @@ from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_d
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
-                                      pairs_message, scale_message, shape_message, tail_message, tensor_pair_message,
-                                      varying_scale_message)
+                                      grid_message, pairs_message, scale_message, shape_message, tail_message,
+                                      tensor_pair_message, varying_scale_message)
 from ..analysis import noise_tails
 from ..wording.noise_repeats import repeat_message
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
@@ -481,6 +481,12 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
     spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
+    # noise on a coarse grid rounds a share of its values to exactly 0: the grid is the cause, not missing noise
+    grid = noise_tails.coarse_grid(torch.cat([st[n].reshape(-1) for run in noise for st in run for n in names]),
+                                   repeat_quantum(spec, s))
+    if grid is not None:
+        evidence.update(distinct_noise_values=grid[0], grid_step_over_std=grid[2] / s)
+        return case.verdict("fail", "non_gaussian_noise", grid_message(grid, s, where), evidence)
     unnoised = unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         empty = empty_round_unnoised(runs, names, spec) if spec.poisson else None
@@ -589,6 +595,10 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     where = f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype}"
     na = {n: (a[n] - clean[n]).to(torch.float64) for n in names}
     nb = {n: (b[n] - clean[n]).to(torch.float64) for n in names}
+    grid = noise_tails.coarse_grid(torch.cat([na[n].reshape(-1) for n in names]), quantum)
+    if grid is not None:
+        return case.verdict("fail", "non_gaussian_noise", grid_message(grid, s, where + " (a fresh training job)"),
+                            {"distinct_noise_values": grid[0]})
     # coordinates released without noise in both jobs are a missing-noise bug, not a replayed stream
     silent = {n: int(((na[n] == 0) & (nb[n] == 0)).sum()) for n in names}
     silent = {n: k for n, k in silent.items() if k}

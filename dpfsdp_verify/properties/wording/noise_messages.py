@@ -197,3 +197,12 @@ def tail_message(t, kind: str, where: str, alpha: float) -> str:
     return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: light tails, {cut}. Noise clamped or "
             f"bounded at +-{t.top:.3g} sigma gives no DP guarantee at all: a gradient difference larger than twice "
             "the bound is told apart for sure, and the Gaussian accounting assumes the whole tail.")
+
+
+def grid_message(grid, s: float, where: str) -> str:
+    """Noise on a coarse grid (``analysis.noise_tails.coarse_grid``): ``(distinct, values, step, zero share)``."""
+    distinct, n, step, zero = grid
+    return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: it is discrete, rounded to a grid of step "
+            f"{step / s:.3g} sigma*C/D -- {distinct} distinct values over {n} noise values ({zero:.1%} of them exactly "
+            "0, where the noise rounds to 0: those coordinates look un-noised because of the grid). A discrete noise "
+            "needs its own privacy analysis; the Gaussian accounting does not cover it.")
