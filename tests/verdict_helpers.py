@@ -60,3 +60,21 @@ def run_gate(pool, monkeypatch, capsys, *args):
     code = cli.main(list(args))
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def message_problems(v) -> list:
+    """What is broken in a verdict's words: an empty list ("at steps  in", "[]", ", ,") in its
+    message, or a replay line naming an option twice or one value twice in an option's comma list
+    (``--properties noise_calibration,noise_calibration``)."""
+    import re
+    import shlex
+    bad = [f"empty list {m.group(0)!r}" for m in re.finditer(
+        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|\[\]|\(\)|, ,", v.message)]
+    words = shlex.split(v.repro) if v.repro else []
+    flags = [w for w in words if w.startswith("--")]
+    bad += [f"option {f} twice" for f in sorted({f for f in flags if flags.count(f) > 1})]
+    for flag, value in zip(words, words[1:]):
+        items = value.split(",") if flag.startswith("--") and not value.startswith("--") else []
+        if len(items) != len(set(items)):
+            bad.append(f"{flag} {value}: a value twice")
+    return bad
