@@ -273,14 +273,11 @@ def _exact_cases(point: Point, spec: RunSpec, once: bool):
 
 
 def _edge_cases(point: Point, spec: RunSpec, verdicts: int):
-    """At the smallest world size >= 2 (first fixed-batch point, fp32): the noise of every tensor under
-    bf16 mixed precision (``bf16-fsdp``, statistical; skipped where the target does not declare it),
-    and one step of the mlp with a one-row layer, whose shards are one row and empty (exact checks)."""
-    o = point.options
-    multi = [w for w in o.world_sizes if w >= 2]
-    if (point.mesh or point.sampling != "fixed" or not multi or point.world_size != min(multi)
-            or spec.precision != "fp32" or not point.first_of_axes(PROPERTY.models, PROPERTY.reductions,
-                                                                    PROPERTY.dtypes)):
+    """At the smallest world size >= 2 (first fixed-batch fp32 point): every tensor's noise under bf16-fsdp
+    (statistical; skipped where undeclared), one step of the mlp with a one-row layer (exact checks)."""
+    o, multi = point.options, [w for w in point.options.world_sizes if w >= 2]
+    if (point.mesh or point.sampling != "fixed" or not multi or point.world_size != min(multi) or spec.precision
+            != "fp32" or not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes)):
         return
     if o.precisions is None and (o.dtypes is None or "float32" in o.dtypes):
         seed = point.seed_for("bf16", point.param("noise_seed"), point.world_size)
@@ -481,7 +478,7 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
     spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
-    # noise on a coarse grid rounds a share of its values to exactly 0: the grid is the cause, not missing noise
+    # a coarse grid rounds a share of its values to exactly 0: the cause is the grid, not missing noise
     grid = noise_tails.coarse_grid(torch.cat([st[n].reshape(-1) for run in noise for st in run for n in names]),
                                    repeat_quantum(spec, s))
     if grid is not None:
@@ -523,12 +520,9 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         if not spread[2] >= alpha:
             return case.verdict("fail", "mismatch", varying_scale_message(spread, s, evidence["std_ratio"], where,
                                                                           alpha, case.spec.poisson), evidence)
-    # a clamped tail moves the std and the kurtosis too little for those tests: named before the shape
-    # test, where the scale tests pass (a scale error would also shift the mass beyond k sigma)
-    t = noise_tails.tails(stacked, names, s, noise_tails.rounding_quantum(case.spec, s, evidence["clean_gradient_max"]))
-    evidence.update(tail_mass_p=t.p_mass, tail_boundary_p=t.p_boundary, largest_noise_over_std=t.top)
-    if not failures and t.failed(alpha):
-        return case.verdict("fail", "non_gaussian_noise", tail_message(t, t.failed(alpha), where, alpha), evidence)
+    cut = _tail_failure(case, stacked, names, where, evidence, not failures)
+    if cut is not None:
+        return cut
     excess, z_kurt, p_kurt, kurt_power, values = shape_stats(stacked, names, ws, alpha, POWER)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
@@ -562,6 +556,16 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
     tests = _tests_per_verdict({n: stacked[n].shape[1:] for n in names}, ws)
     return case.verdict("pass", None, _pass_message(tensors, shard_power, excess, kurt_power, tests, len(names), ws,
                                                     where, alpha), evidence)
+
+
+def _tail_failure(case: Case, stacked, names, where: str, evidence: Dict, scale_passed: bool) -> Optional[Verdict]:
+    """A clamped tail (``noise_tails``), too small a change for the std and kurtosis tests: named before
+    the shape test where the scale tests pass (a scale error shifts the mass beyond k sigma too)."""
+    s, alpha = evidence["expected_std"], case.facts["alpha_per_test"]
+    t = noise_tails.tails(stacked, names, s, noise_tails.rounding_quantum(case.spec, s, evidence["clean_gradient_max"]))
+    evidence.update(tail_mass_p=t.p_mass, tail_boundary_p=t.p_boundary, largest_noise_over_std=t.top)
+    kind = t.failed(alpha) if scale_passed else None
+    return case.verdict("fail", "non_gaussian_noise", tail_message(t, kind, where, alpha), evidence) if kind else None
 
 
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
