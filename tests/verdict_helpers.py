@@ -35,15 +35,18 @@ def without_fresh_case(pid):
 
 def without_extra_noise_cases():
     """noise_calibration with only its statistical verdicts on the warm ranks: no fresh-process
-    case and no exact-only cases (one step of the transformer and of a wide mlp, run beside the
-    default mlp at the smallest world size), for tests that judge the statistical verdict alone."""
+    case, no exact-only cases (one step of the transformer, of a wide mlp and of a one-row mlp, run
+    beside the default mlp) and no default bf16 case (at the smallest world size >= 2), for tests that
+    judge the statistical verdict alone."""
     import dataclasses
 
     from dpfsdp_verify.properties import PROPERTIES
+    from dpfsdp_verify.properties.engine.contract import DEFAULT_PRECISION_FACT
 
     prop = PROPERTIES["noise_calibration"]
     return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point)
-                                                          if not c.fresh_groups and not c.facts.get("exact_only")])
+                                                          if not c.fresh_groups and not c.facts.get("exact_only")
+                                                          and not c.facts.get(DEFAULT_PRECISION_FACT)])
 
 
 def run_gate(pool, monkeypatch, capsys, *args):
