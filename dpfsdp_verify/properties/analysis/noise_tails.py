@@ -124,18 +124,22 @@ GRID_MAX_DISTINCT = 1024
 
 def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float]]:
     """``(distinct values, values, grid step, fraction exactly on 0)`` where ``values`` (noise, in any
-    unit; ``quantum`` in the same unit, far above its rounding) take few distinct values -- noise
-    rounded to a grid, a discrete mechanism the Gaussian accounting does not cover; ``None``
-    otherwise (or for fewer than 64 values)."""
+    unit; ``quantum`` in the same unit, far above its rounding) take few distinct values on a uniform
+    grid -- noise rounded to a grid, a discrete mechanism the Gaussian accounting does not cover;
+    ``None`` otherwise (or for fewer than 64 values)."""
     v = values.reshape(-1).to(torch.float64)
     n = v.numel()
     if n < 64:
         return None
     keys = torch.unique(torch.round(v / quantum).to(torch.int64))
-    if keys.numel() > min(GRID_MAX_DISTINCT, n // 4):
+    if keys.numel() > min(GRID_MAX_DISTINCT, n // 4) or keys.numel() < 2:
         return None
-    gaps = torch.diff(keys)
-    step = float(gaps.min()) * quantum if gaps.numel() else 0.0
+    gap = int(torch.diff(keys).min())
+    # a uniform grid fills its range (half of its steps or more hold a value); a floating-point format's
+    # values (bf16, float16: the named grids' checks) are dense near 0 and sparse beyond, so they do not
+    if keys.numel() * 2 < (int(keys.max()) - int(keys.min())) // gap:
+        return None
+    step = gap * quantum
     return int(keys.numel()), n, step, float((torch.round(v / quantum) == 0).double().mean())
 
 
