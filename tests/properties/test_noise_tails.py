@@ -102,7 +102,37 @@ def test_default_gate_noises_bf16_and_one_row_layers(pool, target, failing):
     bad = [v for v in vs if v.status == "fail" and not v.config.get("releases")]
     assert [v.diagnosis for v in bad] == [failing[0]], [(v.config, v.message) for v in vs]
     assert "PRIVACY VIOLATION" in bad[0].message and failing[1] in bad[0].message, bad[0].message
-    assert not message_problems(bad[0])
+    # the release judge's verdict too: its replay line names noise_calibration once
+    assert all(not message_problems(v) for v in vs), [(message_problems(v), v.repro) for v in vs]
+
+
+def test_message_problems_sees_empty_lists_and_doubled_options():
+    from dpfsdp_verify.verdict import Verdict
+
+    def v(message, repro=""):
+        return Verdict("noise_calibration", "fail", {}, message=message, repro=repro)
+
+    assert message_problems(v("no noise at steps  in a run made for x"))
+    assert message_problems(v("ok", "dpfsdp-verify run --properties noise_calibration,noise_calibration"))
+    assert message_problems(v("ok", "dpfsdp-verify run --seed 1 --seed 2"))
+    assert not message_problems(v("no noise at steps 0-3 (ranks 0, 1) in a run", "dpfsdp-verify run --properties "
+                                  "noise_calibration --world-sizes 1,2"))
+
+
+def test_accountant_told_a_wrong_q_or_sigma_states_the_direction():
+    """3 x q (or a smaller sigma) over-reports epsilon (privacy intact); q/3 (or a larger sigma) under-reports."""
+    from dpfsdp_verify.properties.analysis.findings import HistoryFinding
+    from dpfsdp_verify.properties.wording.accountant import history_message
+
+    over = history_message(HistoryFinding("rate", history=[(2.5, 0.75, 3)], resume_at=2, wrong=(0.75,),
+                                          expected=0.25))
+    assert "too large" in over and "over-reports" in over and "too small" not in over, over
+    under = history_message(HistoryFinding("rate", history=[(2.5, 0.0625, 3)], wrong=(0.0625,), expected=0.25))
+    assert "too small" in under and "under-reports" in under, under
+    assert "over-reports" in history_message(HistoryFinding("sigma", history=[(1.25, 0.25, 3)], wrong=(1.25,),
+                                                            expected=2.5))
+    assert "under-reports" in history_message(HistoryFinding("sigma", history=[(5.0, 0.25, 3)], wrong=(5.0,),
+                                                             expected=2.5))
 
 
 @pytest.mark.slow
