@@ -140,7 +140,7 @@ def test_zoo_holds_the_common_layer_options():
     assert any(isinstance(m, torch.nn.Linear) and m.bias is None for m in mods)
     assert any(isinstance(m, torch.nn.Embedding) and m.padding_idx is not None for m in mods)
     assert any(isinstance(m, torch.nn.LayerNorm) and not m.elementwise_affine for m in mods)
-    assert any(isinstance(m, torch.nn.modules.conv._ConvNd) and m.bias is None for m in mods)
+    assert any(isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and m.bias is None for m in mods)
 
 
 def test_bias_counted_for_a_bias_free_linear_is_named(pool):

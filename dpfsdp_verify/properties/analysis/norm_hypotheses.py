@@ -137,7 +137,7 @@ def phantom_bias_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     model = copy.deepcopy(reference_model(spec))
     by_type: "OrderedDict[str, List[str]]" = OrderedDict()
     for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)) and m.bias is None \
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and m.bias is None \
                 and m.weight.requires_grad:
             # a zero bias leaves the forward unchanged; its per-sample gradient is the phantom term
             m.bias = torch.nn.Parameter(torch.zeros(m.weight.shape[0], dtype=m.weight.dtype))
