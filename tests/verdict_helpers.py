@@ -35,15 +35,18 @@ def without_fresh_case(pid):
 
 def without_extra_noise_cases():
     """noise_calibration with only its statistical verdicts on the warm ranks: no fresh-process
-    case and no exact-only cases (one step of the transformer and of a wide mlp, run beside the
-    default mlp at the smallest world size), for tests that judge the statistical verdict alone."""
+    case, no exact-only cases (one step of the transformer, of a wide mlp and of a one-row mlp, run
+    beside the default mlp) and no default bf16 case (at the smallest world size >= 2), for tests that
+    judge the statistical verdict alone."""
     import dataclasses
 
     from dpfsdp_verify.properties import PROPERTIES
+    from dpfsdp_verify.properties.engine.contract import DEFAULT_PRECISION_FACT
 
     prop = PROPERTIES["noise_calibration"]
     return dataclasses.replace(prop, cases=lambda point: [c for c in prop.cases(point)
-                                                          if not c.fresh_groups and not c.facts.get("exact_only")])
+                                                          if not c.fresh_groups and not c.facts.get("exact_only")
+                                                          and not c.facts.get(DEFAULT_PRECISION_FACT)])
 
 
 def run_gate(pool, monkeypatch, capsys, *args):
@@ -60,3 +63,21 @@ def run_gate(pool, monkeypatch, capsys, *args):
     code = cli.main(list(args))
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def message_problems(v) -> list:
+    """What is broken in a verdict's words: an empty list ("at steps  in", "[]", ", ,") in its
+    message, or a replay line naming an option twice or one value twice in an option's comma list
+    (``--properties noise_calibration,noise_calibration``)."""
+    import re
+    import shlex
+    bad = [f"empty list {m.group(0)!r}" for m in re.finditer(
+        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|\[\]|\(\)|, ,", v.message)]
+    words = shlex.split(v.repro) if v.repro else []
+    flags = [w for w in words if w.startswith("--")]
+    bad += [f"option {f} twice" for f in sorted({f for f in flags if flags.count(f) > 1})]
+    for flag, value in zip(words, words[1:]):
+        items = value.split(",") if flag.startswith("--") and not value.startswith("--") else []
+        if len(items) != len(set(items)):
+            bad.append(f"{flag} {value}: a value twice")
+    return bad

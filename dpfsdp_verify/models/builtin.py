@@ -270,9 +270,11 @@ class LayerZoo(nn.Module):
     """Every layer type opacus 1.6.0's ghost clipping samples, each with its parameters, in one tiny
     classifier of token sequences: Embedding -> LayerNorm -> RMSNorm -> Conv1d -> InstanceNorm1d ->
     Conv1d (groups 2, dilation 2) -> Conv2d -> GroupNorm -> InstanceNorm2d -> Conv3d -> InstanceNorm3d
-    -> Linear, with a Conv2d of stride 2 and groups 2 on a side branch into the Linear (every conv
-    with its bias, every norm affine; a norm that leaves out convs with stride, groups or dilation
-    != 1 undercounts). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
+    -> Linear, with a Conv2d of stride 2 and groups 2 on a side branch into the Linear (a norm that
+    leaves out convs with stride, groups or dilation != 1 undercounts); and the layer options models
+    use: the Embedding with ``padding_idx`` 0, a bias-free Linear and a LayerNorm without affine
+    parameters after the RMSNorm, the Conv3d without bias (a norm that counts a bias term a layer
+    does not have overcounts, named). The sequence of ``seq_len = 8`` positions is read as a 1-D signal, then
     as a 2 x 4 image, then as a 2 x 2 x 2 volume. Every parameter has >= 8 rows, a count not divisible by
     3, 4 or 8 (``width`` 10, like the other default models: uneven shards, none short at 4 ranks). Not in
     ``BASE_MODELS``: the norm property runs it once
@@ -285,9 +287,13 @@ class LayerZoo(nn.Module):
         super().__init__()
         if width % 2:
             raise ValueError(f"width={width} must be even (GroupNorm of 2 groups)")
-        self.tok = nn.Embedding(vocab, width)
+        # the common layer options too: an embedding with a padding row (token 0: its gradient is 0), a
+        # bias-free Linear, a LayerNorm without affine parameters, a conv without bias
+        self.tok = nn.Embedding(vocab, width, padding_idx=0)
         self.ln = nn.LayerNorm(width)
         self.rms = nn.RMSNorm(width)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.ln_plain = nn.LayerNorm(width, elementwise_affine=False)
         self.conv1d = nn.Conv1d(width, width, kernel_size=3, padding=1)
         self.in1d = nn.InstanceNorm1d(width, affine=True)
         # grouped and dilated (dilation 2, padding 2: the length stays 8)
@@ -297,7 +303,7 @@ class LayerZoo(nn.Module):
         self.conv2d_sg = nn.Conv2d(width, width, kernel_size=3, stride=2, padding=1, groups=2)
         self.gn = nn.GroupNorm(2, width)
         self.in2d = nn.InstanceNorm2d(width, affine=True)
-        self.conv3d = nn.Conv3d(width, width, kernel_size=3, padding=1)
+        self.conv3d = nn.Conv3d(width, width, kernel_size=3, padding=1, bias=False)
         self.in3d = nn.InstanceNorm3d(width, affine=True)
         self.fc = nn.Linear(width * self.SEQ_LEN + width * 2, classes)
         with torch.no_grad():  # norms start at (1, 0): give their affine parameters non-trivial values
@@ -312,6 +318,7 @@ class LayerZoo(nn.Module):
         # bias and scale (an InstanceNorm after a conv removes the conv's bias: its gradient is 0)
         b, t = idx.shape[0], torch.tanh
         x = t(self.rms(t(self.ln(self.tok(idx)))))                         # [B, 8, w]
+        x = self.ln_plain(t(self.proj(x)))                                # [B, 8, w]
         x = t(self.in1d(t(self.conv1d(x.transpose(1, 2)))))               # [B, w, 8]
         x = t(self.conv1d_gd(x))                                          # [B, w, 8]
         x = t(self.in2d(t(self.gn(t(self.conv2d(x.reshape(b, -1, 2, 4)))))))  # [B, w, 2, 4]

@@ -83,6 +83,14 @@ class Trail:
     updated: Optional[float] = None
     #: the trail's last line ("begin 3 1", "pass 3 0 1", "end 3", "run ...", "done")
     last_line: str = ""
+    #: the index (0-based) of the last step begun, as the target numbered it (-1: none): a resumed run or
+    #: a skipped step numbers steps beyond the count begun, and a hang names the step it was in
+    step: int = -1
+
+    @property
+    def current(self) -> int:
+        """The step (counted from 1) the rank began last: its own index + 1, else the count begun."""
+        return self.step + 1 if self.step >= 0 else self.begun
 
     @property
     def sizes(self) -> List[int]:
@@ -109,7 +117,7 @@ class Trail:
         if self.begun > self.finished:
             during = f", during physical pass {self.pass_counts[-1]}" if self.passes and self.passes[-1] else ""
             never = "and never finished it" if proven else "and had not finished it when the deadline passed"
-            return f"began step {self.begun} after {self.finished} finished step(s) {never}{during}"
+            return f"began step {self.current} after {self.finished} finished step(s) {never}{during}"
         return f"finished {self.finished} step(s) and did not end the run"
 
     def evidence(self) -> dict:
@@ -128,7 +136,7 @@ class Trail:
                       if self.passes and self.passes[-1] else "")
             size = self.sizes[-1] if self.given[-1] >= 0 else f">= {self.sizes[-1]}"  # passes so far
             never = "and never finished it" if proven else "and had not finished it when the deadline passed"
-            return (f"rank {rank} began step {self.begun} (local batch {size}) after {self.finished} "
+            return (f"rank {rank} began step {self.current} (local batch {size}) after {self.finished} "
                     f"finished step(s) {never}{during} (local batches {self.sizes}{self._passes()})")
         return (f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes}"
                 f"{self._passes()})")
@@ -156,6 +164,7 @@ def read(directory: str, world_size: int) -> List[Optional[Trail]]:
                     t = Trail(runs=t.runs + 1)
                 elif parts[0] == "begin" and len(parts) == 3:
                     t.begun += 1
+                    t.step = int(parts[1])
                     t.given.append(int(parts[2]))
                     t.passes.append([])
                 elif parts[0] == "pass" and len(parts) == 4 and t.passes:
@@ -228,7 +237,7 @@ def divergence(trails: List[Optional[Trail]]) -> Optional[str]:
                 return f"in logical step {k + 1}, {grouped(said)}"
     ended = [r for r, t in enumerate(known) if t.ended]
     for r in ended:
-        more = {q: f"began step {u.begun}" for q, u in enumerate(known) if u.begun > known[r].begun}
+        more = {q: f"began step {u.current}" for q, u in enumerate(known) if u.begun > known[r].begun}
         if more:
             return f"rank {r} ended its run after {known[r].finished} step(s), while {grouped(more)}"
     return None  # unreachable while ``diverged`` holds

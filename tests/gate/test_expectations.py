@@ -95,6 +95,9 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
     assert got == {("clipped_step", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
                    ("trajectory", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
                    ("clipped_step", "error", "placement_mismatch", (("model_kwargs", (("d_ff", 1),)),)),
+                   # the same finding on noise_calibration's one-row case
+                   ("noise_calibration", "error", "placement_mismatch",
+                    (("model_kwargs", (("classes", 1), ("d_in", 32), ("hidden", 64))),)),
                    ("deadlock_free", "error", "rank_crash", (("local_batches", "empty"),
                                                              ("model", ("mlp", "conv", "transformer", "masked")))),
                    ("deadlock_free", "fail", "non_finite", (("local_batches", "empty"), ("model", "lora"))),

@@ -130,3 +130,22 @@ def test_conv_variants_left_out_of_the_norm_fail_the_default_zoo_case(pool):
     [v] = _run(pool, L + "ConvVariantsLeftOutOfNorm", ws=1)
     assert (v.status, v.diagnosis) == ("fail", "undercount"), v.message
     assert "undercount the true norms" in v.message and v.config["model"] == "zoo"
+
+
+def test_zoo_holds_the_common_layer_options():
+    """A bias-free Linear, an Embedding with padding_idx, a LayerNorm without affine parameters and a
+    conv without bias are in the zoo the default gate runs (``norm_fidelity``, once per world size)."""
+    zoo = models.build_model("zoo")
+    mods = list(zoo.modules())
+    assert any(isinstance(m, torch.nn.Linear) and m.bias is None for m in mods)
+    assert any(isinstance(m, torch.nn.Embedding) and m.padding_idx is not None for m in mods)
+    assert any(isinstance(m, torch.nn.LayerNorm) and not m.elementwise_affine for m in mods)
+    assert any(isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and m.bias is None for m in mods)
+
+
+def test_bias_counted_for_a_bias_free_linear_is_named(pool):
+    [v] = _run(pool, "fixtures.layer_option_specimens:LinearNormCountsMissingBias")
+    assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
+    for w in ["inflated", "count a bias term for the Linear layer 'proj'", "bias=False", "over-clipped"]:
+        assert w in v.message, v.message
+    assert "PRIVACY VIOLATION" not in v.message

@@ -154,7 +154,9 @@ def test_draws_meet_the_power_target_per_shard_as_tested():
     opts = PROP.options("fixtures.specimens:Correct", world_sizes=(1, 2), samplings=("fixed", "poisson"),
                         reductions=("mean", "sum"))
     for case in PROP.plan(opts):
-        if case.fresh_groups or case.facts.get("exact_only"):
+        # the default bf16 case (nc.BF16_STEPS x 2 draws) is sized to see a factor (noise divided by N
+        # twice under bf16), not a 5% error: its verdict states the power its draws give
+        if case.fresh_groups or case.facts.get("exact_only") or case.spec.precision != "fp32":
             continue
         draws = sum(s.steps for s in case.specs[1:])
         alpha = case.facts["alpha_per_test"]

@@ -131,9 +131,10 @@ def test_tests_per_verdict_counts_the_new_tests():
     # at 2 ranks shards of 6, 6 / 2, 2 / 1: 5 scale + 4 shard-sum (>= 2 coordinates) + 1 pooled 1-D
     # scale + 3 mean + 1 shape + 3 independence (step, run, all pairs) + 1 across shards + 1 low rank
     # (a matrix) + 1 the accountant's sigma + 1 the per-release scale + 1 the per-release scale's
-    # dispersion; no two tensors share a shape: no tensor-pair test
-    assert nc._tests_per_verdict(shapes, 2) == 22
-    assert nc._tests_per_verdict({**shapes, "b2": torch.Size([4])}, 2) == 22 + 2 + 2 + 1 + 1
+    # dispersion + 2 tail tests (mass beyond k sigma, repeated boundary values); no two tensors share a
+    # shape: no tensor-pair test
+    assert nc._tests_per_verdict(shapes, 2) == 24
+    assert nc._tests_per_verdict({**shapes, "b2": torch.Size([4])}, 2) == 24 + 2 + 2 + 1 + 1
 
 
 @pytest.mark.slow

@@ -117,9 +117,13 @@ def test_noise_calibration_both_reductions(pool):
     # noise is right even under "sum": the 1/N bug above is in the signal, not in the noise
     # and under Poisson sampling (make_private's default), and across fresh training jobs
     vs = run(pool, "noise_calibration", world_sizes=(1, 2))
-    # world sizes x reductions x samplings + the fresh-process case + the two exact-only cases
-    assert len(vs) == 2 * 2 * 2 + 1 + 2
-    assert_all_pass(vs)
+    # world sizes x reductions x samplings + the fresh-process case + the two exact-only cases + at 2
+    # ranks the one-row case (the bf16 case needs float32 among the dtypes: the gate's run covers it)
+    assert len(vs) == 2 * 2 * 2 + 1 + 2 + 1
+    # the one-row case: finding 3 (Shard(0) + full-shape noise comes out Replicate), pinned in opacus-1.6.0.toml
+    one_row = [v for v in vs if dict(v.config.get("model_kwargs") or {}).get("classes") == 1]
+    assert [(v.status, v.diagnosis) for v in one_row] == [("error", "placement_mismatch")], one_row
+    assert_all_pass([v for v in vs if v not in one_row])
 
 
 #: opacus 1.6.0 ghost_fsdp: a rank whose local batch is empty raises in the per-sample norm

@@ -1,6 +1,7 @@
 """The wrong per-sample norms a target may clip with, each as a hypothesis a property tests the
 measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
 uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
+a bias term counted for a layer without one (``phantom_bias_norms``),
 a per-sequence loss averaged over padding (``sequence_weights``).
 
 DP meaning: an undercounted norm lets a sample contribute more than C (a privacy violation); the
@@ -125,6 +126,37 @@ def _omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     return out
 
 
+def phantom_bias_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of a norm formula that adds a bias term to
+    layers without a bias (a ghost norm written for ``nn.Linear(bias=True)``: the per-sample sum of
+    the backprop over positions, squared), as ``("mismatch", norms, what it does)``: per layer type
+    with bias-free layers (``Linear``, ``Conv2d``...), and for all of them at once. The norms are too
+    large: samples are over-clipped (utility). Empty for a model whose layers all hold their bias."""
+    import copy
+
+    model = copy.deepcopy(reference_model(spec))
+    by_type: "OrderedDict[str, List[str]]" = OrderedDict()
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and m.bias is None \
+                and m.weight.requires_grad:
+            # a zero bias leaves the forward unchanged; its per-sample gradient is the phantom term
+            m.bias = torch.nn.Parameter(torch.zeros(m.weight.shape[0], dtype=m.weight.dtype))
+            by_type.setdefault(type(m).__name__, []).append(name)
+    if not by_type:
+        return []
+    grads = reference.per_sample_grads(model, reference_batch(spec), spec.reduction)
+    true_sq = reference_norms(spec).pow(2)
+    groups = list(by_type.items()) + ([("bias-free", sum(by_type.values(), []))] if len(by_type) > 1 else [])
+    out: List[Tuple[str, torch.Tensor, str]] = []
+    for kind, layers in groups:
+        extra = sum(grads[f"{n}.bias"].flatten(1).pow(2).sum(1) for n in layers)
+        out.append(("mismatch", (true_sq + extra).sqrt(), f"count a bias term for the {kind} "
+                    f"layer{'s' if len(layers) > 1 else ''} {', '.join(repr(n) for n in layers)}, which "
+                    f"{'have' if len(layers) > 1 else 'has'} no bias (bias=False): a norm formula written for "
+                    "the layer with its bias adds the per-sample sum of the backprop, squared"))
+    return out
+
+
 def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     """The ways a target gets the per-sequence loss of padded token batches wrong, as ``(diagnosis,
     weights, what it does)`` with ``weights[i]`` the factor its per-sample loss (so its gradient
@@ -151,4 +183,42 @@ def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
              f"the loss asks for (ignore_index positions are excluded from the denominator, as opacus 1.6.0 does)")]
 
 
-__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights"]
+#: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
+HYPOTHESIS_RTOL = 1e-6
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` equals ``b`` within ``HYPOTHESIS_RTOL`` (a hypothesis matched)."""
+    return bool(((a - b).abs() <= HYPOTHESIS_RTOL * b.abs() + 1e-12).all())
+
+
+def borrowed_norms(got, want) -> dict:
+    """``{rank: other rank}`` when every rank whose norms are wrong reports exactly the true norms
+    of another rank's samples (a gather read at the wrong index); else ``{}``."""
+    out = {}
+    for r, g in enumerate(got):
+        if len(g) == len(want[r]) and close(g, want[r]):
+            continue
+        j = next((j for j, w in enumerate(want) if j != r and len(w) == len(g) and len(g) and close(g, w)), None)
+        if j is None:
+            return {}
+        out[r] = j
+    return out
+
+
+def right_prefix(got, want) -> int:
+    """``k > 0`` when on every rank exactly the first ``k`` reported norms are right (the same ``k``,
+    and every later one is wrong: the shape of a chunked per-sample computation whose first chunk is
+    right); else 0."""
+    ks = set()
+    for g, w in zip(got, want):
+        ok = ((g - w).abs() <= HYPOTHESIS_RTOL * w.abs() + 1e-12).tolist()
+        k = ok.index(False) if False in ok else len(ok)
+        if any(ok[k:]) or k == len(ok):
+            return 0
+        ks.add(k)
+    return ks.pop() if len(ks) == 1 and min(ks) > 0 else 0
+
+
+__all__ = ["HYPOTHESIS_RTOL", "close", "borrowed_norms", "right_prefix", "finetune_norms", "omitted_layer_norms",
+           "phantom_bias_norms", "sequence_weights"]

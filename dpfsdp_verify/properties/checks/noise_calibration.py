@@ -100,7 +100,7 @@ from ..analysis.accountant import accountant_problem
 from ..wording.accountant import measured_history_message
 from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
-from ..engine.contract import Case, Outputs, Point, Property
+from ..engine.contract import DEFAULT_PRECISION_FACT, Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
 from ..releases.judge import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
@@ -113,8 +113,9 @@ from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_d
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
-                                      pairs_message, scale_message, shape_message, tensor_pair_message,
-                                      varying_scale_message)
+                                      grid_message, pairs_message, scale_message, shape_message, tail_message,
+                                      tensor_pair_message, varying_scale_message)
+from ..analysis import noise_tails
 from ..wording.noise_repeats import repeat_message
 from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
@@ -145,6 +146,11 @@ STEPS_PER_RUN = 12
 #: exact repeat check then covers lags 1..LONG_RUN-1 within a run (a pool of up to 35 noise vectors
 #: reused in turn); the other runs are STEPS_PER_RUN steps
 LONG_RUN = 36
+#: the mlp with a one-row output layer: at 2+ ranks fc2's FSDP shards are one row and empty ones
+FEW_ROWS_DIMS = (("classes", 1), ("d_in", 32), ("hidden", 64))
+#: steps of each of the two noisy runs of the default bf16 case (noise divided by N twice under bf16
+#: is N times too small: one draw of a 2048-coordinate tensor shows it)
+BF16_STEPS = 6
 
 
 def draws_for(numel: int, alpha: float) -> int:
@@ -171,20 +177,21 @@ def _tests_per_verdict(shapes: Dict[str, Tuple[int, ...]], ws: int) -> int:
     pairs (if two tensors share a shape) + low rank (if a tensor is a matrix): ``noise_stats`` + the
     accountant's sigma (``accountant.py``: its epsilon interval is the same statistic's confidence interval) +
     the per-release scale (Bonferroni over the releases: one test's share) + the per-release scale's
-    dispersion (``noise_stats.scale_dispersion``)."""
+    dispersion (``noise_stats.scale_dispersion``) + the two tail tests (``noise_tails``)."""
     sizes = [k for s in shapes.values() for k in shard_sizes(s, ws)]
     vectors = 1 if any(len(s) == 1 for s in shapes.values()) else 0
     multi = [tuple(s) for s in shapes.values() if math.prod(s) >= 2]
     pairs = 1 if len(set(multi)) < len(multi) else 0
     matrices = 1 if any(len(s) == 2 and min(s) >= 2 for s in shapes.values()) else 0
     return (len(sizes) + sum(k >= 2 for k in sizes) + vectors + len(shapes) + 1 + 3 + (1 if ws > 1 else 0)
-            + pairs + matrices + 1 + 1 + 1)
+            + pairs + matrices + 1 + 1 + 1 + 2)
 
 
 def cases(point: Point):
     spec, once, verdicts, statistical = _statistical_case(point)
     yield statistical
     yield from _exact_cases(point, spec, once)
+    yield from _edge_cases(point, spec, verdicts)
     if horizon_point(point, PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
         # every step of a long Poisson run judged on its own: noise reduced from step k shows at step k
         # (the gate's one noisy long run, deadlock_free's too: one job), every release decomposed
@@ -217,7 +224,9 @@ def _statistical_case(point: Point):
     # frozen parameters are not released (the runner checks they get no noise at all)
     shapes = trainable_shapes(spec)
     # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
-    verdicts = point.matrix_size + (1 if point.options.horizon else 0)
+    # ... and so does the bf16 case at 2+ ranks (``_edge_cases``)
+    verdicts = (point.matrix_size + (1 if point.options.horizon else 0)
+                + (1 if any(w >= 2 for w in point.options.world_sizes) else 0))
     shards = shard_divisor(spec, point.world_size)
     alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
     big = [k for s in shapes.values() for k in shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
@@ -261,6 +270,27 @@ def _exact_cases(point: Point, spec: RunSpec, once: bool):
                        noise_seed=point.seed_for("wide_layer_exact", point.param("noise_seed"), point.world_size))
         yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                          "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
+
+
+def _edge_cases(point: Point, spec: RunSpec, verdicts: int):
+    """At the smallest world size >= 2 (first fixed-batch fp32 point): every tensor's noise under bf16-fsdp
+    (statistical; skipped where undeclared), one step of the mlp with a one-row layer (exact checks)."""
+    o, multi = point.options, [w for w in point.options.world_sizes if w >= 2]
+    if (point.mesh or point.sampling != "fixed" or not multi or point.world_size != min(multi) or spec.precision
+            != "fp32" or not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes)):
+        return
+    if o.precisions is None and (o.dtypes is None or "float32" in o.dtypes):
+        seed = point.seed_for("bf16", point.param("noise_seed"), point.world_size)
+        b = spec.with_(dtype="float32", precision="bf16-fsdp", steps=BF16_STEPS, noise_seed=seed)
+        alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(trainable_shapes(b), shard_divisor(b, point.world_size))
+        yield point.case(b, [b.with_(noise_multiplier=0.0), b, b.with_(noise_seed=adjacent(seed, 1))],
+                         doing="DP steps with noise under bf16 mixed precision", isolate=True,
+                         facts={"alpha_per_test": alpha, DEFAULT_PRECISION_FACT: True})
+    f = spec.with_(model_kwargs=FEW_ROWS_DIMS, steps=1,
+                   noise_seed=point.seed_for("few_rows_exact", point.param("noise_seed"), point.world_size))
+    yield point.case(f, [f.with_(noise_multiplier=0.0), f], doing="one DP step with noise on a parameter with fewer "
+                     "rows than ranks (exact checks)", facts={"exact_only": True}, isolate=True,
+                     labels={"model_kwargs": dict(FEW_ROWS_DIMS)})
 
 
 def wide(point: Point):
@@ -348,7 +378,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     at = f"mesh {spec.mesh} (world_size={case.world_size})" if spec.mesh else f"world_size={ws}"
     where = (f"at {at}, reduction={spec.reduction}, {spec.dtype} (sigma={spec.noise_multiplier}, "
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
-    evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"]}
+    evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"],
+                      "clean_gradient_max": noise_tails.clean_max(runs, names)}
     silent = silent_shard(stacked, names, ws)
     if silent:
         n, r, k, numel = silent
@@ -448,6 +479,12 @@ def _exact_failure(case: Case, runs, noise, names, s: float, where: str, evidenc
     noise in any draw (``mismatch``), no noise value repeated within or across tensors, steps or
     runs (``dependent_noise``); ``None`` when both hold."""
     spec, ws = case.spec, shard_divisor(case.spec, case.world_size)
+    # a coarse grid rounds a share of its values to exactly 0: the cause is the grid, not missing noise
+    grid = noise_tails.coarse_grid(torch.cat([st[n].reshape(-1) for run in noise for st in run for n in names]),
+                                   repeat_quantum(spec, s))
+    if grid is not None:
+        evidence.update(distinct_noise_values=grid[0], grid_step_over_std=grid[2] / s)
+        return case.verdict("fail", "non_gaussian_noise", grid_message(grid, s, where), evidence)
     unnoised = unnoised_in_some_draw(runs, names, spec)
     if unnoised:
         empty = empty_round_unnoised(runs, names, spec) if spec.poisson else None
@@ -484,6 +521,9 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
         if not spread[2] >= alpha:
             return case.verdict("fail", "mismatch", varying_scale_message(spread, s, evidence["std_ratio"], where,
                                                                           alpha, case.spec.poisson), evidence)
+    cut = _tail_failure(case, stacked, names, where, evidence, not failures)
+    if cut is not None:
+        return cut
     excess, z_kurt, p_kurt, kurt_power, values = shape_stats(stacked, names, ws, alpha, POWER)
     evidence.update(excess_kurtosis=excess, kurtosis_z=z_kurt, detects_excess_kurtosis=kurt_power)
     if not p_kurt >= alpha:
@@ -519,6 +559,16 @@ def _judge_tests(case: Case, noise, names, stacked, where: str, evidence: Dict) 
                                                     where, alpha), evidence)
 
 
+def _tail_failure(case: Case, stacked, names, where: str, evidence: Dict, scale_passed: bool) -> Optional[Verdict]:
+    """A clamped tail (``noise_tails``), too small a change for the std and kurtosis tests: named before
+    the shape test where the scale tests pass (a scale error shifts the mass beyond k sigma too)."""
+    s, alpha = evidence["expected_std"], case.facts["alpha_per_test"]
+    t = noise_tails.tails(stacked, names, s, noise_tails.rounding_quantum(case.spec, s, evidence["clean_gradient_max"]))
+    evidence.update(tail_mass_p=t.p_mass, tail_boundary_p=t.p_boundary, largest_noise_over_std=t.top)
+    kind = t.failed(alpha) if scale_passed else None
+    return case.verdict("fail", "non_gaussian_noise", tail_message(t, kind, where, alpha), evidence) if kind else None
+
+
 def _pass_message(tensors: Dict, shard_power, excess: float, kurt_power: float, tests: int, n_tensors: int, ws: int,
                   where: str, alpha: float) -> str:
     big = [p for p in shard_power if p[3] >= POWER_MIN_NUMEL]
@@ -550,6 +600,10 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
     where = f"at world_size={ws}, reduction={spec.reduction}, {spec.dtype}"
     na = {n: (a[n] - clean[n]).to(torch.float64) for n in names}
     nb = {n: (b[n] - clean[n]).to(torch.float64) for n in names}
+    grid = noise_tails.coarse_grid(torch.cat([na[n].reshape(-1) for n in names]), quantum)
+    if grid is not None:
+        return case.verdict("fail", "non_gaussian_noise", grid_message(grid, s, where + " (a fresh training job)"),
+                            {"distinct_noise_values": grid[0]})
     # coordinates released without noise in both jobs are a missing-noise bug, not a replayed stream
     silent = {n: int(((na[n] == 0) & (nb[n] == 0)).sum()) for n in names}
     silent = {n: k for n, k in silent.items() if k}
@@ -592,4 +646,5 @@ PROPERTY = Property(
 
 
 __all__ = ["FAMILY_ALPHA", "SIGMA", "CLIP", "POWER_STD_ERROR", "POWER_MIN_NUMEL", "POWER", "MLP_DIMS", "WIDE_MLP_DIMS",
-           "STEPS_PER_RUN", "LONG_RUN", "NODE_ALPHA", "draws_for", "cases", "wide", "nodes", "judge", "PROPERTY"]
+           "STEPS_PER_RUN", "LONG_RUN",
+           "FEW_ROWS_DIMS", "BF16_STEPS", "NODE_ALPHA", "draws_for", "cases", "wide", "nodes", "judge", "PROPERTY"]

@@ -57,13 +57,12 @@ from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, nor
 from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
-from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, sequence_weights
+from ..analysis.norm_hypotheses import (HYPOTHESIS_RTOL, borrowed_norms, close as _close, finetune_norms,
+                                        omitted_layer_norms, phantom_bias_norms, right_prefix, sequence_weights)
 from ..analysis.param_shares import clip_share_diagnosis, norm_share_diagnosis
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
 
-#: diagnosis hypotheses are judged with a looser tolerance than pass/fail: they only name a cause
-HYPOTHESIS_RTOL = 1e-6
 
 
 def prepare(spec: RunSpec) -> RunSpec:
@@ -512,6 +511,9 @@ def hypotheses(case: Case, want, steps, subject: str):
         yield diagnosis, shown, (f"{subject} undercount the true norms {where}: they {what}. A sample's "
                                  "norm then misses those parameters' share, so it can contribute more than C: a "
                                  "privacy violation."), None
+    for diagnosis, norms, what in phantom_bias_norms(case.spec):  # a bias term for a bias-free layer
+        yield diagnosis, [norms[list(s.indices)] for s in steps], (f"{subject} are inflated {where}: they {what}. "
+                                                                   "Every sample is over-clipped (utility loss)."), None
     # padded sequences: the per-sequence loss normalised over the wrong token count
     for diagnosis, weights, what in sequence_weights(case.spec):
         w = [weights[list(s.indices)] for s in steps]
@@ -548,10 +550,6 @@ def tensor_parallel_hypotheses(case: Case, steps, subject: str):
         f"{subject} count the parameters every TP peer holds whole {t} times {where}: each of the {t} tensor-parallel "
         "peers adds the squares of its whole (replicated) parameters before the sum over the TP group; a "
         "replicated parameter is one parameter and must be counted once. Every sample is over-clipped."), None
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(((a - b).abs() <= HYPOTHESIS_RTOL * b.abs() + 1e-12).all())
 
 
 def diagnose(case: Case, got, want, steps, ratios):
@@ -602,34 +600,6 @@ def _borrowed_message(what: str, borrowed: dict, where: str) -> str:
             "index -- LOCAL_RANK or rank % 2 where the global rank is meant -- are right on the first node or at 2 "
             "ranks only. A sample clipped with another sample's norm can contribute more than C: a privacy "
             "violation.")
-
-
-def borrowed_norms(got, want) -> dict:
-    """``{rank: other rank}`` when every rank whose norms are wrong reports exactly the true norms
-    of another rank's samples (a gather read at the wrong index); else ``{}``."""
-    out = {}
-    for r, g in enumerate(got):
-        if len(g) == len(want[r]) and _close(g, want[r]):
-            continue
-        j = next((j for j, w in enumerate(want) if j != r and len(w) == len(g) and len(g) and _close(g, w)), None)
-        if j is None:
-            return {}
-        out[r] = j
-    return out
-
-
-def right_prefix(got, want) -> int:
-    """``k > 0`` when on every rank exactly the first ``k`` reported norms are right (the same ``k``,
-    and every later one is wrong: the shape of a chunked per-sample computation whose first chunk is
-    right); else 0."""
-    ks = set()
-    for g, w in zip(got, want):
-        ok = ((g - w).abs() <= HYPOTHESIS_RTOL * w.abs() + 1e-12).tolist()
-        k = ok.index(False) if False in ok else len(ok)
-        if any(ok[k:]) or k == len(ok):
-            return 0
-        ks.add(k)
-    return ks.pop() if len(ks) == 1 and min(ks) > 0 else 0
 
 
 PROPERTY = Property(

@@ -64,6 +64,7 @@ from ...lazy import reference
 from ...targets import RankOutput, RunSpec
 from ..analysis.compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
 from ..analysis.memo import Memo
+from ..analysis.noise_tails import coarse_grid
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 
 #: significand bits of the coarse float formats whose grid the noise must not sit on
@@ -122,6 +123,8 @@ class RunReleases:
     cells: List[Cell] = field(default_factory=list)
     #: grid name -> (values on it, values tested)
     grids: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    #: noise on a coarse grid (``noise_tails.coarse_grid`` of the raw residuals, units of sigma C)
+    coarse: Optional[Tuple[int, int, float, float]] = None
     #: ``(step a, rank a, step b, rank b, negated, values)`` of the first repeat found
     repeat: Optional[Tuple[int, int, int, int, bool, int]] = None
     #: silent coordinates (``silent``): ``(tensor, rank, steps, silent coordinates of the tensor's
@@ -322,6 +325,7 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
         return out
     out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}
     if spec.precision == "fp32":
+        out.coarse = coarse_grid(torch.cat([v.reshape(-1) for _, _, v in raw_cells]), SILENT / 2)
         out.silent = silent(raw_cells, _shard_layout(names, shapes, shards))
     out.repeat = repeats((earlier or []) + raw_cells)
     if earlier is not None:
@@ -382,6 +386,8 @@ def silent(cells: List[Tuple[int, int, torch.Tensor]], layout: List[List[Tuple[s
             if k:
                 # the steps where at least half of them are silent (not a chance near-zero value of one)
                 steps = tuple(items[i][0] for i in (part.sum(1) * 2 >= k).nonzero().flatten().tolist())
+                # spread thin (no step holds half of them): every step with one, never an empty list
+                steps = steps or tuple(items[i][0] for i in part.any(1).nonzero().flatten().tolist())
                 found.append((k, name, r, steps, size))
             offset += size
     if not found:
@@ -423,7 +429,7 @@ def repeats(cells: List[Tuple[int, int, torch.Tensor]]) -> Optional[Tuple[int, i
 class Finding:
     """One failed test: what, where (steps, ranks), how far off, and its p-value (``None``: exact)."""
 
-    kind: str  # "silent", "scale", "mean", "grid", "repeat"
+    kind: str  # "coarse", "silent", "scale", "mean", "grid", "repeat"
     ratio: float = float("nan")
     p: Optional[float] = None
     steps: Tuple[int, ...] = ()
@@ -451,6 +457,9 @@ def tests_of(run: RunReleases) -> int:
 def exact_finding(run: RunReleases) -> Optional[Finding]:
     """The first exact finding of one run (no alpha): coordinates without noise, noise repeated, a
     value grid; ``None``."""
+    if run.coarse is not None:  # a grid rounds values to 0: named before the coordinates it leaves silent
+        return Finding("coarse", ratio=run.coarse[2], scope="run",
+                       detail=f"{run.coarse[0]} distinct values over {run.coarse[1]}, {run.coarse[3]:.1%} of them 0")
     if run.silent is not None:
         name, r, where_, k, size, also_in, with_some = run.silent
         also = (f" (silent coordinates also in {', '.join(repr(o) for o in also_in)})" if also_in else "")

@@ -48,8 +48,8 @@ from ..engine.threads import one_thread
 PROPERTY_ID = "noise_calibration"
 #: false-alarm probability of one gate run's release verdicts (module docstring)
 ALPHA = 1e-4
-DIAGNOSIS = {"silent": "mismatch", "scale": "mismatch", "mean": "mismatch", "grid": "non_gaussian_noise",
-             "repeat": "dependent_noise"}
+DIAGNOSIS = {"coarse": "non_gaussian_noise", "silent": "mismatch", "scale": "mismatch", "mean": "mismatch",
+             "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
 
 _CURRENT: "contextvars.ContextVar[Optional[Ledger]]" = contextvars.ContextVar("dpfsdp_release_ledger", default=None)
 
@@ -139,7 +139,9 @@ class Ledger:
              "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
              "dtype": run.dtype, "lr": run.lr, **self._device([case])})
         v.config = {**case.config(), "releases": owner}
-        v.repro = case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1)
+        # the release judge's verdicts are noise_calibration's: a run made for it is replayed by it alone
+        v.repro = (case.repro() if owner == PROPERTY_ID else
+                   case.repro().replace(f"--properties {owner}", f"--properties {owner},{PROPERTY_ID}", 1))
         return v
 
     def verdicts(self, opts: Options) -> List[Verdict]:

@@ -81,6 +81,11 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
         return (f"PRIVACY VIOLATION: the noise released at step {tb} on rank {rb}'s shard repeats the noise of step "
                 f"{ta} on rank {ra}'s ({f.detail}, each within {1e-3:g} sigma*C) {at}. Repeated noise cancels in the "
                 f"difference (or sum) of two releases: no privacy for what it was meant to hide.{resumed}")
+    if f.kind == "coarse":
+        return (f"PRIVACY VIOLATION: the released noise is not Gaussian {at}: it is discrete, on a grid of step "
+                f"{f.ratio:.3g} sigma*C ({f.detail}; released gradient x D minus the reference's clipped sum). Values "
+                "rounded to 0 look like coordinates without noise; the cause is the grid. A discrete noise needs its "
+                "own privacy analysis; the Gaussian accounting does not cover it.")
     if f.kind == "grid":
         return (f"PRIVACY VIOLATION: the released noise lies on the {f.detail} grid {at}: {f.ratio:.1%} of its values "
                 f"(released gradient x D minus the reference's clipped sum) have at most the {f.detail} significand, "

@@ -58,10 +58,14 @@ def _step_count(f: HistoryFinding) -> str:
 
 def _sigma(f: HistoryFinding) -> str:
     sigma = f.expected
+    told = f.wrong[0] / sigma if sigma else float("inf")
+    side = ("; with a larger sigma than the noise has, the epsilon it reports is too small (it under-reports: a "
+            "privacy violation in the accounting)" if told > 1 else
+            "; with a smaller sigma than the noise has, the epsilon it reports is too large (it over-reports: a "
+            "budget spent sooner than need be, privacy intact)")
     return (f"PRIVACY ACCOUNTING: the accountant was told noise multiplier(s) {', '.join(f'{s:.6g}' for s in f.wrong)} "
             f"({fmt_history(f.history)}){_where(f)}, but the run's is {sigma:g} "
-            f"({f.wrong[0] / sigma if sigma else float('inf'):.4g} x): the epsilon it reports describes other noise "
-            "than the noise added")
+            f"({told:.4g} x): the epsilon it reports describes other noise than the noise added{side}")
 
 
 def _rate(f: HistoryFinding) -> str:
@@ -70,7 +74,10 @@ def _rate(f: HistoryFinding) -> str:
              "is q, never that of one pass" if f.physical_batch_size else "")
     return (f"PRIVACY ACCOUNTING: the accountant was told sampling rate(s) {', '.join(f'{r:.6g}' for r in f.wrong)} "
             f"({fmt_history(f.history)}){_where(f)}, but the sampler draws at q = {q:.6g} ({f.wrong[0] / q:.4g} x q)"
-            f"{accum}: with a smaller q the epsilon it reports is too small")
+            f"{accum}: " + ("with a smaller q the epsilon it reports is too small (it under-reports: a privacy "
+                            "violation in the accounting)" if f.wrong[0] < q else
+                            "with a larger q the epsilon it reports is too large (it over-reports: a budget spent "
+                            "sooner than need be, privacy intact)"))
 
 
 def _epsilon(f: HistoryFinding) -> str:

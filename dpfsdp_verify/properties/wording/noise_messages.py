@@ -179,3 +179,30 @@ def tensor_pair_message(pair, at, where: str, alpha: float) -> str:
 
 __all__ = ["empty_round_message", "varying_scale_message", "late_message", "shape_message", "independence_message",
            "pairs_message", "scale_message", "mesh_ratios", "low_rank_message", "tensor_pair_message"]
+
+
+def tail_message(t, kind: str, where: str, alpha: float) -> str:
+    """The tail test's failure (``analysis.noise_tails``): ``kind`` ``"boundary"`` (the largest values
+    pile up on one value: a clamp) or ``"mass"`` (too little mass beyond k sigma)."""
+    k = t.worst_k
+    mass = (f"{t.beyond[k]} of {t.values} values lie beyond {k:g} sigma where Gaussian noise puts "
+            f"~{t.expected[k]:.3g} (p <= {t.p_mass:.2g})")
+    if kind == "boundary":
+        nth = {2: "2nd", 3: "3rd"}.get(t.m, f"{t.m}th")
+        cut = (f"the noise's tail is cut at {t.top:.4g} sigma: its {t.m} largest |values| all lie at "
+               f"{t.mth:.7g}..{t.top:.7g} sigma, a boundary value repeated (for Gaussian noise the gap between the "
+               f"largest and the {nth} largest is that small with p = {t.p_boundary:.2g} < {alpha:.2g}); {mass}")
+    else:
+        cut = f"too little mass in the tail: {mass} < {alpha:.2g}; the largest |value| is {t.top:.4g} sigma"
+    return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: light tails, {cut}. Noise clamped or "
+            f"bounded at +-{t.top:.3g} sigma gives no DP guarantee at all: a gradient difference larger than twice "
+            "the bound is told apart for sure, and the Gaussian accounting assumes the whole tail.")
+
+
+def grid_message(grid, s: float, where: str) -> str:
+    """Noise on a coarse grid (``analysis.noise_tails.coarse_grid``): ``(distinct, values, step, zero share)``."""
+    distinct, n, step, zero = grid
+    return (f"PRIVACY VIOLATION: the noise is not Gaussian {where}: it is discrete, rounded to a grid of step "
+            f"{step / s:.3g} sigma*C/D -- {distinct} distinct values over {n} noise values ({zero:.1%} of them exactly "
+            "0, where the noise rounds to 0: those coordinates look un-noised because of the grid). A discrete noise "
+            "needs its own privacy analysis; the Gaussian accounting does not cover it.")
