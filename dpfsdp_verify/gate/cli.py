@@ -7,7 +7,7 @@
         [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
         [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
-        [--markdown PATH] [-q] [--launcher spawn|torchrun] [--dry-run]
+        [--markdown PATH] [-q] [-v] [--write-expect FILE] [--launcher spawn|torchrun] [--dry-run]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
     dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     reports.add_argument("--markdown", metavar="PATH",
                          help="write a markdown summary here (plot beside it if matplotlib)")
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    reports.add_argument("-v", "--verbose", action="store_true",
+                         help="the summary lists every verdict and every failure's message (default: one block per "
+                              "cause of failure)")
+    reports.add_argument("--write-expect", metavar="FILE",
+                         help="write this run's failures as an expectations file, one entry per cause, that "
+                              "'--expect FILE' accepts (a baseline; docs/gate.md)")
     matrix.add_argument("--world-sizes", default=None,
                         help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
     matrix.add_argument("--meshes", default=None, metavar="hsdp:RxS,tp:DxT",

@@ -60,6 +60,11 @@ class RunPlan:
     expectations: Optional["Expectations"] = None
     reports: Reports = Reports()
     quiet: bool = False
+    #: ``-v``: the per-verdict table and every failure's message in the terminal summary (else one
+    #: block per cause, ``gate/causes.py``)
+    verbose: bool = False
+    #: ``--write-expect FILE``: write the run's failures as an expectations file (``gate/baseline.py``)
+    write_expect: Optional[str] = None
 
     @property
     def info(self) -> Dict[str, str]:
@@ -130,7 +135,7 @@ class RunPlan:
         expectations = check_optional_pieces(args, import_opacus=load_target)
         info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
-        for path in (reports.json, reports.junit, reports.markdown):
+        for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
             if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
@@ -143,7 +148,8 @@ class RunPlan:
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    explore=explore, explore_note=explore_note, expectations=expectations, reports=reports,
-                   quiet=args.quiet)
+                   quiet=args.quiet, verbose=getattr(args, "verbose", False),
+                   write_expect=getattr(args, "write_expect", None))
 
 
 def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
