@@ -19,7 +19,8 @@ Frame = Tuple[str, int, str, str]
 
 HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: standard-library modules whose frames only carry a rank to its job
-PLUMBING = tuple(os.sep + name for name in ("runpy.py", "threading.py", os.path.join("multiprocessing", "")))
+PLUMBING = tuple(os.sep + name for name in ("runpy.py", "threading.py", os.path.join("multiprocessing", ""))) + (
+    "<frozen runpy>",)
 
 
 def frames_of(tb) -> List[Frame]:
