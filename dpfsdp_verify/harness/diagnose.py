@@ -272,7 +272,7 @@ def format_stacks(dumps: Dict[int, RankDump], full: bool = False) -> str:
 
 def _harness_entry(entry: str) -> bool:
     m = _FRAME_FILE.match(entry)
-    return bool(m) and is_harness_frame(m.group(1))
+    return m is not None and is_harness_frame(m.group(1))
 
 
 def _analyser_layout(fr: dict, rank: int, world_size: Optional[int] = None) -> dict:
