@@ -313,7 +313,7 @@ def cmd_scale(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib", "pip install 'dpfsdp-verify[plot]'") from None
+            raise UsageError("--plot needs matplotlib", "pip install matplotlib (the 'plot' extra)") from None
     try:
         cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
                                 world_sizes=scale.parse_world_sizes(args.world_sizes),

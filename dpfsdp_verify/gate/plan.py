@@ -81,7 +81,7 @@ class RunPlan:
         from ..properties import PROPERTIES, Options, modes_problem
 
         # gloo's availability needs torch imported (``dist.is_gloo_available``): a dry run leaves it to
-        # the run (docs/cli.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
+        # the run (docs/gate.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
         probe = load_target or args.backend != "gloo"
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
         if meshes and args.world_sizes is None:
@@ -187,7 +187,7 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        return 0.0, "no exploration: it needs hypothesis (pip install 'dpfsdp-verify[fuzz]')"
+        return 0.0, "no exploration: it needs hypothesis (pip install hypothesis: the 'fuzz' extra)"
     return default, ""
 
 
@@ -396,8 +396,8 @@ def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expecta
                     raise ImportError("No module named 'opacus'")
         except ImportError as e:
             raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
-                             "install your fork (pip install -e PATH) or upstream (pip install "
-                             "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
+                             "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
+                             "torch: docs/gate.md), or give --target MODULE:ATTR") from None
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
     return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
@@ -409,7 +409,7 @@ def require_hypothesis(what: str) -> None:
         import hypothesis  # noqa: F401
     except ImportError as e:
         raise UsageError(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
-                         "pip install 'dpfsdp-verify[fuzz]'") from None
+                         "pip install hypothesis (the 'fuzz' extra)") from None
 
 
 def parse_sampling(args, max_world_size: int) -> Dict:
