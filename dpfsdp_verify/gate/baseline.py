@@ -114,7 +114,9 @@ def _toml_value(x: Any) -> str:
         return "[" + ", ".join(_toml_value(y) for y in x) + "]"
     if isinstance(x, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(y)}" for k, y in x.items()) + " }"
-    return json.dumps(str(x))  # a JSON string is a TOML basic string
+    # a JSON string is a TOML basic string, but for JSON's surrogate-pair escapes of characters
+    # beyond the BMP, which TOML refuses: those are written as themselves
+    return json.dumps(str(x), ensure_ascii=False)
 
 
 def to_toml(tables: Sequence[Dict[str, Any]], description: str) -> str:

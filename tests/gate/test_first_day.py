@@ -8,7 +8,8 @@ import json
 import os
 
 from dpfsdp_verify.gate import causes, report
-from dpfsdp_verify.gate.baseline import generalise
+from dpfsdp_verify.gate import expectations
+from dpfsdp_verify.gate.baseline import baseline, generalise
 from dpfsdp_verify.harness.frames import HARNESS_DIR, user_frames
 from dpfsdp_verify.targets.crash_site import locate
 from dpfsdp_verify.verdict import Verdict
@@ -64,6 +65,10 @@ def test_identical_crashes_are_one_cause_and_the_baseline_generalises():
     group = [v for v in crash if v.property == "clipped_step"]
     assert generalise(group, passed) == {"world_size": ">= 2"}  # dtype left out: both dtypes failed alike
     assert generalise(group, []) == {}
+    # a message with characters beyond the BMP (math italic sigma) and quotes stays valid TOML
+    odd = Verdict("clipped_step", "fail", {"world_size": 1}, "mismatch", 'std \U0001d70e "2x" \\ off', {})
+    text = baseline([odd], {"opacus": "1.6.0", "torch": "2.13.0", "backend": "gloo"}, "d")
+    assert expectations.parse(text).entries[0].reason.endswith('std \U0001d70e "2x" \\ off')
 
 
 def test_counts_in_pytest_words_and_a_last_line_that_states_the_outcome():
