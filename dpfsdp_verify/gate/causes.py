@@ -55,7 +55,7 @@ class Cause:
 
     def title(self) -> str:
         """The cause in one line: ``error (rank_crash) at fork/x.py:12 in wrap: TypeError: ...`` or
-        ``clipped_step fail (mismatch)``."""
+        ``PROPERTY fail (mismatch)``."""
         status, diagnosis = self.key[0], self.key[1]
         if self.crash:
             return f"{status} ({diagnosis}) at {self.crash['at']}: {self.crash.get('exception', '')}"

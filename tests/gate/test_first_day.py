@@ -83,7 +83,7 @@ def test_a_setup_crash_names_the_forks_line_and_its_baseline_accepts_it(tmp_path
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", F + "CrashesAtSetup", "--world-sizes", "1,2", *NARROW,
                  "--json", str(j), "--write-expect", str(base))
     assert r.returncode == 1, r.stdout + r.stderr
-    head = "\n".join(r.stdout.splitlines()[:40])
+    head = " ".join(" ".join(r.stdout.splitlines()[:40]).split())  # wrapped to the terminal: words only
     assert f"at {planted('wrap_for_fsdp')} in wrap_for_fsdp: TypeError" in head and "1 cause(s)" in head
     assert "rank.py" not in r.stdout and "_run_job" not in r.stdout  # the harness's frames stay in the JSON
     results = json.loads(j.read_text())["results"]
@@ -102,7 +102,7 @@ def test_a_setup_crash_names_the_forks_line_and_its_baseline_accepts_it(tmp_path
 def test_a_mid_step_crash_names_the_forks_line(pool, monkeypatch, capsys):
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", F + "CrashesMidStep", "--world-sizes", "2", *NARROW)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert f"at {planted('clip_coefficients')} in clip_coefficients: RuntimeError: shape" in r.stdout
+    assert f"at {planted('clip_coefficients')} in clip_coefficients: RuntimeError: shape" in " ".join(r.stdout.split())
 
 
 def test_mixed_causes_baseline_then_expect_exits_0_and_a_new_failure_exits_1(tmp_path, pool, monkeypatch, capsys):
@@ -114,7 +114,7 @@ def test_mixed_causes_baseline_then_expect_exits_0_and_a_new_failure_exits_1(tmp
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", F + "MixedCauses", "--world-sizes", "1,2", *NARROW,
                  "--expect", str(one), "--write-expect", str(both))
     assert r.returncode == 1, r.stdout + r.stderr
-    assert f"at {planted('aggregate_norms')} in aggregate_norms" in r.stdout
+    assert f"at {planted('aggregate_norms')} in aggregate_norms" in " ".join(r.stdout.split())
     text = both.read_text()
     assert text.count("[[expect]]") == 2 and 'world_size = ">= 2"' in text and 'diagnosis = "rank_crash"' in text
     r = run_gate(pool, monkeypatch, capsys, "run", "--target", F + "MixedCauses", "--world-sizes", "1,2", *NARROW,
