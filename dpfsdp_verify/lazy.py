@@ -1,7 +1,7 @@
 """Modules imported on first use: ``torch`` and the torch-built parts of this package.
 
 The planning path (``run --dry-run``, ``list``, the property registry, every property's ``cases``)
-must not pay torch's import (~1-1.5 s of CPU) where the plan does not need it (docs/cli.md,
+must not pay torch's import (~1-1.5 s of CPU) where the plan does not need it (docs/gate.md,
 "--dry-run"). The modules on that path write ``from ..lazy import torch`` (``models``, ...)
 instead of ``import torch``: the name is a stand-in module whose first attribute access imports
 the real one (the lazy-loading pattern of Scientific Python's SPEC 1, without ``LazyLoader``'s
@@ -10,7 +10,7 @@ simply not imported). Type checkers see the real modules.
 
 What still imports torch at once: code that runs on a rank, the reference, the targets' training
 loops and ``dpfsdp_verify.models`` (its classes subclass ``torch.nn.Module``); a module-level
-constant built from a torch attribute would too (tests/test_lazy_imports.py plans every default
+constant built from a torch attribute would too (tests/gate/test_gate_platform.py plans every default
 property with torch made unimportable, so such a constant cannot slip back in).
 """
 

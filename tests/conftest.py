@@ -15,7 +15,7 @@ from dpfsdp_verify.gate import run as _gate_run
 from dpfsdp_verify.harness import Pool, wait_gone
 
 # the gate runs of these tests judge the fixed cases they count: no default exploration (an explicit
-# --explore still explores; tests/test_explore.py runs the default with the variable removed)
+# --explore still explores; tests/fuzz/test_explore.py runs the default with the variable removed)
 os.environ.setdefault(EXPLORE_ENV, "0")
 # the gate runs made in this process run on the session's pool (verdict_helpers.run_gate): no zygotes
 # are started ahead for the pool the CLI makes and they do not use (~3 s of CPU each); the console-script

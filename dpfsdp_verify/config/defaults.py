@@ -42,7 +42,7 @@ DEFAULT_EXPLORE_S = 6.0
 #: an environment variable that, when set, replaces ``DEFAULT_EXPLORE_S`` as the default of
 #: ``--explore`` (seconds; ``0``: fixed runs unless ``--explore`` is given). The package's own test
 #: suite sets it to 0 (tests/conftest.py), so a test that runs the gate judges the fixed cases it
-#: counts; ``tests/test_explore.py`` runs the default
+#: counts; ``tests/fuzz/test_explore.py`` runs the default
 EXPLORE_ENV = "DPFSDP_VERIFY_EXPLORE"
 #: the largest world size exploration draws (capped further by the host's cores: ``space.explore_max_world_size``)
 EXPLORE_MAX_WORLD_SIZE = 8

@@ -21,7 +21,7 @@ The database is a ``DirectoryBasedExampleDatabase`` in ``<root>/.hypothesis/dpfs
 directory. Hypothesis writes each example as its own file with an atomic rename, so several
 ``pytest -n`` workers can share it.
 
-hypothesis is optional (``pip install 'dpfsdp-verify[fuzz]'``): without it this module still
+hypothesis is optional (``pip install hypothesis``, the ``fuzz`` extra): without it this module still
 imports (the pytest plugin, loaded in every pytest session, registers the profiles through it),
 ``register_profiles`` does nothing, and asking for a profile raises ``ProfileError`` saying what to
 install.
@@ -42,7 +42,7 @@ try:
 except ImportError as _e:  # the optional [fuzz] extra is not installed
     HealthCheck = settings = DirectoryBasedExampleDatabase = None
     MISSING: Optional[str] = (f"hypothesis is not importable ({type(_e).__name__}: {_e}); "
-                              "pip install 'dpfsdp-verify[fuzz]'")
+                              "pip install hypothesis (the 'fuzz' extra)")
 else:
     MISSING = None
 

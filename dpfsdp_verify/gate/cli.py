@@ -7,7 +7,7 @@
         [--sampling fixed,poisson] [--seeding same,per_rank,unseeded] [--sample-rate Q] [--dataset-size N]
         [--seed S]
         [--timeout SECONDS] [--fuzz N] [--expect FILE|NAME] [--json PATH|-] [--junit PATH]
-        [--markdown PATH] [-q] [--launcher spawn|torchrun] [--dry-run]
+        [--markdown PATH] [-q] [-v] [--write-expect FILE] [--launcher spawn|torchrun] [--dry-run]
     dpfsdp-verify replay --target T --property P --world-size N --spec JSON [--mode-env ...]
     dpfsdp-verify list
     dpfsdp-verify scale --target T --dataset-size N --sample-rate Q [--physical-batch-size P]
@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     reports.add_argument("--markdown", metavar="PATH",
                          help="write a markdown summary here (plot beside it if matplotlib)")
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    reports.add_argument("-v", "--verbose", action="store_true",
+                         help="the summary lists every verdict and every failure's message (default: one block per "
+                              "cause of failure)")
+    reports.add_argument("--write-expect", metavar="FILE",
+                         help="write this run's failures as an expectations file, one entry per cause, that "
+                              "'--expect FILE' accepts (a baseline; docs/gate.md)")
     matrix.add_argument("--world-sizes", default=None,
                         help=f"comma list (default {','.join(map(str, DEFAULT_WORLD_SIZES))}; "
                              "with --launcher torchrun: the job's size)")
@@ -191,11 +197,15 @@ def cmd_list() -> int:
 
 
 def cmd_run(args) -> int:
-    from .run import execute
-
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if not getattr(args, "dry_run", False) and args.launcher == "spawn":
+        # a usage error answers before torch or the target is imported (the dry run's checks, which
+        # import neither for a gloo plan): in under a second, not after the ranks' zygotes start
+        RunPlan.from_args(args, load_target=False)
+    from .run import execute
+
     if getattr(args, "dry_run", False):
         from .dryrun import dry_run
 
@@ -304,7 +314,7 @@ def cmd_scale(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib", "pip install 'dpfsdp-verify[plot]'") from None
+            raise UsageError("--plot needs matplotlib", "pip install matplotlib (the 'plot' extra)") from None
     try:
         cfg = scale.ScaleConfig(dataset_size=args.dataset_size, sample_rate=args.sample_rate,
                                 world_sizes=scale.parse_world_sizes(args.world_sizes),

@@ -58,6 +58,11 @@ class RunPlan:
     expectations: Optional["Expectations"] = None
     reports: Reports = Reports()
     quiet: bool = False
+    #: ``-v``: the per-verdict table and every failure's message in the terminal summary (else one
+    #: block per cause, ``gate/causes.py``)
+    verbose: bool = False
+    #: ``--write-expect FILE``: write the run's failures as an expectations file (``gate/baseline.py``)
+    write_expect: Optional[str] = None
 
     @property
     def info(self) -> Dict[str, str]:
@@ -74,7 +79,7 @@ class RunPlan:
         from ..properties import PROPERTIES, Options, modes_problem
 
         # gloo's availability needs torch imported (``dist.is_gloo_available``): a dry run leaves it to
-        # the run (docs/cli.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
+        # the run (docs/gate.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
         probe = load_target or args.backend != "gloo"
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
         if meshes and args.world_sizes is None:
@@ -134,7 +139,7 @@ class RunPlan:
             check_user_models(axes["models"])
         info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
-        for path in (reports.json, reports.junit, reports.markdown):
+        for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
             if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
@@ -147,7 +152,8 @@ class RunPlan:
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    explore=explore, explore_note=explore_note, expectations=expectations, reports=reports,
-                   quiet=args.quiet)
+                   quiet=args.quiet, verbose=getattr(args, "verbose", False),
+                   write_expect=getattr(args, "write_expect", None))
 
 
 def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
@@ -185,7 +191,7 @@ def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        return 0.0, "no exploration: it needs hypothesis (pip install 'dpfsdp-verify[fuzz]')"
+        return 0.0, "no exploration: it needs hypothesis (pip install hypothesis: the 'fuzz' extra)"
     return default, ""
 
 
@@ -400,8 +406,8 @@ def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expecta
                     raise ImportError("No module named 'opacus'")
         except ImportError as e:
             raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
-                             "install your fork (pip install -e PATH) or upstream (pip install "
-                             "'dpfsdp-verify[opacus]'), or give --target MODULE:ATTR") from None
+                             "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
+                             "torch: docs/gate.md), or give --target MODULE:ATTR") from None
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
     return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
@@ -413,7 +419,7 @@ def require_hypothesis(what: str) -> None:
         import hypothesis  # noqa: F401
     except ImportError as e:
         raise UsageError(f"{what} needs hypothesis, which is not importable ({type(e).__name__}: {e})",
-                         "pip install 'dpfsdp-verify[fuzz]'") from None
+                         "pip install hypothesis (the 'fuzz' extra)") from None
 
 
 def parse_sampling(args, max_world_size: int) -> Dict:

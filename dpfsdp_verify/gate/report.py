@@ -16,12 +16,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 from .. import __version__
 from ..harness.rank_groups import headline
+from . import causes
 from ..verdict import FAILING, INTERNAL_ERROR, STATUSES, Verdict, config_label, verdict_label  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -200,17 +202,25 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
     opacus = target.get("opacus")
     if opacus:
         lines += [f"opacus imported: {opacus.get('version')} from `{opacus.get('path')}`", ""]
-    lines += [" ".join(f"**{k}** {n}" for k, n in s.items()), ""]
+    lines += [f"**{counts_text(verdicts, outcome)}**", ""]
     if outcome is not None:
         lines += [f"expectations: `{outcome.file}` ({len(outcome.entries)} entries; {s['expected']} expected "
                   f"failures; {len(outcome.unmet)} no longer hold)", ""]
-    lines += ["| property | config | status | diagnosis | seconds |", "|---|---|---|---|---|"]
+    bad = [v for v in verdicts if v.status in FAILING and not (outcome is not None and outcome.is_expected(v))]
+    found = causes.group(bad)
+    if found:  # one cause, one finding: the blocks first, every verdict folded below
+        lines += [f"## {len(bad)} unexpected failure(s), {len(found)} cause(s)", ""]
+        for i, c in enumerate(found, 1):
+            lines += [c.markdown(i), ""]
+    lines += ["<details><summary>every verdict</summary>", "",
+              "| property | config | status | diagnosis | seconds |", "|---|---|---|---|---|"]
     for v in verdicts:
         status = _badge(_status_text(v, outcome))
         if outcome is not None and outcome.is_expected(v):
             status += f" #{cast('Entry', outcome.entry_for(v)).index}"
         lines.append(f"| `{v.property}` | {_md(config_label(v.config))} | {status} | "
                      f"{v.diagnosis or ''} | {v.seconds:.1f} |")
+    lines += ["", "</details>"]
     rows = norm_ratio_rows(verdicts)
     if rows:
         lines += ["", "## Per-sample norm ratio (target / reference) vs the sqrt(N) line", "",
@@ -220,12 +230,6 @@ def to_markdown(verdicts: List[Verdict], target: Dict[str, Any], outcome: Option
             lines.append(f"| {r['world_size']} | {r['data_layout']} | {r['model']} | {r['reduction'] or ''} | "
                          f"{r['dtype'] or ''} | "
                          f"{r['mean_ratio']:.6f} | {r['sqrt_n']:.6f} | {r['status']} {r['diagnosis'] or ''} |")
-    bad = [v for v in verdicts if v.status in FAILING and not (outcome is not None and outcome.is_expected(v))]
-    if bad:
-        lines += ["", "## What went wrong", ""]
-        for v in bad:
-            lines.append(f"- **{v.property}** ({config_label(v.config)}): {v.message}" +
-                         (f"  \n  repro: `{v.repro}`" if v.repro else ""))
     if outcome is not None and outcome.unmet:
         lines += ["", "## Expectations that no longer hold", ""]
         lines += [f"- {u.message}" for u in outcome.unmet]
@@ -272,22 +276,44 @@ def _badge(status: str) -> str:
             "xfail": "xfail (expected)"}[status]
 
 
-def terminal_table(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> str:
-    """The summary table printed at the end of a run (``xfail`` = a failure the expectations
-    file lists)."""
+def terminal_table(verdicts: List[Verdict], outcome: Optional["Outcome"] = None, width: int = 0) -> str:
+    """The per-verdict table (``-v``; ``xfail`` = a failure the expectations file lists). ``width``:
+    the terminal's columns, which the config column is cut to fit (0: no limit)."""
     rows = [(v.property, config_label(v.config), _status_text(v, outcome), v.diagnosis or "", f"{v.seconds:.1f}s")
             for v in verdicts]
     head = ("property", "config", "status", "diagnosis", "time")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    if width:  # the config column gives way; a label cut short ends in "~"
+        widths[1] = max(len(head[1]), min(widths[1], width - sum(widths) + widths[1] - 2 * (len(head) - 1)))
+        rows = [(r[0], r[1] if len(r[1]) <= widths[1] else r[1][:widths[1] - 1] + "~", *r[2:]) for r in rows]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*r).rstrip() for r in rows]
-    s = summary(verdicts, outcome)
-    counts = ", ".join(f"{n} {k}" for k, n in s.items() if k != "expected" and (n or k in ("pass", "fail")))
-    if outcome is not None:
-        counts += f" ({s['expected']} of them expected; {len(outcome.unmet)} expectation(s) no longer hold)"
-    out.append(counts)
     return "\n".join(out)
+
+
+def counts_text(verdicts: List[Verdict], outcome: Optional["Outcome"] = None) -> str:
+    """The run in pytest's words: ``114 passed, 33 xfailed, 0 unmet`` (an expected failure counts as
+    ``xfailed`` only; ``unmet``: expectations that no longer hold, with ``--expect``)."""
+    words = {"pass": "passed", "fail": "failed", "hang": "hung", "error": "errors", "skip": "skipped"}
+    n = {w: 0 for w in words.values()}
+    xfailed = 0
+    for v in verdicts:
+        if outcome is not None and outcome.is_expected(v):
+            xfailed += 1
+        else:
+            n[words[v.status]] += 1
+    parts = [f"{c} {'error' if w == 'errors' and c == 1 else w}" for w, c in n.items() if c or w == "passed"]
+    if outcome is not None:
+        parts += [f"{xfailed} xfailed", f"{len(outcome.unmet)} unmet"]
+    return ", ".join(parts)
+
+
+def last_line(code: int, counts: str, causes: int) -> str:
+    """What a run's output ends on: the outcome and the exit code, in words."""
+    word = {EXIT_OK: "PASSED", EXIT_FAIL: "FAILED", EXIT_INTERNAL: "INTERNAL ERROR"}.get(code, "FAILED")
+    why = f"; {causes} cause{'s' if causes != 1 else ''} above" if causes else ""
+    return f"dpfsdp-verify: {word} (exit {code}): {counts}{why}"
 
 
 def exit_code(verdicts, outcome=None) -> int:
@@ -309,38 +335,79 @@ def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     code = exit_code(verdicts, outcome)
     json_to_stdout = reports.json == "-"
     out = sys.stderr if json_to_stdout else sys.stdout
-    print(terminal_table(verdicts, outcome), file=out)
-    for v in verdicts:
-        if v.status in FAILING and not (outcome is not None and outcome.is_expected(v)):
+    width = shutil.get_terminal_size((100, 24)).columns
+    unexpected = [v for v in verdicts if v.status in FAILING and not (outcome is not None and outcome.is_expected(v))]
+    if plan.verbose:  # every verdict: the table, then each unexpected failure on its own
+        print(terminal_table(verdicts, outcome, width), file=out)
+        for v in unexpected:
             print(f"\n{verdict_label(v)} {v.status} ({v.diagnosis}): {v.message}"
                   + (f"\n  repro: {v.repro}" if v.repro else ""), file=out)
-            if is_internal_error(v):
-                print("  this is a bug in dpfsdp-verify, not a verdict on the target; please report it with:\n"
-                      + "\n".join("    " + line for line in (v.details or "").rstrip().splitlines()), file=out)
+    for v in unexpected:
+        if is_internal_error(v):
+            print(f"\n{verdict_label(v)}: this is a bug in dpfsdp-verify, not a verdict on the target; please "
+                  "report it with:\n" + "\n".join("    " + line for line in (v.details or "").rstrip().splitlines()),
+                  file=out)
+    _print_context(verdicts, outcome, plan.verbose, out)
+    if seed is not None:
+        print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
+              file=out)
+    found = causes.group(unexpected)
+    if found:
+        print(f"\n{len(unexpected)} unexpected failure(s), {len(found)} cause(s)"
+              + ("" if plan.verbose else " (every verdict: -v, or the JSON / JUnit report)") + ":", file=out)
+        for i, c in enumerate(found, 1):
+            print(c.block(i, width), file=out)
+    if plan.write_expect:
+        _write_baseline(plan, verdicts, target, out)
+    print("\n" + last_line(code, counts_text(verdicts, outcome), len(found)), file=out)
+    if reports.json and json_to_stdout:
+        sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
+        sys.stdout.flush()
+    write_reports(plan, verdicts, target, outcome, code)
+    return code
+
+
+def _write_baseline(plan: "RunPlan", verdicts: List[Verdict], target: Dict[str, Any], out) -> None:
+    """``--write-expect FILE``: the run's failures as an expectations file (``baseline.py``)."""
+    from .baseline import baseline
+    from .expectations import environment
+
+    path = cast(str, plan.write_expect)
+    text = baseline(verdicts, environment(plan.options.backend),
+                    f"baseline of {target.get('name')} {target.get('version', '')}".strip()
+                    + f", written by dpfsdp-verify {__version__} --write-expect")
+    write_atomically(path, text)
+    n = text.count("[[expect]]")
+    print(f"\nwrote {n} expectation(s) to {path}: 'dpfsdp-verify run ... --expect {path}' accepts these failures "
+          "and fails on any other", file=out)
+
+
+def _print_context(verdicts: List[Verdict], outcome: Optional["Outcome"], verbose: bool, out) -> None:
+    """Skips (each, with ``-v``; else one line per reason) and how the expectations file fared."""
     skipped = [v for v in verdicts if v.status == "skip"]
     if skipped:  # a skip is never silent: it says which part of the selection made it inapplicable
         print("\nskipped:", file=out)
-        for v in skipped:
-            print(f"  {verdict_label(v)}: {v.message}", file=out)
+        if verbose:
+            for v in skipped:
+                print(f"  {verdict_label(v)}: {v.message}", file=out)
+        else:
+            reasons: Dict[str, List[Verdict]] = {}
+            for v in skipped:
+                reasons.setdefault(v.message, []).append(v)
+            for message, vs in reasons.items():
+                print(f"  {verdict_label(vs[0])}" + (f" and {len(vs) - 1} more" if len(vs) > 1 else "")
+                      + f": {message}", file=out)
     if outcome is not None:
         for e in outcome.entries:
             n = sum(1 for v in verdicts if outcome.entry_for(v) is e)
             if n:
-                print(f"\nexpected ({n} verdict(s), xfail above): expectation {e.label()}: {e.describe_reason()}",
+                print(f"\nexpected ({n} verdict(s), xfail): expectation {e.label()}: {e.describe_reason()}",
                       file=out)
         for u in outcome.unmet:
             print(f"\n{u.message}", file=out)
         if outcome.not_exercised:
             print(f"\n{len(outcome.not_exercised)} expectation(s) not exercised by this selection: "
                   + "; ".join(e.label() for e in outcome.not_exercised), file=out)
-    if seed is not None:
-        print(f"\nseed {seed}: 'dpfsdp-verify run ... --seed {seed}' replays this run's noise and sampling draws",
-              file=out)
-    if reports.json and json_to_stdout:
-        sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
-        sys.stdout.flush()
-    write_reports(plan, verdicts, target, outcome, code)
-    return code
 
 
 def write_reports(plan: "RunPlan", verdicts: List, target: Dict[str, Any], outcome: Optional["Outcome"], code: int,
@@ -363,5 +430,6 @@ def write_reports(plan: "RunPlan", verdicts: List, target: Dict[str, Any], outco
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERNAL", "SCHEMA_VERSION", "summary", "is_internal_error",
            "result_json", "to_json", "dumps_json", "write_json", "junit_names", "write_junit", "norm_ratio_rows",
-           "to_markdown", "plot_norm_ratios", "terminal_table", "exit_code", "finish", "write_reports",
+           "to_markdown", "plot_norm_ratios", "terminal_table", "counts_text", "last_line", "exit_code", "finish",
+           "write_reports",
            "write_atomically"]

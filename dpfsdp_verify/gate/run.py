@@ -28,8 +28,10 @@ class Progress:
     """``[3 done  12.4s] PROPERTY ws=2 split mlp mean -> pass`` lines on stderr; each event is also
     handed to ``also`` (a torchrun job's ``journal.Journal``), if given."""
 
-    def __init__(self, quiet: bool, also=None):
+    def __init__(self, quiet: bool, also=None, expected: Optional[Callable[[Verdict], bool]] = None):
         self.quiet, self.t0, self.done, self.also = quiet, time.monotonic(), 0, also
+        #: whether the expectations file lists a failing verdict (its line then says ``xfail``)
+        self.expected = expected
         self._lock = threading.Lock()  # verdicts come from the judge thread (gate/pipeline.py) and this one
 
     def started(self, property_id: str) -> None:
@@ -55,15 +57,18 @@ class Progress:
             if self.quiet:
                 return
             tail = f" ({verdict.diagnosis})" if verdict.diagnosis else ""
+            status = verdict.status
+            if self.expected is not None and self.expected(verdict):
+                status, tail = "xfail", f" ({verdict.status} {verdict.diagnosis}, expected)"
             print(f"[{self.done} done {time.monotonic() - self.t0:6.1f}s] {verdict.property} "
-                  f"{config_label(verdict.config)} -> {verdict.status}{tail}", file=sys.stderr, flush=True)
+                  f"{config_label(verdict.config)} -> {status}{tail}", file=sys.stderr, flush=True)
 
 
 def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", journal=None) -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
     exit code. ``where`` ends the banner (e.g. the torchrun job it runs in); ``journal``: a
     ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0)."""
-    progress = Progress(plan.quiet, also=journal)
+    progress = Progress(plan.quiet, also=journal, expected=_expected_test(plan))
     target = target_info.describe_target(plan.options.target, plan.info)
     if journal is not None:
         journal.target = target
@@ -82,6 +87,19 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
     if journal is not None:
         journal.close()
     return report.finish(plan, verdicts, target)
+
+
+def _expected_test(plan: RunPlan) -> Optional[Callable[[Verdict], bool]]:
+    """Whether a verdict is a failure the plan's expectations list, as ``expectations.apply`` will
+    judge it at the end (``None`` without ``--expect``)."""
+    if plan.expectations is None:
+        return None
+    from ..verdict import FAILING, INTERNAL_ERROR
+    from .expectations import environment
+
+    env = environment(plan.options.backend)
+    entries = [e for e in plan.expectations.entries if e.applies(env)]
+    return lambda v: (v.status in FAILING and v.diagnosis != INTERNAL_ERROR and any(e.covers(v) for e in entries))
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,

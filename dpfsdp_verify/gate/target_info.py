@@ -66,7 +66,8 @@ def version_text() -> str:
     lines = [f"dpfsdp-verify {__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})"]
     op = opacus_info()
     lines.append(f"opacus {op['version']} ({op['path']})" if op else
-                 "opacus: not installed (pip install 'dpfsdp-verify[opacus]', or install your fork)")
+                 "opacus: not installed (pip install opacus after a CPU torch -- the 'opacus' extra -- or "
+                 "install your fork)")
     try:
         lines.append(f"torch {metadata.version('torch')}")
     except metadata.PackageNotFoundError:  # pragma: no cover

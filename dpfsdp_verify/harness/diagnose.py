@@ -19,10 +19,12 @@ import io
 import logging
 import os
 import pickle
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .frames import is_harness_frame
 from .protocol import RankDump
 from .rank_groups import grouped, ranks_phrase, span
 
@@ -247,14 +249,30 @@ def _last_entry(d: RankDump) -> Optional[str]:
     return f"#{e.get('collective_seq_id')} {describe_entry(e)}"
 
 
-def format_stacks(dumps: Dict[int, RankDump]) -> str:
-    """Every rank's every thread, for the full report."""
+#: the rank's own thread that answers the parent's probes (``rank._serve_dumps``): never the target's
+DIAGNOSIS_THREAD = "dpfsdp-diagnosis"
+_FRAME_FILE = re.compile(r'^\s*File "([^"]+)", line')
+
+
+def format_stacks(dumps: Dict[int, RankDump], full: bool = False) -> str:
+    """Every rank's threads, for the report: without the harness's own frames (rank loop, zygote,
+    runpy: ``frames.is_harness_frame``) and its diagnosis thread, unless ``full``."""
     out = []
     for r in sorted(dumps):
         for thread, frames in dumps[r].stacks.items():
-            out.append(f"--- rank {r} (pid {dumps[r].pid}), thread {thread} ---")
-            out.append("".join(frames).rstrip())
+            if thread == DIAGNOSIS_THREAD and not full:
+                continue
+            kept = [f for f in frames if full or not _harness_entry(f)]
+            out.append(f"--- rank {r} (pid {dumps[r].pid}), thread {thread} ---"
+                       + ("" if full or len(kept) == len(frames) else
+                          f" ({len(frames) - len(kept)} harness frame(s) left out)"))
+            out.append("".join(kept).rstrip())
     return "\n".join(out)
+
+
+def _harness_entry(entry: str) -> bool:
+    m = _FRAME_FILE.match(entry)
+    return m is not None and is_harness_frame(m.group(1))
 
 
 def _analyser_layout(fr: dict, rank: int, world_size: Optional[int] = None) -> dict:

@@ -68,6 +68,9 @@ class JobError:
     type: str
     message: str
     traceback: str
+    #: the traceback as data, innermost last: ``(file, line, function, source line)``
+    #: (``frames.frames_of``; ``frames.user_frames`` leaves the harness's own out)
+    frames: List[Tuple[str, int, str, str]] = field(default_factory=list)
 
 
 @dataclass

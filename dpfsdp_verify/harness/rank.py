@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Union
 
 from .backends import get_backend, simulate_accelerator_from_env
+from .frames import frames_of
 from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
 
@@ -305,7 +306,8 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
         pickle.dumps(value)  # fail here, with a traceback, rather than in conn.send
         result = JobResult(rank=rank, value=value)
     except BaseException as e:  # a job's SystemExit/KeyboardInterrupt is a job failure too
-        result = JobResult(rank=rank, error=JobError(type(e).__name__, str(e), traceback.format_exc()))
+        result = JobResult(rank=rank, error=JobError(type(e).__name__, str(e), traceback.format_exc(),
+                                                     frames_of(e.__traceback__)))
     finally:
         sys.stdout, sys.stderr = out.stream, err.stream
         out.flush()

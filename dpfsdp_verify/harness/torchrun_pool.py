@@ -51,6 +51,7 @@ from datetime import timedelta
 from typing import Callable, Dict, List, Optional, cast
 
 from . import diagnose
+from .frames import frames_of
 from .group import GroupResult, NotRunHere, WorkerGroup
 from .protocol import JobError, JobResult
 from .rank import current_entries, dump_state, forget_aborted_entries
@@ -314,7 +315,8 @@ def _execute(session: TorchrunSession, job: int, msg: dict, trail_dir: Optional[
             running.job = None
         if isinstance(e, KeyboardInterrupt):
             raise
-        result = JobResult(rank=session.rank, error=JobError(type(e).__name__, str(e), traceback.format_exc()))
+        result = JobResult(rank=session.rank, error=JobError(type(e).__name__, str(e), traceback.format_exc(),
+                                                                     frames_of(e.__traceback__)))
     result.seconds = time.perf_counter() - t0
     result.stdout, result.stderr = out_buf.getvalue()[-65536:], err_buf.getvalue()[-65536:]
     result.dirty = not dist.is_initialized()

@@ -14,6 +14,7 @@ import signal
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from . import diagnose
+from .frames import format_frames, user_frames
 from .rank_groups import grouped, ranks_phrase, were
 from .proof import QUIET_S
 from .protocol import JobError, RankDump
@@ -47,8 +48,17 @@ def raised(errors: Dict[int, JobError]) -> Tuple[str, str]:
     first = errors[bad[0]]
     message = (f"rank {bad[0]} raised {first.type}: {first.message}"
                + (f" ({ranks_phrase(bad)} all raised)" if len(bad) > 1 else ""))
-    details = "\n".join(f"--- rank {r} traceback ---\n{errors[r].traceback}" for r in bad)
+    details = "\n".join(f"--- rank {r} traceback ---\n{readable_traceback(errors[r])}" for r in bad)
     return message, details
+
+
+def readable_traceback(error: JobError) -> str:
+    """A rank's traceback as a user reads it: without the harness's frames (``frames.user_frames``);
+    the text the rank formatted where it sent no frames."""
+    if not error.frames:
+        return error.traceback
+    return ("Traceback (most recent call last):\n" + format_frames(user_frames(error.frames))
+            + f"{error.type}: {error.message}\n")
 
 
 def left_waiting(running: List[int], grace_s: float) -> str:
@@ -105,5 +115,6 @@ def hang_details(report: str, analysis: Optional[str], dumps: Dict[int, RankDump
     return report + "\n" + diagnose.format_stacks(dumps)
 
 
-__all__ = ["RECOVERED", "QUIET_TEXT", "exit_text", "raised", "left_waiting", "where_others_were", "crashed", "deadlock",
+__all__ = ["RECOVERED", "QUIET_TEXT", "exit_text", "raised", "readable_traceback",
+           "left_waiting", "where_others_were", "crashed", "deadlock",
            "diverged", "hang_details"]

@@ -500,7 +500,7 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     return Batch(x, y, "token_cross_entropy")
 
 
-#: the models and batches, and (re-exported) every name of ``model_catalog``
+#: the models and batches, and (re-exported) every name of ``catalog``
 __all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
            "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES",
            "sequence_lengths", "CanaryEmbedding", "canary_secrets", "CANARIES", "AUDIT_MODELS",

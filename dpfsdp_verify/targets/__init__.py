@@ -67,9 +67,14 @@ def load_target(ref: str) -> Target:
                                   f"named {ref!r} in group {ENTRY_POINT_GROUP!r}")
     if ref == "opacus":
         try:
-            import opacus  # noqa: F401
+            import opacus
         except ImportError as e:
             raise TargetLoadError(f"target 'opacus' needs opacus installed: {e}") from e
+        from .opacus_api import problem
+
+        lacking = problem(getattr(opacus, "__version__", "?"))
+        if lacking:  # one line, not a crash per case (a fork on an older opacus)
+            raise TargetLoadError(lacking)
     obj = _import_attr(spec or ref)
     if isinstance(obj, Target):
         return obj

@@ -174,7 +174,9 @@ def test_upstream_opacus_verdicts(tmp_path):
     assert report["summary"] == {"pass": 31, "fail": 4, "hang": 0, "error": 0, "skip": 0, "expected": 0}
     assert isinstance(report["seed"], int) and f"--seed {report['seed']}" in r.stderr  # the run's seed, replayable
     assert "[" in r.stderr and "norm_fidelity" in r.stderr  # progress on stderr
-    assert "4 fail" in r.stdout and "0.5" in r.stdout       # table + the failure's message
+    # one cause, one finding: the four failures are one block, and the last line says so
+    assert "4 unexpected failure(s), 1 cause(s)" in r.stdout and "[1] clipped_step fail (mismatch)" in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith("dpfsdp-verify: FAILED (exit 1): 31 passed, 4 failed")
     suite = ET.parse(x).getroot().find("testsuite")
     assert suite.get("tests") == "35" and suite.get("failures") == "4"
     assert "1/world_size" in suite.find("testcase/failure").text

@@ -76,7 +76,7 @@ def test_carried_wheel_is_installed_without_network(gpu_check, tmp_path):
     assert own_file.startswith(gpu_check.REPO)  # the checkout itself, no install needed
 
 
-@pytest.mark.slow  # 3 gate plans in subprocesses per count; tests/test_gate_platform.py covers the path in-process
+@pytest.mark.slow  # 3 gate plans in subprocesses per count; tests/gate/test_gate_platform.py covers the path in-process
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_every_planned_run_plans_at_1_and_2_gpus(gpus):
     """The script's runs on a 1- or 2-GPU box (the count mocked through the gate's private

@@ -4,7 +4,7 @@ checked on every run (engine/prechecks.accountant_history_problem).
 
 Each bug's effect is injected into the released noise exactly as the specimens in
 fixtures/release_specimens.py inject it; the end-to-end gate runs of those specimens are in
-tests/test_release_specimens.py (slow)."""
+tests/properties/test_release_specimens.py (slow)."""
 
 import copy
 import math

@@ -26,6 +26,7 @@ from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ...config.modes import Mode
 from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
+from ...targets.crash_site import CrashSite, locate
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
 from ..releases import judge as releases
@@ -572,6 +573,16 @@ def failure_evidence(res: GroupResult, found: FailureFinding) -> Dict[str, Any]:
     return evidence
 
 
+def crash_site(res: GroupResult, target_ref: str) -> Optional[CrashSite]:
+    """Where the first rank that raised did (``targets.crash_site``), or ``None`` when no rank sent
+    a traceback (a rank process that died, an error the job could not send)."""
+    for r in res.failed_ranks():
+        error = res.results[r].error
+        if error is not None and error.frames:
+            return locate(r, error.type, error.message, error.frames, target_ref)
+    return None
+
+
 def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict:
     """A hung or crashed run as the case's verdict (``hang``/``deadlock``, ``hang``/``timeout``,
     ``error``/``rank_crash``, or ``error``/``placement_mismatch`` when a rank's error is DTensor's
@@ -580,6 +591,10 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
     res = failed.result
     found = failure_finding(res, failed.trails or [])
     evidence = failure_evidence(res, found)
+    site = crash_site(res, case.target_ref) if found.status == "error" else None
+    if site is not None:
+        evidence["crash"] = site.evidence()
+        found = replace(found, site=site.phrase())
     msg = failure_message(found, failure_lead(case.doing, failed.attributed, failed.others_in_job))
     if len(case.modes) > 1:
         mode = case.modes[mode_index]
@@ -593,4 +608,4 @@ __all__ = ["Fuzzer", "case_deadline", "run_property", "plan_property", "in_plan_
            "check_example", "one_thread", "telling", "telling_listener", "judge_cases",
            "judge_case", "settle", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_finding",
-           "failure_evidence", "failure_verdict"]
+           "failure_evidence", "crash_site", "failure_verdict"]

@@ -19,7 +19,8 @@ class FailureFinding:
     ``outcome``: ``crashed`` / ``stalled`` / ``hangs``), ``deadlock`` (any other hang),
     ``placement_mismatch`` (``placement_rank`` refused an in-place op across DTensor placements) or
     ``rank_crash`` (any other error). ``harness_message``: the harness's one-line account; ``trails``:
-    each rank's progress trail (``[]`` if none was read); ``busy_ranks`` / ``fired_at``: the watchdog's."""
+    each rank's progress trail (``[]`` if none was read); ``busy_ranks`` / ``fired_at``: the watchdog's;
+    ``site``: where a crash was raised (``at fork/x.py:12 in wrap``)."""
     status: str
     diagnosis: str
     kind: str
@@ -29,6 +30,8 @@ class FailureFinding:
     fired_at: Any = None
     outcome: str = ""
     placement_rank: int = -1
+    #: where the first rank that raised did (``targets.crash_site.CrashSite.phrase``), "" if unknown
+    site: str = ""
 
 
 def failure_lead(doing: str, attributed: bool, others_in_job: int) -> str:
@@ -102,6 +105,8 @@ def failure_message(f: FailureFinding, lead: str) -> str:
              "deadlock": _deadlock, "placement_mismatch": _placement}
     if f.kind in words:
         return lead + words[f.kind](f)
+    if f.site:  # where first: a fork's crash is one line of the fork, and the message says which
+        return f"{lead}a rank failed {f.site}: {f.harness_message}."
     return f"{lead}a rank failed ({f.harness_message})."
 
 
