@@ -211,6 +211,7 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
     or ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
     drawn (default: ``space.explore_max_world_size()``, from the cores). ``deadline``: the time cap
     (``time.monotonic()``; draws that would start past it are not run, and the verdict says so)."""
+    draws = int(draws)
     if draws <= 0 or prop.explore is None or max_world_size == 0:
         return []
     opts = prop.with_defaults(opts)
@@ -220,7 +221,7 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
     own = pool is None
     pool = pool or Pool()
     try:
-        ex = _Explorer(prop, opts, int(draws), pool, groups[0],
+        ex = _Explorer(prop, opts, draws, pool, groups[0],
                        max_world_size if max_world_size is not None else explore_max_world_size(), deadline)
         found = ex.round(0)
         return [found] if found is not None else [ex.summary(1)]

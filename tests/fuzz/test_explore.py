@@ -313,7 +313,7 @@ def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge
         opts = Options(target=target, seed=3)
         ledger = releases.Ledger()
         with releases.collecting(ledger):
-            own, = explore.explore_property(prop, opts, 0.5, pool, max_world_size=2)
+            own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2)
         assert own.status == "pass" and own.evidence["explored"] is True, own.message  # every draw finished
         judged = ledger.verdicts(prop.with_defaults(opts))
         assert judged and {v.status for v in judged} == {status}, [v.message[:300] for v in judged]
