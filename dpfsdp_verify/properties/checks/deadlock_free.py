@@ -139,7 +139,7 @@ def cases(point: Point):
                                      rank_batches=(split,) * STEPS))
         fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
                                 doing=f"{name} local batches {sizes}", isolate=True))
-    if (only is None or "history_twice" in only) and point.world_size == min(point.options.world_sizes) and \
+    if (only is None or "history_twice" in only) and point.world_size == max(point.options.world_sizes) and \
             point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
         fixed.append(history_twice_case(point))
     last = [c for c in fixed if c.labels["local_batches"] == "empty"]
@@ -172,7 +172,8 @@ def history_twice_case(point: Point) -> Case:
     q and asked at the same delta, of ``TWICE_STEPS`` steps each: the second's epsilon must be that of its
     own history (the runner's accountant precheck judges each), so an epsilon cached per process by
     (sigma, q, delta) whatever the steps (``fixtures.interval_specimens:EpsilonCachedPerProcess``)
-    fails the second. Once per gate run (the smallest world size, the first model, reduction, dtype)."""
+    fails the second. Once per gate run (the largest of the run's world sizes, after its other fixed
+    scenarios but ``empty``; the first model, reduction, dtype)."""
     ws = point.world_size
     # Poisson: the told q is the configured one in both (a fixed run's q is 1/steps, which would differ)
     specs = [upper_clip(point.spec(sampling="poisson", dataset_size=TWICE_PER_RANK * ws, sample_rate=TWICE_Q,
