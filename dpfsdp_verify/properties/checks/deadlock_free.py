@@ -52,6 +52,10 @@ anywhere among the norms -- each run for at least ``EXPLORE_MIN_STEPS`` steps wi
 (``EXPLORE_SIGMA``): it must finish on every rank (a hang is proven and shrunk to the smallest
 configuration), and its releases feed the release judge.
 
+``history_twice`` (once, at the run's largest world size): two noisy Poisson runs of 2 and 5 steps at
+one (sigma, q, delta) in the same rank processes, each asked for its epsilon: an epsilon cached per
+process whatever the history fails the second (docs/properties.md, the accountant's interval).
+
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
 local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
