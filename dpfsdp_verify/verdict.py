@@ -28,7 +28,8 @@ FAILING = ("fail", "hang", "error")
 #: one per DP step, a bug in a check, a rank refused by DTensor for a tensor whose placement differs
 #: from its parameter's)
 RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_divergence", "timeout", "refused",
-                 "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch", "accountant_mismatch")
+                 "frozen_updated", "step_count_wrong", "internal_error", "placement_mismatch", "accountant_mismatch",
+                 "epsilon_under_reported", "epsilon_over_reported")
 #: every diagnosis a verdict may carry: ``RUN_DIAGNOSES`` and each property's own
 #: (``Property.diagnoses``); the report schema's enum is this list (tests/properties/test_contract.py ties them)
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",

@@ -95,7 +95,8 @@ def test_combination_rules_agree_with_runspec():
 #: the defaults only defaults.py may assign (a module may re-export one by importing it)
 DEFAULT_NAMES = ("DEFAULT_GRAD_SAMPLE_MODE", "POISSON_DEFAULTS", "DEFAULT_WORLD_SIZES", "MAX_GLOO_WORLD_SIZE",
                  "DEFAULT_TIMEOUT_S", "WIDE_WORLD_SIZE", "HORIZON_STEPS", "HORIZON_SAMPLE_RATE",
-                 "HORIZON_SAMPLES_PER_RANK", "DEFAULT_EXPLORE_S")
+                 "HORIZON_SAMPLES_PER_RANK", "DEFAULT_EXPLORE_DRAWS",
+                 "DEFAULT_EXPLORE_CAP_S")
 #: a seed picked by arithmetic on a literal or another seed: ``point.seed(4242 + ws)``, ``noise_seed=base + 3``
 SEED_FIELD = re.compile(r"\b(noise|sampling|batch|model)_seed\s*=\s*(?!seed_for|adjacent|point\.seed_for|"
                         r"point\.poisson_seed\(\))[^,)\n]*[+*]")

@@ -7,7 +7,7 @@ batches are formed (data layout, fixed or Poisson sampling with rate q and a see
 local batch size), the loop (steps, physical batch size under gradient accumulation, a resume
 point), and the DP step itself (clip bound C, learning rate, noise multiplier). A bug that is
 right at every point someone listed by hand is still wrong at some point of the space: the gate's
-fixed cases are the floor, and exploration (``--explore SECONDS``, docs/explore.md) draws further
+fixed cases are the floor, and exploration (``--explore DRAWS``, docs/explore.md) draws further
 points from the ranges below (``Axis.explore``) and judges them with the properties' own judges.
 
 * Each axis is a small value object (``Choice``, ``Integer``, ``Real``) that validates a value
@@ -226,7 +226,8 @@ AXES: Dict[str, Axis] = {a.name: a for a in (
     Real("noise_multiplier", "sigma: the noise std is sigma C", D.SPEC_DEFAULTS["noise_multiplier"], lo=0.0,
          explore=(0.5, 4.0)),
     Real("timeout", "deadline of one distributed job, seconds", D.DEFAULT_TIMEOUT_S, lo=0.0, lo_open=True),
-    Real("explore", "seconds of exploration a gate run adds (docs/explore.md)", D.DEFAULT_EXPLORE_S, lo=0.0),
+    Integer("explore", "configurations each explored property draws, fixed by the seed (docs/explore.md)",
+            D.DEFAULT_EXPLORE_DRAWS, lo=0),
     Integer("seed", "the run's statistical seed (every stream's seed derives from it: seed_for)", None,
             lo=0, hi=SEED_MODULUS - 1),
 )}

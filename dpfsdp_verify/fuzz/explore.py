@@ -1,20 +1,23 @@
 """Exploration: configurations drawn from the configuration space beyond the gate's fixed cases
-(``dpfsdp-verify run --explore SECONDS``, docs/explore.md).
+(``dpfsdp-verify run --explore DRAWS``, docs/explore.md).
 
 The fixed cases are points someone picked; a bug one step outside them (rows >= 40 of a local
 batch left unclipped, when the largest fixed local batch was 33 -- the floor now runs 64; a clip that only breaks in
 float32 at lr 0.3 at 4 ranks) passes every one of them. Each property with an ``explore`` recipe
-(``contract.ExploreRecipe``) therefore spends a share of the run's exploration budget on
-configurations hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'
+(``contract.ExploreRecipe``) therefore judges a number of configurations (``--explore DRAWS``) that
+hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'
 ``explore`` range in ``dpfsdp_verify.config.space`` -- each prepared by the recipe (e.g. C at a drawn
 quantile of the reference norms), run on the gate's warm pool and judged by the property's own
 ``judge``. The draws are seeded by the run's seed (``space.seed_for(seed, property, "explore",
-round)``), so ``--seed S`` draws the same configurations in the same order (how many fit in the
-budget depends on the machine).
+0)``), so ``--seed S`` draws the same configurations in the same order, and as many of them, on
+any machine: the count is the seed's, not the clock's.
 
-Hypothesis runs in rounds of ``ROUND_EXAMPLES`` examples until the budget is spent. A draw that
+One hypothesis run of ``draws`` examples (its generation depends on the seed and on the examples'
+outcomes only, never on time). Time is only a cap (``deadline``, ``--explore-cap``): a draw
+that would start past it is not run, and the verdict says the cap was hit and how many of the
+seed's draws ran (``config["explore"]["capped"]``; the exit line says so too). A draw that
 fails (``fail``, ``hang``, ``error``) is shrunk by hypothesis to its smallest configuration (it
-is given ``SHRINK_S`` more seconds for that, past the budget: a failing gate run is worth a short
+is given ``SHRINK_S`` more seconds for that, past the cap: a failing gate run is worth a short
 report), and that is the property's exploration verdict: the property's diagnosis and message for
 the smallest configuration, its config (``config["explore"]``: what it drew beyond the usual
 keys), ``evidence["explored"] = True``, and a ``dpfsdp-verify replay ... --exact`` line that
@@ -22,12 +25,13 @@ re-runs exactly that spec. Without a failure the property's one ``pass`` verdict
 configurations passed and what they covered.
 
 Every result is cached by configuration, so hypothesis' own replay of the shrunk example sees the
-same verdict, and a draw past the budget is not run (it passes, unrun and uncounted).
+same verdict, and a draw past the cap is not run (it passes, unrun and uncounted).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -46,23 +50,22 @@ from ..verdict import FAILING, Verdict
 from . import strategies
 from .search import Counterexample, run_to_counterexample
 
-#: examples per hypothesis round (a round's first examples are its simplest: small rounds would
-#: redraw them, large ones overshoot the budget by a few unrun draws)
-ROUND_EXAMPLES = 8
-#: seconds a found failure may spend shrinking past the budget
+#: seconds a found failure may spend shrinking past the cap
 SHRINK_S = 30.0
 #: the draws a pass verdict lists in its evidence (the first ones)
 LISTED_DRAWS = 40
 
 
 class _Explorer:
-    """One property's exploration: the budget clock, the cache, the counts."""
+    """One property's exploration: its draws, the cap's clock, the cache, the counts."""
 
-    def __init__(self, prop: Property, opts: Options, budget_s: float, pool: Pool, modes: Sequence[Mode],
-                 max_world_size: int):
+    def __init__(self, prop: Property, opts: Options, draws: int, pool: Pool, modes: Sequence[Mode],
+                 max_world_size: int, deadline: float = math.inf):
         self.prop, self.opts, self.pool, self.modes = prop, opts, pool, tuple(modes)
         self.t0 = time.monotonic()
-        self.deadline = self.t0 + budget_s
+        self.n_draws, self.deadline = draws, deadline
+        #: draws of the seed's that were not run: the time cap was hit before them
+        self.unrun = 0
         self.max_world_size = max_world_size
         self.cache: Dict[Tuple[int, str, str], Verdict] = {}
         self.seen: Counter = Counter()
@@ -72,7 +75,8 @@ class _Explorer:
         self.found_draw = 0
 
     def spent(self) -> bool:
-        """Whether the budget is spent (a budget > 0 always runs one draw, however slow the host)."""
+        """Whether the time cap is hit (an exploration always runs its first draw, however slow the
+        host; a found failure shrinks for ``SHRINK_S`` more)."""
         if not self.seen:
             return False
         now = time.monotonic()
@@ -84,7 +88,9 @@ class _Explorer:
         v = self.cache.get(key)
         if v is None:
             if self.spent():
-                return  # past the budget: not run, not counted
+                if self.found_at is None:
+                    self.unrun += 1
+                return  # past the cap: not run, not counted
             v = self.run(ws, spec, knobs)
             self.cache[key] = v
             self.seen[v.status] += 1
@@ -108,10 +114,10 @@ class _Explorer:
                 return case
             return unproven_timeout_skipped(runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout)[0])
 
-    def round(self, index: int) -> Optional[Verdict]:
-        """One hypothesis round; the shrunk failure's verdict, or ``None``."""
+    def round(self, index: int = 0) -> Optional[Verdict]:
+        """The seed's ``n_draws`` examples in one hypothesis run; the shrunk failure's verdict, or ``None``."""
         seed = seed_for(self.opts.seed, self.prop.id, "explore", index)
-        settings = Settings(max_examples=ROUND_EXAMPLES, database=None, derandomize=False, deadline=None,
+        settings = Settings(max_examples=self.n_draws, database=None, derandomize=False, deadline=None,
                             report_multiple_bugs=False, print_blob=True, phases=(Phase.generate, Phase.shrink),
                             suppress_health_check=list(HealthCheck))
         assert self.prop.explore is not None
@@ -127,7 +133,7 @@ class _Explorer:
         v = found.verdict
         run = sum(self.seen.values())
         explore = {**v.config.get("explore", {}), "draws": run, "found_at_draw": self.found_draw,
-                   "seed": self.opts.seed, "round": index}
+                   "seed": self.opts.seed, "round": index, "draws_asked": self.n_draws}
         evidence = {**v.evidence, "explored": True, "spec": json.loads(found.spec.to_json()), "draws_run": run,
                     "found_at_draw": self.found_draw}
         return Verdict(v.property, v.status, {**v.config, "explore": explore}, diagnosis=v.diagnosis,
@@ -142,20 +148,35 @@ class _Explorer:
     def summary(self, rounds: int) -> Verdict:
         n = sum(self.seen.values())
         seconds = round(time.monotonic() - self.t0, 3)
-        explore = {"draws": n, "seed": self.opts.seed, "rounds": rounds, "max_world_size": self.max_world_size}
+        explore = {"draws": n, "seed": self.opts.seed, "rounds": rounds, "max_world_size": self.max_world_size,
+                   "draws_asked": self.n_draws, **self.cap_fields()}
         config = {"world_size": None, "data_layout": "explored", "model": "explored",
                   "mode": " vs ".join(m.label for m in self.modes), "grad_sample_mode": self.opts.grad_sample_mode,
                   "explore": explore}
         evidence = {"explored": True, "statuses": dict(self.seen), "draws": self.draws[:LISTED_DRAWS]}
         if self.seen["pass"] == 0:
             return Verdict(self.prop.id, "skip", config, seconds=seconds, evidence=evidence,
-                           message=f"exploration ran no configuration in its budget ({n} drawn and run, none passed "
-                                   "or failed)")
+                           message=f"exploration ran no configuration ({n} drawn and run, none passed or failed)"
+                                   + self.cap_note())
         return Verdict(self.prop.id, "pass", config, seconds=seconds, evidence=evidence, message=(
             f"{self.seen['pass']} explored configurations passed (drawn from the configuration space beyond the "
             f"fixed cases: world sizes 1..{self.max_world_size}, local batches up to 64, lr, C among the norms, "
-            f"dtypes and precisions, model variants{self._more()}; run seed {self.opts.seed}, "
-            f"docs/explore.md)"))
+            f"dtypes and precisions, model variants{self._more()}; {self.n_draws} draws of run seed "
+            f"{self.opts.seed}, docs/explore.md)" + self.cap_note()))
+
+    def cap_fields(self) -> dict:
+        """``{"capped": True, "unrun_draws": k, "cap_s": ...}`` when the time cap stopped draws, else ``{}``."""
+        if not self.unrun:
+            return {}
+        return {"capped": True, "unrun_draws": self.unrun, "cap_s": round(self.deadline - self.t0, 3)}
+
+    def cap_note(self) -> str:
+        """The sentence a verdict ends with when the time cap stopped draws; "" otherwise."""
+        if not self.unrun:
+            return ""
+        return (f". TIME CAP HIT: {self.n_draws - self.unrun} of the seed's {self.n_draws} draws ran; the last "
+                f"{self.unrun} were not (--explore-cap; a replay of --seed {self.opts.seed} on a less loaded machine "
+                "or with a larger cap runs them)")
 
     def _more(self) -> str:
         kw = self.prop.explore.draw_kwargs() if self.prop.explore is not None else {}
@@ -183,13 +204,15 @@ def unproven_timeout_skipped(v: Verdict) -> Verdict:
     return v
 
 
-def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optional[Pool] = None,
-                     max_world_size: Optional[int] = None) -> List[Verdict]:
-    """``prop``'s exploration within ``budget_s`` seconds: one verdict (module docstring); none when
-    the budget is 0, the property has no recipe, the modes give it nothing to run, or
-    ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
-    drawn (default: ``space.explore_max_world_size()``, from the cores)."""
-    if budget_s <= 0 or prop.explore is None or max_world_size == 0:
+def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[Pool] = None,
+                     max_world_size: Optional[int] = None, deadline: float = math.inf) -> List[Verdict]:
+    """``prop``'s exploration: ``draws`` configurations drawn from the run's seed, one verdict (module
+    docstring); none when ``draws`` is 0, the property has no recipe, the modes give it nothing to run,
+    or ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
+    drawn (default: ``space.explore_max_world_size()``, from the cores). ``deadline``: the time cap
+    (``time.monotonic()``; draws that would start past it are not run, and the verdict says so)."""
+    draws = int(draws)
+    if draws <= 0 or prop.explore is None or max_world_size == 0:
         return []
     opts = prop.with_defaults(opts)
     groups = prop.mode_groups(opts.modes, opts.params)
@@ -198,15 +221,10 @@ def explore_property(prop: Property, opts: Options, budget_s: float, pool: Optio
     own = pool is None
     pool = pool or Pool()
     try:
-        ex = _Explorer(prop, opts, budget_s, pool, groups[0],
-                       max_world_size if max_world_size is not None else explore_max_world_size())
-        rounds = 0
-        while not ex.spent():
-            found = ex.round(rounds)
-            rounds += 1
-            if found is not None:
-                return [found]
-        return [ex.summary(rounds)]
+        ex = _Explorer(prop, opts, draws, pool, groups[0],
+                       max_world_size if max_world_size is not None else explore_max_world_size(), deadline)
+        found = ex.round(0)
+        return [found] if found is not None else [ex.summary(1)]
     finally:
         if own:
             pool.close()
@@ -223,4 +241,4 @@ def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, p
         return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
 
 
-__all__ = ["ROUND_EXAMPLES", "SHRINK_S", "explore_property", "check_exact"]
+__all__ = ["SHRINK_S", "explore_property", "check_exact"]

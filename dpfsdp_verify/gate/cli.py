@@ -30,8 +30,8 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..config.defaults import (DEFAULT_EXPLORE_S, DEFAULT_WORLD_SIZES, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS,
-                               POISSON_DEFAULTS, SCALE_SEED, SCALE_STEPS,
+from ..config.defaults import (DEFAULT_EXPLORE_CAP_S, DEFAULT_EXPLORE_DRAWS, DEFAULT_GRAD_SAMPLE_MODE,
+                               DEFAULT_WORLD_SIZES, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED, SCALE_STEPS,
                         SCALE_WORLD_SIZES, WIDE_WORLD_SIZE, NODE_WORLD_SIZE)
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
@@ -88,11 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"grad_sample_mode passed to make_private (default {DEFAULT_GRAD_SAMPLE_MODE})")
     what.add_argument("--fuzz", type=int, default=0, metavar="N",
                       help="also run N hypothesis-fuzzed examples per fuzzable property (default 0)")
-    what.add_argument("--explore", type=float, default=None, metavar="SECONDS",
-                      help="also judge configurations drawn from the configuration space beyond the fixed cases, "
-                           "for this many seconds in all (seeded by --seed; a failure is shrunk and reported with its "
-                           f"replay line); 0: a fixed run (default {DEFAULT_EXPLORE_S:g} where hypothesis is "
-                           "installed; docs/explore.md)")
+    what.add_argument("--explore", type=str, default=None, metavar="DRAWS",
+                      help="also judge DRAWS configurations per explored property drawn from the configuration space "
+                           "beyond the fixed cases, fixed by --seed (the same ones on any machine; a failure is shrunk "
+                           f"and reported with its replay line); 0: a fixed run (default {DEFAULT_EXPLORE_DRAWS} where "
+                           "hypothesis is installed; docs/explore.md)")
+    what.add_argument("--explore-cap", type=float, default=None, metavar="SECONDS",
+                      help="time cap of the whole exploration: draws not started by then are not run, and the report "
+                           f"and the exit line say so (default {DEFAULT_EXPLORE_CAP_S:g})")
     _environment_args(what, execution)
     reports.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     reports.add_argument("--junit", metavar="PATH", help="write JUnit XML here")

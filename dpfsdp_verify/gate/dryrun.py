@@ -21,12 +21,16 @@ a loaded machine, more).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from .plan import RunPlan
+
+#: seconds one explored draw takes in the dry run's estimate (2 idle cores: docs/explore.md)
+EXPLORE_DRAW_S = 1.5
 
 
 @dataclass
@@ -124,10 +128,14 @@ def format_plan(plan: RunPlan, d: Described) -> str:
                 lines.append(f"  {p.property} {label}: {reason}")
     if d.fuzz:
         lines.append(f"plus {d.fuzz} fuzzed examples per fuzzable property (not in the estimate)")
-    explore = getattr(plan, "explore", 0.0)
-    if explore > 0:
-        lines.append(f"plus {explore:g} s of configurations drawn beyond the fixed cases (--explore; docs/explore.md; "
-                     "in the estimate)")
+    from ..properties import PROPERTIES
+
+    draws = int(getattr(plan, "explore", 0))
+    explored = sum(1 for p in getattr(plan, "properties", ()) if p in PROPERTIES and PROPERTIES[p].explore is not None)
+    explore = min(draws * explored * EXPLORE_DRAW_S, float(getattr(plan, "explore_cap", 0.0) or math.inf))
+    if draws > 0 and explored:
+        lines.append(f"plus {draws} configuration(s) per explored property ({explored}) drawn beyond the fixed cases "
+                     f"(--explore; docs/explore.md; ~{EXPLORE_DRAW_S:g} s each in the estimate)")
     lines.append(f"total: {d.n_cases + d.n_skips} verdicts, {d.n_cases} cases to run, {d.n_skips} skipped; "
                  f"estimated {_duration(d.seconds + explore)} on 2 idle cores (docs/benchmarks.md; rough)")
     return "\n".join(lines)

@@ -49,9 +49,11 @@ class RunPlan:
     properties: Tuple[str, ...]
     target_info: Tuple[Tuple[str, str], ...] = ()
     fuzz: int = 0
-    #: seconds of exploration (``--explore``; docs/explore.md), shared among the selected properties
-    #: that have an ``explore`` recipe; 0: a fixed run
-    explore: float = 0.0
+    #: configurations each selected property with an ``explore`` recipe draws (``--explore``;
+    #: docs/explore.md), fixed by the seed; 0: a fixed run
+    explore: int = 0
+    #: seconds the exploration phase may take before the draws not yet run are dropped (``--explore-cap``)
+    explore_cap: float = 0.0
     #: why the default exploration is off in this run (hypothesis missing, a torchrun job); "" if it is not
     explore_note: str = ""
     #: the parsed ``--expect`` file
@@ -151,47 +153,64 @@ class RunPlan:
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
-                   explore=explore, explore_note=explore_note, expectations=expectations, reports=reports,
+                   explore=explore, explore_cap=parse_explore_cap(args), explore_note=explore_note,
+                   expectations=expectations, reports=reports,
                    quiet=args.quiet, verbose=getattr(args, "verbose", False),
                    write_expect=getattr(args, "write_expect", None))
 
 
-def parse_explore(args, job_world_size: Optional[int]) -> Tuple[float, str]:
-    """``(seconds, note)`` of exploration from ``--explore`` (``UsageError`` for a bad value, or
-    for asking for it where it cannot run). Not given: ``defaults.DEFAULT_EXPLORE_S`` where
+def _explore_draws(text: str, where: str) -> int:
+    """``text`` as a number of draws (``UsageError`` naming ``where`` otherwise). An integral float
+    ("6", "6.0": what ``--explore SECONDS`` took until 2026-11-28) is accepted as that many draws."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{where} {text!r}: not a number of draws", f"e.g. {where} 4, or 0 for a fixed run") from None
+    if not (value >= 0 and value == int(value)):
+        raise UsageError(f"{where} {text}: must be a whole number of draws per explored property >= 0 (a number of "
+                         "configurations fixed by the seed, no longer seconds: --explore-cap is the time cap)",
+                         f"e.g. {where} 4, or 0 for a fixed run")
+    return int(value)
+
+
+def parse_explore_cap(args) -> float:
+    """``--explore-cap SECONDS`` (``defaults.DEFAULT_EXPLORE_CAP_S`` when not given); ``UsageError`` unless > 0."""
+    from ..config.defaults import DEFAULT_EXPLORE_CAP_S
+
+    given = getattr(args, "explore_cap", None)
+    if given is None:
+        return DEFAULT_EXPLORE_CAP_S
+    if not given > 0 or given == float("inf"):
+        raise UsageError(f"--explore-cap {given}: must be a number of seconds > 0", "e.g. --explore-cap 120")
+    return float(given)
+
+
+def parse_explore(args, job_world_size: Optional[int]) -> Tuple[int, str]:
+    """``(draws, note)`` of exploration from ``--explore`` (``UsageError`` for a bad value, or
+    for asking for it where it cannot run). Not given: ``defaults.DEFAULT_EXPLORE_DRAWS`` where
     hypothesis is installed and the ranks are the gate's own; else 0 with the note saying why."""
-    from ..config.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV
-    from ..config.space import AXES
+    from ..config.defaults import DEFAULT_EXPLORE_DRAWS, EXPLORE_ENV
 
     given = getattr(args, "explore", None)
     if given is not None:
-        problem = AXES["explore"].check(given)
-        if problem or given != given:
-            raise UsageError(f"--explore {given}: must be >= 0 seconds", "e.g. --explore 10, or 0 for a fixed run")
-        if given > 0 and job_world_size is not None:
+        draws = _explore_draws(str(given), "--explore")
+        if draws > 0 and job_world_size is not None:
             raise UsageError("--explore: a torchrun job runs at its own world size; exploration draws world sizes",
                              "omit --explore inside a torchrun job")
-        if given > 0:
+        if draws > 0:
             require_hypothesis("--explore")
-        return float(given), ""
+        return draws, ""
     if job_world_size is not None:
-        return 0.0, "no exploration inside a torchrun job (its world size is fixed)"
-    default = DEFAULT_EXPLORE_S
+        return 0, "no exploration inside a torchrun job (its world size is fixed)"
+    default = DEFAULT_EXPLORE_DRAWS
     if os.environ.get(EXPLORE_ENV, "").strip():
-        try:
-            default = float(os.environ[EXPLORE_ENV])
-        except ValueError:
-            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: not a number of seconds",
-                             f"e.g. {EXPLORE_ENV}=0") from None
-        if AXES["explore"].check(default):
-            raise UsageError(f"{EXPLORE_ENV}={os.environ[EXPLORE_ENV]!r}: must be >= 0 seconds",
-                             f"e.g. {EXPLORE_ENV}=0")
+        default = _explore_draws(os.environ[EXPLORE_ENV].strip(), EXPLORE_ENV + "=")
         if default == 0:
-            return 0.0, ""
+            return 0, ""
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        return 0.0, "no exploration: it needs hypothesis (pip install hypothesis: the 'fuzz' extra)"
+        return 0, "no exploration: it needs hypothesis (pip install hypothesis: the 'fuzz' extra)"
     return default, ""
 
 

@@ -324,6 +324,21 @@ def exit_code(verdicts, outcome=None) -> int:
     return EXIT_FAIL if any(v.status in FAILING for v in verdicts) else EXIT_OK
 
 
+def capped_note(verdicts: List) -> str:
+    """What the exit line adds when exploration's time cap (``--explore-cap``) stopped draws: which
+    properties ran fewer of the seed's draws than asked; "" when none did (docs/explore.md)."""
+    cut = []
+    for v in verdicts:
+        ex = (v.config or {}).get("explore") if isinstance(v.config, dict) else None
+        if isinstance(ex, dict) and ex.get("capped"):
+            cut.append(f"{v.property} {ex.get('draws_asked', 0) - ex.get('unrun_draws', 0)} of "
+                       f"{ex.get('draws_asked', 0)} draws")
+    if not cut:
+        return ""
+    return ("exploration hit its time cap, --explore-cap: " + ", ".join(cut) + " ran; the seed's other "
+            "configurations were not judged")
+
+
 def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
     """Judge, print, write every requested report; the exit code. With ``--json -`` the JSON is
     the only thing on stdout (the table and messages go to stderr)."""
@@ -359,7 +374,9 @@ def finish(plan: "RunPlan", verdicts: List, target: Dict[str, Any]) -> int:
             print(c.block(i, width), file=out)
     if plan.write_expect:
         _write_baseline(plan, verdicts, target, out)
-    print("\n" + last_line(code, counts_text(verdicts, outcome), len(found)), file=out)
+    note = capped_note(verdicts)  # exploration's time cap hit: the last line says so
+    print("\n" + last_line(code, counts_text(verdicts, outcome), len(found)) + (f" ({note})" if note else ""),
+          file=out)
     if reports.json and json_to_stdout:
         sys.stdout.write(dumps_json(verdicts, target, backend, outcome, code, seed))
         sys.stdout.flush()

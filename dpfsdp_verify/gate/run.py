@@ -7,10 +7,11 @@ of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmar
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
@@ -79,8 +80,9 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
               flush=True)
         print(f"seed {opts.seed} (replay this run with --seed {opts.seed})", file=sys.stderr, flush=True)
         if plan.explore > 0:
-            print(f"exploring {plan.explore:g} s beyond the fixed cases, drawn from seed {opts.seed} (--explore 0: a "
-                  "fixed run; docs/explore.md)", file=sys.stderr, flush=True)
+            print(f"exploring {plan.explore} configurations per explored property beyond the fixed cases, drawn "
+                  f"from seed {opts.seed} (time cap {plan.explore_cap:g} s; --explore 0: a fixed run; "
+                  "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
     verdicts = run_plan(plan, progress=progress, pool=pool)
@@ -111,7 +113,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     opts = plan.options
     pool = pool or size_pool(Pool(), plan)
     budget = _ExploreBudget(plan)
-    fuzz = _fuzzer(plan.fuzz, budget.share)
+    fuzz = _fuzzer(plan.fuzz, budget)
     verdicts: List[Verdict] = []
     # every noisy run any property makes feeds the release judge (properties/releases/judge.py)
     ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
@@ -212,7 +214,7 @@ def _explore_all(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], fixed: di
     """Each property's fuzz and exploration verdicts (``runner.fuzz_property``), by property id, one
     property after another: explorations adapt (each draw's verdict decides the next) and keep both
     cores busy on their own (two at once, measured: as many draws in all as one after the other).
-    ``budget`` shares the run's exploration seconds out among them as they go (``_ExploreBudget``)."""
+    ``budget``: the run's draws per property and its time cap, which starts here (``_ExploreBudget``)."""
     todo = [pid for pid in plan.properties if fuzz is not None and fixed[pid][0] is not None
             and _explores(plan, pid)]  # no options: its planning, jobs or judging raised
     if budget is not None:
@@ -259,45 +261,37 @@ def target_modules(ref: str) -> tuple:
     return (ref.split(":")[0],) if ":" in ref else ()
 
 
-#: the least share of the exploration seconds a property gets when the ones before it spent them
-#: all: its exploration then runs one draw (``fuzz.explore``: a budget > 0 always runs one)
-MIN_EXPLORE_SHARE_S = 1e-3
-
-
 class _ExploreBudget:
-    """The run's exploration seconds (``--explore``) shared out among the explored properties. Where
-    the explorations run one after another at the end (``_explore_all`` calls ``begin``), each gets an
-    equal share of the seconds *left*: an exploration's last draw ends past its share (a draw is never
-    cut), and that overrun comes out of the next ones' shares, so the phase ends near ``--explore``
-    (measured on `Correct`: 12 s for 6 s before). Elsewhere (property by property, ``_one_by_one``) each
-    gets ``--explore`` / the explored properties."""
+    """The run's exploration: ``--explore`` draws for each explored property, and one time cap for
+    the whole phase (``--explore-cap``), which starts when the explorations start (``_explore_all``
+    calls ``begin``; property by property, ``_one_by_one``: at the first exploration)."""
 
     def __init__(self, plan: RunPlan):
-        self.total = plan.explore
-        self.properties = sum(1 for p in plan.properties if PROPERTIES[p].explore is not None)
-        self.start: Optional[float] = None
-        self.left = 0
+        self.draws = int(plan.explore) if any(PROPERTIES[p].explore is not None for p in plan.properties) else 0
+        self.cap = float(getattr(plan, "explore_cap", 0.0) or 0.0) or math.inf
+        self.deadline: Optional[float] = None
 
-    def begin(self, properties: int) -> None:
-        self.start, self.left = time.monotonic(), max(1, properties)
+    def begin(self, properties: int = 0) -> None:
+        self.deadline = time.monotonic() + self.cap
 
-    def share(self) -> float:
-        """The seconds the next exploration may spend (0: no exploration in this run)."""
-        if self.total <= 0 or not self.properties:
-            return 0.0
-        if self.start is None:
-            return self.total / self.properties
-        n, self.left = self.left, max(1, self.left - 1)
-        return max((self.total - (time.monotonic() - self.start)) / n, MIN_EXPLORE_SHARE_S)
+    def share(self) -> Tuple[int, float]:
+        """``(draws, deadline)`` of the next exploration (0 draws: no exploration in this run)."""
+        if self.draws and self.deadline is None:
+            self.begin()
+        return self.draws, (self.deadline if self.deadline is not None else math.inf)
 
 
-def _fuzzer(n_examples: int, explore_s: Union[float, Callable[[], float]] = 0.0) -> Optional[Fuzzer]:
+def _fuzzer(n_examples: int, explore: Union[int, "_ExploreBudget"] = 0) -> Optional[Fuzzer]:
     """With ``--fuzz N``: each fuzzable property's N fuzzed examples; with exploration
-    (``--explore``, docs/explore.md): each explored property's ``explore_s`` seconds (a number, or
-    a function giving each its share as it starts: ``_ExploreBudget.share``) of drawn configurations
-    after them (hypothesis, the ``fuzz`` extra: the plan checked it is installed)."""
-    share = explore_s if callable(explore_s) else (lambda: float(explore_s))
-    if not n_examples and not share():
+    (``--explore``, docs/explore.md): each explored property's draws (a number, no cap; or the run's
+    ``_ExploreBudget``: its draws and the cap's deadline as each starts) of drawn configurations after
+    them (hypothesis, the ``fuzz`` extra: the plan checked it is installed)."""
+    if isinstance(explore, int):
+        drawn = int(explore)
+        share: Callable[[], Tuple[int, float]] = lambda: (drawn, math.inf)  # noqa: E731
+    else:
+        drawn, share = explore.draws, explore.share
+    if not n_examples and not drawn:
         return None
 
     def run(prop, opts, pool):
@@ -306,14 +300,14 @@ def _fuzzer(n_examples: int, explore_s: Union[float, Callable[[], float]] = 0.0)
             from ..fuzz import fuzz_examples
 
             verdicts += fuzz_examples(prop, opts, n_examples, pool)
-        seconds = share() if prop.explore is not None else 0.0
-        if seconds > 0:
+        draws, deadline = share() if prop.explore is not None else (0, math.inf)
+        if draws > 0:
             from ..fuzz.explore import explore_property
             from ..harness.backends import visible_gpus
 
             # nccl: one GPU per rank, so no draw beyond the GPUs this machine has (gloo: the cores decide)
             most = visible_gpus() if opts.backend == "nccl" else None
-            verdicts += explore_property(prop, opts, seconds, pool, max_world_size=most)
+            verdicts += explore_property(prop, opts, draws, pool, max_world_size=most, deadline=deadline)
         return verdicts
 
     return run

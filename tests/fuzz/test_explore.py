@@ -1,4 +1,4 @@
-"""Exploration (``--explore SECONDS``, docs/explore.md): draws from the configuration space beyond
+"""Exploration (``--explore DRAWS``, docs/explore.md): draws from the configuration space beyond
 the fixed cases, judged by the property's own judge, a failure shrunk and replayed exactly."""
 
 import json
@@ -11,7 +11,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import given, seed, settings  # noqa: E402
 
 from dpfsdp_verify.config import space  # noqa: E402
-from dpfsdp_verify.config.defaults import DEFAULT_EXPLORE_S, EXPLORE_ENV  # noqa: E402
+from dpfsdp_verify.config.defaults import DEFAULT_EXPLORE_CAP_S, DEFAULT_EXPLORE_DRAWS, EXPLORE_ENV  # noqa: E402
 from dpfsdp_verify.fuzz import explore, strategies  # noqa: E402
 from dpfsdp_verify.gate import cli  # noqa: E402
 from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
@@ -79,7 +79,7 @@ def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
 
     monkeypatch.setattr(explore._Explorer, "run", judge)
     opts = Options(target=SPECIMEN, seed=3)
-    [v] = explore.explore_property(CLIPPED, opts, budget_s=120, pool=object(), max_world_size=2)
+    [v] = explore.explore_property(CLIPPED, opts, draws=40, pool=object(), max_world_size=2)
     assert (v.status, v.diagnosis) == ("fail", "mismatch")
     spec = RunSpec.from_json(json.dumps(v.evidence["spec"]))
     assert v.config["world_size"] == 1 and spec.global_batch_size == FIRST_UNCLIPPED_ROW + 1  # the smallest
@@ -92,13 +92,67 @@ def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
     # the same run seed draws the same configurations in the same order
     first = list(ran)
     ran.clear()
-    explore.explore_property(CLIPPED, opts, budget_s=120, pool=object(), max_world_size=2)
+    explore.explore_property(CLIPPED, opts, draws=40, pool=object(), max_world_size=2)
     assert ran == first
 
 
-def test_no_budget_no_draws(monkeypatch):
-    monkeypatch.setattr(explore._Explorer, "run", lambda *a: pytest.fail("ran a draw with no budget"))
-    assert explore.explore_property(CLIPPED, Options(seed=1), budget_s=0, pool=object()) == []
+def test_no_draws_no_runs(monkeypatch):
+    monkeypatch.setattr(explore._Explorer, "run", lambda *a: pytest.fail("ran a draw with --explore 0"))
+    assert explore.explore_property(CLIPPED, Options(seed=1), draws=0, pool=object()) == []
+
+
+def _stand_in(monkeypatch, ran, slow_s=0.0):
+    """``_Explorer.run`` replaced by a judge that passes every draw, recording it; each draw advances
+    a fake clock by ``slow_s`` seconds (a loaded machine: the same work, more seconds)."""
+    clock = [1000.0]
+    monkeypatch.setattr(explore.time, "monotonic", lambda: clock[0])
+
+    def judge(self, ws, spec, knobs):
+        clock[0] += slow_s
+        ran.append((ws, spec.to_json(), json.dumps(knobs, sort_keys=True)))
+        return self.prop.explore_case(self.opts, spec, knobs, ws, self.modes).verdict("pass", None, "stand-in")
+
+    monkeypatch.setattr(explore._Explorer, "run", judge)
+    return clock
+
+
+@pytest.mark.parametrize("pid", ["clipped_step", "deadlock_free"])
+def test_a_seed_explores_the_same_configurations_on_an_idle_and_a_loaded_machine(monkeypatch, pid):
+    """``--seed S`` fixes the draws, not the seconds: a run whose draws take 20 s each (a loaded box)
+    judges exactly the configurations, in the same order and as many, as one whose draws take none;
+    until 2026-11-28 the loaded run judged one (the simplest) where the idle one judged several."""
+    prop, opts = PROPERTIES[pid], Options(target="fixtures.specimens:Correct", seed=20261128)
+    idle, loaded = [], []
+    _stand_in(monkeypatch, idle)
+    [v_idle] = explore.explore_property(prop, opts, draws=DEFAULT_EXPLORE_DRAWS, pool=object(), max_world_size=4)
+    clock = _stand_in(monkeypatch, loaded, slow_s=20.0)
+    [v_loaded] = explore.explore_property(prop, opts, draws=DEFAULT_EXPLORE_DRAWS, pool=object(), max_world_size=4,
+                                          deadline=clock[0] + 10 * DEFAULT_EXPLORE_DRAWS * 20.0)
+    assert len(idle) == DEFAULT_EXPLORE_DRAWS and loaded == idle
+    assert len(set(idle)) == len(idle)  # no configuration judged twice
+    assert v_idle.evidence["draws"] == v_loaded.evidence["draws"] and v_loaded.status == "pass"
+    assert "capped" not in v_loaded.config["explore"] and "TIME CAP" not in v_loaded.message
+
+
+def test_the_time_cap_stops_draws_and_says_so(monkeypatch):
+    """Time is only a cap: past it the seed's remaining draws are not run, the verdict says how many
+    ran (``config["explore"]["capped"]``) and the exit line says the cap was hit; those that ran are
+    the first of the seed's draws."""
+    from dpfsdp_verify.gate.report import capped_note
+
+    opts = Options(target="fixtures.specimens:Correct", seed=7)
+    idle, capped = [], []
+    _stand_in(monkeypatch, idle)
+    explore.explore_property(CLIPPED, opts, draws=6, pool=object(), max_world_size=4)
+    clock = _stand_in(monkeypatch, capped, slow_s=20.0)
+    [v] = explore.explore_property(CLIPPED, opts, draws=6, pool=object(), max_world_size=4, deadline=clock[0] + 30.0)
+    assert capped == idle[:2]  # started at 0 s and 20 s; the third would start past the 30 s cap
+    ex = v.config["explore"]
+    assert v.status == "pass" and ex["capped"] is True and ex["unrun_draws"] == 4 and ex["draws_asked"] == 6
+    assert "TIME CAP HIT: 2 of the seed's 6 draws ran" in v.message
+    assert capped_note([v]) == ("exploration hit its time cap, --explore-cap: clipped_step 2 of 6 draws ran; the "
+                                "seed's other configurations were not judged")
+    assert capped_note([Verdict("clipped_step", "pass", {"explore": {"draws": 6}})]) == ""
 
 
 def test_the_explored_bug_fails_its_configuration_and_correct_passes_it(pool):
@@ -151,7 +205,7 @@ def test_cli_explore_option_and_default(monkeypatch, capsys):
     from dpfsdp_verify.gate.plan import RunPlan
 
     parser = cli.build_parser()
-    for bad in ("-1", "nan"):
+    for bad in ("-1", "nan", "2.5", "many"):
         assert cli.main(["run", "--explore", bad, "--properties", "clipped_step"]) == cli.EXIT_USAGE
         err = capsys.readouterr().err.strip()
         assert "--explore" in err and len(err.splitlines()) == 1
@@ -159,7 +213,12 @@ def test_cli_explore_option_and_default(monkeypatch, capsys):
     assert fixed.explore == 0
     monkeypatch.delenv(EXPLORE_ENV, raising=False)
     default = RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct"]))
-    assert default.explore == DEFAULT_EXPLORE_S
+    assert default.explore == DEFAULT_EXPLORE_DRAWS and default.explore_cap == DEFAULT_EXPLORE_CAP_S
+    # the old --explore 6 (seconds) still parses: now 6 draws per explored property
+    assert RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct", "--explore",
+                                                "6", "--explore-cap", "90"])).explore == 6
+    assert cli.main(["run", "--explore-cap", "0", "--properties", "clipped_step"]) == cli.EXIT_USAGE
+    assert "--explore-cap" in capsys.readouterr().err
     monkeypatch.setenv(EXPLORE_ENV, "0")
     assert RunPlan.from_args(parser.parse_args(["run", "--target", "fixtures.specimens:Correct"])).explore == 0
 
@@ -227,14 +286,15 @@ def test_nccl_exploration_draws_no_more_ranks_than_gpus(monkeypatch):
 
     asked = []
     monkeypatch.setattr(explore, "explore_property",
-                        lambda prop, opts, s, pool, max_world_size=None: asked.append(max_world_size) or [])
-    fuzzer = gate_run._fuzzer(0, 5.0)
+                        lambda prop, opts, s, pool, max_world_size=None, deadline=0.0: asked.append(max_world_size)
+                        or [])
+    fuzzer = gate_run._fuzzer(0, 5)
     for backend, gpus in (("nccl", "1"), ("gloo", "1"), ("nccl", "2")):
         monkeypatch.setenv(SIMULATED_GPUS_ENV, gpus)
         fuzzer(PROPERTIES["clipped_step"], Options(target="opacus", backend=backend), None)
     assert asked == [1, None, 2]
     monkeypatch.undo()
-    assert explore.explore_property(PROPERTIES["clipped_step"], Options(target="opacus"), 5.0, None,
+    assert explore.explore_property(PROPERTIES["clipped_step"], Options(target="opacus"), 5, None,
                                     max_world_size=0) == []
 
 
@@ -253,7 +313,7 @@ def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge
         opts = Options(target=target, seed=3)
         ledger = releases.Ledger()
         with releases.collecting(ledger):
-            own, = explore.explore_property(prop, opts, 0.5, pool, max_world_size=2)
+            own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2)
         assert own.status == "pass" and own.evidence["explored"] is True, own.message  # every draw finished
         judged = ledger.verdicts(prop.with_defaults(opts))
         assert judged and {v.status for v in judged} == {status}, [v.message[:300] for v in judged]

@@ -231,25 +231,20 @@ def test_models_built_in_threads_are_the_ones_built_alone():
     assert all(all(torch.equal(a, b) for a, b in zip(alone[s], built[s])) for s in range(16))
 
 
-def test_exploration_seconds_left_are_shared_out_as_the_properties_explore(monkeypatch):
-    """One exploration's overrun (its last draw ends past its share) comes out of the next one's, so
-    the phase ends near --explore: before, each explored property got a fixed half of 6 s and the
-    phase took ~12 s on Correct. A property left nothing still gets one draw (a tiny share > 0)."""
+def test_every_explored_property_gets_its_draws_under_one_time_cap(monkeypatch):
+    """--explore is draws per explored property (the seed's, on any machine), not seconds shared out:
+    each explored property gets all of them; the one time cap (--explore-cap) starts when the
+    explorations start and is the same deadline for every property."""
     plan = RunPlan.from_args(cli.build_parser().parse_args(
-        ["run", "--target", "fixtures.specimens:Correct", "--explore", "6", "--seed", "5"]))
+        ["run", "--target", "fixtures.specimens:Correct", "--explore", "6", "--explore-cap", "30", "--seed", "5"]))
     explored = [p for p in plan.properties if PROPERTIES[p].explore is not None]
     assert len(explored) == 2
-    budget = gate_run._ExploreBudget(plan)
-    assert budget.share() == 3.0  # property by property (no begin): the fixed share
     clock = [100.0]
     monkeypatch.setattr(gate_run.time, "monotonic", lambda: clock[0])
+    budget = gate_run._ExploreBudget(plan)
     budget.begin(2)
-    assert budget.share() == 3.0
-    clock[0] += 4.0  # the first overran its 3 s by 1 s
-    assert budget.share() == 2.0
-    budget.begin(2)
-    clock[0] += 7.0  # the whole budget gone before the second starts
-    budget.share()
-    assert 0 < budget.share() <= gate_run.MIN_EXPLORE_SHARE_S
+    assert budget.share() == (6, 130.0)
+    clock[0] += 25.0  # the first property's draws took 25 s: the second gets its 6 draws, capped at the same 130
+    assert budget.share() == (6, 130.0)
     assert gate_run._ExploreBudget(RunPlan.from_args(cli.build_parser().parse_args(
-        ["run", "--target", "fixtures.specimens:Correct", "--explore", "0"]))).share() == 0.0
+        ["run", "--target", "fixtures.specimens:Correct", "--explore", "0"]))).share()[0] == 0

@@ -29,8 +29,6 @@ S = "fixtures.sigma_specimens:"
     ("NoiseStdSigmaSquared", "mismatch",
      ("too much noise", "close to sigma = 2.5: the noise std has sigma twice")),
     ("AccountantToldSqrtSigma", "accountant_mismatch", (f"told sigma = {math.sqrt(SIGMA):.6g}",)),
-    ("EpsilonAtHardCodedDelta", "accountant_mismatch",
-     ("exactly the RDP epsilon of the history it was told at delta 1e-05", "claims more privacy")),
 ])
 def test_the_noise_cases_at_sigma_2_5_and_delta_2e_6_fail_what_sigma_1_hid(pool, name, diagnosis, words):
     vs = props.run(without_extra_noise_cases(), S + name, pool=pool, world_sizes=(1,), models=("mlp",),
@@ -38,6 +36,20 @@ def test_the_noise_cases_at_sigma_2_5_and_delta_2e_6_fail_what_sigma_1_hid(pool,
     assert [(v.status, v.diagnosis) for v in vs] == [("fail", diagnosis)], [(v.status, v.message) for v in vs]
     for w in words:
         assert w in vs[0].message, vs[0].message
+
+
+def test_an_epsilon_at_a_hard_coded_delta_inside_the_interval_of_valid_ones_passes(pool):
+    """The epsilon at delta 1e-5 where 2e-6 is asked (``EpsilonAtHardCodedDelta``) lies, at
+    noise_calibration's sigma 2.5 and 36 steps, between the sound floor and the classic conversion
+    of the history at 2e-6 (1.81 in 1.73..2.38 at seed 0): a PRV accountant's honest epsilon could be
+    that number, so it passes there since 2026-11-28 (the interval, docs/properties.md). It fails
+    where it is outside: asked at 1e-10, it is under the floor
+    (``test_asked_epsilon.test_an_epsilon_at_the_suites_own_delta_is_named_so``)."""
+    vs = props.run(without_extra_noise_cases(), S + "EpsilonAtHardCodedDelta", pool=pool, world_sizes=(1,),
+                   models=("mlp",), reductions=("mean",), samplings=("poisson",), timeout=240)
+    assert [v.status for v in vs] == ["pass"], [(v.status, v.message) for v in vs]
+    lo, hi = vs[0].evidence["independent_interval"]
+    assert lo <= vs[0].evidence["reported_epsilon"] <= hi and vs[0].evidence["delta"] == 2e-6
 
 
 def _explored_with_sigma_1_runs(pool, target):
@@ -52,7 +64,7 @@ def _explored_with_sigma_1_runs(pool, target):
     ledger = releases.Ledger()
     with releases.collecting(ledger):
         judge_cases(traj, update, pool, 240.0)
-        own, = explore.explore_property(prop, opts, 0.5, pool, max_world_size=2)
+        own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2)
     return own, ledger.verdicts(prop.with_defaults(opts))
 
 
@@ -95,7 +107,8 @@ def test_the_release_judge_names_sigma_or_c_left_out_against_the_runs_at_1():
 
 def test_an_accountant_told_sqrt_sigma_fails_the_first_explored_draw(pool):
     own, judged = _explored_with_sigma_1_runs(pool, S + "AccountantToldSqrtSigma")
-    assert own.status == "fail" and "PRIVACY ACCOUNTING" in own.message, own.message
+    assert (own.status, own.diagnosis) == ("fail", "epsilon_under_reported"), own.message
+    assert "PRIVACY VIOLATION in the accounting (epsilon under-reported)" in own.message, own.message
     assert "told noise multiplier(s) 0.707107" in own.message, own.message  # sqrt(0.5): the shrunk sigma
 
 

@@ -68,7 +68,8 @@ def test_correct_specimen_modes_equivalent_and_deadlock_free(pool):
     assert "--mode-env deferred:OPACUS_USE_DEFERRED_NORM=1" in vs[0].repro
     vs = run(pool, "deadlock_free", "Correct", world_sizes=(2,))
     assert {v.config["local_batches"] for v in vs} == {"even", "single", "uneven", "empty", "poisson_same",
-                                                       "poisson_per_rank", "uneven_accum", "poisson_per_rank_accum"}
+                                                       "poisson_per_rank", "uneven_accum", "poisson_per_rank_accum",
+                                                       "history_twice"}
     assert_all_pass(vs)
 
 

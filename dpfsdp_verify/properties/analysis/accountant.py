@@ -17,12 +17,13 @@ for a target that reports its accountant (``RankOutput.accountant_history``; doc
 * q (Poisson runs): each entry's sampling rate is the configured q (relative 1e-9), the rate
   ``sampling_accounting`` measures the sampler at (2000 draws per case); the rate seen in the run's
   own draws is stated beside it. Fixed batches have no sampling rate to measure: q is not judged;
-* epsilon (the runs that ask, ``RunSpec.accountant_delta`` > 0): ``dpfsdp_verify.targets.accounting``'s
-  RDP epsilon of the measured mechanism -- sigma's confidence interval at the case's level, the
-  configured q (fixed batches: the told q), the steps taken -- is an interval; an ``"rdp"``
-  accountant's epsilon must lie in it (relative 1e-6 for rounding), any other (PRV, GDP: tighter
-  than RDP) must not be below ``TIGHTER_FLOOR`` times its lower end (measured PRV / RDP at the
-  gate's parameters: 0.85-0.90).
+* epsilon (the runs that ask, ``RunSpec.accountant_delta`` > 0): any valid accounting of the measured
+  mechanism -- sigma's confidence interval at the case's level, the configured q (fixed batches: the
+  told q), the steps taken -- passes, whatever the accountant's kind: the reported epsilon must lie
+  between ``accounting_bounds.epsilon_floor`` at sigma's upper end (a sound lower bound on the true
+  epsilon: PLD/PRV are above it) and ``accounting_bounds.classic_epsilon`` at its lower end (RDP with
+  the classic conversion, the loosest standard valid one). Below: under-reported (a privacy
+  violation); above: over-reported (the guarantee understated, privacy intact).
 
 The steps composed are the steps *taken* (what ``StepOutput.privacy_steps`` counts): a sampler
 that skips empty rounds takes fewer steps than nominal, which ``sampling_accounting`` names
@@ -35,7 +36,7 @@ import hashlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
-from ...targets import RunSpec, accounting
+from ...targets import RunSpec, accounting, accounting_bounds
 from .findings import HistoryFinding
 from .stats import chi2_quantile, chi2_two_sided_p
 
@@ -47,8 +48,6 @@ DELTA = 2e-6
 ASKED_DELTAS = (1e-8, 1e-4)
 #: a run of at least this many steps is asked for its epsilon (``asked_delta``)
 ASK_STEPS = 24
-#: how far below the RDP epsilon of the measured mechanism a tighter accountant (PRV, GDP) may report
-TIGHTER_FLOOR = 0.5
 #: relative rounding allowed between two RDP computations of one history (measured: 2e-14)
 RDP_RTOL = 1e-6
 #: told sampling rates are compared with the configured one to rounding
@@ -173,8 +172,11 @@ def _interval(specs: Sequence[RunSpec], runs, sigma_hat: float, total_n: int, al
     lo = sigma_hat * math.sqrt(total_n / chi2_quantile(1 - alpha / 2, total_n))
     hi = sigma_hat * math.sqrt(total_n / chi2_quantile(alpha / 2, total_n))
     eps = accounting.epsilon([(sigma_hat, q, steps)], delta)
-    return asking, run, delta, (eps, accounting.epsilon([(hi, q, steps)], delta),
-                                accounting.epsilon([(lo, q, steps)], delta)), (sigma_hat, q, steps), (lo, hi)
+    # a valid epsilon lies between the sound floor at sigma's upper end and the classic RDP conversion
+    # at its lower end (accounting_bounds)
+    floor = accounting_bounds.epsilon_floor([(hi, q, steps)], delta)
+    ceiling = accounting_bounds.classic_epsilon([(lo, q, steps)], delta)
+    return asking, run, delta, (eps, floor, ceiling), (sigma_hat, q, steps), (lo, hi)
 
 
 def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, alpha):
@@ -184,7 +186,6 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
         return None
     asking, run, delta, (eps, eps_lo, eps_hi), history, (s_lo, s_hi) = got
     reported = [o.epsilon for o in run]
-    mechanism = run[0].accountant
     evidence.update(reported_epsilon=reported[0], independent_epsilon=eps, independent_interval=[eps_lo, eps_hi],
                     delta=delta, sigma_interval=[s_lo, s_hi])
     if all(r is None for r in reported):
@@ -193,41 +194,37 @@ def _epsilon_problem(specs, evidence, told, measured, runs, sigma_hat, total_n, 
     if any(r is None for r in reported) or any(r != reported[0] for r in reported):
         return (f"the ranks report different epsilons for one run ({reported}) at delta {delta:g}", evidence)
     r = float(reported[0])
-    low = eps_lo * (1 - RDP_RTOL) * (1.0 if mechanism == "rdp" else TIGHTER_FLOOR)
-    high = eps_hi * (1 + RDP_RTOL) if mechanism == "rdp" else math.inf
-    if low <= r <= high:
+    if eps_lo * (1 - RDP_RTOL) <= r <= eps_hi * (1 + RDP_RTOL):
         return None
-    if mechanism == "rdp":
-        # an epsilon that is exactly the told history's at a delta a fork hard-codes is named for that
-        # before a step count is looked for: a step count fits within sigma's interval by chance
-        other = accounting.delta_of(run[0].accountant_history or [], r, delta, extra=derived_deltas(specs[asking]))
-        if other is not None:
-            evidence["epsilon_delta"] = other
-            words = wrong_delta_words(r, delta, other)
-            return _text(spec, told, measured, words, tail=wrong_delta_tail(delta, other)), evidence
-        # sigma and q were checked against the measured mechanism before: the epsilon's own step count
-        # is what is left to name, where some other count of the same (sigma, q) gives the reported one
-        k = _steps_for(r, history[1], s_lo, s_hi, sigma_hat, delta, history[2])
-        if k is not None:
-            evidence["epsilon_steps"] = k
-            return _text(spec, told, measured, (
-                f"it reports epsilon {r:.4g} at delta {delta:g}, the RDP epsilon of {k} step(s) of the measured "
-                f"mechanism (sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; "
-                f"q {history[1]:.6g}), "
-                f"while the run took {history[2]} steps (the suite's RDP epsilon of them: {eps:.4g}, "
-                f"{eps_lo:.4g}..{eps_hi:.4g}): the told sigma and q match the noise and the sampler, but the epsilon "
-                f"composes {k} of the {history[2]} releases (a step count {'short' if k < history[2] else 'long'} by "
-                f"{abs(history[2] - k)})"), tail=(
-                " The epsilon a user reads must compose every release made: with fewer steps than were taken it is "
-                "too small." if k < history[2] else " An epsilon of more steps than were taken overstates the "
-                "privacy loss (utility of the guarantee, not privacy).")), evidence
-    bound = (f"the RDP interval {eps_lo:.4g}..{eps_hi:.4g}" if mechanism == "rdp" else
-             f"{TIGHTER_FLOOR:g} x its lower end {eps_lo:.4g} (a {mechanism!r} accountant may be tighter than RDP, not "
-             "that much)")
+    under = r < eps_lo
+    # an epsilon that is exactly the told history's at a delta a fork hard-codes, or exactly another step
+    # count's of the told (sigma, q) (relative 1e-6), is named for that: the best explanation, never one
+    # that fits within sigma's interval by chance
+    told_history = run[0].accountant_history or []
+    other = accounting.delta_of(told_history, r, delta, extra=derived_deltas(specs[asking]))
+    if other is not None:
+        evidence["epsilon_delta"] = other
+        return _text(spec, told, measured, wrong_delta_words(r, delta, other), tail=wrong_delta_tail(delta, other),
+                     under=under), evidence
+    k = accounting.steps_of(told_history, r, delta)
+    if k is not None:
+        evidence["epsilon_steps"] = k
+        return _text(spec, told, measured, (
+            f"it reports epsilon {r:.4g} at delta {delta:g}, exactly the RDP epsilon of {k} step(s) of the sigma and q "
+            f"it was told, while the run took {history[2]} steps (a valid epsilon of them: "
+            f"{eps_lo:.4g}..{eps_hi:.4g}): "
+            f"the told sigma and q match the noise and the sampler, but the epsilon composes {k} of the {history[2]} "
+            f"releases (a step count {'short' if k < history[2] else 'long'} by {abs(history[2] - k)})"), tail=(
+            " The epsilon a user reads must compose every release made: with fewer steps than were taken it is "
+            "too small." if k < history[2] else " An epsilon of more steps than were taken overstates the "
+            "privacy loss (utility of the guarantee, not privacy)."), under=under), evidence
+    side = (f"below {eps_lo:.4g}, a sound lower bound on the true epsilon (no valid accountant reports less)" if under
+            else f"above {eps_hi:.4g}, the classic RDP conversion (the loosest standard valid accounting)")
     return _text(spec, told, measured, (
-        f"it reports epsilon {r:.4g} at delta {delta:g}; the suite's own RDP accountant on the measured mechanism "
-        f"(sigma {sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; q {history[1]:.6g}; {history[2]} "
-        f"steps) gives {eps:.4g}, and {r:.4g} is outside {bound}")), evidence
+        f"it reports epsilon {r:.4g} at delta {delta:g}; a valid epsilon of the measured mechanism (sigma "
+        f"{sigma_hat:.4g}, in {s_lo:.4g}..{s_hi:.4g} at the case's level; q {history[1]:.6g}; {history[2]} steps) "
+        f"lies in {eps_lo:.4g}..{eps_hi:.4g} (the suite's RDP accountant: {eps:.4g}), and {r:.4g} is {side}"),
+        tail=UNDER_TAIL if under else OVER_TAIL, under=under), evidence
 
 
 def asked_delta(spec: RunSpec, world_size: int) -> float:
@@ -240,15 +237,22 @@ def asked_delta(spec: RunSpec, world_size: int) -> float:
     significant digits, never a power of ten nor ``DELTA``): an epsilon computed at a delta of the
     fork's own, or wrong only after a resume, under accumulation, at more ranks or past some step,
     fails the run it is wrong in (``prechecks.accountant_history_problem``). A spec that asks already
-    keeps its delta; a run without noise or not training is not asked (0). Explored and fuzzed draws
-    are not asked: opacus' default PRV accountant costs up to ~10 s per epsilon at sigma 0.5 over
-    200 steps, and at one step of a small q reports down to 0.32 x the RDP epsilon, below
-    ``TIGHTER_FLOOR`` (measured 2026-11-28; at the fixed runs' parameters 0.84-0.95, 0.03-0.3 s)."""
+    keeps its delta; a run without noise or not training is not asked (0). Fuzzed draws are not
+    asked; ``deadlock_free``'s explored noisy draws are, by count (``explore_asked_delta``): opacus'
+    default PRV accountant costs ~0.1-2 s per epsilon on this box (up to ~10 s at sigma 0.5 over
+    200 steps, measured 2026-11-28)."""
     if spec.accountant_delta > 0 or spec.task != "train" or not float(spec.noise_multiplier) > 0:
         return spec.accountant_delta
     if not (spec.phase == "load" or spec.physical_batch_size or world_size >= 3 or spec.mesh
             or spec.nominal_steps >= ASK_STEPS):
         return 0.0
+    return drawn_delta(spec)
+
+
+def drawn_delta(spec: RunSpec) -> float:
+    """A delta drawn log-uniform in ``ASKED_DELTAS`` from a hash of ``spec`` (every replay asks the
+    same; 3 significant digits, never a power of ten nor ``DELTA``): ``asked_delta``'s, and the one
+    an explored noisy draw is asked at (``checks/deadlock_free.explore_prepare``)."""
     u = int.from_bytes(hashlib.sha256(spec.to_json().encode()).digest()[:8], "big") / 2.0 ** 64
     lo, hi = (math.log10(d) for d in ASKED_DELTAS)
     delta = float(f"{10.0 ** (lo + (hi - lo) * u):.3g}")
@@ -279,21 +283,6 @@ def wrong_delta_tail(asked: float, other: float) -> str:
             "guarantee, not privacy).")
 
 
-def _steps_for(reported: float, q: float, s_lo: float, s_hi: float, sigma_hat: float, delta: float,
-               taken: int) -> Optional[int]:
-    """The step count ``k != taken`` (1 .. 4 x taken) whose RDP epsilon of (sigma, q, k) holds
-    ``reported`` for some sigma in ``s_lo..s_hi`` (relative ``RDP_RTOL``), nearest at ``sigma_hat``;
-    ``None`` if there is none. The epsilon grows with k, so a bisection at ``sigma_hat`` finds it."""
-    def eps(sigma, k):
-        return accounting.epsilon([(sigma, q, k)], delta)
-
-    bracket = accounting.steps_bracket(sigma_hat, q, delta, reported, 4 * max(taken, 1))
-    for k in sorted(bracket or (), key=lambda k: abs(eps(sigma_hat, k) - reported)):
-        if k != taken and eps(s_hi, k) * (1 - RDP_RTOL) <= reported <= eps(s_lo, k) * (1 + RDP_RTOL):
-            return k
-    return None
-
-
 def _mismatch(spec, evidence, told, measured, why, specs, runs, sigma_hat, total_n, alpha):
     """The message of a told-parameter mismatch, with both epsilons where a run asked for one."""
     got = _interval(specs, runs, sigma_hat, total_n, alpha)
@@ -315,8 +304,17 @@ PARAMETER_TAIL = (" The epsilon a user reads is computed from what the accountan
                   "composed across N ranks).")
 
 
-def _text(spec: RunSpec, told: str, measured: str, why: str, tail: str = PARAMETER_TAIL) -> str:
-    return (f"PRIVACY ACCOUNTING: the accountant does not describe the mechanism that ran: {why}. Told {told}; "
+#: the end of an epsilon below the floor, and of one above the ceiling
+UNDER_TAIL = " The epsilon a user reads is smaller than the run's privacy loss: a privacy violation in the accounting."
+OVER_TAIL = (" The epsilon a user reads is larger than any valid accounting of the run gives: the guarantee is "
+             "understated (utility of the guarantee, not privacy).")
+
+
+def _text(spec: RunSpec, told: str, measured: str, why: str, tail: str = PARAMETER_TAIL,
+          under: Optional[bool] = None) -> str:
+    head = {None: "PRIVACY ACCOUNTING", True: "PRIVACY VIOLATION in the accounting (epsilon under-reported)",
+            False: "ACCOUNTING (epsilon over-reported, privacy intact)"}[under]
+    return (f"{head}: the accountant does not describe the mechanism that ran: {why}. Told {told}; "
             f"measured {measured} (C={spec.max_grad_norm:g}, D={spec.divisor:g}).{tail}")
 
 
@@ -335,5 +333,5 @@ def describe(evidence: Dict) -> str:
     return text
 
 
-__all__ = ["accountant_problem", "asked_delta", "describe", "derived_deltas", "ASKED_DELTAS", "ASK_STEPS", "DELTA",
-           "TIGHTER_FLOOR"]
+__all__ = ["accountant_problem", "asked_delta", "drawn_delta", "describe", "derived_deltas", "ASKED_DELTAS",
+           "ASK_STEPS", "DELTA", "UNDER_TAIL", "OVER_TAIL"]

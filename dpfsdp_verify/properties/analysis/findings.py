@@ -43,6 +43,22 @@ class HistoryFinding:
     #: one, if any; ``steps_how``: which count that is (``since_resume``, ``per_pass``, or ``""``)
     at_steps: Optional[int] = None
     steps_how: str = ""
+    #: ``epsilon``: the interval a valid epsilon of the told history lies in (``floor`` above: the
+    #: sound lower bound, ``accounting_bounds.epsilon_floor``; this: the classic RDP conversion)
+    ceiling: float = 0.0
+
+    @property
+    def direction(self) -> str:
+        """``"under"`` when what the accountant reports is smaller than the run's privacy loss (a
+        privacy violation in the accounting), ``"over"`` when larger (the guarantee understated:
+        utility, not privacy), ``""`` where the finding has no direction (ranks disagree, none told)."""
+        if self.kind == "epsilon":
+            return "under" if self.got < self.floor else "over"
+        if self.kind == "rate" and self.wrong:  # a larger q: more privacy loss composed
+            return "over" if self.wrong[0] > self.expected else "under"
+        if self.kind == "sigma" and self.wrong:  # a larger sigma: less privacy loss composed
+            return "under" if self.wrong[0] > self.expected else "over"
+        return ""
 
 
 __all__ = ["HistoryFinding"]

@@ -52,6 +52,10 @@ anywhere among the norms -- each run for at least ``EXPLORE_MIN_STEPS`` steps wi
 (``EXPLORE_SIGMA``): it must finish on every rank (a hang is proven and shrunk to the smallest
 configuration), and its releases feed the release judge.
 
+``history_twice`` (once, at the run's largest world size): two noisy Poisson runs of 2 and 5 steps at
+one (sigma, q, delta) in the same rank processes, each asked for its epsilon: an epsilon cached per
+process whatever the history fails the second (docs/properties.md, the accountant's interval).
+
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
 local batch size): ``uneven_accum`` (the ``uneven`` split, fixed batches, ``STEPS`` logical
@@ -71,6 +75,7 @@ from typing import Any, Dict, List
 from ...verdict import Verdict
 from ...targets import RunSpec
 from ...targets.base import capped_epochs
+from ..analysis.accountant import drawn_delta
 from ..analysis.clipfit import clip_at_quantile, upper_clip
 from ..engine.contract import Case, ExploreRecipe, Outputs, Point, Prepared, Property
 from ..engine.horizon import horizon_labels, horizon_point, noisy_long_spec
@@ -82,6 +87,10 @@ EXPLORE_MIN_STEPS, EXPLORE_SIGMA = 2, 1.0
 #: where a drawn resume point's checkpoint goes (the runner puts it under a directory of its own)
 EXPLORE_CHECKPOINT = "explored"
 EPOCHS = 4
+#: ``history_twice`` (``history_twice_case``): the two runs' steps, and their noise multiplier
+TWICE_STEPS, TWICE_SIGMA = (2, 5), 1.7
+#: ``history_twice``'s Poisson sampling: q, and samples per rank (an empty local batch 0.75^16 = 1 %)
+TWICE_Q, TWICE_PER_RANK = 0.25, 16
 #: built-in watchdog for a Poisson scenario at the default timeout (module docstring): a correct
 #: one finishes in ~1 s on 2 loaded cores; 12 steps of a target taking ~2 s each still fit
 POISSON_DEADLINE_S = 30.0
@@ -134,6 +143,9 @@ def cases(point: Point):
                                      rank_batches=(split,) * STEPS))
         fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
                                 doing=f"{name} local batches {sizes}", isolate=True))
+    if (only is None or "history_twice" in only) and point.world_size == max(point.options.world_sizes) and \
+            point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
+        fixed.append(history_twice_case(point))
     last = [c for c in fixed if c.labels["local_batches"] == "empty"]
     yield from (c for c in fixed if c not in last)
     if point.world_size > 1 and point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
@@ -157,6 +169,26 @@ def cases(point: Point):
             f"Poisson sampling, dataset of {spec.dataset_size}, q=1/{spec.steps_per_epoch}, {spec.steps} steps "
             f"({spec.epochs} epochs), seeding 'per_rank' (long run)"), isolate=True)
     yield from last
+
+
+def history_twice_case(point: Point) -> Case:
+    """Two noisy Poisson runs in the same rank processes, one after the other, told the same sigma and
+    q and asked at the same delta, of ``TWICE_STEPS`` steps each: the second's epsilon must be that of its
+    own history (the runner's accountant precheck judges each), so an epsilon cached per process by
+    (sigma, q, delta) whatever the steps (``fixtures.interval_specimens:EpsilonCachedPerProcess``)
+    fails the second. Once per gate run (the largest of the run's world sizes, after its other fixed
+    scenarios but ``empty``; the first model, reduction, dtype)."""
+    ws = point.world_size
+    # Poisson: the told q is the configured one in both (a fixed run's q is 1/steps, which would differ)
+    specs = [upper_clip(point.spec(sampling="poisson", dataset_size=TWICE_PER_RANK * ws, sample_rate=TWICE_Q,
+                                   epochs=-(-max(TWICE_STEPS) // int(1 / TWICE_Q)), seeding="same", steps=n,
+                                   noise_multiplier=TWICE_SIGMA)) for n in TWICE_STEPS]
+    delta = drawn_delta(specs[0])
+    specs = [s.with_(accountant_delta=delta) for s in specs]
+    return point.case(specs[0], specs, labels={"local_batches": "history_twice"},
+                      isolate=True,
+                      doing=f"two noisy runs of {' and '.join(map(str, TWICE_STEPS))} steps in the same rank "
+                            "processes, asked for their epsilon at one delta")
 
 
 def accum_cases(point: Point, only):
@@ -197,7 +229,7 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     was drawn (``knobs["resume_fraction"]``). The run must finish on every rank; what it releases
     (both halves of a resumed run) feeds the release judge (``releases/judge.py``) like every run of
     the gate: the noise of a drawn world size, dtype, precision, lr, batch, loop shape and resume
-    point is judged there."""
+    point is judged there. Each is asked for its epsilon (``accountant.drawn_delta``)."""
     steps = max(EXPLORE_MIN_STEPS, spec.steps)
     fields: Dict[str, Any] = dict(steps=steps, noise_multiplier=float(knobs.get("noise_multiplier", EXPLORE_SIGMA)),
                                   max_grad_norm=clip_at_quantile(spec, float(knobs.get("clip_quantile", 0.5))))
@@ -207,7 +239,11 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     if fraction is not None and not spec.physical_batch_size:
         # a drawn resume point k in 1..steps-1: written as the save half (contract.resumed_halves runs both)
         fields.update(resume_at=1 + int(float(fraction) * (steps - 1)), phase="save", checkpoint_dir=EXPLORE_CHECKPOINT)
-    return spec.with_(**fields)
+    ready = spec.with_(**fields)
+    # every noisy draw is asked for its epsilon (both halves of a resumed one): the runner's accountant
+    # precheck judges it against the interval of valid epsilons of the told history at the drawn sigma,
+    # q, steps and resume point; the target's accountant cost is bounded by the draw count (--explore)
+    return ready.with_(accountant_delta=drawn_delta(ready))
 
 
 def _judge_explored(case: Case, runs: Outputs) -> Verdict:
@@ -230,6 +266,10 @@ def _judge_explored(case: Case, runs: Outputs) -> Verdict:
 def judge(case: Case, runs: Outputs) -> Verdict:
     if case.explored:
         return _judge_explored(case, runs)
+    if case.labels.get("local_batches") == "history_twice":
+        return case.verdict("pass", None, (
+            f"{case.doing}: every rank took {[len(r[0].steps) for r in runs[0]]} step(s) and finished (each run's "
+            "epsilon judged against its own history)"), {"step_counts": [len(r[0].steps) for r in runs[0]]})
     if case.spec.physical_batch_size:
         outputs = runs[0][0]
         passes = [[len(s.physical_batches or ()) for s in o.steps] for o in outputs]

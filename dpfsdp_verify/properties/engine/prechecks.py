@@ -337,29 +337,37 @@ def _told_parameter_finding(spec: RunSpec, history, resume_at: Optional[int]) ->
 
 def _epsilon_finding(spec: RunSpec, outputs: Sequence[RankOutput], history, resume_at: Optional[int],
                      evidence: Dict[str, Any]) -> Optional[HistoryFinding]:
-    """A reported epsilon the ranks disagree on, or other than the suite's RDP epsilon of the told
-    history (a tighter accountant: not below ``TIGHTER_FLOOR`` of it); fills ``evidence``."""
+    """A reported epsilon the ranks disagree on, or outside the interval a valid epsilon of the told
+    history lies in (``accounting_bounds``: the sound floor .. the classic RDP conversion), whatever
+    the accountant's kind; fills ``evidence``."""
     reported = [o.epsilon for o in outputs]
     if not (spec.accountant_delta > 0 and any(r is not None for r in reported) and float(spec.noise_multiplier) > 0):
         return None
-    from ...targets import accounting
-    from ..analysis.accountant import TIGHTER_FLOOR, derived_deltas
+    from ...targets import accounting, accounting_bounds
+    from ..analysis.accountant import derived_deltas
 
     if any(r != reported[0] for r in reported):
         return HistoryFinding("epsilons_differ", history, resume_at, reported=reported)
-    want = accounting.epsilon(history, spec.accountant_delta)
+    delta = spec.accountant_delta
+    want = accounting.epsilon(history, delta)
     got = float(cast(float, reported[0]))  # every rank's the same, one not None
-    rdp = outputs[0].accountant == "rdp"
-    low = want * (1 - 1e-6) * (1.0 if rdp else TIGHTER_FLOOR)
-    high = want * (1 + 1e-6) if rdp else math.inf
-    evidence.update(reported_epsilon=got, independent_epsilon=want, delta=spec.accountant_delta)
+    low = accounting_bounds.epsilon_floor(history, delta)
+    high = accounting_bounds.classic_epsilon(history, delta) * (1 + 1e-6)
+    evidence.update(reported_epsilon=got, independent_epsilon=want, delta=delta, epsilon_interval=[low, high])
     if low <= got <= high:
         return None
-    other = accounting.delta_of(history, got, spec.accountant_delta, extra=derived_deltas(spec)) if rdp else None
-    steps = accounting.steps_of(history, got, spec.accountant_delta) if rdp and other is None else None
-    return HistoryFinding("epsilon", history, resume_at, delta=spec.accountant_delta, want=want, got=got,
-                          accountant=outputs[0].accountant, floor=TIGHTER_FLOOR, at_delta=other, at_steps=steps,
+    # named for a hard-coded delta or another step count only where the reported epsilon is exactly
+    # (1e-6) the suite's RDP epsilon of the told history at that delta or of that count: the best
+    # explanation, not one that fits by chance
+    other = accounting.delta_of(history, got, delta, extra=derived_deltas(spec))
+    steps = accounting.steps_of(history, got, delta) if other is None else None
+    return HistoryFinding("epsilon", history, resume_at, delta=delta, want=want, got=got,
+                          accountant=outputs[0].accountant, floor=low, ceiling=high, at_delta=other, at_steps=steps,
                           steps_how="" if steps is None else _epsilon_steps_how(spec, outputs, steps))
+
+
+#: the diagnosis of an accountant finding with a direction (``HistoryFinding.direction``)
+DIRECTION_DIAGNOSES = {"under": "epsilon_under_reported", "over": "epsilon_over_reported"}
 
 
 def _epsilon_steps_how(spec: RunSpec, outputs: Sequence[RankOutput], steps: int) -> str:
@@ -383,9 +391,11 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
     in a resumed ``load`` half, one per logical step under gradient accumulation (never one per
     physical pass); every sigma it was told is the run's noise multiplier; under Poisson sampling
     every q it was told is the configured q (fixed batches have no rate: not judged); and an epsilon
-    it reports is the suite's own RDP epsilon of that history (``targets.accounting``; an ``"rdp"``
-    accountant to relative 1e-6, a tighter one -- PRV, GDP -- not below half of it).
-    ``accountant_mismatch``. Deterministic. What the told sigma is against the *measured* noise is
+    it reports lies in the interval of the valid epsilons of that history (``targets.accounting_bounds``:
+    not below the sound floor, not above the classic RDP conversion), whatever its kind (RDP, PRV,
+    GDP). ``epsilon_under_reported`` where what it reports (or the told sigma or q implies) is smaller
+    than the run's privacy loss, ``epsilon_over_reported`` where larger, ``accountant_mismatch`` otherwise.
+    Deterministic. What the told sigma is against the *measured* noise is
     noise_calibration's (``analysis/accountant.py``). The message is ``wording.accountant``'s."""
     histories = [o.accountant_history for o in outputs]
     if all(h is None for h in histories):
@@ -406,7 +416,9 @@ def accountant_history_problem(spec: RunSpec, outputs: Sequence[RankOutput]) -> 
         return "accountant_mismatch", history_message(found), dict(evidence, steps_taken=taken)
     problem = (_told_parameter_finding(spec, history, resume_at)
                or _epsilon_finding(spec, outputs, history, resume_at, evidence))
-    return None if problem is None else ("accountant_mismatch", history_message(problem), evidence)
+    if problem is None:
+        return None
+    return DIRECTION_DIAGNOSES.get(problem.direction, "accountant_mismatch"), history_message(problem), evidence
 
 
 __all__ = ["accountant_history_problem", "TOLD_RTOL", "frozen_problem", "device_facts", "tf32_problem", "non_finite",

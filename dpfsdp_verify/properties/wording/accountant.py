@@ -58,41 +58,45 @@ def _step_count(f: HistoryFinding) -> str:
 
 def _sigma(f: HistoryFinding) -> str:
     sigma = f.expected
-    told = f.wrong[0] / sigma if sigma else float("inf")
-    side = ("; with a larger sigma than the noise has, the epsilon it reports is too small (it under-reports: a "
-            "privacy violation in the accounting)" if told > 1 else
-            "; with a smaller sigma than the noise has, the epsilon it reports is too large (it over-reports: a "
-            "budget spent sooner than need be, privacy intact)")
-    return (f"PRIVACY ACCOUNTING: the accountant was told noise multiplier(s) {', '.join(f'{s:.6g}' for s in f.wrong)} "
-            f"({fmt_history(f.history)}){_where(f)}, but the run's is {sigma:g} "
-            f"({told:.4g} x): the epsilon it reports describes other noise than the noise added{side}")
+    return (f"{_HEAD[f.direction]}the accountant was told noise multiplier(s) "
+            f"{', '.join(f'{s:.6g}' for s in f.wrong)} ({fmt_history(f.history)}){_where(f)}, but the run's is "
+            f"{sigma:g} ({f.wrong[0] / sigma if sigma else float('inf'):.4g} x): the epsilon it reports describes "
+            "other noise than the noise added" + _TAIL[f.direction])
 
 
 def _rate(f: HistoryFinding) -> str:
     q = f.expected
     accum = (f"; under gradient accumulation (physical batches of {f.physical_batch_size}) the rate of a logical step "
              "is q, never that of one pass" if f.physical_batch_size else "")
-    return (f"PRIVACY ACCOUNTING: the accountant was told sampling rate(s) {', '.join(f'{r:.6g}' for r in f.wrong)} "
+    return (f"{_HEAD[f.direction]}the accountant was told sampling rate(s) {', '.join(f'{r:.6g}' for r in f.wrong)} "
             f"({fmt_history(f.history)}){_where(f)}, but the sampler draws at q = {q:.6g} ({f.wrong[0] / q:.4g} x q)"
-            f"{accum}: " + ("with a smaller q the epsilon it reports is too small (it under-reports: a privacy "
-                            "violation in the accounting)" if f.wrong[0] < q else
-                            "with a larger q the epsilon it reports is too large (it over-reports: a budget spent "
-                            "sooner than need be, privacy intact)"))
+            f"{accum}: the epsilon it reports describes another sampling rate than the sampler's" + _TAIL[f.direction])
+
+
+#: how an accountant message with a direction (``HistoryFinding.direction``) begins and ends
+_HEAD = {"under": "PRIVACY VIOLATION in the accounting (epsilon under-reported): ",
+         "over": "ACCOUNTING (epsilon over-reported, privacy intact): ", "": "PRIVACY ACCOUNTING: "}
+_TAIL = {"under": "; the epsilon a user reads is smaller than the run's privacy loss",
+         "over": "; the epsilon a user reads is larger than the run's privacy loss: the guarantee is understated "
+                 "(utility of the guarantee, not privacy)", "": ""}
 
 
 def _epsilon(f: HistoryFinding) -> str:
     if f.at_delta is not None:
         from ..analysis.accountant import wrong_delta_tail, wrong_delta_words
 
-        return (f"PRIVACY ACCOUNTING: {wrong_delta_words(f.got, f.delta, f.at_delta)}{_where(f)} (the suite's own RDP "
+        return (f"{_HEAD[f.direction]}{wrong_delta_words(f.got, f.delta, f.at_delta)}{_where(f)} (the suite's own RDP "
                 f"accountant on that history {fmt_history(f.history)} gives {f.want:.4g} at delta {f.delta:g})."
                 + wrong_delta_tail(f.delta, f.at_delta))
     if f.at_steps is not None:
         return _epsilon_steps(f)
-    return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}; the "
-            f"suite's own RDP accountant on its history {fmt_history(f.history)} gives {f.want:.4g}"
-            + ("" if f.accountant == "rdp" else f" (a {f.accountant!r} accountant may be tighter than RDP, not below "
-               f"{f.floor:g} x)") + ": the epsilon a user reads is not the one of the steps it was told")
+    side = (f"below {f.floor:.4g}, a sound lower bound on the true epsilon of that history (no valid accountant "
+            "reports less" if f.direction == "under" else
+            f"above {f.ceiling:.4g}, its classic RDP conversion (the loosest standard valid accounting")
+    return (f"{_HEAD[f.direction]}the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}; a valid "
+            f"epsilon of its history {fmt_history(f.history)} lies in {f.floor:.4g}..{f.ceiling:.4g} (the suite's RDP "
+            f"accountant gives {f.want:.4g}), and {f.got:.4g} is {side}: PLD/PRV, RDP with the improved or the classic "
+            f"conversion all lie inside){_TAIL[f.direction]}")
 
 
 def _epsilon_steps(f: HistoryFinding) -> str:
@@ -105,7 +109,7 @@ def _epsilon_steps(f: HistoryFinding) -> str:
                          "step counter under gradient accumulation)"}.get(f.steps_how, "")
     tail = (" The epsilon a user reads is too small: a privacy violation in the accounting." if k < told else
             " The epsilon a user reads is overstated (utility of the guarantee, not privacy).")
-    return (f"PRIVACY ACCOUNTING: the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}, which is "
+    return (f"{_HEAD[f.direction]}the accountant reports epsilon {f.got:.4g} at delta {f.delta:g}{_where(f)}, which is "
             f"exactly the RDP epsilon of {k} steps of the sigma and q it was told, while its history "
             f"{fmt_history(f.history)} counts {told}{which} (the suite's own RDP accountant on that history gives "
             f"{f.want:.4g}); the history is right, the epsilon computed from it is not." + tail)
