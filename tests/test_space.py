@@ -178,3 +178,17 @@ def test_typed_axis_lookups_say_which_kind():
         space.integer("lr")
     with pytest.raises(ValueError, match="axis max_grad_norm is not explored"):
         _ = space.real("max_grad_norm").drawn
+
+
+def test_exploration_reach_is_the_same_on_any_machine(monkeypatch):
+    """The world sizes exploration draws (and the gate keeps warm for it) do not depend on the host's
+    cores: mocked at 2, 16 and 64 cores, the same top; a 16-core box once drew 8-rank groups a 2-core
+    CI box never drew, so one seed explored different configurations on each."""
+    import os
+
+    tops = set()
+    for cores in (2, 16, 64):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
+        tops.add(space.explore_max_world_size())
+    assert tops == {defaults.EXPLORE_MAX_WORLD_SIZE} == {space.integer("world_size").drawn[1]}

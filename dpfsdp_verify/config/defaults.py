@@ -47,8 +47,10 @@ DEFAULT_EXPLORE_CAP_S = 45.0
 #: suite sets it to 0 (tests/conftest.py), so a test that runs the gate judges the fixed cases it
 #: counts; ``tests/fuzz/test_explore.py`` runs the default
 EXPLORE_ENV = "DPFSDP_VERIFY_EXPLORE"
-#: the largest world size exploration draws (capped further by the host's cores: ``space.explore_max_world_size``)
-EXPLORE_MAX_WORLD_SIZE = 8
+#: the largest world size exploration draws, on every machine (``space.explore_max_world_size``): a
+#: seed draws the same configurations on 2 cores and on 64. It was 8 capped at two ranks per core, so
+#: a 16-core box drew (and kept warm) groups of up to 8 ranks that a 2-core CI box never drew
+EXPLORE_MAX_WORLD_SIZE = 4
 #: what a ``RunSpec`` is unless a property says otherwise (``targets.base.RunSpec``'s field defaults)
 SPEC_DEFAULTS: Dict[str, Any] = dict(model="mlp", model_seed=0, global_batch_size=8, batch_seed=1, data_layout="split",
                      reduction="mean", max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=1234, steps=1, lr=0.5,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -266,13 +265,11 @@ def real(name: str) -> Real:
     return _typed(name, Real)
 
 
-def explore_max_world_size(cores: Optional[int] = None) -> int:
-    """The largest world size exploration draws on this host: ``EXPLORE_MAX_WORLD_SIZE`` (8), but
-    no more than two ranks per core (ranks on an oversubscribed host are slow, not wrong; more
-    would spend the budget on scheduling) and at least 2."""
-    cores = cores or os.cpu_count() or 1
-    hi = integer("world_size").drawn[1]
-    return max(2, min(hi, 2 * cores))
+def explore_max_world_size() -> int:
+    """The largest world size exploration draws: the world-size axis' ``explore`` range's top
+    (``EXPLORE_MAX_WORLD_SIZE``), whatever the host's cores -- the same ``--seed`` must draw the same
+    configurations on any machine, and more cores must not mean more ranks to start."""
+    return integer("world_size").drawn[1]
 
 
 def mesh_problem(mesh: str, sampling: str = "fixed", physical_batch_size: int = 0, resume_at: int = 0,

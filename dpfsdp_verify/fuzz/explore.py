@@ -209,7 +209,7 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
     """``prop``'s exploration: ``draws`` configurations drawn from the run's seed, one verdict (module
     docstring); none when ``draws`` is 0, the property has no recipe, the modes give it nothing to run,
     or ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
-    drawn (default: ``space.explore_max_world_size()``, from the cores). ``deadline``: the time cap
+    drawn (default: ``space.explore_max_world_size()``, the same on every machine). ``deadline``: the time cap
     (``time.monotonic()``; draws that would start past it are not run, and the verdict says so)."""
     draws = int(draws)
     if draws <= 0 or prop.explore is None or max_world_size == 0:
