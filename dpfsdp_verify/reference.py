@@ -31,6 +31,12 @@ head that is its token embedding) is one parameter: its per-sample gradient is t
 uses, and it appears once, under its first name (``named_parameters()``). Both methods get that
 sum from autograd itself; ``per_use_grads`` unties the model to show each use on its own (the
 sum of the uses is tested against the tied gradient).
+
+Your own model (``docs/models.md``): a batch whose ``loss`` is callable is of a model given by its
+own code (``models.contract``). Its per-sample loss is the model's own ``loss(output, targets)``,
+and its per-sample gradients are the loop's -- each sample's inputs sliced along dim 0, alone
+through forward and autograd -- with no knowledge of the layers inside (no ``SUPPORTED_LAYERS``
+check: what the target cannot do with them is the target's verdict).
 """
 
 from __future__ import annotations
@@ -70,6 +76,12 @@ class BatchError(ReferenceInputError):
     pass
 
 
+def is_contract(batch: Batch) -> bool:
+    """Whether ``batch`` is of a model given by its own code (``docs/models.md``): its loss is the
+    model's own, and the reference knows nothing of its layers (module docstring, "Your own model")."""
+    return callable(batch.loss)
+
+
 def check_model(model: nn.Module) -> None:
     """Raise ``UnsupportedLayerError`` if the model is out of scope. Tied parameters are in scope
     (module docstring: their per-sample gradient is the sum over their uses)."""
@@ -94,7 +106,7 @@ def check_batch(batch: Batch, reduction: str = "mean") -> None:
     """Raise ``BatchError`` (or ``ReferenceInputError``) for a batch the reference cannot use."""
     if reduction not in REDUCTIONS:
         raise ReferenceInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if batch.loss not in LOSSES:
+    if not is_contract(batch) and batch.loss not in LOSSES:
         raise ReferenceInputError(f"loss must be one of {LOSSES}, got {batch.loss!r}")
     n_in, n_t = batch.inputs.shape[0], batch.targets.shape[0]
     if n_in != n_t:
@@ -104,7 +116,10 @@ def check_batch(batch: Batch, reduction: str = "mean") -> None:
 
 
 def per_sample_losses(outputs: torch.Tensor, targets: torch.Tensor, loss: str, reduction: str) -> torch.Tensor:
-    """``[B]`` per-sample losses ``l_i`` (see module docstring)."""
+    """``[B]`` per-sample losses ``l_i`` (see module docstring); ``loss`` a callable: the model's own
+    (``models.contract.ContractLoss``, whatever the reduction)."""
+    if callable(loss):
+        return loss(outputs, targets)
     if loss == "cross_entropy":
         return F.cross_entropy(outputs, targets, reduction="none")
     if loss == "token_cross_entropy":
@@ -141,8 +156,10 @@ def per_sample_grads(model: nn.Module, batch: Batch, reduction: str = "mean", me
     arithmetic leaves in its gradients, ``clipfit.rounding_floor``).
     Raises ``ReferenceInputError`` subclasses for out-of-scope models or bad batches.
     """
-    check_model(model)
     check_batch(batch, reduction)
+    if is_contract(batch):  # any layers: one autograd pass per sample, whatever they are
+        return _contract_grads(model, batch, reduction, dtype)
+    check_model(model)
     m, b = as_float64(model, batch, dtype)
     m.train()
     if method == "loop":
@@ -162,6 +179,21 @@ def _per_sample_grads_loop(m: nn.Module, b: Batch, reduction: str) -> Grads:
         g = torch.autograd.grad(l_i, params, allow_unused=True)
         rows.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g)])
     return {n: torch.stack([r[j] for r in rows]) for j, n in enumerate(names)}
+
+
+def _contract_grads(model: nn.Module, batch: Batch, reduction: str, dtype: torch.dtype) -> Grads:
+    """The loop over a model of its own: every sample's inputs sliced along dim 0 (a tensor, or every
+    tensor of a dict), its loss and gradient alone. A model that cannot run in ``dtype`` raises
+    ``Float64Unsupported`` (its verdicts skip, saying why)."""
+    from .models.contract import Float64Unsupported
+
+    try:
+        m, b = as_float64(model, batch, dtype)
+        m.train()
+        return _per_sample_grads_loop(m, b, reduction)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        raise Float64Unsupported(f"its per-sample gradients cannot be computed in {dtype} "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def _per_sample_grads_vmap(m: nn.Module, b: Batch, reduction: str) -> Grads:
@@ -341,4 +373,4 @@ __all__ = ["per_sample_grads", "per_sample_norms", "clip_coefficients", "clipped
            "dp_sgd_gradient", "dp_sgd_trajectory", "per_sample_losses", "batch_loss", "check_model",
            "check_batch", "DPStep", "Trajectory", "ReferenceInputError", "UnsupportedLayerError",
            "BatchError", "tied_names", "untie", "per_use_grads", "with_all_trainable", "SUPPORTED_LAYERS",
-           "CLIP_EPSILON", "MAX_CLIP_EPSILON", "LOSSES", "REDUCTIONS"]
+           "CLIP_EPSILON", "MAX_CLIP_EPSILON", "LOSSES", "REDUCTIONS", "is_contract"]

@@ -128,6 +128,11 @@ class RunPlan:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
         explore, explore_note = parse_explore(args, job_world_size)
         expectations = check_optional_pieces(args, import_opacus=load_target)
+        axes = parse_axes(args)
+        if load_target and axes["models"]:  # a model of one's own is used once here: exit 2 if it cannot be
+            from .user_models import check_user_models
+
+            check_user_models(axes["models"])
         info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
         for path in (reports.json, reports.junit, reports.markdown):
@@ -138,7 +143,7 @@ class RunPlan:
                           wide_world_size=wide, wide_unavailable=wide_unavailable, horizon=horizon,
                           node_world_size=nodes, node_unavailable=nodes_unavailable,
                           meshes=tuple(meshes),
-                          **parse_axes(args), **parse_sampling(args, max(world_sizes + [1])),
+                          **axes, **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
@@ -339,7 +344,7 @@ def launched_world_sizes(text: Optional[str], job_world_size: int) -> List[int]:
 def parse_axes(args) -> Dict:
     """``--models``, ``--loss-reductions``, ``--dtypes`` (``None``: each property's own),
     ``--precisions`` (``None``: fp32 only)."""
-    from ..models.catalog import MODEL_NAMES
+    from ..models.catalog import MODEL_NAMES, expand_models
     from ..properties.analysis.compare import TOLERANCES
 
     from ..properties.engine.contract import precision_problem
@@ -355,6 +360,12 @@ def parse_axes(args) -> Dict:
         if text is None:
             continue
         values = tuple(csv(text))
+        if key == "models" and values:  # built-in names, groups (real) and import paths (docs/models.md)
+            try:
+                out[key] = expand_models(values)
+            except ValueError as e:
+                raise UsageError(str(e), f"e.g. {example}, or --models mypkg.mymodel:MyModel") from None
+            continue
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             what = f"unknown model {', '.join(bad) or '(none)'}" if key == "models" else f"{flag} {text!r}"

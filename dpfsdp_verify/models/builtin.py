@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -29,7 +30,7 @@ from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS,
                             MLP_CLASSES, CONV_CHANNELS, CONV_SIZE, CONV_CLASSES,
                             CONV_WIDTH, CONV_GROUPS, CONV_MIXER, VOCAB, SEQ_LEN,
                             D_MODEL, N_HEADS, LORA_RANK, TIES, IGNORE_INDEX, PAD_ID,
-                            CANARIES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims)
+                            CANARIES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims, contract_path)
 
 #: held while a model's parameters are drawn from torch's default generator (``build_model``)
 _DEFAULT_GENERATOR = threading.Lock()
@@ -389,11 +390,13 @@ def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch
 class Batch:
     """A batch: ``inputs`` and ``targets`` share dim 0; ``loss`` is ``"cross_entropy"``
     (one label per sample) or ``"token_cross_entropy"`` (labels [B, T], ``IGNORE_INDEX`` masks
-    positions; the privacy unit is the whole sequence)."""
+    positions; the privacy unit is the whole sequence). A model of one's own (``docs/models.md``):
+    ``inputs`` may be a ``contract.SampleInputs`` (a dict of tensors indexed along dim 0) and ``loss``
+    is its ``contract.ContractLoss`` (callable: the model's own per-sample loss)."""
 
-    inputs: torch.Tensor
+    inputs: Any
     targets: torch.Tensor
-    loss: str
+    loss: Any
 
     def __len__(self):
         return self.inputs.shape[0]
@@ -412,6 +415,9 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     ``ValueError`` for an unknown name, an unknown dimension, or inconsistent sizes.
     """
     check_dims(name, dims)
+    if contract_path(name) is not None and name not in MODEL_DIMS:  # a model of its own (docs/models.md)
+        from . import contract
+        return contract.build_model(name, seed, dtype)
     ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
             "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP,
             "canary": CanaryEmbedding}[name]
@@ -439,6 +445,9 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
     check_dims(name, dims)
+    if contract_path(name) is not None and name not in MODEL_DIMS:  # a model of its own (docs/models.md)
+        from . import contract
+        return contract.make_batch(name, batch_size, seed, dtype)
     d = {k: v for k, v in dims.items() if k in BATCH_USES[name]}
     g = torch.Generator().manual_seed(seed)
     if name == "canary":

@@ -7,6 +7,9 @@ model names and dimensions here without importing torch (``dpfsdp_verify.lazy``)
 
 from __future__ import annotations
 
+import re
+from typing import Dict, Optional, Tuple
+
 #: the models every property runs on by default (all parameters trainable, none tied)
 BASE_MODELS = ("mlp", "conv", "transformer")
 #: the fine-tuning models (``docs/finetune.md``): a frozen base with LoRA adapters, and a tiny LM
@@ -71,7 +74,51 @@ BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"
                "zoo": ("vocab", "classes"), "extreme": ("d_in", "classes"), "canary": ("canaries",)}
 
 
+#: Models given by the contract of ``docs/models.md`` (an object with ``build``, ``batch``, ``loss``)
+#: under a short built-in name: ``{name: "package.module:ATTR"}``, ATTR a class or zero-argument
+#: factory. ``--models NAME`` then runs exactly as ``--models package.module:ATTR`` would; nothing
+#: else is needed to add one (the real architectures of ``dpfsdp_verify.models.real`` register here).
+CONTRACT_MODELS: Dict[str, str] = {}
+#: names that stand for several models on ``--models`` (e.g. ``real``: every real architecture)
+MODEL_GROUPS: Dict[str, Tuple[str, ...]] = {}
+
+#: ``package.module:ATTR`` (ATTR may be dotted: ``module:Outer.Inner``)
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` has the form of a user model ``package.module:ATTR`` (nothing imported)."""
+    return bool(_IMPORT_PATH.fullmatch(name))
+
+
+def contract_path(name: str) -> Optional[str]:
+    """The ``package.module:ATTR`` a model name is given by (a user's import path, or a short name of
+    ``CONTRACT_MODELS``), ``None`` for the built-in models (and unknown names)."""
+    if name in CONTRACT_MODELS:
+        return CONTRACT_MODELS[name]
+    return name if is_import_path(name) else None
+
+
+def expand_models(names) -> Tuple[str, ...]:
+    """``--models`` values with every group (``MODEL_GROUPS``) replaced by its models, duplicates
+    dropped, order kept. Raises ``ValueError`` naming an unknown model (torch-free: form only)."""
+    out: list = []
+    for name in names:
+        for one in MODEL_GROUPS.get(name, (name,)):
+            if one not in MODEL_DIMS and contract_path(one) is None:
+                choices = ", ".join(MODEL_NAMES + tuple(CONTRACT_MODELS) + tuple(MODEL_GROUPS))
+                raise ValueError(f"unknown model {one!r}: choose from {choices}, or give your own as "
+                                 "package.module:ATTR (docs/models.md)")
+            if one not in out:
+                out.append(one)
+    return tuple(out)
+
+
 def check_dims(name: str, dims: dict) -> None:
+    if contract_path(name) is not None and name not in MODEL_DIMS:
+        if dims:
+            raise ValueError(f"model {name!r} (docs/models.md) takes no dimensions, got {sorted(dims)}")
+        return
     if name not in MODEL_DIMS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     unknown = sorted(set(dims) - set(MODEL_DIMS[name]) - set(BATCH_DIMS))
@@ -84,4 +131,5 @@ __all__ = ["BASE_MODELS", "FINETUNE_MODELS", "SEQUENCE_MODELS", "ZOO_MODELS", "E
            "MODEL_NAMES", "EXTREME_SCALES", "MLP_IN", "MLP_HIDDEN", "MLP_CLASSES", "CONV_CHANNELS",
            "CONV_SIZE", "CONV_CLASSES", "CONV_WIDTH", "CONV_GROUPS", "CONV_MIXER", "VOCAB", "SEQ_LEN",
            "D_MODEL", "N_HEADS", "LORA_RANK", "TIES", "IGNORE_INDEX", "PAD_ID", "CANARIES", "MODEL_DIMS",
-           "BATCH_DIMS", "BATCH_USES", "check_dims"]
+           "BATCH_DIMS", "BATCH_USES", "check_dims", "CONTRACT_MODELS", "MODEL_GROUPS", "is_import_path",
+           "contract_path", "expand_models"]

@@ -306,7 +306,7 @@ class OpacusTarget(Target):
             # the index column travels with each sample: the indices reported are the ones the loader yielded
             loader = self._data_loader(spec, TensorDataset(data.inputs, data.targets, dataset_index(spec)), rank,
                                        world_size)
-        criterion = nn.CrossEntropyLoss(reduction=spec.reduction)
+        criterion = _criterion(data.loss, spec.reduction)
         # the noise is drawn where the gradient lives: a CPU generator cannot feed CUDA noise
         generator = torch.Generator(device=device()).manual_seed(spec.noise_seed)
         engine = PrivacyEngine()
@@ -415,7 +415,7 @@ class OpacusTarget(Target):
             noise_multiplier=spec.noise_multiplier, max_grad_norm=spec.max_grad_norm,
             expected_batch_size=spec.expected_batch_size // layout.data_degree, loss_reduction=spec.reduction,
             generator=torch.Generator().manual_seed(spec.noise_seed))
-        criterion = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(reduction=spec.reduction),
+        criterion = DPLossFastGradientClipping(module, optimizer, _criterion(spec.global_batch(0).loss, spec.reduction),
                                                loss_reduction=spec.reduction)
         data_group, data_degree = mesh["data"].get_group(), layout.data_degree
         out = RankOutput(rank=rank, world_size=world_size)
@@ -478,6 +478,16 @@ class OpacusTarget(Target):
                 k += 1
 
 
+def _criterion(loss, reduction: str) -> nn.Module:
+    """What ``make_private`` is handed: cross-entropy, or a model's own per-sample loss
+    (``docs/models.md``) as a criterion module opacus can set to ``reduction="none"``."""
+    if callable(loss):
+        from ..models.contract import ContractCriterion
+
+        return ContractCriterion(loss, reduction)
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
 def dp_loss(criterion, logits: torch.Tensor, targets: torch.Tensor, loss: str) -> torch.Tensor:
     """The batch loss through opacus' DP criterion; for ``token_cross_entropy`` the privacy unit is
     the sequence: opacus needs the ``[B, T, V]`` shape (``shape=``) to regroup the token losses."""
@@ -511,9 +521,11 @@ class _Collate:
         self.dataset = dataset
 
     def __call__(self, samples):
+        from ..models.contract import stack_samples  # inputs may be a dict of tensors (docs/models.md)
+
         if not samples:
             return tuple(t[:0] for t in self.dataset.tensors)
-        return tuple(torch.stack([s[j] for s in samples]) for j in range(len(samples[0])))
+        return tuple(stack_samples([s[j] for s in samples]) for j in range(len(samples[0])))
 
 
 __all__ = ["OPACUS_STATE", "opacus_local_batch_size", "InexpressibleRate", "TYING_REFUSALS", "OpacusTarget", "dp_loss"]

@@ -169,8 +169,10 @@ def gather_named(named: Iterable[Tuple[str, torch.nn.Parameter]], what: str) -> 
 def global_dataset(spec: RunSpec) -> models.Batch:
     """All steps' global batches concatenated: step ``k``'s sample ``i`` has index
     ``k * spec.global_batch_size + i`` (what a data loader over "the dataset" would index)."""
+    from ..models.contract import cat_samples  # inputs may be a dict of tensors (docs/models.md)
+
     batches = [spec.global_batch(k) for k in range(spec.steps)]
-    return models.Batch(torch.cat([b.inputs for b in batches]), torch.cat([b.targets for b in batches]),
+    return models.Batch(cat_samples([b.inputs for b in batches]), torch.cat([b.targets for b in batches]),
                         batches[0].loss)
 
 
