@@ -4,7 +4,7 @@ For each model of ``dpfsdp_verify.models.real`` (float64 throughout): the refere
 autograd pass per sample; opacus is ``prepare_module`` as ``make_private`` calls it, in
 ``grad_sample_mode="hooks"`` (per-sample gradients in ``p.grad_sample``, their norms compared) and
 ``"ghost"`` (ghost clipping: per-sample norms in ``p._norm_sample``). Each trainable parameter, by the
-model's own name, is ``exact`` (relative error <= 1e-9 on every sample), ``wrong`` (the median
+model's own name, is ``exact`` (relative error <= 1e-9, or both below 1e-10, on every sample), ``wrong`` (the median
 ratio opacus / reference is printed as the factor), ``missing`` (opacus left it without a
 per-sample value: its norm would be left out of the clipping norm) or the mode ``crash``es (the
 innermost opacus / transformers frame is printed).
@@ -30,6 +30,9 @@ from dpfsdp_verify.models.real import REAL_MODELS
 
 BATCH, SEED = 4, 0
 RTOL = 1e-9
+#: a per-sample norm that is 0 in exact arithmetic (a key projection's bias: softmax ignores a shift
+#: shared by all keys) comes out ~1e-17 either way; the norms compared are ~1e-2..1e1
+ATOL = 1e-10
 
 
 def _slice(inputs: Any, index) -> Any:
@@ -97,9 +100,9 @@ def classify(ref: torch.Tensor, got) -> str:
         return "missing"
     if got.shape != ref.shape:
         return f"wrong shape {tuple(got.shape)}"
-    if torch.allclose(got, ref, rtol=RTOL, atol=1e-12):
+    if torch.allclose(got, ref, rtol=RTOL, atol=ATOL):
         return "exact"
-    live = ref > 1e-12
+    live = ref > ATOL
     factor = (got[live] / ref[live]).median().item() if live.any() else float("nan")
     return f"wrong x{factor:.4g}"
 

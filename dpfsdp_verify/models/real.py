@@ -61,6 +61,29 @@ def _seeded(seed: int, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         return make()
 
 
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward`` / ``Qwen2RMSNorm.forward``, computing in float64 for a
+    float64 input (theirs casts to float32, meant as an upcast from half precision); the same
+    arithmetic for float32 and below."""
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(dtype)
+
+
+def _float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every transformers ``*RMSNorm`` computing in its input's precision
+    (``_rms_norm_forward``): the float64 reference needs float64 arithmetic throughout, and a float32
+    step inside a float64 model leaves ~1e-8 relative differences between two batchings of the same
+    samples. The class, its parameters and what opacus does with it are unchanged."""
+    import types
+
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_rms_norm_forward, m)
+    return model
+
+
 def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
@@ -101,7 +124,7 @@ class _CausalLM:
     def _make(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def batch(self, n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, n: int, seed: int) -> Tuple[Any, torch.Tensor]:
         return _lm_batch(n, seed)
 
     def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -114,8 +137,8 @@ class GPT2(_CausalLM):
     def _make(self) -> torch.nn.Module:
         tr = _require("transformers")
         cfg = tr.GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=D_MODEL, n_layer=1, n_head=2,
-                            n_inner=D_FF, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-                            tie_word_embeddings=False, attn_implementation="eager")
+                            n_inner=D_FF, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                            eos_token_id=None, tie_word_embeddings=False, attn_implementation="sdpa")
         return tr.GPT2LMHeadModel(cfg)
 
 
@@ -123,7 +146,7 @@ def _llama_config(tr, **extra):
     return tr.LlamaConfig(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=2, head_dim=D_MODEL,
                           max_position_embeddings=SEQ_LEN, tie_word_embeddings=False, attention_dropout=0.0,
-                          attn_implementation="eager", **extra)
+                          attn_implementation="sdpa", **extra)
 
 
 class Llama(_CausalLM):
@@ -131,7 +154,7 @@ class Llama(_CausalLM):
 
     def _make(self) -> torch.nn.Module:
         tr = _require("transformers")
-        return tr.LlamaForCausalLM(_llama_config(tr))
+        return _float64_rms_norms(tr.LlamaForCausalLM(_llama_config(tr)))
 
 
 class Qwen2(_CausalLM):
@@ -143,8 +166,8 @@ class Qwen2(_CausalLM):
         cfg = tr.Qwen2Config(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=1,
                              num_attention_heads=5, num_key_value_heads=1, head_dim=D_MODEL,
                              max_position_embeddings=SEQ_LEN, tie_word_embeddings=False, attention_dropout=0.0,
-                             attn_implementation="eager")
-        return tr.Qwen2ForCausalLM(cfg)
+                             attn_implementation="sdpa")
+        return _float64_rms_norms(tr.Qwen2ForCausalLM(cfg))
 
 
 class LlamaLoRA(_CausalLM):
@@ -157,7 +180,7 @@ class LlamaLoRA(_CausalLM):
         peft = _require("peft")
         cfg = peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
                               target_modules=list(LORA_TARGETS), init_lora_weights=False)
-        return peft.get_peft_model(tr.LlamaForCausalLM(_llama_config(tr)), cfg)
+        return peft.get_peft_model(_float64_rms_norms(tr.LlamaForCausalLM(_llama_config(tr))), cfg)
 
 
 class Bert(_CausalLM):
@@ -170,10 +193,10 @@ class Bert(_CausalLM):
         cfg = tr.BertConfig(vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=2,
                             intermediate_size=D_FF, max_position_embeddings=SEQ_LEN, type_vocab_size=11,
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD_ID,
-                            tie_word_embeddings=False, attn_implementation="eager")
+                            tie_word_embeddings=False, attn_implementation="sdpa")
         return tr.BertForMaskedLM(cfg)
 
-    def batch(self, n: int, seed: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    def batch(self, n: int, seed: int) -> Tuple[Any, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         lengths = sequence_lengths(n, SEQ_LEN, g)
         real = torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)
@@ -213,7 +236,7 @@ class ViT(_ImageClassifier):
         cfg = tr.ViTConfig(image_size=IMAGE_SIZE, patch_size=2, num_channels=IMAGE_CHANNELS, hidden_size=D_MODEL,
                            num_hidden_layers=1, num_attention_heads=2, intermediate_size=D_FF,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=MLP_CLASSES,
-                           attn_implementation="eager")
+                           attn_implementation="sdpa")
         return tr.ViTForImageClassification(cfg)
 
 
@@ -228,8 +251,10 @@ class _BasicBlock(torch.nn.Module):
         self.bn1 = nn.GroupNorm(groups, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.bn2 = nn.GroupNorm(groups, c_out)
-        self.downsample = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.GroupNorm(groups, c_out))
-                           if stride != 1 or c_in != c_out else nn.Identity())
+        self.downsample: torch.nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                                            nn.GroupNorm(groups, c_out))
 
     def forward(self, x):
         h = torch.relu(self.bn1(self.conv1(x)))
@@ -238,17 +263,18 @@ class _BasicBlock(torch.nn.Module):
 
 class ResNetGroupNorm(torch.nn.Module):
     """A ResNet with GroupNorm in place of BatchNorm (BatchNorm mixes samples; DP training swaps
-    it for GroupNorm): a 3x3 stem, two stages of one basic block each (the second strided),
-    global average pooling, a linear classifier. Parameter names follow torchvision's ResNet."""
+    it for GroupNorm): a 3x3 stem, two stages of one basic block each (widths 10 and 15, the second
+    strided), GroupNorm of 5 groups, global average pooling, a linear classifier. Parameter names
+    follow torchvision's ResNet."""
 
-    def __init__(self, channels: int = IMAGE_CHANNELS, width: int = D_MODEL, classes: int = MLP_CLASSES,
-                 groups: int = 2):
+    def __init__(self, channels: int = IMAGE_CHANNELS, widths: Tuple[int, int] = (D_MODEL, 15),
+                 classes: int = MLP_CLASSES, groups: int = 5):
         super().__init__()
-        self.conv1 = torch.nn.Conv2d(channels, width, 3, padding=1, bias=False)
-        self.bn1 = torch.nn.GroupNorm(groups, width)
-        self.layer1 = _BasicBlock(width, width, 1, groups)
-        self.layer2 = _BasicBlock(width, 2 * width, 2, groups)
-        self.fc = torch.nn.Linear(2 * width, classes)
+        self.conv1 = torch.nn.Conv2d(channels, widths[0], 3, padding=1, bias=False)
+        self.bn1 = torch.nn.GroupNorm(groups, widths[0])
+        self.layer1 = _BasicBlock(widths[0], widths[0], 1, groups)
+        self.layer2 = _BasicBlock(widths[0], widths[1], 2, groups)
+        self.fc = torch.nn.Linear(widths[1], classes)
 
     def forward(self, x):
         h = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(x)))))

@@ -1,7 +1,9 @@
 """The wrong per-sample norms a target may clip with, each as a hypothesis a property tests the
 measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
 uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
-a per-sequence loss averaged over padding (``sequence_weights``).
+a per-sequence loss averaged over padding (``sequence_weights``); for a model given by its own code
+(``docs/models.md``), one of its layers left out of the norm or one parameter's per-sample gradient
+summed over the local batch (``parameter_norms``), named by the model's own parameter names.
 
 DP meaning: an undercounted norm lets a sample contribute more than C (a privacy violation); the
 others clip with a norm that is not the sample's (utility, or the objective). ``norm_fidelity`` and
@@ -151,4 +153,47 @@ def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
              f"the loss asks for (ignore_index positions are excluded from the denominator, as opacus 1.6.0 does)")]
 
 
-__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights"]
+def parameter_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
+    """For a model given by its own code (``docs/models.md``: transformers, peft, a user's), whose layers
+    the suite knows nothing of: ``(diagnosis, per-rank norms, what it does)`` for each way one layer or
+    parameter can be wrong in a target's per-sample norms, named by the model's own names. ``steps``
+    are the ranks' reports (``.indices``: the global samples each processed).
+
+    * ``undercount``: the norms without one layer's trainable parameters (a norm registry or hook
+      that misses a layer class, a projection, an embedding held as a bare parameter); such a
+      sample can contribute more than C.
+    * ``sample_mixing``: one parameter's per-sample gradient replaced by its sum over the rank's local
+      batch (an input broadcast over the batch, such as position ids of shape ``[1, T]``, read as a
+      batch of one): every sample's norm holds the other samples' gradients.
+
+    Empty for the built-in models (their hypotheses are by layer type, ``omitted_layer_norms``)."""
+    from ...models.catalog import MODEL_DIMS, contract_path
+
+    if spec.model in MODEL_DIMS or contract_path(spec.model) is None:
+        return []
+    grads = reference_grads(spec)
+    sq = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
+    total = torch.stack(list(sq.values())).sum(0)
+    layers: "OrderedDict[str, List[str]]" = OrderedDict()
+    for name in grads:
+        layers.setdefault(name.rpartition(".")[0], []).append(name)
+    out: List[Tuple[str, list, str]] = []
+    for layer, params in layers.items():
+        left = (total - torch.stack([sq[p] for p in params]).sum(0)).clamp(min=0).sqrt()
+        out.append(("undercount", [left[list(s.indices)] for s in steps],
+                    f"leave out layer {layer!r} ({', '.join(params)}): those parameters are trained with the "
+                    "coefficients the other layers' norms give, their share of each sample's norm is missing"))
+    for name, g in grads.items():
+        shown = []
+        for s in steps:
+            idx = list(s.indices)
+            summed = g[idx].sum(0).flatten().pow(2).sum() if idx else torch.zeros((), dtype=total.dtype)
+            shown.append((total[idx] - sq[name][idx] + summed).clamp(min=0).sqrt())
+        out.append(("sample_mixing", shown,
+                    f"take parameter {name!r}'s per-sample gradient as its sum over the local batch (an input "
+                    "broadcast over the batch, such as position ids of shape [1, T], read as one sample): each "
+                    "sample's norm holds the other samples' gradients of that parameter"))
+    return out
+
+
+__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights", "parameter_norms"]
