@@ -1,6 +1,6 @@
 """The real architectures (``--models gpt2,...``, ``dpfsdp_verify/models/real.py``): the contract
 classes themselves, upstream opacus 1.6.0's per-sample gradients on each of them (the table of
-docs/findings.md, finding 11), and the ``transformers`` key of an expectation's ``when``.
+docs/findings.md, findings R1 and R2), and the ``transformers`` key of an expectation's ``when``.
 
 The tests that build a model need the ``models`` extra (transformers, peft) and skip without it;
 ``.ci/run`` installs it and runs this folder deliberately (its README test command does not).
@@ -66,8 +66,8 @@ def test_each_model_is_tiny_seeded_and_batch_invariant_in_float64(name):
     assert all(torch.equal(sa[k], sb[k]) for k in sa) and not all(torch.equal(sa[k], sc[k]) for k in sa)
     trainable = sum(p.numel() for p in a.parameters() if p.requires_grad)
     assert 50 <= trainable <= 10_000, trainable
-    # uneven FSDP2 shards somewhere at 2, 3 and 4 ranks (no parameter's dim 0 a multiple of all three)
-    dims = [p.shape[0] for p in a.parameters() if p.requires_grad]
+    # uneven FSDP2 shards somewhere at 2, 3 and 4 ranks (FSDP2 shards frozen parameters too)
+    dims = [p.shape[0] for p in a.parameters()]
     assert any(d % 3 for d in dims) and any(d % 4 for d in dims) and any(d % 2 for d in dims)
     inputs, targets = spec.batch(6, 1)
     assert targets.shape[0] == 6 and all(v.shape[0] == 6 for v in (inputs.values() if isinstance(inputs, dict)
@@ -98,7 +98,7 @@ def _norms_script():
 
 
 #: upstream opacus 1.6.0 (transformers 5.18.0), one process, float64: the parameters whose per-sample
-#: values are not exact, and the modes that crash (docs/findings.md, finding 11); every other
+#: values are not exact, and the modes that crash (docs/findings.md, R1 and R2); every other
 #: parameter of every model is exact in both modes
 UPSTREAM_WRONG = {
     "gpt2": {"transformer.wpe.weight": {"hooks": "wrong shape (1,)", "ghost": "wrong shape (1,)"}},
