@@ -2,8 +2,8 @@
 measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
 uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
 a per-sequence loss averaged over padding (``sequence_weights``); for a model given by its own code
-(``docs/models.md``), one of its layers left out of the norm or one parameter's per-sample gradient
-summed over the local batch (``parameter_norms``), named by the model's own parameter names.
+(``docs/models.md``), one parameter's per-sample gradient summed over the local batch
+(``batch_summed_norms``), named by the model's own parameter name.
 
 DP meaning: an undercounted norm lets a sample contribute more than C (a privacy violation); the
 others clip with a norm that is not the sample's (utility, or the objective). ``norm_fidelity`` and
@@ -153,20 +153,14 @@ def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
              f"the loss asks for (ignore_index positions are excluded from the denominator, as opacus 1.6.0 does)")]
 
 
-def parameter_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
+def batch_summed_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
     """For a model given by its own code (``docs/models.md``: transformers, peft, a user's), whose layers
-    the suite knows nothing of: ``(diagnosis, per-rank norms, what it does)`` for each way one layer or
-    parameter can be wrong in a target's per-sample norms, named by the model's own names. ``steps``
-    are the ranks' reports (``.indices``: the global samples each processed).
-
-    * ``undercount``: the norms without one layer's trainable parameters (a norm registry or hook
-      that misses a layer class, a projection, an embedding held as a bare parameter); such a
-      sample can contribute more than C.
-    * ``sample_mixing``: one parameter's per-sample gradient replaced by its sum over the rank's local
-      batch (an input broadcast over the batch, such as position ids of shape ``[1, T]``, read as a
-      batch of one): every sample's norm holds the other samples' gradients.
-
-    Empty for the built-in models (their hypotheses are by layer type, ``omitted_layer_norms``)."""
+    the suite knows nothing of: ``("sample_mixing", per-rank norms, what it does)`` for each trainable
+    parameter, the norms when that parameter's per-sample gradient is replaced by its sum over the
+    rank's local batch -- an input broadcast over the batch (position ids of shape ``[1, T]``) read
+    as a batch of one. Every sample's norm then holds the other samples' gradients of that parameter
+    (not one factor on its own share: ``param_shares`` cannot name it). ``steps`` are the ranks'
+    reports (``.indices``: the global samples each processed). Empty for the built-in models."""
     from ...models.catalog import MODEL_DIMS, contract_path
 
     if spec.model in MODEL_DIMS or contract_path(spec.model) is None:
@@ -174,15 +168,7 @@ def parameter_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
     grads = reference_grads(spec)
     sq = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
     total = torch.stack(list(sq.values())).sum(0)
-    layers: "OrderedDict[str, List[str]]" = OrderedDict()
-    for name in grads:
-        layers.setdefault(name.rpartition(".")[0], []).append(name)
     out: List[Tuple[str, list, str]] = []
-    for layer, params in layers.items():
-        left = (total - torch.stack([sq[p] for p in params]).sum(0)).clamp(min=0).sqrt()
-        out.append(("undercount", [left[list(s.indices)] for s in steps],
-                    f"leave out layer {layer!r} ({', '.join(params)}): those parameters are trained with the "
-                    "coefficients the other layers' norms give, their share of each sample's norm is missing"))
     for name, g in grads.items():
         shown = []
         for s in steps:
@@ -196,4 +182,4 @@ def parameter_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
     return out
 
 
-__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights", "parameter_norms"]
+__all__ = ["finetune_norms", "omitted_layer_norms", "sequence_weights", "batch_summed_norms"]

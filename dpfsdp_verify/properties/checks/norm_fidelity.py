@@ -59,7 +59,7 @@ from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, nor
 from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
-from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, parameter_norms, sequence_weights
+from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, batch_summed_norms, sequence_weights
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
 
@@ -510,7 +510,7 @@ def hypotheses(case: Case, want, steps, subject: str):
         yield diagnosis, shown, (f"{subject} undercount the true norms {where}: they {what}. A sample's "
                                  "norm then misses those parameters' share, so it can contribute more than C: a "
                                  "privacy violation."), None
-    for diagnosis, shown, what in parameter_norms(case.spec, steps):  # a model of its own: by parameter name
+    for diagnosis, shown, what in batch_summed_norms(case.spec, steps):  # a model of its own: by parameter name
         yield diagnosis, shown, f"{subject} {where} {what}.", None
     # padded sequences: the per-sequence loss normalised over the wrong token count
     for diagnosis, weights, what in sequence_weights(case.spec):
