@@ -185,15 +185,18 @@ def _contract_grads(model: nn.Module, batch: Batch, reduction: str, dtype: torch
     """The loop over a model of its own: every sample's inputs sliced along dim 0 (a tensor, or every
     tensor of a dict), its loss and gradient alone. A model that cannot run in ``dtype`` raises
     ``Float64Unsupported`` (its verdicts skip, saying why)."""
-    from .models.contract import Float64Unsupported
+    from .models.contract import Float64Unsupported, float64_problem
 
     try:
         m, b = as_float64(model, batch, dtype)
         m.train()
-        return _per_sample_grads_loop(m, b, reduction)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        raise Float64Unsupported(f"its per-sample gradients cannot be computed in {dtype} "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        with torch.enable_grad():  # a caller may judge under no_grad
+            return _per_sample_grads_loop(m, b, reduction)
+    except (RuntimeError, TypeError, NotImplementedError):
+        problem = float64_problem(batch.loss.name) if dtype == torch.float64 else ""
+        if not problem:
+            raise
+        raise Float64Unsupported(problem) from None
 
 
 def _per_sample_grads_vmap(m: nn.Module, b: Batch, reduction: str) -> Grads:

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from dpfsdp_verify.config import defaults, space
-from dpfsdp_verify.config.space import AXES, Configuration, combination_problem, seed_for
+from dpfsdp_verify.config.space import AXES, combination_problem, seed_for
 
 PKG = pathlib.Path(space.__file__).parent.parent  # the package (space is in config/)
 ROOT = PKG.parent
@@ -41,8 +41,8 @@ def test_axes_validate_themselves():
         AXES["lr"].validate(1.5)
     with pytest.raises(KeyError, match="no axis 'nope'"):
         space.axis("nope")
-    with pytest.raises(ValueError, match="precision bf16-fsdp is bf16 compute over float32"):
-        Configuration(precision="bf16-fsdp", dtype="float64")
+    assert "precision bf16-fsdp is bf16 compute over float32" in combination_problem(precision="bf16-fsdp",
+                                                                                     dtype="float64")
     for a in AXES.values():  # every explore range lies inside its axis
         ex = getattr(a, "explore", None)
         if isinstance(a, space.Choice):
@@ -165,3 +165,15 @@ def test_the_docs_option_table_is_the_space():
     text = (ROOT / "docs" / "explore.md").read_text()
     table = text.split("<!-- space-table -->")[1].split("<!-- /space-table -->")[0].strip()
     assert table == space.option_table(), "regenerate it from space.option_table()"
+
+
+def test_typed_axis_lookups_say_which_kind():
+    """``choice`` / ``integer`` / ``real`` give an axis typed by its kind (no ``type: ignore`` at a
+    lookup), and a lookup of the wrong kind or an axis exploration never draws says so."""
+    assert space.choice("precision").values == AXES["precision"].values
+    assert space.integer("local_batch").drawn == (1, 64)
+    assert space.real("noise_multiplier").drawn == (0.5, 4.0)
+    with pytest.raises(TypeError, match="'lr' is a Real, not a Integer"):
+        space.integer("lr")
+    with pytest.raises(ValueError, match="axis max_grad_norm is not explored"):
+        _ = space.real("max_grad_norm").drawn

@@ -28,8 +28,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar
 
 from . import defaults as D
 
@@ -85,6 +85,11 @@ class Choice(Axis):
     values: Tuple[str, ...] = ()
     explore: Optional[Tuple[str, ...]] = None
 
+    @property
+    def drawn(self) -> Tuple[str, ...]:
+        """The values exploration draws from."""
+        return self.values if self.explore is None else self.explore
+
     def __post_init__(self):
         if self.explore is None:
             object.__setattr__(self, "explore", self.values)
@@ -112,6 +117,13 @@ class Integer(Axis):
     hi: Optional[int] = None
     none: Optional[int] = None
     explore: Optional[Tuple[int, int]] = None
+
+    @property
+    def drawn(self) -> Tuple[int, int]:
+        """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
+        if self.explore is None:
+            raise ValueError(f"axis {self.name} is not explored")
+        return self.explore
 
     def __post_init__(self):
         ex = self.explore
@@ -143,6 +155,13 @@ class Real(Axis):
     lo_open: bool = False
     hi_open: bool = False
     explore: Optional[Tuple[float, float]] = None
+
+    @property
+    def drawn(self) -> Tuple[float, float]:
+        """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
+        if self.explore is None:
+            raise ValueError(f"axis {self.name} is not explored")
+        return self.explore
 
     def check(self, value: Any) -> Optional[str]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -221,55 +240,38 @@ def axis(name: str) -> Axis:
         raise KeyError(f"no axis {name!r}; the axes: {', '.join(AXES)}") from None
 
 
+A = TypeVar("A", bound=Axis)
+
+
+def _typed(name: str, kind: Type[A]) -> A:
+    found = axis(name)
+    if not isinstance(found, kind):
+        raise TypeError(f"axis {name!r} is a {type(found).__name__}, not a {kind.__name__}")
+    return found
+
+
+def choice(name: str) -> Choice:
+    """The named-values axis ``name`` (typed: ``.values``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Choice)
+
+
+def integer(name: str) -> Integer:
+    """The integer axis ``name`` (typed: ``.lo``, ``.hi``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Integer)
+
+
+def real(name: str) -> Real:
+    """The real axis ``name`` (typed: ``.lo``, ``.hi``, ``.drawn``); ``TypeError`` for another kind."""
+    return _typed(name, Real)
+
+
 def explore_max_world_size(cores: Optional[int] = None) -> int:
     """The largest world size exploration draws on this host: ``EXPLORE_MAX_WORLD_SIZE`` (8), but
     no more than two ranks per core (ranks on an oversubscribed host are slow, not wrong; more
     would spend the budget on scheduling) and at least 2."""
     cores = cores or os.cpu_count() or 1
-    hi = AXES["world_size"].explore[1]  # type: ignore[attr-defined]
+    hi = integer("world_size").drawn[1]
     return max(2, min(hi, 2 * cores))
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """A point of the space as exploration draws it (a subset of the axes; ``None``: not drawn).
-    Validates every value on construction and every rule of ``combination_problem``."""
-
-    world_size: int = 1
-    model: str = "mlp"
-    reduction: str = "mean"
-    dtype: str = "float64"
-    precision: str = "fp32"
-    sampling: str = "fixed"
-    seeding: str = "same"
-    sample_rate: Optional[float] = None
-    samples_per_rank: Optional[int] = None
-    local_batch: int = 1
-    physical_batch_size: int = 0
-    resume_at: int = 0
-    steps: int = 1
-    lr: float = 0.5
-    clip_quantile: float = 0.5
-    data_layout: str = "split"
-    model_kwargs: Tuple[Tuple[str, Any], ...] = field(default=())
-
-    def __post_init__(self):
-        problem = self.problem()
-        if problem:
-            raise ValueError(problem)
-
-    def problem(self) -> Optional[str]:
-        for name in ("world_size", "model", "reduction", "dtype", "precision", "sampling", "seeding",
-                     "local_batch", "physical_batch_size", "resume_at", "steps", "lr", "clip_quantile", "data_layout"):
-            p = AXES[name].check(getattr(self, name))
-            if p:
-                return p
-        for name in ("sample_rate", "samples_per_rank"):
-            if getattr(self, name) is not None:
-                p = AXES[name].check(getattr(self, name))
-                if p:
-                    return p
-        return combination_problem(**self.__dict__)
 
 
 def mesh_problem(mesh: str, sampling: str = "fixed", physical_batch_size: int = 0, resume_at: int = 0,
@@ -290,9 +292,12 @@ def mesh_problem(mesh: str, sampling: str = "fixed", physical_batch_size: int = 
 def combination_problem(world_size: int = 1, dtype: str = "float64", precision: str = "fp32",
                         sampling: str = "fixed", sample_rate: Optional[float] = None,
                         samples_per_rank: Optional[int] = None, physical_batch_size: int = 0, resume_at: int = 0,
-                        steps: int = 1, mesh: str = "", data_layout: str = "split", **_ignored) -> Optional[str]:
-    """Why these values cannot run together (``None`` if they can): the cross-axis rules, stated
-    once in the space's terms (``RunSpec.__post_init__`` enforces the same on a spec)."""
+                        steps: int = 1, mesh: str = "", data_layout: str = "split",
+                        dataset_size: Optional[int] = None, **_ignored) -> Optional[str]:
+    """Why these values cannot run together (``None`` if they can): the cross-axis rules, written
+    once here (``RunSpec.__post_init__`` asks this function of every spec). ``dataset_size`` (the
+    global N, as a spec states it) replaces ``samples_per_rank x world_size``; ``steps`` is the
+    run's step count."""
     if precision != "fp32" and dtype != "float32":
         return f"precision {precision} is bf16 compute over float32 parameters: it needs dtype float32, not {dtype}"
     problem = mesh_problem(mesh, sampling, physical_batch_size, resume_at, data_layout)
@@ -301,12 +306,15 @@ def combination_problem(world_size: int = 1, dtype: str = "float64", precision: 
     if resume_at and physical_batch_size:
         return "resume_at with physical_batch_size: resume without accumulation"
     if resume_at and resume_at >= steps:
-        return f"resume_at {resume_at} must be smaller than steps {steps}: at least one step must follow the checkpoint"
+        return (f"resume_at={resume_at} must be smaller than the run's {steps} steps: at least one step must follow "
+                "the checkpoint")
     if sampling == "poisson":
         q = D.POISSON_DEFAULTS[0] if sample_rate is None else sample_rate
-        n = (D.POISSON_DEFAULTS[1] if samples_per_rank is None else samples_per_rank) * world_size
+        n = dataset_size if dataset_size is not None else (
+            (D.POISSON_DEFAULTS[1] if samples_per_rank is None else samples_per_rank) * world_size)
         if int(q * n) < 1:
-            return f"expected batch int(q * N) = int({q:g} * {n}) is 0 (opacus would divide by zero)"
+            return (f"expected batch int(q * N) = int({q:g} * {n}) is 0 (opacus would divide by zero): raise q or "
+                    "the dataset size")
     return None
 
 
@@ -330,4 +338,5 @@ def option_table(names: Sequence[str] = tuple(AXES)) -> str:
 
 
 __all__ = ["SEED_MODULUS", "seed_for", "adjacent", "Axis", "Choice", "Integer", "Real", "MODELS", "EXPLORE_MODELS",
-           "AXES", "axis", "explore_max_world_size", "Configuration", "combination_problem", "option_table"]
+           "AXES", "axis", "choice", "integer", "real",
+           "explore_max_world_size", "combination_problem", "option_table"]

@@ -30,16 +30,17 @@ from hypothesis.errors import InvalidArgument
 
 from ..config import space
 from ..models import BASE_MODELS, MODEL_NAMES, TIES
+from ..models.catalog import contract_path
 from ..reference import REDUCTIONS
-from ..config.space import AXES
+from ..config.space import choice, integer, real
 from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec, capped_epochs
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
 #: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
 #: ``multiple`` (d % n == 0: even shards, the case everyone tests)
 SHARD_RELATIONS = ("smaller", "equal", "indivisible", "multiple")
-#: the dtypes drawn (the configuration space's: ``space.AXES["dtype"].explore``)
-DTYPES = AXES["dtype"].explore  # type: ignore[attr-defined]
+#: the dtypes drawn (the configuration space's: ``space.choice("dtype").drawn``)
+DTYPES = choice("dtype").drawn
 #: fraction of ignored (``IGNORE_INDEX``) target tokens in a transformer batch
 PAD_FRACTIONS = (0.0, 0.25, 0.5)
 
@@ -178,6 +179,8 @@ MODEL_DIM_STRATEGIES = {"mlp": mlp_dims, "conv": conv_dims, "transformer": trans
 def model_dims(model: str, world_size: int) -> st.SearchStrategy[Dict[str, object]]:
     """The dims strategy of ``model`` (``mlp_dims``, ``conv_dims`` or ``transformer_dims``) at
     ``world_size``. Raises ``InvalidArgument`` for an unknown model."""
+    if model not in MODEL_DIM_STRATEGIES and contract_path(model) is not None:
+        return st.just({})  # a model of its own (docs/models.md) has no dims to vary
     if model not in MODEL_DIM_STRATEGIES:
         raise InvalidArgument(f"unknown model {model!r}; choose from {MODEL_NAMES}")
     # each draws a Dict[str, int] or Dict[str, object]: read-only here, so a Dict[str, object]
@@ -392,13 +395,13 @@ def _no_short_rows(dims: Dict[str, object], ws: int) -> Dict[str, object]:
 
 
 def _int_range(name: str) -> Tuple[int, int]:
-    return AXES[name].explore  # type: ignore[attr-defined]
+    return integer(name).drawn
 
 
 @st.composite
 def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequence[str] = space.EXPLORE_MODELS,
-                  samplings: Sequence[str] = AXES["sampling"].explore,  # type: ignore[attr-defined]
-                  precisions: Sequence[str] = AXES["precision"].explore,  # type: ignore[attr-defined]
+                  samplings: Sequence[str] = choice("sampling").drawn,
+                  precisions: Sequence[str] = choice("precision").drawn,
                   physical: bool = True, long_runs: bool = True, resume: bool = False, noise: bool = False,
                   grad_sample_mode: str = "ghost_fsdp"):
     """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
@@ -426,11 +429,11 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     model = draw(st.sampled_from(tuple(models)))
     variant = draw(st.booleans())
     dims = _no_short_rows(draw(model_dims(model, ws)), ws) if variant else {}
-    reduction = draw(st.sampled_from(AXES["reduction"].explore))  # type: ignore[attr-defined]
+    reduction = draw(st.sampled_from(choice("reduction").drawn))
     sampling = draw(st.sampled_from(tuple(samplings)))
     local = draw(st.integers(*_int_range("local_batch")))
     per_rank = draw(st.integers(*_int_range("samples_per_rank")))
-    seeding = draw(st.sampled_from(AXES["seeding"].explore))  # type: ignore[attr-defined]
+    seeding = draw(st.sampled_from(choice("seeding").drawn))
     # a third of the Poisson draws are long runs: each costs about what one of the gate's long runs does
     long = long_runs and sampling == "poisson" and draw(st.integers(0, 2)) == 2
     steps = draw(st.integers(*_int_range("steps"))) if long else 1
@@ -440,15 +443,15 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     # a long run is judged step by step against fp32 tolerances (the long runs' judges): fp32 only
     precision = draw(st.sampled_from(tuple(precisions))) if steps == 1 else "fp32"
     dtype = "float32" if precision != "fp32" else draw(st.sampled_from(DTYPES))
-    lr = 0.0 if steps > 1 else draw(st.floats(*AXES["lr"].explore))  # type: ignore[attr-defined]
+    lr = 0.0 if steps > 1 else draw(st.floats(*real("lr").drawn))
     p = draw(st.integers(*_int_range("physical_batch_size"))) if physical and sampling == "fixed" and draw(
         st.booleans()) else 0
-    quantile = draw(st.floats(*AXES["clip_quantile"].explore))  # type: ignore[attr-defined]
+    quantile = draw(st.floats(*real("clip_quantile").drawn))
     knobs: Dict[str, Any] = {"clip_quantile": quantile}
     if resume and not p and draw(st.integers(0, 2)) == 2:  # resume without accumulation (space.combination_problem)
         knobs["resume_fraction"] = draw(st.floats(0.0, 1.0, exclude_max=True))
     if noise:
-        knobs["noise_multiplier"] = draw(st.floats(*AXES["noise_multiplier"].explore))  # type: ignore[attr-defined]
+        knobs["noise_multiplier"] = draw(st.floats(*real("noise_multiplier").drawn))
     seeds = dict(model_seed=draw(st.integers(0, 3)), batch_seed=draw(st.integers(1, 4)))
     base = dict(model=model, reduction=reduction, dtype=dtype, precision=precision, lr=lr, steps=steps,
                 grad_sample_mode=grad_sample_mode, model_kwargs=tuple(sorted(dims.items())), **seeds)

@@ -30,13 +30,13 @@ from typing import List, Optional
 
 from ..harness import DEFAULT_TIMEOUT_S
 from ..harness.backends import BACKENDS, NAMES as BACKEND_NAMES
-from ..config.defaults import (DEFAULT_EXPLORE_S, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS, POISSON_DEFAULTS, SCALE_SEED,
-                        SCALE_STEPS,
+from ..config.defaults import (DEFAULT_EXPLORE_S, DEFAULT_WORLD_SIZES, DEFAULT_GRAD_SAMPLE_MODE, HORIZON_STEPS,
+                               POISSON_DEFAULTS, SCALE_SEED, SCALE_STEPS,
                         SCALE_WORLD_SIZES, WIDE_WORLD_SIZE, NODE_WORLD_SIZE)
 from ..errors import HintedError
 from .report import EXIT_FAIL, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 from .target_info import VersionAction
-from .plan import (DEFAULT_WORLD_SIZES, RunPlan, UsageError, load_target_info, parse_modes, positive_world_size,
+from .plan import (RunPlan, UsageError, load_target_info, parse_modes, positive_world_size,
                    require_hypothesis)
 from ..verdict import FAILING
 
@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write a markdown summary here (plot beside it if matplotlib)")
     reports.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     matrix.add_argument("--world-sizes", default=None,
-                        help=f"comma list (default {DEFAULT_WORLD_SIZES}; with --launcher torchrun: the job's size)")
+                        help=f"comma list (default {','.join(map(str, DEFAULT_WORLD_SIZES))}; "
+                             "with --launcher torchrun: the job's size)")
     matrix.add_argument("--meshes", default=None, metavar="hsdp:RxS,tp:DxT",
                         help="2-D meshes for the properties that support them (HSDP replicas x shard, data x "
                              "tensor parallel; docs/meshes.md); without --world-sizes only the meshes run")

@@ -169,13 +169,13 @@ class Journal:
         cases = [c for c in self.items(self.current) if isinstance(c, Case) and id(c) not in told]
         dying = self._dying(cases)
         where = (f"{dying[0].property} [{config_label(dying[0].config())}]" if dying
-                 else f"{self.current} [{config_label(Property._whole_run_config(self.plan.options))}]")
+                 else f"{self.current} [{config_label(Property.whole_run_config(self.plan.options))}]")
         ended = f"the torchrun job ended in {where} (a rank process died)"
         if not dying:  # between jobs (rank 0 planning or judging), or a job of no planned configuration
             when = (f"while job {self._job} of this property ran (not one of its planned configurations: a fuzzed "
                     "example)" if self._job is not None else
                     "while rank 0 planned or judged this property's configurations, between jobs")
-            out.append(Verdict(self.current, "error", Property._whole_run_config(self.plan.options),
+            out.append(Verdict(self.current, "error", Property.whole_run_config(self.plan.options),
                                diagnosis="rank_crash", message=self._crash_text(when),
                                evidence={"torchrun_job_ended": True}))
         earlier = self._ran_earlier_in_job()

@@ -9,7 +9,7 @@ three steps (``runner.plan_property``, ``runner.judge_case``, ``runner.in_plan_o
 threads:
 
 * the **judge** thread (started in a copy of the caller's context, so it feeds the release ledger
-  in force, ``engine/releases.py``) plans every property in order and hands each one's cases to
+  in force, ``releases/judge.py``) plans every property in order and hands each one's cases to
   the calling thread; then it judges each property's cases in case order as their outcomes come
   in, and hands the property's verdicts, in report order, to ``progress``;
 * the **calling** thread runs the cases' jobs (``runner.run_cases``), property after property,
@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from ..harness import JobPool
 from ..properties import PROPERTIES
@@ -209,8 +209,7 @@ def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
                     raise outcome  # type: ignore[misc]  # the runner's exception, with its traceback
                 outcomes[k] = outcome
             outcome = outcomes.pop(i)
-            judged.append(outcome if isinstance(outcome, Verdict)
-                          else runner.judge_case(item.prop, case, cast(Outputs, outcome)))
+            judged.append(runner.settle(item.prop, case, cast(Union[Verdict, Outputs], outcome)))
         return item.opts, runner.in_plan_order(item.items, judged)
     except Exception as e:  # a bug in a check: this property's internal error (as run property by property)
         return None, [item.prop.internal_error(item.opts, "running", e, time.monotonic() - item.t0)]

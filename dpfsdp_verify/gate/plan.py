@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ..config import modes as modes_mod
-from ..config.defaults import DEFAULT_WORLD_SIZES as _DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
+from ..config.defaults import DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
 from ..errors import HintedError
 from ..config.modes import Mode
 
@@ -20,8 +20,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
     from ..properties import Options
 
-#: ``--world-sizes`` when not given (a torchrun job: the job's own world size): ``config/defaults.py``'s
-DEFAULT_WORLD_SIZES = ",".join(map(str, _DEFAULT_WORLD_SIZES))
 REDUCTIONS = ("mean", "sum")
 
 
@@ -82,7 +80,8 @@ class RunPlan:
         if meshes and args.world_sizes is None:
             world_sizes = []  # --meshes alone: only the meshes run
         elif job_world_size is None:
-            world_sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES, args.backend, probe)
+            given = args.world_sizes or ",".join(map(str, DEFAULT_WORLD_SIZES))
+            world_sizes = parse_world_sizes(given, args.backend, probe)
         else:
             world_sizes = launched_world_sizes(args.world_sizes, job_world_size)
         props = csv(args.properties) if args.properties else [p for p, prop in PROPERTIES.items() if not prop.opt_in]

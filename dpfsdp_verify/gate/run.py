@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
-from ..properties.engine import releases
+from ..properties.releases import judge as releases
 from ..properties.engine.runner import Fuzzer, fuzz_property, run_property
 from ..verdict import Verdict, config_label
 from . import pipeline, report, target_info
@@ -95,7 +95,7 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     budget = _ExploreBudget(plan)
     fuzz = _fuzzer(plan.fuzz, budget.share)
     verdicts: List[Verdict] = []
-    # every noisy run any property makes feeds the release judge (properties/engine/releases.py)
+    # every noisy run any property makes feeds the release judge (properties/releases/judge.py)
     ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
     try:
         with releases.collecting(ledger):

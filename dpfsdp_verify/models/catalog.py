@@ -111,7 +111,7 @@ def expand_models(names) -> Tuple[str, ...]:
         for one in MODEL_GROUPS.get(name, (name,)):
             if one not in MODEL_DIMS and contract_path(one) is None:
                 choices = ", ".join(MODEL_NAMES + tuple(CONTRACT_MODELS) + tuple(MODEL_GROUPS))
-                raise ValueError(f"unknown model {one!r}: choose from {choices}, or give your own as "
+                raise ValueError(f"unknown model {one}: choose from {choices}, or give your own as "
                                  "package.module:ATTR (docs/models.md)")
             if one not in out:
                 out.append(one)

@@ -28,17 +28,10 @@ import torch
 import torch.nn as nn
 
 from .catalog import contract_path
+from .errors import ContractError, Float64Unsupported
 
 #: the contract's methods (``docs/models.md``)
 METHODS = ("build", "batch", "loss")
-
-
-class ContractError(ValueError):
-    """A model given by the contract that cannot be used; the message is one line naming why."""
-
-
-class Float64Unsupported(ValueError):
-    """The model cannot run in float64, so the float64 reference cannot be computed (a ``skip``)."""
 
 
 class SampleInputs(Mapping):
@@ -149,8 +142,6 @@ class ContractCriterion(nn.Module):
 
 _LOADED: Dict[str, Any] = {}
 _LOCK = threading.RLock()
-#: held while a model's parameters are drawn from torch's default generator (as ``builtin.build_model``)
-_DEFAULT_GENERATOR = threading.Lock()
 
 
 def load(name: str) -> Any:
@@ -198,6 +189,8 @@ def _forward(self, *args, **kwargs):
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``build(seed)`` of model ``name`` in ``dtype``, under torch's default generator seeded with
     ``seed`` too (a ``build`` that draws from it is then seeded all the same)."""
+    from .builtin import _DEFAULT_GENERATOR  # the one lock on torch's default generator (builtin.build_model's)
+
     obj = load(name)
     with _DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -215,7 +208,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
         return model.to(dtype)
     except Exception as e:  # noqa: BLE001
         if dtype == torch.float64:
-            raise Float64Unsupported(f"model {name} cannot be cast to float64 ({type(e).__name__}: {e})") from None
+            raise Float64Unsupported(f"model {name}: .to(float64) raised {type(e).__name__}: {e}") from None
         raise ContractError(f"model {name}: .to({dtype}) raised {type(e).__name__}: {e}") from None
 
 
@@ -288,12 +281,16 @@ def _forward_loss(name: str, model: nn.Module, batch) -> torch.Tensor:
 
 def float64_problem(name: str) -> str:
     """Why model ``name`` cannot give a float64 reference ('' when it can): it is built, a batch of 2
-    drawn and its loss computed in float64."""
+    drawn, its loss computed and differentiated in float64."""
     try:
         model = build_model(name, 0, torch.float64)
-        _forward_loss(name, model, make_batch(name, 2, 0, torch.float64))
+        with torch.enable_grad():
+            loss = _forward_loss(name, model, make_batch(name, 2, 0, torch.float64))
+            torch.autograd.grad(loss.sum(), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
     except (Float64Unsupported, ContractError) as e:
         return str(e)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return f"model {name}: the backward in float64 raised {type(e).__name__}: {str(e).splitlines()[0]}"
     return ""
 
 

@@ -146,15 +146,15 @@ from ..lazy import torch
 
 from ..lazy import models
 from ..config.defaults import DEFAULT_GRAD_SAMPLE_MODE, SPEC_DEFAULTS as _D
-from ..config.space import AXES
+from ..config.space import choice, combination_problem
 
 # the axes' values are the configuration space's (``dpfsdp_verify.config.space``); a spec's defaults are
 # ``defaults.SPEC_DEFAULTS``
-DATA_LAYOUTS = AXES["data_layout"].values  # type: ignore[attr-defined]
+DATA_LAYOUTS = choice("data_layout").values
 #: how each step's batch is formed: ``fixed`` (given batches) or ``poisson`` (DP-SGD's sampling)
-SAMPLINGS = AXES["sampling"].values  # type: ignore[attr-defined]
+SAMPLINGS = choice("sampling").values
 #: how a Poisson run's random source is seeded on the ranks (see module docstring)
-SEEDINGS = AXES["seeding"].values  # type: ignore[attr-defined]
+SEEDINGS = choice("seeding").values
 #: optional features a target declares in ``Target.features`` (a spec asking for an undeclared one
 #: is answered ``RankOutput.unsupported``, a failing verdict that says so)
 FEATURE_PHYSICAL_BATCHES = "physical_batches"
@@ -166,7 +166,7 @@ FEATURE_MOMENTUM = "momentum"
 #: ``load`` (load the checkpoint, then steps k..K-1)
 RESUME_PHASES = ("", "save", "load")
 #: the mixed-precision forms (module docstring): ``fp32`` is no form, just the parameters' dtype
-PRECISIONS = AXES["precision"].values  # type: ignore[attr-defined]
+PRECISIONS = choice("precision").values
 FEATURE_BF16_FSDP = "bf16-fsdp"
 FEATURE_BF16_AUTOCAST = "bf16-autocast"
 #: the feature a target declares for each mixed-precision form
@@ -244,17 +244,8 @@ class RunSpec:
             from .mesh import Mesh
 
             Mesh.parse(self.mesh)  # MeshError (a ValueError) for a malformed name
-            from ..config.space import mesh_problem
-
-            problem = mesh_problem(self.mesh, self.sampling, self.physical_batch_size, self.resume_at,
-                                   self.data_layout)
-            if problem:
-                raise ValueError(problem)
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.precision != "fp32" and self.dtype != "float32":
-            raise ValueError(f"precision {self.precision!r} is bf16 compute over float32 parameters: it needs "
-                             f"dtype='float32', got {self.dtype!r}")
         self._check_resume()
         p = self.physical_batch_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
@@ -267,7 +258,17 @@ class RunSpec:
         if self.sampling == "fixed":
             if self.task == "sample":
                 raise ValueError("task='sample' needs sampling='poisson'")
-            return
+        else:
+            self._check_poisson()
+        # the cross-axis rules: written once, in the configuration space
+        problem = combination_problem(dtype=self.dtype, precision=self.precision, sampling=self.sampling,
+                                      sample_rate=self.sample_rate, dataset_size=self.dataset_size,
+                                      physical_batch_size=self.physical_batch_size, resume_at=self.resume_at,
+                                      steps=self.nominal_steps, mesh=self.mesh, data_layout=self.data_layout)
+        if problem:
+            raise ValueError(problem)
+
+    def _check_poisson(self) -> None:
         q = self.sample_rate
         if not (isinstance(q, (int, float)) and 0.0 < q <= 1.0):
             raise ValueError(f"sample_rate q must be in (0, 1], got {q!r}")
@@ -275,16 +276,10 @@ class RunSpec:
             raise ValueError(f"unknown seeding policy {self.seeding!r}; choose one of {', '.join(SEEDINGS)}")
         if not (isinstance(self.dataset_size, int) and self.dataset_size >= 1):
             raise ValueError(f"dataset_size must be a positive int, got {self.dataset_size!r}")
-        if self.expected_batch_size < 1:
-            raise ValueError(f"expected batch int(q * dataset_size) = int({q} * {self.dataset_size}) is 0: "
-                             "opacus would divide by zero; raise q or the dataset size")
         if not (isinstance(self.epochs, int) and self.epochs >= 1):
             raise ValueError(f"epochs must be a positive int, got {self.epochs!r}")
         if not (isinstance(self.steps, int) and self.steps >= 0):
             raise ValueError(f"steps must be an int >= 0 (0: every step of every epoch), got {self.steps!r}")
-        if self.resume_at and self.resume_at >= self.nominal_steps:
-            raise ValueError(f"resume_at={self.resume_at} must be smaller than the run's {self.nominal_steps} steps: "
-                             "at least one step must follow the checkpoint")
 
     @property
     def first_step(self) -> int:
@@ -314,11 +309,6 @@ class RunSpec:
             raise ValueError("resume_at > 0 is run in two halves: give phase='save' or 'load' and a checkpoint_dir")
         if self.task != "train":
             raise ValueError("resume_at applies to training (task='train') only")
-        if self.physical_batch_size:
-            raise ValueError("resume_at with physical_batch_size is not supported: resume without accumulation")
-        if self.sampling == "fixed" and k >= self.steps:
-            raise ValueError(f"resume_at={k} must be smaller than steps={self.steps}: the run resumes after step "
-                             f"{k} of {self.steps}, so at least one step must follow the checkpoint")
 
     def check_world_size(self, world_size: int) -> None:
         """``ValueError`` if this spec cannot run at ``world_size`` (a Poisson dataset smaller than

@@ -43,7 +43,7 @@ def test_resume_spec_rules():
     assert (ok.first_step, ok.end_step) == (2, 4)
     assert (ok.with_(phase="save").first_step, ok.with_(phase="save").end_step) == (0, 2)
     assert (RunSpec(steps=3).first_step, RunSpec(steps=3).end_step) == (0, 3)
-    with pytest.raises(ValueError, match="must be smaller than steps=4"):
+    with pytest.raises(ValueError, match="must be smaller than the run's 4 steps"):
         ok.with_(resume_at=4)
     with pytest.raises(ValueError, match="must be smaller than the run's 4 steps"):
         RunSpec(sampling="poisson", sample_rate=0.5, dataset_size=16, epochs=2, steps=0, resume_at=4, phase="save",

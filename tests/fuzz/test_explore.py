@@ -244,7 +244,7 @@ def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge
     run's. The noise scaled by min(lr, 1) -- right in every lr-0 noise case -- fails on the first
     drawn lr (the smallest, 0.01: 1% of the noise), naming the run made for deadlock_free; Correct's
     draws pass both."""
-    from dpfsdp_verify.properties.engine import releases
+    from dpfsdp_verify.properties.releases import judge as releases
 
     prop = PROPERTIES["deadlock_free"]
     assert prop.explore is not None

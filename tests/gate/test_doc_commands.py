@@ -5,7 +5,8 @@ Collected: each line of a ```bash / ```sh / plain ``` fence (backslash continuat
 splits a line) that starts with ``dpfsdp-verify`` or ``python -m dpfsdp_verify``. A synopsis (a line
 with ``[...]`` optional parts, ``...`` or a ``{...}`` placeholder) is not a command and is left out.
 A command naming the docs' placeholder adapter (``my_pkg.adapter:MyFork``) is run with the Correct
-specimen standing in for it.
+specimen standing in for it, one naming the docs' own model (``my_model:MyModel``) with
+``fixtures.user_models:MyModel`` (the same file).
 
 * every ``run`` is planned with ``--dry-run`` (options checked, nothing started): exit 0;
 * every other command that is short (``list``, ``--version``) runs for real: exit 0;
@@ -31,6 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FENCE = re.compile(r"^```(bash|sh|)\n(.*?)^```", re.M | re.S)
 PLACEHOLDER_TARGET = "my_pkg.adapter:MyFork"
 STAND_IN = "fixtures.specimens:Correct"
+#: the docs' own model (docs/models.md: ``my_model.py`` in the directory run from) and its stand-in,
+#: the same file loaded by path from the checkout
+PLACEHOLDER_MODEL, MODEL_STAND_IN = "my_model:MyModel", "fixtures.user_models:MyModel"
 #: a documented run whose plan estimates at most this many seconds runs for real in the slow set
 REAL_RUN_BUDGET_S = 40
 
@@ -53,7 +57,9 @@ def documented_commands():
                         continue  # a synopsis, not a command
                     argv = shlex.split(part)
                     argv = argv[1:] if argv[0] == "dpfsdp-verify" else argv[3:]
-                    found.append((f"{path}:{first + i}", [STAND_IN if a == PLACEHOLDER_TARGET else a for a in argv]))
+                    argv = [STAND_IN if a == PLACEHOLDER_TARGET else a.replace(PLACEHOLDER_MODEL, MODEL_STAND_IN)
+                            for a in argv]
+                    found.append((f"{path}:{first + i}", argv))
     return found
 
 

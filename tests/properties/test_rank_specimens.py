@@ -10,7 +10,7 @@ import pytest
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.plan import RunPlan, UsageError
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.engine import releases
+from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.properties.engine.runner import judge_cases
 

@@ -2,14 +2,14 @@
 fixtures/release_specimens.py fail the cases the default gate plans, on the check and diagnosis
 issue 32's table names; ``Correct`` and the ``Correct*`` variants pass. The cases come from the
 default gate's own plan (``RunPlan.from_args``, no option) and run on the tests' warm pool; the
-ledger is the gate's (``engine/releases.py``), fed by ``runner.judge_cases`` as in a gate run."""
+ledger is the gate's (``releases/judge.py``), fed by ``runner.judge_cases`` as in a gate run."""
 
 import pytest
 
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.engine import releases
+from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.properties.engine.runner import judge_cases
 

@@ -1,4 +1,4 @@
-"""The whole-run release judge (properties/analysis/releases.py, engine/releases.py) on synthetic
+"""The whole-run release judge (properties/releases/analysis.py, releases/judge.py) on synthetic
 runs built in this process with the reference DP-SGD step (no ranks: fast), and the accountant
 checked on every run (engine/prechecks.accountant_history_problem).
 
@@ -13,10 +13,10 @@ import torch
 
 from dpfsdp_verify import reference
 from dpfsdp_verify.properties.analysis.compare import reference_batch, reference_model
-from dpfsdp_verify.properties.analysis.releases import SILENT_P0, decompose, run_tests, shard_index, silent
+from dpfsdp_verify.properties.releases.analysis import SILENT_P0, decompose, run_tests, shard_index, silent
 from dpfsdp_verify.properties.engine.contract import Case, Options
 from dpfsdp_verify.properties.engine.prechecks import accountant_history_problem
-from dpfsdp_verify.properties.engine.releases import ALPHA, Ledger
+from dpfsdp_verify.properties.releases.judge import ALPHA, Ledger
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput, accounting
 
 ALPHA_TEST = 1e-6
@@ -206,8 +206,8 @@ def test_a_late_finding_names_no_cause_the_same_steps_of_other_runs_refute():
     min(lr, 1). The lr-0 runs' whole-run std is right (most of them stop before step 8), but at steps
     >= 8 they are halved too: compared at the finding's place, nothing singles out the lr, and
     the message names no lr cause (it did, comparing whole runs: seed 5's NoiseHalvedFromStep64 gate)."""
-    from dpfsdp_verify.properties.analysis.releases import contrasts
-    from dpfsdp_verify.properties.wording.releases import cause
+    from dpfsdp_verify.properties.releases.analysis import contrasts
+    from dpfsdp_verify.properties.releases.wording import cause
 
     late = lambda t, r: 0.5 if t >= 8 else 1.0  # noqa: E731
     moving = SPEC.with_(steps=10, lr=0.5)

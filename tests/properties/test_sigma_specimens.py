@@ -13,7 +13,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify.fuzz import explore
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.checks.noise_calibration import SIGMA
-from dpfsdp_verify.properties.engine import releases
+from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case, Options
 from dpfsdp_verify.properties.engine.runner import judge_cases
 from dpfsdp_verify.properties.wording.noise_messages import ratio_hint
@@ -79,7 +79,7 @@ def test_a_std_that_leaves_c_out_fails_every_run_with_c_other_than_1(pool):
 def test_the_release_judge_names_sigma_or_c_left_out_against_the_runs_at_1():
     from types import SimpleNamespace
 
-    from dpfsdp_verify.properties.wording.releases import cause
+    from dpfsdp_verify.properties.releases.wording import cause
 
     run = SimpleNamespace(world_size=2, lr=0.0, sigma=0.5, clip=2.4, dtype="float64", precision="fp32")
     fine = {"sigma": ("the runs at sigma 1", 0.99), "clip": ("the runs at C = 1", 1.01)}

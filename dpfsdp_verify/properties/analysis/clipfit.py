@@ -39,7 +39,7 @@ def upper_clip(spec: RunSpec) -> RunSpec:
     """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
     dataset): the largest sample clipped, the others not (``spec`` as it is if they tie). Where a
     run's outcome does not depend on C (``deadlock_free``'s scenarios, the gate's noisy long run), its
-    noisy releases still feed the release judge (``engine/releases.py``), and a noise scale that
+    noisy releases still feed the release judge (``releases/judge.py``), and a noise scale that
     depends on the batch's norms shows only on batches whose samples are all below C (at C = 1 every
     sample of the gate's models is clipped)."""
     c = norm_picked(spec, _between_largest)

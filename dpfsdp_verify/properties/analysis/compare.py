@@ -12,13 +12,14 @@ bounds), ``norm_hypotheses.py`` (the wrong per-sample norms a target may clip wi
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from ...lazy import models, reference, torch
 from ...targets import RankOutput, RunSpec
+from .memo import Memo
 
 #: ``(rtol, atol)`` per dtype for values the target computes with a different evaluation order than
 #: the reference (ghost-clipping Gram products, sharded reduce-scatter sums). float64: unit
@@ -48,7 +49,7 @@ def reference_batch(spec: RunSpec, step: int = 0) -> models.Batch:
                              **dict(spec.model_kwargs))
 
 
-_GRADS_CACHE: "OrderedDict[tuple, reference.Grads]" = OrderedDict()
+_GRADS_CACHE: "Memo[reference.Grads]" = Memo(32)
 
 
 def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
@@ -57,16 +58,11 @@ def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
     the same ones; a fuzz example computed them three times): callers must not modify them."""
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size, 0 if spec.poisson else step)
-    grads = _GRADS_CACHE.get(key)
-    if grads is None:
-        grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction)
-        _GRADS_CACHE[key] = grads
-        while len(_GRADS_CACHE) > 32:
-            _GRADS_CACHE.popitem(last=False)
-    return grads
+    return _GRADS_CACHE.get(key, lambda: reference.per_sample_grads(reference_model(spec), reference_batch(spec, step),
+                                                                    spec.reduction))
 
 
-_FROZEN_CACHE: "OrderedDict[tuple, Dict[str, torch.Tensor]]" = OrderedDict()
+_FROZEN_CACHE: "Memo[Dict[str, torch.Tensor]]" = Memo(32)
 
 
 def frozen_parameters(spec: RunSpec) -> Dict[str, torch.Tensor]:
@@ -74,13 +70,11 @@ def frozen_parameters(spec: RunSpec) -> Dict[str, torch.Tensor]:
     spec's dtype (what a target that never touches them reports), as float64. Cached (every run
     of every case asks); callers must not modify them."""
     key = (spec.model, spec.model_seed, spec.dtype, spec.model_kwargs)
-    if key not in _FROZEN_CACHE:
+
+    def frozen() -> Dict[str, torch.Tensor]:
         model = models.build_model(spec.model, spec.model_seed, dtype=spec.torch_dtype, **dict(spec.model_kwargs))
-        _FROZEN_CACHE[key] = {n: p.detach().to(torch.float64) for n, p in model.named_parameters()
-                              if not p.requires_grad}
-        while len(_FROZEN_CACHE) > 32:
-            _FROZEN_CACHE.popitem(last=False)
-    return _FROZEN_CACHE[key]
+        return {n: p.detach().to(torch.float64) for n, p in model.named_parameters() if not p.requires_grad}
+    return _FROZEN_CACHE.get(key, frozen)
 
 
 def trainable_names(spec: RunSpec) -> List[str]:

@@ -36,13 +36,14 @@ suite's models and opacus' supported layers have no others; GELU, tanh, softmax 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...lazy import reference, torch
 from ...targets import RunSpec
 from .compare import flat, reference_batch, reference_model
+from .memo import Memo
 
 #: Monte Carlo runs that estimate each pre-activation's rounding spread
 SAMPLES = 64
@@ -172,7 +173,7 @@ class Kinks:
                 "combination of those flips")
 
 
-_CACHE: "OrderedDict[tuple, Kinks]" = OrderedDict()
+_CACHE: "Memo[Kinks]" = Memo(32)
 
 
 def kinks(spec: RunSpec, u: float) -> Kinks:
@@ -180,13 +181,7 @@ def kinks(spec: RunSpec, u: float) -> Kinks:
     flip direction of each (``Kinks``). Cached per model, batch and reduction."""
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size, u)
-    got = _CACHE.get(key)
-    if got is None:
-        got = _analyse(reference_model(spec), reference_batch(spec), spec.reduction, u)
-        _CACHE[key] = got
-        while len(_CACHE) > 32:
-            _CACHE.popitem(last=False)
-    return got
+    return _CACHE.get(key, lambda: _analyse(reference_model(spec), reference_batch(spec), spec.reduction, u))
 
 
 def _analyse(model, batch, reduction: str, u: float) -> Kinks:
@@ -256,19 +251,15 @@ def _minus(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"]) -> Dict[s
 ENUMERATE = MAX_PER_SAMPLE
 
 
-_DEVIATIONS: "OrderedDict[tuple, Tuple[Kinks, torch.Tensor]]" = OrderedDict()
+_DEVIATIONS: "Memo[Tuple[Kinks, torch.Tensor]]" = Memo(64)
 
 
 def norm_deviations(found: Kinks, grads, indices: Sequence[int], names: Sequence[str]) -> "torch.Tensor":
     """``_norm_deviations``, cached per analysis and samples (the norm and coefficient bounds both ask)."""
+    # keyed by the analysis' identity, kept beside its value so a recycled id is never taken for it
     key = (id(found), tuple(indices))
-    got = _DEVIATIONS.get(key)
-    if got is None or got[0] is not found:
-        got = (found, _norm_deviations(found, grads, indices, names))
-        _DEVIATIONS[key] = got
-        while len(_DEVIATIONS) > 64:
-            _DEVIATIONS.popitem(last=False)
-    return got[1]
+    got = _DEVIATIONS.get(key, lambda: (found, _norm_deviations(found, grads, indices, names)))
+    return got[1] if got[0] is found else _norm_deviations(found, grads, indices, names)
 
 
 def _norm_deviations(found: Kinks, grads, indices: Sequence[int], names: Sequence[str]) -> "torch.Tensor":
@@ -308,19 +299,14 @@ def _norm_deviations(found: Kinks, grads, indices: Sequence[int], names: Sequenc
     return out
 
 
-_COMPLEMENTS: "OrderedDict[tuple, Tuple[Kinks, Optional[torch.Tensor]]]" = OrderedDict()
+_COMPLEMENTS: "Memo[Tuple[Kinks, Optional[torch.Tensor]]]" = Memo(64)
 
 
 def complement(found: Kinks, indices: Sequence[int], names: Sequence[str]) -> Optional["torch.Tensor"]:
     """``_complement``, cached per analysis and samples (the coefficient fit and its bound both ask)."""
     key = (id(found), tuple(indices))
-    got = _COMPLEMENTS.get(key)
-    if got is None or got[0] is not found:
-        got = (found, _complement(found, indices, names))
-        _COMPLEMENTS[key] = got
-        while len(_COMPLEMENTS) > 64:
-            _COMPLEMENTS.popitem(last=False)
-    return got[1]
+    got = _COMPLEMENTS.get(key, lambda: (found, _complement(found, indices, names)))
+    return got[1] if got[0] is found else _complement(found, indices, names)
 
 
 def _complement(found: Kinks, indices: Sequence[int], names: Sequence[str]) -> Optional["torch.Tensor"]:

@@ -20,6 +20,7 @@ from ...lazy import torch
 from ...lazy import models, reference
 from ...targets import RunSpec
 from .compare import reference_batch, reference_grads, reference_model, reference_norms
+from .memo import Memo
 
 
 def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
@@ -74,7 +75,7 @@ def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     return found
 
 
-_OMITTED_CACHE: "OrderedDict[tuple, list]" = OrderedDict()
+_OMITTED_CACHE: "Memo[List[Tuple[str, torch.Tensor, str]]]" = Memo(32)
 
 
 def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
@@ -90,8 +91,10 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     model has a single layer type (nothing would be left)."""
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size)
-    if key in _OMITTED_CACHE:
-        return _OMITTED_CACHE[key]
+    return _OMITTED_CACHE.get(key, lambda: _omitted_layer_norms(spec))
+
+
+def _omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
     grads = reference_grads(spec)
     by_type: "OrderedDict[str, Tuple[List[str], List[str], List[str]]]" = OrderedDict()
     for name, module in reference_model(spec).named_modules():
@@ -121,9 +124,6 @@ def omitted_layer_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
                 keep = {n: g for n, g in grads.items() if n not in set(left_out)}
                 out.append(("undercount", reference.per_sample_norms(keep), f"{missing}; its parameters "
                             f"({', '.join(left_out)}) are trained with the coefficients the other layers' norms give"))
-    _OMITTED_CACHE[key] = out
-    while len(_OMITTED_CACHE) > 32:
-        _OMITTED_CACHE.popitem(last=False)
     return out
 
 

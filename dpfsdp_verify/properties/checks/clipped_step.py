@@ -55,7 +55,7 @@ from ...config.defaults import CLIP_EPSILON, MAX_CLIP_EPSILON
 from ...lazy import torch
 
 from ...lazy import reference
-from ...config.space import AXES
+from ...config.space import integer
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS, capped_epochs
 from ...verdict import Verdict
@@ -104,7 +104,7 @@ MODELS, REDUCTIONS, DTYPES = ("mlp", "transformer"), ("mean", "sum"), ("float64"
 WIDE_CLIP = 0.01
 #: the wide case's local batch (no accumulation, fp32): the largest exploration draws
 #: (``space`` axis ``local_batch``), so every row index a drawn batch can reach is in every gate run
-WIDE_LOCAL_BATCH = AXES["local_batch"].explore[1]  # type: ignore[attr-defined]
+WIDE_LOCAL_BATCH = integer("local_batch").drawn[1]
 #: the lr-0 steps each Poisson case runs beside its one step (``short_poisson_spec``)
 SHORT_POISSON_STEPS = 8
 #: the short-layer case: the transformer with a 1-row ``mlp_in`` (``d_ff = 1``), run once per world

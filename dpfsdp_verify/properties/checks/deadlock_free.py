@@ -6,7 +6,7 @@ work around by changing sampling (dropping Poisson sampling, padding batches), w
 changes the privacy accounting. Poisson sampling makes uneven and empty local batches normal.
 
 Every scenario runs with noise on and C between the two largest norms of its batch (``upper_clip``: the
-outcome does not depend on C; the runs feed the release judge, ``engine/releases.py``, where a noise
+outcome does not depend on C; the runs feed the release judge, ``releases/judge.py``, where a noise
 scale tied to the batch's norms shows). Scenarios (each its own job, so a hang is attributed to it),
 two steps each:
 ``even`` (the plain split), ``uneven`` (rank 0 gets more samples than the last rank), ``single``
@@ -195,7 +195,7 @@ def explore_prepare(spec: RunSpec, knobs: Dict[str, Any]) -> Prepared:
     of the reference norms, at the drawn lr
     (a long run's: 0), checkpointed at the drawn resume point and resumed in fresh ranks where one
     was drawn (``knobs["resume_fraction"]``). The run must finish on every rank; what it releases
-    (both halves of a resumed run) feeds the release judge (``engine/releases.py``) like every run of
+    (both halves of a resumed run) feeds the release judge (``releases/judge.py``) like every run of
     the gate: the noise of a drawn world size, dtype, precision, lr, batch, loop shape and resume
     point is judged there."""
     steps = max(EXPLORE_MIN_STEPS, spec.steps)

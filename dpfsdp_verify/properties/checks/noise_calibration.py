@@ -52,7 +52,7 @@ noise sliced at a wrong row offset puts another shard's rows at another place of
 shard offset"). And the gate's one noisy long Poisson run at the largest world size
 (``horizon.noisy_long_spec``: ``Options.horizon`` steps at lr 0.5, the same run -- one job -- as
 ``deadlock_free``'s long scenario), every release decomposed as the release judge does
-(``analysis/releases.py``): repeats at every lag and across ranks, then the run's, each step's and
+(``releases/analysis.py``): repeats at every lag and across ranks, then the run's, each step's and
 each rank's noise std: "too little noise ... from step k on".
 
 Then tests (the shape test's failure is reported before the scale tests': their chi^2 assumes
@@ -103,10 +103,10 @@ from ..analysis.compare import replica_problem, shard_divisor, planned, trainabl
 from ..engine.contract import Case, Outputs, Point, Property
 from ..analysis import noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
-from ..engine.releases import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
+from ..releases.judge import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
-from ..analysis.releases import decompose, detectable_ratio, run_tests, tests_of
-from ..wording.releases import finding_message, node_layout_note, one_run_pass_message
+from ..releases.analysis import decompose, detectable_ratio, run_tests, tests_of
+from ..releases.wording import finding_message, node_layout_note, one_run_pass_message
 from ...harness.launch import local_world_size
 from ...verdict import config_label
 from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
@@ -122,7 +122,7 @@ from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 #: false-alarm probability of a correct target over every noise verdict of one run
 FAMILY_ALPHA = 1e-4
 #: false-alarm probability of a correct target in the node run (``nodes``: one per gate run, judged
-#: apart from the family above), Bonferroni over its tests (``analysis.releases.tests_of``)
+#: apart from the family above), Bonferroni over its tests (``releases.analysis.tests_of``)
 NODE_ALPHA = 1e-5
 #: sigma of every noise case: not 1, where a noise std of sigma^2 C or C, or a told sqrt(sigma), is
 #: right (``fixtures.sigma_specimens``); and its ratios sigma, 1/sigma (a std with sigma twice or
@@ -287,20 +287,21 @@ def wide(point: Point):
 def nodes(point: Point):
     """At the node world size (``horizon.py``: 4 ranks as 2 simulated nodes x 2 local ranks), once:
     one noisy Poisson run of the statistical mlp at lr > 0 with C between the dataset's middle norms,
-    every release of it decomposed (``analysis/releases.py``) and judged per rank and per step: a
+    every release of it decomposed (``releases/analysis.py``) and judged per rank and per step: a
     noise std changed on ranks >= 3 (the rank's scale), noise seeded from ``LOCAL_RANK + GROUP_RANK``
     (node 1's local rank 0 repeats node 0's local rank 1: a repeat naming both ranks)."""
     if (point.sampling, point.seeding) != PROPERTY.sampling_points(point.options)[0]:
         return
-    spec = with_picked_clip(node_spec(point, model_kwargs=MLP_DIMS, noise_multiplier=SIGMA,
-                                      noise_seed=point.seed_for("nodes", point.param("noise_seed"))))
+    # on its mlp whatever the --models (a check sized for the mlp's tensors)
+    spec = with_picked_clip(node_spec(point, noise_multiplier=SIGMA, noise_seed=point.seed_for(
+        "nodes", point.param("noise_seed"))).with_(model="mlp", model_kwargs=MLP_DIMS))
     yield point.case(spec, doing=f"{spec.steps} noisy DP steps at lr {spec.lr:g} on 2 nodes x 2 ranks",
                      facts={"releases_judged": True, "alpha": NODE_ALPHA, "nodes": True})
 
 
 def _judge_releases(case: Case, outputs: Outputs) -> Verdict:
     """The node run (``nodes``) and the long run (``cases``): every release decomposed and judged per
-    run, step and rank (``analysis.releases.run_tests``), the case's ``alpha`` split over its tests."""
+    run, step and rank (``releases.analysis.run_tests``), the case's ``alpha`` split over its tests."""
     run = decompose(case.spec, case.world_size, outputs[0][0])
     if run is None or not run.cells:
         skipped = "; ".join(f"step {t}: {why}" for t, why in (run.skipped if run else [])[:3])

@@ -47,9 +47,7 @@ from dataclasses import replace
 from typing import Any, Dict, NamedTuple, Tuple
 
 from ...config.defaults import CLIP_EPSILON
-from ...lazy import torch
-
-from ...lazy import reference
+from ...lazy import reference, torch
 from ...targets.mesh import replica_positions, split_norm_sq, world_summed_norms
 from ...targets import RunSpec
 from ...targets.base import PRECISIONS
@@ -59,7 +57,8 @@ from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, nor
 from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
-from ..analysis.norm_hypotheses import finetune_norms, omitted_layer_norms, batch_summed_norms, sequence_weights
+from ..analysis.norm_hypotheses import batch_summed_norms, finetune_norms, omitted_layer_norms, sequence_weights
+from ..analysis.param_shares import clip_share_diagnosis, norm_share_diagnosis
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
 
@@ -352,6 +351,9 @@ def _off_clip(case: Case, want, steps, samples, fitted, ref_norms: torch.Tensor,
             fit["gradient_scale"] = k
             message += f" (The released gradient also carries one overall factor {k:.6g}: see clipped_step.)"
         return diagnosis, message, fit
+    shared = clip_share_diagnosis(case.spec, indices, coef, expected, tol, where)  # one parameter's share off
+    if shared:
+        return shared + (fit,)
     borrowed = _borrowed_clip(case, want, steps, indices, coef, tol)
     if borrowed:
         return "sample_mixing", _borrowed_message("it clips with", borrowed, where), fit
@@ -512,8 +514,7 @@ def hypotheses(case: Case, want, steps, subject: str):
                                  "privacy violation."), None
     for diagnosis, shown, what in batch_summed_norms(case.spec, steps):  # a model of its own: by parameter name
         yield diagnosis, shown, f"{subject} {where} {what}.", None
-    # padded sequences: the per-sequence loss normalised over the wrong token count
-    for diagnosis, weights, what in sequence_weights(case.spec):
+    for diagnosis, weights, what in sequence_weights(case.spec):  # padding: the loss over the wrong token count
         w = [weights[list(s.indices)] for s in steps]
         yield diagnosis, [a * b for a, b in zip(want, w)], f"{subject} {where} {what}.", w
 
@@ -564,6 +565,10 @@ def diagnose(case: Case, got, want, steps, ratios):
     borrowed = borrowed_norms(got, want)
     if borrowed:
         return "sample_mixing", _borrowed_message("it reports", borrowed, where)
+    shared = norm_share_diagnosis(case.spec, got, steps, max(HYPOTHESIS_RTOL, tolerance(case.spec.dtype)[0]),
+                                  "per-sample norms", where)  # one parameter's (or module's) share off, named
+    if shared:
+        return shared
     if bool((ratios < 1).all()):
         note = ""
         if layout == "replicated" and ws > 1 and len({len(g) for g in got}) == 1:

@@ -134,7 +134,7 @@ def cases(point: Point):
         yield update_case(point)
         if point.dtype != "float32" and point.precision == "fp32":
             # and in float32, what users train in: the noisy releases at lr > 0 in float32 feed the
-            # release judge (engine/releases.py) too
+            # release judge (releases/judge.py) too
             yield update_case(point, dtype="float32")
 
 

@@ -48,9 +48,10 @@ from ...config.modes import Mode
 from ...targets import RankOutput, RunSpec
 from ...config.defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
 from ...config.space import seed_for as _seed_for
-from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 from ...verdict import INTERNAL_ERROR, Verdict
 from ..analysis.accountant import asked_delta
+from .recipes import ExploreRecipe, FuzzRecipe, Prepared, explored_keys, unchanged
+from .rules import modes_problem, precision_problem, sampling_problem
 
 #: ``outputs[mode][spec][rank]``: what each rank returned for each spec, under each of the case's modes
 Outputs = Sequence[Sequence[Sequence[RankOutput]]]
@@ -350,59 +351,10 @@ class Point:
         return dict(self.options.params)[name]
 
 
-#: what ``FuzzRecipe.prepare`` returns: the spec to run, or the reason to skip it
-Prepared = Union[RunSpec, str]
-
-
-def unchanged(spec: RunSpec) -> Prepared:
-    return spec
-
-
-def explored_keys(spec: RunSpec) -> Dict[str, Any]:
-    """What an explored configuration drew beyond the matrix's config keys (its ``config["explore"]``)."""
-    out: Dict[str, Any] = {"global_batch_size": spec.global_batch_size, "steps": spec.steps, "lr": spec.lr,
-                           "max_grad_norm": spec.max_grad_norm}
-    if spec.resume_at:
-        out["resume_at"] = spec.resume_at
-    return out
-
-
 #: a ``Case.facts`` key: a bf16 case a run without ``--precisions`` adds (``clipped_step``); a target
 #: that does not declare the form gets a ``skip`` there (``runner``), not the failing "not checkable"
 #: verdict ``--precisions`` gives
 DEFAULT_PRECISION_FACT = "default_precision"
-
-
-@dataclass(frozen=True)
-class ExploreRecipe:
-    """How exploration (``--explore SECONDS``, docs/explore.md) draws a property's configurations
-    from the configuration space (``dpfsdp_verify.config.space``): ``draw`` holds the keywords of
-    ``strategies.explore_specs`` (which axes vary; the others stay at the space's defaults), and
-    ``prepare(spec, knobs)`` turns a drawn spec and its knobs (e.g. ``clip_quantile``: where C sits
-    among the reference norms) into the spec to run (a string: the reason it cannot run, a skip);
-    ``labels(spec)`` gives the case's labels (e.g. ``horizon`` for a long run its judge judges
-    step by step). The property's own ``judge`` judges it."""
-
-    draw: Tuple[Tuple[str, Any], ...] = ()
-    prepare: Callable[[RunSpec, Dict[str, Any]], Prepared] = lambda spec, knobs: spec
-    labels: Callable[[RunSpec], Dict[str, Any]] = lambda spec: {}
-
-    def draw_kwargs(self) -> Dict[str, Any]:
-        return dict(self.draw)
-
-
-@dataclass(frozen=True)
-class FuzzRecipe:
-    """How a property is fuzzed: each example is one ``RunSpec`` drawn from
-    ``strategies.run_specs(world_size, **draw)`` (plus the fuzzer's models and grad_sample_mode),
-    passed through ``prepare`` (e.g. the clip bound the property picks; a string is a skip
-    reason), run once under the options' mode(s), and judged by the property's ``judge``."""
-
-    draw: Tuple[Tuple[str, Any], ...] = ()
-    prepare: Callable[[RunSpec], Prepared] = unchanged
-
-    def draw_kwargs(self) -> Dict[str, Any]:
-        return dict(self.draw)
 
 
 @dataclass(frozen=True)
@@ -552,7 +504,9 @@ class Property:
         unmeshed = [] if self.meshes else [
             self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
                       world_size=None, mesh=mesh) for mesh in opts.meshes]
-        items = [item for point in self.points(opts) for item in self.cases(point)]
+        from .own_models import point_cases  # a model of its own without float64: a skip per point
+
+        items = [item for point in self.points(opts) for item in point_cases(self, point)]
         return items + self.wide_plan(opts) + self.nodes_plan(opts) + unmeshed
 
     def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
@@ -615,18 +569,18 @@ class Property:
     def skip(self, opts: Options, message: str, world_size: Optional[int] = None, **config) -> Verdict:
         """A ``skip`` verdict of this property for ``opts``, saying why (only what the user's own
         selection makes inapplicable is a skip)."""
-        return Verdict(self.id, "skip", self._whole_run_config(opts, world_size, **config), message=message)
+        return Verdict(self.id, "skip", self.whole_run_config(opts, world_size, **config), message=message)
 
     def internal_error(self, opts: Options, doing: str, error: BaseException, seconds: float) -> Verdict:
         """The ``error`` / ``internal_error`` verdict (exit 3) of this property when code of this suite
         raised ``error`` while ``doing`` it (``running``, ``fuzzing``): a bug in a check, never a
         verdict on the target. Call it in the ``except`` clause (it keeps the traceback)."""
-        return Verdict(self.id, "error", self._whole_run_config(opts), diagnosis=INTERNAL_ERROR,
+        return Verdict(self.id, "error", self.whole_run_config(opts), diagnosis=INTERNAL_ERROR,
                        message=f"{doing} {self.id} failed: {type(error).__name__}: {error}",
                        details=traceback.format_exc(), seconds=round(seconds, 3))
 
     @staticmethod
-    def _whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
+    def whole_run_config(opts: Options, world_size: Optional[int] = None, **config) -> dict:
         return {"world_size": world_size, "data_layout": None, "model": None, "mode": opts.modes[0].label,
                 "grad_sample_mode": opts.grad_sample_mode, **config}
 
@@ -639,51 +593,6 @@ def resumed_halves(spec: RunSpec) -> Dict[str, Any]:
     if spec.phase != "save":
         return {}
     return dict(specs=(spec, spec.with_(phase="load")), fresh_groups=2, fresh_jobs=(1, 1))
-
-
-def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:
-    """Why these sampling options cannot run (``None`` if they can): the one place the rules are
-    written (the CLI turns the answer into exit 2, the API into ``ValueError``)."""
-    for name, given, allowed in (("sampling", samplings, SAMPLINGS), ("seeding", seedings, SEEDINGS)):
-        if given is not None and (not given or any(g not in allowed for g in given)):
-            return f"{name} {','.join(given) or '(none)'}: choose from {','.join(allowed)}"
-    if sample_rate is not None and not (isinstance(sample_rate, (int, float)) and 0.0 < sample_rate <= 1.0):
-        return f"sample rate {sample_rate!r}: must be in (0, 1]"
-    if dataset_size is not None:
-        if not isinstance(dataset_size, int) or dataset_size < 1:
-            return f"dataset size {dataset_size!r}: must be an integer >= 1"
-        if dataset_size < world_size:
-            return (f"dataset size {dataset_size} is smaller than the world size {world_size}: some rank would own "
-                    "no sample")
-        q = sample_rate or POISSON_DEFAULTS[0]
-        if int(q * dataset_size) < 1:
-            return (f"expected batch int(q * dataset size) = int({q} * {dataset_size}) is 0 (opacus would divide by "
-                    "zero): raise the sample rate or the dataset size")
-    elif sample_rate is not None and int(sample_rate * POISSON_DEFAULTS[1]) < 1:
-        return (f"sample rate {sample_rate}: the default dataset ({POISSON_DEFAULTS[1]} samples per rank) gives an "
-                "expected batch of 0; give --dataset-size too")
-    return None
-
-
-def precision_problem(precisions, dtypes) -> Optional[str]:
-    """Why these precision options cannot run (``None`` if they can): the one place the rules are
-    written (the CLI turns the answer into exit 2, the API into ``ValueError``)."""
-    if precisions is None:
-        return None
-    if not precisions or any(p not in PRECISIONS for p in precisions):
-        return f"precision {','.join(precisions) or '(none)'}: choose from {','.join(PRECISIONS)}"
-    if any(p != "fp32" for p in precisions) and dtypes is not None and "float32" not in dtypes:
-        return (f"precision {','.join(p for p in precisions if p != 'fp32')} is bf16 compute over float32 "
-                f"parameters, but the dtypes are {','.join(dtypes)}: add float32 to the dtypes (or leave them out)")
-    return None
-
-
-def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:
-    """Why ``prop`` cannot run under ``modes`` (``None`` if it can): the one place the rule
-    "a comparing property needs two or more modes" is written."""
-    if prop.compares_modes and len(prop.modes_for(modes)) < 2:
-        return f"{prop.id} compares modes: it needs two or more --mode-env labels"
-    return None
 
 
 def by_id(registry: Iterable[Property]) -> Dict[str, Property]:

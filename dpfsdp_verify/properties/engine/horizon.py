@@ -19,7 +19,7 @@ cannot show there:
   ``NODE_WORLD_SIZE`` = 4, run as 2 simulated nodes x 2 local ranks by ``harness.node_env``) each
   property with a ``Property.nodes`` runs one or two cases: ``noise_calibration`` one noisy Poisson
   run at lr > 0 with C between the norms (``node_spec``), every release of it judged per rank and
-  step (``analysis/releases.py``); ``norm_fidelity`` its wide case (one split step); and
+  step (``releases/analysis.py``); ``norm_fidelity`` its wide case (one split step); and
   ``sampling_accounting`` its divisible dataset's draws;
 * **bugs that start late** -- a clip cap dropped from step 6 or 50, noise reduced from step 40 or 64, a change
   from the third Poisson epoch, a log-metric collective on rank 0 every 16 steps -- are right for

@@ -24,10 +24,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, 
 from ...harness import DEFAULT_TIMEOUT_S, JobPool, default_pool
 from ...harness.group import BackendUnavailable, GroupResult, NotRunHere
 from ...config.modes import Mode
+from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
-from . import releases
+from ..releases import judge as releases
+from .own_models import float64_skip
 from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
@@ -102,7 +104,7 @@ def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int,
         if isinstance(case, Verdict):
             return case
         outcome = run_cases([case], pool, opts.timeout)[0]
-        return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
+        return settle(prop, case, outcome)
 
 
 #: ``listener(case, verdict)`` in force (``telling``): judge each case as soon as its runs are in
@@ -116,7 +118,7 @@ def telling(listener: Optional[Callable[[Case, Verdict], None]]):
     has ended (not when every case of the property has run) and hands ``listener`` the case and
     its verdict -- what a torchrun job's rank 0 keeps on disk should a later job kill it
     (``gate/journal.py``). The verdicts are the same; only when they are judged differs (and so
-    the order in which the release ledger, ``releases.py``, takes the cases' runs). Outside it the
+    the order in which the release ledger, ``releases/judge.py``, takes the cases' runs). Outside it the
     cases are judged at the end, in order."""
     token = _TOLD.set(listener)
     try:
@@ -136,16 +138,24 @@ def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], 
     listener = _TOLD.get()
     if listener is None:
         outcomes = run_cases(cases, pool, timeout)
-        return [outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
-                for case, outcome in zip(cases, outcomes)]
+        return [settle(prop, case, outcome) for case, outcome in zip(cases, outcomes)]
     judged: Dict[int, Verdict] = {}
 
     def ready(i: int, outcome) -> None:
-        judged[i] = outcome if isinstance(outcome, Verdict) else judge_case(prop, cases[i], outcome)
+        judged[i] = settle(prop, cases[i], outcome)
         listener(cases[i], judged[i])
 
     run_cases(cases, pool, timeout, on_ready=ready)
     return [judged[i] for i in range(len(cases))]
+
+
+def settle(prop: Property, case: Case, outcome: Union[Verdict, Outputs]) -> Verdict:
+    """A case's verdict: its run's failure verdict or ``judge_case``'s, unless its model (one of its
+    own) cannot run in float64, which is a ``skip`` saying why either way (``own_models``)."""
+    skipped = float64_skip(case)
+    if skipped is not None:
+        return skipped
+    return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
 
 
 def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
@@ -232,10 +242,14 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    ledger = releases.current()  # every noisy run is evidence for the noise at every step (engine/releases.py)
+    ledger = releases.current()  # every noisy run is evidence for the noise at every step (releases/judge.py)
     if ledger is not None:
         ledger.add(case, outputs)
-    verdict = prop.judge(case, outputs)
+    try:
+        verdict = prop.judge(case, outputs)
+    except Float64Unsupported as e:  # a model of its own that has no float64 reference (docs/models.md)
+        return case.verdict("skip", None, f"{e}: the model cannot run in float64, so there is no float64 reference "
+                                          "to judge it against (docs/models.md)")
     if accountant is not None and verdict.status == "pass":
         # after the property's own verdict: a property that judges the accountant itself against what it
         # measured (noise_calibration) words its finding with the measured mechanism
@@ -577,6 +591,6 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
 
 __all__ = ["Fuzzer", "case_deadline", "run_property", "plan_property", "in_plan_order", "fuzz_property",
            "check_example", "one_thread", "telling", "telling_listener", "judge_cases",
-           "judge_case", "run_cases",
+           "judge_case", "settle", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_finding",
            "failure_evidence", "failure_verdict"]

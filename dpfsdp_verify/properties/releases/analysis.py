@@ -1,5 +1,5 @@
 """Every release of a noisy run decomposed into the reference's clipped sum and the noise, and the
-noise's statistics, pooled over the runs of a gate run (``engine/releases.py`` collects them).
+noise's statistics, pooled over the runs of a gate run (``releases/judge.py`` collects them).
 
 DP meaning: the Gaussian mechanism's guarantee is for each release ``(sum_i c_i g_i + N(0, (sigma
 C)^2 I)) / D`` at every step, on every rank's shard, in whatever dtype, lr and loop shape the user
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -63,8 +62,9 @@ from ...lazy import torch
 
 from ...lazy import reference
 from ...targets import RankOutput, RunSpec
-from .compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
-from .stats import chi2_two_sided_p, normal_two_sided_p
+from ..analysis.compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
+from ..analysis.memo import Memo
+from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 
 #: significand bits of the coarse float formats whose grid the noise must not sit on
 GRIDS = {"bfloat16": 8, "float16": 11}
@@ -194,7 +194,7 @@ def _columns(spec: RunSpec, step: int, indices: List[int], params: Optional[Dict
     return torch.cat([grads[n].reshape(len(indices), -1).to(torch.float64) for n in names], dim=1).T
 
 
-_SPAN_CACHE: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]" = OrderedDict()
+_SPAN_CACHE: "Memo[Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]" = Memo(64)
 
 
 def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str], numel: int):
@@ -202,17 +202,17 @@ def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str]
     the batch's per-sample gradients ``G`` (``[P, rank]``), or ``None`` for a batch too large to
     project off (``MAX_SPAN_FRACTION``). At the initial model (``params`` ``None``: lr 0 runs, whose
     repeats share batches) cached: callers must not modify them."""
-    key = None
-    if params is None:
-        key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
-               spec.dataset_size if spec.poisson else spec.global_batch_size, step, tuple(indices),
-               spec.max_grad_norm, tuple(names))
-        hit = _SPAN_CACHE.get(key)
-        if hit is not None:
-            _SPAN_CACHE.move_to_end(key)
-            return hit
     if indices and len(indices) > MAX_SPAN_FRACTION * numel:
         return None
+    if params is not None:
+        return _span_of(spec, step, indices, params, names, numel)
+    key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
+           spec.dataset_size if spec.poisson else spec.global_batch_size, step, tuple(indices),
+           spec.max_grad_norm, tuple(names))
+    return _SPAN_CACHE.get(key, lambda: _span_of(spec, step, indices, params, names, numel))
+
+
+def _span_of(spec: RunSpec, step: int, indices: List[int], params, names: List[str], numel: int):
     g = _columns(spec, step, indices, params, names)
     norms = g.pow(2).sum(0).sqrt() if g.numel() else torch.zeros(0, dtype=torch.float64)
     if g.numel():
@@ -223,10 +223,6 @@ def _span(spec: RunSpec, step: int, indices: List[int], params, names: List[str]
     else:
         clean = torch.zeros(numel, dtype=torch.float64)
         u = torch.zeros(numel, 0, dtype=torch.float64)
-    if key is not None:
-        _SPAN_CACHE[key] = (clean, u, norms)
-        while len(_SPAN_CACHE) > 64:
-            _SPAN_CACHE.popitem(last=False)
     return clean, u, norms
 
 

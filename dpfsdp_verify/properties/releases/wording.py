@@ -1,5 +1,5 @@
-"""The sentences of the whole-run release judge (``engine/releases.py``), built from the findings of
-``analysis/releases.py``: what was released wrong, in which run (the property and configuration that
+"""The sentences of the whole-run release judge (``releases/judge.py``), built from the findings of
+``releases/analysis.py``: what was released wrong, in which run (the property and configuration that
 made it), at which steps and ranks, in which dtype and at which lr -- and, where the measured ratio is
 one a known mistake gives, that mistake."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..analysis.releases import SILENT, SILENT_LEVEL, SILENT_P0, Finding, RunReleases
-from .noise_messages import formula_causes
+from .analysis import SILENT, SILENT_LEVEL, SILENT_P0, Finding, RunReleases
+from ..wording.noise_messages import formula_causes
 
 #: a measured std ratio "is" a candidate cause's factor within this relative distance
 CAUSE_RTOL = 0.06
@@ -26,7 +26,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]], whole_run: bool = True) -> str:
-    """The cause the other runs single out (``analysis.releases.contrasts``), in words ("" if none):
+    """The cause the other runs single out (``analysis.contrasts``), in words ("" if none):
     a factor that appears in this run's kind of run only and equals a known mistake's. A ratio
     alone never names a cause (0.7 is 1/sqrt(2) to 1 %: a float32-only factor is not noise averaged
     over two ranks unless the float64 runs at two ranks show it too). A factor of sigma or C is

@@ -1,6 +1,6 @@
 """The whole-run release judge: every noisy run a gate run makes, whichever property made it, is
-evidence for ``noise_calibration`` at every step and rank (``analysis/releases.py`` decomposes and
-tests, ``wording/releases.py`` words).
+evidence for ``noise_calibration`` at every step and rank (``releases/analysis.py`` decomposes and
+tests, ``releases/wording.py`` words).
 
 How it is fed: ``runner.judge_case`` hands every case whose runs passed the runner's prechecks to the
 ledger in force (``collecting``) before the owning property judges it; the ledger keeps only the
@@ -37,12 +37,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from ...lazy import torch
 
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
-from ..analysis.releases import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
+from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
-from ..wording.releases import finding_message, pass_message, pooled_message
-from .contract import Case, Options, Outputs
-from .prechecks import device_facts
-from .threads import one_thread
+from .wording import finding_message, pass_message, pooled_message
+from ..engine.contract import Case, Options, Outputs
+from ..engine.prechecks import device_facts
+from ..engine.threads import one_thread
 
 #: the property whose verdicts the ledger gives
 PROPERTY_ID = "noise_calibration"

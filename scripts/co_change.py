@@ -1,0 +1,59 @@
+"""How scattered a change to ``properties/`` is: over the commits that touched it, how many changed
+two or more of its packages, and three or more -- counted by the layout of the files at the time
+("before") and by the layout they have now ("after": a file that moved since counts in its new
+package, e.g. ``analysis/releases.py`` in ``releases/``). Prints both; a topic cut that is right
+makes the "after" counts fall.
+
+    python scripts/co_change.py [--since REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from collections import Counter
+
+PREFIX = "dpfsdp_verify/properties/"
+#: where a file of the old layout lives now (the package moves of issue 49)
+MOVED = {"analysis/releases.py": "releases/analysis.py", "wording/releases.py": "releases/wording.py",
+         "engine/releases.py": "releases/judge.py"}
+
+
+def package(rel: str, now: bool) -> str:
+    """The package of ``rel`` (a path under properties/), by the old layout or the current one."""
+    if now:
+        rel = MOVED.get(rel, rel)
+    return rel.split("/")[0] if "/" in rel else "(root)"
+
+
+def commits(since: str):
+    out = subprocess.check_output(["git", "log", "--format=@%H", "--name-only", f"{since}..HEAD", "--", PREFIX],
+                                  text=True)
+    files: list = []
+    for line in out.splitlines():
+        if line.startswith("@"):
+            if files:
+                yield files
+            files = []
+        elif line.startswith(PREFIX):
+            files.append(line[len(PREFIX):])
+    if files:
+        yield files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--since", default=subprocess.check_output(
+        ["git", "rev-list", "--max-parents=0", "HEAD"], text=True).split()[0])
+    args = ap.parse_args()
+    rows = list(commits(args.since))
+    for label, now in (("before (layout at the time)", False), ("after (current layout)", True)):
+        spread = Counter(len({package(f, now) for f in files}) for files in rows)
+        two = sum(n for k, n in spread.items() if k >= 2)
+        three = sum(n for k, n in spread.items() if k >= 3)
+        print(f"{label}: {len(rows)} commits touched properties/; {two} changed >= 2 of its packages, "
+              f"{three} changed >= 3")
+
+
+if __name__ == "__main__":
+    main()
