@@ -37,6 +37,7 @@ File format (``version = 1``)::
     reason = "why it fails, who owns it"   # required
     link = "https://..."                   # optional
     when = { torch = ">= 2.13", opacus = ">= 1.6, < 1.7", backend = "gloo", device = "cpu" }
+                                           # (and transformers = ">= 5.0" for the real architectures)
                                            # optional: the environments the entry holds in (every
                                            # key given must match; versions: comma-separated
                                            # clauses, release numbers compared; a list = any of)
@@ -69,7 +70,7 @@ EXPECTABLE_STATUSES = ("fail", "hang", "error")
 _TOP_KEYS = ("version", "description", "expect")
 _ENTRY_KEYS = ("property", "config", "status", "diagnosis", "reason", "link", "when")
 #: ``when`` keys: version ranges of the packages, and the run's backend / device type
-_WHEN_VERSIONS = ("torch", "opacus")
+_WHEN_VERSIONS = ("torch", "opacus", "transformers")
 _WHEN_CHOICES = {"backend": ("gloo", "nccl"), "device": ("cpu", "cuda")}
 _WHEN_KEYS = _WHEN_VERSIONS + tuple(_WHEN_CHOICES)
 _SCALARS = (str, int, float, bool)
@@ -350,7 +351,8 @@ def _parse_when(where: str, when: Any) -> Dict[str, Any]:
 def environment(backend: str = "gloo") -> Dict[str, Optional[str]]:
     """What ``when`` is matched against: the torch version (the imported torch's ``__version__``,
     else the installed distribution's; nothing is imported), the opacus one (the imported opacus',
-    else the importable one's), the run's backend and the device type its ranks compute on
+    else the importable one's), the installed transformers distribution's (the real architectures;
+    ``None`` without it), the run's backend and the device type its ranks compute on
     (``harness.backends``: cpu under gloo, cuda under nccl)."""
     from importlib import metadata
 
@@ -366,8 +368,12 @@ def environment(backend: str = "gloo") -> Dict[str, Optional[str]]:
             torch_version = None
     opacus = opacus_info() or {}
     device = BACKENDS[backend].device_type if backend in BACKENDS else None
+    try:
+        transformers_version: Optional[str] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        transformers_version = None
     return {"torch": str(torch_version) if torch_version else None, "opacus": opacus.get("version"),
-            "backend": backend, "device": device}
+            "transformers": transformers_version, "backend": backend, "device": device}
 
 
 def load(ref: str, properties: Optional[Sequence[str]] = None) -> Expectations:

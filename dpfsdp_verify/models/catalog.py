@@ -78,9 +78,13 @@ BATCH_USES = {"mlp": ("d_in", "classes"), "conv": ("channels", "size", "classes"
 #: under a short built-in name: ``{name: "package.module:ATTR"}``, ATTR a class or zero-argument
 #: factory. ``--models NAME`` then runs exactly as ``--models package.module:ATTR`` would; nothing
 #: else is needed to add one (the real architectures of ``dpfsdp_verify.models.real`` register here).
-CONTRACT_MODELS: Dict[str, str] = {}
-#: names that stand for several models on ``--models`` (e.g. ``real``: every real architecture)
-MODEL_GROUPS: Dict[str, Tuple[str, ...]] = {}
+#: Real architectures (``dpfsdp_verify.models.real``, the ``models`` extra: transformers, peft), opt-in:
+#: tiny random-initialised configs, no download
+REAL_MODELS = ("gpt2", "llama", "qwen2", "bert", "vit", "resnet_gn", "llama_lora")
+_REAL_CLASSES = ("GPT2", "Llama", "Qwen2", "Bert", "ViT", "ResNetGN", "LlamaLoRA")
+CONTRACT_MODELS: Dict[str, str] = {n: f"dpfsdp_verify.models.real:{c}" for n, c in zip(REAL_MODELS, _REAL_CLASSES)}
+#: names that stand for several models on ``--models`` (``real``: every real architecture)
+MODEL_GROUPS: Dict[str, Tuple[str, ...]] = {"real": REAL_MODELS}
 
 #: ``package.module:ATTR`` (ATTR may be dotted: ``module:Outer.Inner``)
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -132,4 +136,4 @@ __all__ = ["BASE_MODELS", "FINETUNE_MODELS", "SEQUENCE_MODELS", "ZOO_MODELS", "E
            "CONV_SIZE", "CONV_CLASSES", "CONV_WIDTH", "CONV_GROUPS", "CONV_MIXER", "VOCAB", "SEQ_LEN",
            "D_MODEL", "N_HEADS", "LORA_RANK", "TIES", "IGNORE_INDEX", "PAD_ID", "CANARIES", "MODEL_DIMS",
            "BATCH_DIMS", "BATCH_USES", "check_dims", "CONTRACT_MODELS", "MODEL_GROUPS", "is_import_path",
-           "contract_path", "expand_models"]
+           "contract_path", "expand_models", "REAL_MODELS"]

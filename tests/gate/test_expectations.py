@@ -92,7 +92,17 @@ def test_shipped_file_parses_and_lists_the_upstream_findings():
            for e in exp.entries}
     measured_on = ("model", ("mlp", "conv", "transformer", "lora", "masked"))  # the tied model is refused instead
     tied = (("model", "tied"),)
-    assert got == {("clipped_step", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
+    # finding 2 on the real architectures that train at 2+ ranks (docs/findings.md R5), and R1, R3, R4
+    real = ("model", ("mlp", "conv", "transformer", "lora", "masked", "llama", "qwen2", "resnet_gn"))
+    three = ("norm_fidelity", "clipped_step", "sensitivity_bound")
+    real_entries = ({("clipped_step", "fail", "mismatch", (("model", "llama_lora"), ("reduction", "sum"),
+                                                          ("world_size", 2)))}
+                    | {(p, "error", "rank_crash", (("model", "gpt2"),)) for p in three}
+                    | {(p, "error", "rank_crash", (("model", ("bert", "vit")),)) for p in three}
+                    | {(p, "error", "placement_mismatch", (("model", "llama_lora"), ("world_size", ">= 3")))
+                       for p in three})
+    assert got == real_entries | {
+                   ("clipped_step", "fail", "mismatch", (real, ("reduction", "sum"), ("world_size", ">= 2"))),
                    ("trajectory", "fail", "mismatch", (measured_on, ("reduction", "sum"), ("world_size", ">= 2"))),
                    ("clipped_step", "error", "placement_mismatch", (("model_kwargs", (("d_ff", 1),)),)),
                    # the same finding on noise_calibration's one-row case

@@ -170,11 +170,22 @@ def test_bad_when_is_refused_with_one_line(when, says):
 
 def test_shipped_finding_3_needs_torch_2_13():
     exp = expectations.load("opacus-1.6.0")
-    (entry,) = [e for e in exp.entries if e.diagnosis == "placement_mismatch"]
-    assert entry.when == {"torch": ">= 2.13"}
+    # finding 3, and the same mechanism on the real LoRA adapter at 3 ranks (docs/findings.md R4)
+    placement = [e for e in exp.entries if e.diagnosis == "placement_mismatch"]
+    assert [e.config.get("model") for e in placement] == [None] + ["llama_lora"] * 3
     base = {"opacus": "1.6.0", "backend": "gloo", "device": "cpu"}
-    assert not entry.applies({**base, "torch": "2.11.0+cu130"}) and entry.applies({**base, "torch": "2.14.1"})
-    assert all(not e.when for e in exp.entries if e is not entry)  # every other entry holds everywhere
+    for entry in placement:
+        assert entry.when == {"torch": ">= 2.13"}
+        assert not entry.applies({**base, "torch": "2.11.0+cu130"}) and entry.applies({**base, "torch": "2.14.1"})
+    # the real architectures' crashes are pinned to the transformers they were measured with (R1, R3)
+    measured = [e for e in exp.entries if "transformers" in e.when]
+    assert {e.config["model"] if isinstance(e.config["model"], str) else tuple(e.config["model"])
+            for e in measured} == {"gpt2", ("bert", "vit")}
+    for entry in measured:
+        assert entry.when == {"transformers": ">= 5.18, < 5.19"}
+        assert entry.applies({**base, "transformers": "5.18.0"}) and not entry.applies({**base, "transformers": None})
+    others = [e for e in exp.entries if e not in placement and e not in measured]
+    assert all(not e.when for e in others)  # every other entry holds everywhere
 
 
 # -- item 4: --dry-run ---------------------------------------------------------------------------

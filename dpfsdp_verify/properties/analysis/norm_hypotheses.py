@@ -2,7 +2,9 @@
 measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
 uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
 a bias term counted for a layer without one (``phantom_bias_norms``),
-a per-sequence loss averaged over padding (``sequence_weights``).
+a per-sequence loss averaged over padding (``sequence_weights``); for a model given by its own code
+(``docs/models.md``), one parameter's per-sample gradient summed over the local batch
+(``batch_summed_norms``), named by the model's own parameter name.
 
 DP meaning: an undercounted norm lets a sample contribute more than C (a privacy violation); the
 others clip with a norm that is not the sample's (utility, or the objective). ``norm_fidelity`` and
@@ -220,5 +222,34 @@ def right_prefix(got, want) -> int:
     return ks.pop() if len(ks) == 1 and min(ks) > 0 else 0
 
 
+def batch_summed_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
+    """For a model given by its own code (``docs/models.md``: transformers, peft, a user's), whose layers
+    the suite knows nothing of: ``("sample_mixing", per-rank norms, what it does)`` for each trainable
+    parameter, the norms when that parameter's per-sample gradient is replaced by its sum over the
+    rank's local batch -- an input broadcast over the batch (position ids of shape ``[1, T]``) read
+    as a batch of one. Every sample's norm then holds the other samples' gradients of that parameter
+    (not one factor on its own share: ``param_shares`` cannot name it). ``steps`` are the ranks'
+    reports (``.indices``: the global samples each processed). Empty for the built-in models."""
+    from ...models.catalog import MODEL_DIMS, contract_path
+
+    if spec.model in MODEL_DIMS or contract_path(spec.model) is None:
+        return []
+    grads = reference_grads(spec)
+    sq = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
+    total = torch.stack(list(sq.values())).sum(0)
+    out: List[Tuple[str, list, str]] = []
+    for name, g in grads.items():
+        shown = []
+        for s in steps:
+            idx = list(s.indices)
+            summed = g[idx].sum(0).flatten().pow(2).sum() if idx else torch.zeros((), dtype=total.dtype)
+            shown.append((total[idx] - sq[name][idx] + summed).clamp(min=0).sqrt())
+        out.append(("sample_mixing", shown,
+                    f"take parameter {name!r}'s per-sample gradient as its sum over the local batch (an input "
+                    "broadcast over the batch, such as position ids of shape [1, T], read as one sample): each "
+                    "sample's norm holds the other samples' gradients of that parameter"))
+    return out
+
+
 __all__ = ["HYPOTHESIS_RTOL", "close", "borrowed_norms", "right_prefix", "finetune_norms", "omitted_layer_norms",
-           "phantom_bias_norms", "sequence_weights"]
+           "phantom_bias_norms", "sequence_weights", "batch_summed_norms"]

@@ -57,8 +57,9 @@ from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, nor
 from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
-from ..analysis.norm_hypotheses import (HYPOTHESIS_RTOL, borrowed_norms, close as _close, finetune_norms,
-                                        omitted_layer_norms, phantom_bias_norms, right_prefix, sequence_weights)
+from ..analysis.norm_hypotheses import (HYPOTHESIS_RTOL, batch_summed_norms, borrowed_norms, close as _close,
+                                        finetune_norms, omitted_layer_norms, phantom_bias_norms, right_prefix,
+                                        sequence_weights)
 from ..analysis.param_shares import clip_share_diagnosis, norm_share_diagnosis
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
@@ -514,6 +515,8 @@ def hypotheses(case: Case, want, steps, subject: str):
     for diagnosis, norms, what in phantom_bias_norms(case.spec):  # a bias term for a bias-free layer
         yield diagnosis, [norms[list(s.indices)] for s in steps], (f"{subject} are inflated {where}: they {what}. "
                                                                    "Every sample is over-clipped (utility loss)."), None
+    for diagnosis, shown, what in batch_summed_norms(case.spec, steps):  # a model of its own: by parameter name
+        yield diagnosis, shown, f"{subject} {where} {what}.", None
     # padded sequences: the per-sequence loss normalised over the wrong token count
     for diagnosis, weights, what in sequence_weights(case.spec):
         w = [weights[list(s.indices)] for s in steps]
