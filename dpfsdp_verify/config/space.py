@@ -311,8 +311,8 @@ def combination_problem(world_size: int = 1, dtype: str = "float64", precision: 
         n = dataset_size if dataset_size is not None else (
             (D.POISSON_DEFAULTS[1] if samples_per_rank is None else samples_per_rank) * world_size)
         if int(q * n) < 1:
-            return (f"expected batch int(q * N) = int({q:g} * {n}) is 0 (opacus would divide by zero): raise q or "
-                    "the dataset size")
+            return (f"expected batch int(q * dataset_size) = int({q:g} * {n}) is 0 (opacus would divide by zero): "
+                    "raise q or the dataset size")
     return None
 
 

@@ -36,7 +36,7 @@ FORMS = ("bf16-fsdp", "bf16-autocast")
 def test_runspec_and_options_refuse_bad_precisions():
     with pytest.raises(ValueError, match="unknown precision 'bf16'"):
         RunSpec(precision="bf16", dtype="float32")
-    with pytest.raises(ValueError, match="needs dtype='float32'"):
+    with pytest.raises(ValueError, match="it needs dtype float32, not"):
         RunSpec(precision="bf16-fsdp", dtype="float64")
     with pytest.raises(ValueError, match="choose from fp32,bf16-fsdp,bf16-autocast"):
         Options(precisions=("fp16",))

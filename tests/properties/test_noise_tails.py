@@ -124,15 +124,15 @@ def test_accountant_told_a_wrong_q_or_sigma_states_the_direction():
     from dpfsdp_verify.properties.analysis.findings import HistoryFinding
     from dpfsdp_verify.properties.wording.accountant import history_message
 
-    over = history_message(HistoryFinding("rate", history=[(2.5, 0.75, 3)], resume_at=2, wrong=(0.75,),
-                                          expected=0.25))
-    assert "too large" in over and "over-reports" in over and "too small" not in over, over
-    under = history_message(HistoryFinding("rate", history=[(2.5, 0.0625, 3)], wrong=(0.0625,), expected=0.25))
-    assert "too small" in under and "under-reports" in under, under
-    assert "over-reports" in history_message(HistoryFinding("sigma", history=[(1.25, 0.25, 3)], wrong=(1.25,),
-                                                            expected=2.5))
-    assert "under-reports" in history_message(HistoryFinding("sigma", history=[(5.0, 0.25, 3)], wrong=(5.0,),
-                                                             expected=2.5))
+    over = HistoryFinding("rate", history=[(2.5, 0.75, 3)], resume_at=2, wrong=(0.75,), expected=0.25)
+    assert over.direction == "over"
+    said = history_message(over)
+    assert "over-reported, privacy intact" in said and "PRIVACY VIOLATION" not in said and "too small" not in said
+    under = HistoryFinding("rate", history=[(2.5, 0.0625, 3)], wrong=(0.0625,), expected=0.25)
+    assert under.direction == "under" and "PRIVACY VIOLATION in the accounting (epsilon under-reported)" in \
+        history_message(under)
+    assert HistoryFinding("sigma", history=[(1.25, 0.25, 3)], wrong=(1.25,), expected=2.5).direction == "over"
+    assert HistoryFinding("sigma", history=[(5.0, 0.25, 3)], wrong=(5.0,), expected=2.5).direction == "under"
 
 
 @pytest.mark.slow

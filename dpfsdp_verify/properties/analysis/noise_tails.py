@@ -122,6 +122,11 @@ def tails(stacked, names: Sequence[str], s: float, quantum: Optional[float]) -> 
 GRID_MAX_DISTINCT = 1024
 
 
+#: how far from a grid point (a fraction of the step) a value of noise on that grid may lie: its rounding
+#: only. Continuous noise puts the largest of >= 64 values within 5% of a point with probability 0.1^64
+ON_GRID = 0.05
+
+
 def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float]]:
     """``(distinct values, values, grid step, fraction exactly on 0)`` where ``values`` (noise, in any
     unit; ``quantum`` in the same unit, far above its rounding) take few distinct values on a uniform
@@ -140,8 +145,12 @@ def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float
     if keys.numel() * 2 < (int(keys.max()) - int(keys.min())) // gap:
         return None
     step = gap * quantum
+    # on the grid, not near it: noise of a small spread (too little noise: a scale bug) also rounds to few
+    # multiples of ``quantum``, but its values sit anywhere between them; a grid's sit on its points
+    if float((v / step - torch.round(v / step)).abs().max()) > ON_GRID:
+        return None
     return int(keys.numel()), n, step, float((torch.round(v / quantum) == 0).double().mean())
 
 
 __all__ = ["KS", "M_MAX", "GRID_MAX_DISTINCT", "Tails", "two_sided_sf", "binomial_lower_bound", "rounding_quantum",
-           "clean_max", "tails", "coarse_grid"]
+           "clean_max", "tails", "ON_GRID", "coarse_grid"]
