@@ -3,8 +3,11 @@
 DP meaning: every other property checks one component (norms, clip, noise, sampler, accountant's
 inputs). This one checks the end-to-end claim: train with canaries whose membership is secret,
 guess which were in from what the training released, and turn the guesses into a lower bound
-``eps_lb`` on epsilon that holds with the stated confidence (``audit_bound``: Steinke, Nasr and
-Jagielski 2023, arXiv 2305.08846, Algorithm 1 with the ``2 m delta alpha`` term). An ``eps_lb``
+``eps_lb`` on epsilon that holds with the stated confidence: the larger of two bounds, the
+confidence shared between them (``bounds``): the f-DP bound (``audit_fdp``: Mahloujifar, Melis and
+Chaudhuri, arXiv 2410.22235, against the Gaussian trade-off curve, mu-GDP, then its epsilon at
+``DELTA``) and the counting bound (``audit_bound``: Steinke, Nasr and Jagielski 2023, arXiv
+2305.08846, Algorithm 1 with the ``2 m delta alpha`` term, no assumption on the curve's shape). An ``eps_lb``
 above the epsilon the target's accountant reports is a leak its accounting does not describe,
 whatever the bug (a layer left out of clipping, a shard released without noise, a sampler that
 is not Poisson). It is a *lower* bound: a pass does not prove the claimed epsilon (the audit is
@@ -33,8 +36,10 @@ ratio ``sum_t log(1 - q + q exp((y_ti - 1/2) / sigma^2))`` at the claimed sigma 
 for a correct-shaped mechanism with a larger sensitivity), and ``llr_fitted``, the same at each
 canary's own observed std (``fitted_sigma``: a shard released without noise puts its canaries at
 the extremes there, in the middle of ``llr``). Guesses: +1 for the k highest, -1 for the k lowest
-scores, for each score and each k of ``guess_choices(m, GUESS_FRACTIONS)`` (all fixed in advance,
-the confidence shared among the 2 x 5 pairs: Bonferroni); the best bound is reported.
+scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` with ``FDP_SHARE`` of the error
+probability; the counting bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS,
+COUNTING_GUESSES)`` with the rest, shared among its pairs (all fixed in advance: Bonferroni); the
+larger bound is reported, both in the evidence.
 
 Verdict: ``fail`` / ``audit_violation`` when ``eps_lb`` exceeds the epsilon the target reports (or,
 for a target that reports none, the suite's RDP epsilon of the configured mechanism), naming both,
