@@ -54,7 +54,7 @@ judges that). False alarms: a correct target fails a verdict with probability at
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 from ...lazy import torch
 
@@ -189,13 +189,14 @@ def fdp_bound(scores: List[float], secrets: List[int], m: int, level: float) -> 
     ``scores``, the error probability ``level`` shared among them: the best one's
     ``{eps_lb_fdp, mu_lb, k, r, v}``."""
     choices = guess_choices(m, FDP_FRACTIONS)
-    best: Dict = {"eps_lb_fdp": 0.0, "mu_lb": 0.0, "fdp_k": choices[0][0], "fdp_r": 0, "fdp_v": 0}
+    best: Optional[Dict] = None
     for k_plus, k_minus in choices:
         r, v = count_correct(scores, secrets, k_plus, k_minus)
         mu = audit_fdp.mu_lower_bound(r, v, m, level / len(choices))
-        if mu > best["mu_lb"]:
-            eps = audit_fdp.gdp_epsilon(mu, DELTA)
+        if best is None or mu > best["mu_lb"]:
+            eps = audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
             best = {"eps_lb_fdp": eps, "mu_lb": mu, "fdp_k": k_plus, "fdp_r": r, "fdp_v": v}
+    assert best is not None  # FDP_FRACTIONS is not empty
     return best
 
 
