@@ -2,7 +2,7 @@
 
     python benchmarks/audit.py --false-alarms N [--world-sizes 1] [--meshes hsdp:2x2] [--seed S]
                                [--canaries M --steps T]
-    python benchmarks/audit.py --power R [--clip-factors 2,3,4] [--noise-factors 0.5,0.35,0.25] [--world-sizes 1]
+    python benchmarks/audit.py --power R [--clip-factors 1.5,2,3] [--noise-factors 0.7,0.5,0.35] [--world-sizes 1]
     python benchmarks/audit.py --simulate N [--canaries M --steps T]
 
 ``--false-alarms N``: the audit on ``fixtures.specimens:Correct`` with N run seeds (S, S+1, ...),
@@ -58,12 +58,17 @@ def audits(pool, target, seeds, world_sizes, size, modes=None, meshes=()):
 
 def summary(rows, label):
     eps = [v.evidence.get("eps_lb", float("nan")) for _, v in rows]
+    tight = [v.evidence.get("tightness", float("nan")) for _, v in rows]
+    fdp = [v.evidence.get("eps_lb_fdp", float("nan")) for _, v in rows]
+    counting = [v.evidence.get("eps_lb_counting", float("nan")) for _, v in rows]
     claimed = rows[0][1].evidence.get("claimed_epsilon", float("nan")) if rows else float("nan")
     secs = [v.seconds for _, v in rows]
     flagged = sum(v.diagnosis == "audit_violation" for _, v in rows)
     other = [(s, v.status, v.diagnosis) for s, v in rows if v.status != "pass" and v.diagnosis != "audit_violation"]
     print(f"{label}: {flagged} of {len(rows)} audits flagged (audit_violation); eps_lb median "
-          f"{statistics.median(eps):.3f}, max {max(eps):.3f}; claimed epsilon {claimed:.4g}; "
+          f"{statistics.median(eps):.3f}, max {max(eps):.3f} (f-DP median {statistics.median(fdp):.3f}, counting "
+          f"{statistics.median(counting):.3f}); eps_lb / claimed median {statistics.median(tight):.2f}; "
+          f"claimed epsilon {claimed:.4g}; "
           f"{statistics.median(secs):.1f} s per audit (median; max {max(secs):.1f})"
           + (f"; other non-pass verdicts: {other}" if other else ""), flush=True)
     return flagged
@@ -74,18 +79,15 @@ def simulate(n, size, seed0, clip_factor=1.0, noise_factor=1.0):
     m, t = size["audit_canaries"], size["audit_steps"]
     q, sigma = pa.SAMPLE_RATE, pa.SIGMA
     claimed = accounting.epsilon([(sigma, q, t)], pa.DELTA)
-    choices = audit_bound.guess_choices(m, pa.GUESS_FRACTIONS)
     flagged, eps = 0, []
     for i in range(n):
         g = torch.Generator().manual_seed(seed0 + i)
         secrets = models.canary_secrets(m, seed0 + i)
         drawn = (torch.rand(t, m, generator=g, dtype=torch.float64) < q) & (secrets > 0)
         y = clip_factor * drawn + noise_factor * sigma * torch.randn(t, m, generator=g, dtype=torch.float64)
-        scores = {"llr": pa.llr_scores(y, q, sigma).tolist(),
-                  "llr_fitted": pa.llr_scores(y, q, pa.fitted_sigma(y)).tolist()}
-        res = audit_bound.audit(scores, secrets.tolist(), choices, pa.DELTA)
-        eps.append(res.eps_lb)
-        flagged += res.eps_lb > claimed
+        found = pa.bounds(y, q, sigma, secrets.tolist(), audit_bound.CONFIDENCE)
+        eps.append(found["eps_lb"])
+        flagged += found["eps_lb"] > claimed
     return flagged, eps, claimed
 
 
@@ -94,8 +96,9 @@ def main(argv=None):
     ap.add_argument("--false-alarms", type=int, default=0, metavar="N")
     ap.add_argument("--power", type=int, default=0, metavar="R")
     ap.add_argument("--simulate", type=int, default=0, metavar="N")
-    ap.add_argument("--clip-factors", default="2,3,4")
-    ap.add_argument("--noise-factors", default="0.5,0.35,0.25")
+    ap.add_argument("--clip-factors", default="1.5,2,3")
+    ap.add_argument("--noise-factors", default="0.7,0.5,0.35")
+    ap.add_argument("--upstream", type=int, default=0, metavar="N", help="the false-alarm runs on upstream opacus too")
     ap.add_argument("--world-sizes", default="1", help="comma-separated; '' for none (meshes only)")
     ap.add_argument("--meshes", default="", help="2-D meshes too, e.g. hsdp:2x2")
     ap.add_argument("--seed", type=int, default=1)
@@ -110,8 +113,9 @@ def main(argv=None):
     if args.simulate:
         t0 = time.monotonic()
         flagged, eps, claimed = simulate(args.simulate, size, args.seed)
-        print(f"simulated Correct: {flagged} of {args.simulate} flagged; eps_lb median {statistics.median(eps):.3f}, "
-              f"max {max(eps):.3f}; claimed (RDP) {claimed:.4g} ({time.monotonic() - t0:.0f} s)", flush=True)
+        print(f"simulated Correct: {flagged} of {args.simulate} flagged; eps_lb median {statistics.median(eps):.3f} "
+              f"({statistics.median(eps) / claimed:.2f}x), max {max(eps):.3f}; claimed (RDP) {claimed:.4g} "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
         for f in (float(x) for x in args.clip_factors.split(",")):
             flagged, eps, _ = simulate(args.simulate, size, args.seed, clip_factor=f)
             print(f"simulated clip x{f:g}: {flagged} of {args.simulate} flagged ({flagged / args.simulate:.0%}); "
@@ -120,7 +124,7 @@ def main(argv=None):
             flagged, eps, _ = simulate(args.simulate, size, args.seed, noise_factor=f)
             print(f"simulated noise x{f:g}: {flagged} of {args.simulate} flagged ({flagged / args.simulate:.0%}); "
                   f"eps_lb median {statistics.median(eps):.3f}", flush=True)
-    if not (args.false_alarms or args.power):
+    if not (args.false_alarms or args.power or args.upstream):
         return 0
     pool = Pool(max_groups=2)
     try:
@@ -131,6 +135,12 @@ def main(argv=None):
                                range(start, min(start + 20, args.seed + args.false_alarms)), ws, size,
                                meshes=meshes)
                 summary(rows, f"Correct (false alarms), seeds {args.seed}..{start + 19}")
+        if args.upstream:
+            rows = []
+            for start in range(args.seed, args.seed + args.upstream, 20):
+                rows += audits(pool, "opacus", range(start, min(start + 20, args.seed + args.upstream)), ws, size,
+                               meshes=meshes)
+                summary(rows, f"upstream opacus (false alarms), seeds {args.seed}..{start + 19}")
         if args.power:
             seeds = range(args.seed + 100_000, args.seed + 100_000 + args.power)
             for env, name, factors in ((CLIP_FACTOR_ENV, "ClipBoundScaled", args.clip_factors),

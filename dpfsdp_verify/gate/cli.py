@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="check the options and print the plan (cases per property and world size, skips "
                                 "and why, GPUs needed, estimated time); start nothing, exit 0 or 2")
     what.add_argument("--audit-canaries", type=int, default=None, metavar="M",
-                      help="canaries of the opt-in privacy audit (default 1000; docs/audit.md)")
+                      help="canaries of the opt-in privacy audit (default 2000; docs/audit.md)")
     what.add_argument("--audit-steps", type=int, default=None, metavar="T",
                       help="DP steps of the opt-in privacy audit (default 100; docs/audit.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),

@@ -98,6 +98,8 @@ def test_audit_shares_the_confidence_among_every_score_and_choice():
     noise = [rng.gauss(0, 1) for _ in secrets]
     choices = ab.guess_choices(1000, (0.02, 0.1, 0.4))
     assert choices == [(10, 10), (50, 50), (200, 200)]
+    # capped at ``most`` guesses (fixed by m alone): duplicates dropped
+    assert ab.guess_choices(10_000, (0.02, 0.05, 0.1, 0.2, 0.4), 1000) == [(100, 100), (250, 250), (500, 500)]
     res = ab.audit({"good": good, "noise": noise}, secrets, choices, 1e-5, 0.95)
     assert res.choices == 6 and res.score == "good" and len(res.table) == 6
     level = 1 - 0.05 / 6

@@ -172,12 +172,14 @@ def audit(scores: Mapping[str, Sequence[float]], secrets: Sequence[int], choices
     return AuditResult(eps, name, k_plus, k_minus, r, v, m, delta, confidence, pairs, tuple(table))
 
 
-def guess_choices(m: int, fractions: Sequence[float]) -> List[Tuple[int, int]]:
+def guess_choices(m: int, fractions: Sequence[float], most: Optional[int] = None) -> List[Tuple[int, int]]:
     """``(k, k)`` for ``k = max(1, round(f * m / 2))`` per fraction ``f`` of the canaries guessed
-    (half on each side), duplicates dropped, in order."""
+    (half on each side), capped at ``most // 2`` when given (the bound's cost grows with the
+    guesses, its value does not past a few hundred), duplicates dropped, in order."""
     out: List[Tuple[int, int]] = []
+    cap = m // 2 if most is None else max(1, min(m // 2, most // 2))
     for f in fractions:
-        k = max(1, min(m // 2, int(round(f * m / 2))))
+        k = max(1, min(cap, int(round(f * m / 2))))
         if (k, k) not in out:
             out.append((k, k))
     return out

@@ -3,8 +3,11 @@
 DP meaning: every other property checks one component (norms, clip, noise, sampler, accountant's
 inputs). This one checks the end-to-end claim: train with canaries whose membership is secret,
 guess which were in from what the training released, and turn the guesses into a lower bound
-``eps_lb`` on epsilon that holds with the stated confidence (``audit_bound``: Steinke, Nasr and
-Jagielski 2023, arXiv 2305.08846, Algorithm 1 with the ``2 m delta alpha`` term). An ``eps_lb``
+``eps_lb`` on epsilon that holds with the stated confidence: the larger of two bounds, the
+confidence shared between them (``bounds``): the f-DP bound (``audit_fdp``: Mahloujifar, Melis and
+Chaudhuri, arXiv 2410.22235, against the Gaussian trade-off curve, mu-GDP, then its epsilon at
+``DELTA``) and the counting bound (``audit_bound``: Steinke, Nasr and Jagielski 2023, arXiv
+2305.08846, Algorithm 1 with the ``2 m delta alpha`` term, no assumption on the curve's shape). An ``eps_lb``
 above the epsilon the target's accountant reports is a leak its accounting does not describe,
 whatever the bug (a layer left out of clipping, a shard released without noise, a sampler that
 is not Poisson). It is a *lower* bound: a pass does not prove the claimed epsilon (the audit is
@@ -33,8 +36,10 @@ ratio ``sum_t log(1 - q + q exp((y_ti - 1/2) / sigma^2))`` at the claimed sigma 
 for a correct-shaped mechanism with a larger sensitivity), and ``llr_fitted``, the same at each
 canary's own observed std (``fitted_sigma``: a shard released without noise puts its canaries at
 the extremes there, in the middle of ``llr``). Guesses: +1 for the k highest, -1 for the k lowest
-scores, for each score and each k of ``guess_choices(m, GUESS_FRACTIONS)`` (all fixed in advance,
-the confidence shared among the 2 x 5 pairs: Bonferroni); the best bound is reported.
+scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` with ``FDP_SHARE`` of the error
+probability; the counting bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS,
+COUNTING_GUESSES)`` with the rest, shared among its pairs (all fixed in advance: Bonferroni); the
+larger bound is reported, both in the evidence.
 
 Verdict: ``fail`` / ``audit_violation`` when ``eps_lb`` exceeds the epsilon the target reports (or,
 for a target that reports none, the suite's RDP epsilon of the configured mechanism), naming both,
@@ -49,7 +54,7 @@ judges that). False alarms: a correct target fails a verdict with probability at
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 from ...lazy import torch
 
@@ -57,13 +62,14 @@ from ...lazy import models, reference
 from ...config.space import mesh_problem
 from ...targets import RunSpec, accounting
 from ...verdict import Verdict
-from ..analysis.audit_bound import CONFIDENCE, audit, guess_choices
+from ..analysis import audit_fdp
+from ..analysis.audit_bound import CONFIDENCE, audit, count_correct, guess_choices
 from ..analysis.compare import reference_model
 from ..engine.contract import Case, Outputs, Point, Property
 
 ID = "privacy_audit"
 #: defaults of the ``audit_canaries`` / ``audit_steps`` params (``--audit-canaries`` / ``--audit-steps``)
-CANARIES = 1000
+CANARIES = 2000
 STEPS = 100
 #: Poisson rate, noise multiplier and clip bound of the audited run (``--sample-rate`` sets q)
 SAMPLE_RATE = 0.1
@@ -71,8 +77,16 @@ SIGMA = 2.0
 CLIP = 0.1
 #: the delta the target is asked its epsilon at, and the bound's delta
 DELTA = 1e-5
-#: fractions of the canaries guessed (half +1, half -1), fixed before any score is seen
+#: fractions of the canaries guessed (half +1, half -1) by the counting bound, for each score, fixed
+#: before any score is seen
 GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.4)
+#: the most guesses a counting-bound choice makes (fixed by m alone, before any score is seen): its
+#: cost grows with them and, past a few hundred, its value does not
+COUNTING_GUESSES = 1000
+#: the fraction the f-DP bound guesses (``llr`` only): one choice, so it keeps most of the confidence
+FDP_FRACTIONS = (0.1,)
+#: the f-DP bound's share of the error probability ``1 - confidence``; the counting bound has the rest
+FDP_SHARE = 0.8
 #: the smallest per-canary noise std the fitted score uses (a noise-free row has std 0)
 SIGMA_FLOOR = 1e-3
 #: the one parameter of the canary model (``models.CanaryEmbedding``)
@@ -170,49 +184,82 @@ def fitted_sigma(y: torch.Tensor) -> torch.Tensor:
     return y.std(0, unbiased=False).clamp(min=SIGMA_FLOOR)
 
 
+def fdp_bound(scores: List[float], secrets: List[int], m: int, level: float) -> Dict:
+    """The f-DP bound (``audit_fdp``, mu-GDP hypothesis) of the ``FDP_FRACTIONS`` guess choices on
+    ``scores``, the error probability ``level`` shared among them: the best one's
+    ``{eps_lb_fdp, mu_lb, k, r, v}``."""
+    choices = guess_choices(m, FDP_FRACTIONS)
+    best: Optional[Dict] = None
+    for k_plus, k_minus in choices:
+        r, v = count_correct(scores, secrets, k_plus, k_minus)
+        mu = audit_fdp.mu_lower_bound(r, v, m, level / len(choices))
+        if best is None or mu > best["mu_lb"]:
+            eps = audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
+            best = {"eps_lb_fdp": eps, "mu_lb": mu, "fdp_k": k_plus, "fdp_r": r, "fdp_v": v}
+    assert best is not None  # FDP_FRACTIONS is not empty
+    return best
+
+
+def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: float) -> Dict:
+    """Both bounds from the observations ``y`` at confidence ``conf`` overall: the counting bound
+    (``audit_bound.audit``: scores ``llr`` and ``llr_fitted`` x ``GUESS_FRACTIONS``) with
+    ``1 - FDP_SHARE`` of the error probability, the f-DP bound (``fdp_bound`` on ``llr``) with
+    ``FDP_SHARE``; ``eps_lb`` is the larger (a union bound: both hold together at ``conf``)."""
+    m = len(secrets)
+    llr = llr_scores(y, q, sigma).tolist()
+    scores = {"llr": llr, "llr_fitted": llr_scores(y, q, fitted_sigma(y)).tolist()}
+    choices = guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)
+    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - FDP_SHARE))
+    fdp = fdp_bound(llr, secrets, m, (1.0 - conf) * FDP_SHARE)
+    best = "f-DP" if fdp["eps_lb_fdp"] > counting.eps_lb else "counting"
+    return {"eps_lb": max(counting.eps_lb, fdp["eps_lb_fdp"]), "bound": best, "eps_lb_counting": counting.eps_lb,
+            **fdp, "guesses": counting.r, "correct": counting.v, "k_plus": counting.k_plus,
+            "k_minus": counting.k_minus, "score": counting.score, "choices": counting.choices,
+            "guess_choices": [list(row) for row in counting.table]}
+
+
 def judge(case: Case, outputs: Outputs) -> Verdict:
     spec, ranks = case.spec, outputs[0][0]
     m, q, conf = spec.dataset_size, spec.sample_rate, dict(case.facts).get("confidence", CONFIDENCE)
     steps = [s.gradient[WEIGHT] for s in ranks[0].steps]
     taken = len(steps)
     y = observations(spec, steps, directions(spec))
-    scores = {"llr": llr_scores(y, q, spec.noise_multiplier).tolist(),
-              "llr_fitted": llr_scores(y, q, fitted_sigma(y)).tolist()}
     secrets = models.canary_secrets(m, spec.batch_seed).tolist()
-    result = audit(scores, secrets, guess_choices(m, GUESS_FRACTIONS), DELTA, conf)
+    found = bounds(y, q, spec.noise_multiplier, secrets, conf)
+    eps_lb = found["eps_lb"]
     rdp = accounting.epsilon([(spec.noise_multiplier, q, taken)], DELTA)
     reported = [o.epsilon for o in ranks]
     if reported[0] is not None:
         claimed, source = float(reported[0]), f"the target's accountant ({ranks[0].accountant or 'unnamed'}) reports"
     else:
         claimed, source = rdp, "(the target reports none) the suite's RDP epsilon of the configured mechanism is"
-    ratio = result.eps_lb / claimed if claimed > 0 else math.inf
-    evidence = {"eps_lb": result.eps_lb, "claimed_epsilon": claimed, "reported_epsilon": reported[0],
+    ratio = eps_lb / claimed if claimed > 0 else math.inf
+    evidence = {**found, "claimed_epsilon": claimed, "reported_epsilon": reported[0],
                 "suite_rdp_epsilon": rdp, "tightness": ratio, "delta": DELTA, "confidence": conf, "canaries": m,
                 "members": sum(1 for s in secrets if s > 0), "steps": taken, "sample_rate": q,
                 "noise_multiplier": spec.noise_multiplier, "max_grad_norm": spec.max_grad_norm,
-                "guesses": result.r, "correct": result.v, "k_plus": result.k_plus, "k_minus": result.k_minus,
-                "score": result.score,
-                "guess_choices": [list(row) for row in result.table],
                 "member_mean_y": _mean(y, secrets, 1), "out_mean_y": _mean(y, secrets, -1)}
     where = f"at world_size={case.world_size}" + (f" ({spec.mesh})" if spec.mesh else "")
     setup = (f"{m} canaries, {taken} steps, q={q:g}, sigma={spec.noise_multiplier:g}, delta={DELTA:g}, "
-             f"confidence {conf:g}; best guesses: {result.v} of {result.r} right (top/bottom {result.k_plus} by "
-             f"{result.score!r}, one of {result.choices} score x guess choices sharing the confidence)")
+             f"confidence {conf:g}; f-DP bound {found['eps_lb_fdp']:.4g} (mu >= {found['mu_lb']:.3g}: "
+             f"{found['fdp_v']} of {found['fdp_r']} right, top/bottom {found['fdp_k']} by 'llr'), counting bound "
+             f"{found['eps_lb_counting']:.4g} ({found['correct']} of {found['guesses']} right, top/bottom "
+             f"{found['k_plus']} by {found['score']!r}, one of {found['choices']} score x guess choices)")
     rdp_note = f"the suite's RDP epsilon of (sigma, q, {taken} steps) is {rdp:.4g}"
-    if not result.eps_lb <= claimed:  # NaN fails
+    if not eps_lb <= claimed:  # NaN fails
         return case.verdict("fail", "audit_violation", (
-            f"PRIVACY VIOLATION: the one-run audit {where} proves epsilon >= {result.eps_lb:.4g} "
-            f"(eps_lb, at confidence {conf:g}), above the epsilon {source} ({claimed:.4g} at delta {DELTA:g}; "
-            f"{rdp_note}): the training leaks more about its canaries than "
+            f"PRIVACY VIOLATION: the one-run audit {where} proves epsilon >= {eps_lb:.4g} "
+            f"(eps_lb, {found['bound']} bound, at confidence {conf:g}), above the epsilon {source} ({claimed:.4g} at "
+            f"delta {DELTA:g}; {rdp_note}): the training leaks more about its canaries than "
             f"its privacy claim allows ({setup}). Members' mean observation y = D<G, u>/C is "
             f"{evidence['member_mean_y']:.3g} per step (a correct run: q = {q:g}); out canaries' "
             f"{evidence['out_mean_y']:.3g} "
             "(0). Typical causes: a parameter group left out of clipping, a shard or rank released without noise, "
             "a sampler that includes samples more often than q."), evidence)
     return case.verdict("pass", None, (
-        f"the one-run audit {where} bounds epsilon below by {result.eps_lb:.4g} (confidence {conf:g}); {source} "
-        f"{claimed:.4g} at delta {DELTA:g} (eps_lb / claimed = {ratio:.2f}); {rdp_note} ({setup})"), evidence)
+        f"the one-run audit {where} bounds epsilon below by {eps_lb:.4g} ({found['bound']} bound, confidence "
+        f"{conf:g}); {source} {claimed:.4g} at delta {DELTA:g} (eps_lb / claimed = {ratio:.2f}); {rdp_note} "
+        f"({setup})"), evidence)
 
 
 def _mean(y: torch.Tensor, secrets: List[int], side: int) -> float:
@@ -237,5 +284,6 @@ PROPERTY = Property(
     false_alarm_rate=3 * (1.0 - CONFIDENCE))
 
 
-__all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "audit_spec", "directions",
-           "observations", "llr_scores", "cases", "wide", "judge", "PROPERTY"]
+__all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "FDP_FRACTIONS",
+           "FDP_SHARE", "audit_spec", "directions", "observations", "llr_scores", "fitted_sigma", "fdp_bound", "bounds",
+           "cases", "wide", "judge", "PROPERTY"]
