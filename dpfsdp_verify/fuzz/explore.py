@@ -13,15 +13,16 @@ quantile of the reference norms), run on the gate's warm pool and judged by the 
 any machine: the count is the seed's, not the clock's.
 
 One hypothesis run of ``draws`` examples (its generation depends on the seed and on the examples'
-outcomes only, never on time). Time is only a cap (``deadline``, ``--explore-cap``): a draw
-that would start past it is not run, and the verdict says the cap was hit and how many of the
-seed's draws ran (``config["explore"]["capped"]``; the exit line says so too). A draw that
-fails (``fail``, ``hang``, ``error``) is shrunk by hypothesis to its smallest configuration (it
-is given ``SHRINK_S`` more seconds for that, past the cap: a failing gate run is worth a short
+outcomes only, never on time). Time is only a cap (``deadline``, ``--explore-cap``): a draw that
+would start past it is not run, and the verdict says the cap was hit and how many of the seed's
+draws ran (``config["explore"]["capped"]``; the exit line says so too). A draw that fails (``fail``,
+``hang``, ``error``) is shrunk by hypothesis towards its smallest configuration, in at most
+``SHRINK_RUNS`` more runs (a count, so a replay shrinks to the same configuration on any machine;
+``SHRINK_S`` seconds past the cap bound it on a slow host: a failing gate run is worth a short
 report), and that is the property's exploration verdict: the property's diagnosis and message for
-the smallest configuration, its config (``config["explore"]``: what it drew beyond the usual
-keys), ``evidence["explored"] = True``, and a ``dpfsdp-verify replay ... --exact`` line that
-re-runs exactly that spec. Without a failure the property's one ``pass`` verdict says how many
+the smallest configuration, its config (``config["explore"]``: what it drew beyond the usual keys),
+``evidence["explored"] = True``, and a ``dpfsdp-verify replay ... --exact`` line that re-runs
+exactly that spec. Without a failure the property's one ``pass`` verdict says how many
 configurations passed and what they covered.
 
 Every result is cached by configuration, so hypothesis' own replay of the shrunk example sees the
@@ -50,7 +51,11 @@ from ..verdict import FAILING, Verdict
 from . import strategies
 from .search import Counterexample, run_to_counterexample
 
-#: seconds a found failure may spend shrinking past the cap
+#: runs a found failure may spend shrinking: a number, not seconds, so that the same seed shrinks to the
+#: same configuration on any machine; 8 runs take ~7 s on 2 idle cores (a known upstream failure found
+#: by exploration took 29 runs, 26 s, under the former 30 s)
+SHRINK_RUNS = 8
+#: seconds a found failure may spend shrinking past the cap, on a host too slow for ``SHRINK_RUNS``
 SHRINK_S = 30.0
 #: the draws a pass verdict lists in its evidence (the first ones)
 LISTED_DRAWS = 40
@@ -76,11 +81,14 @@ class _Explorer:
 
     def spent(self) -> bool:
         """Whether the time cap is hit (an exploration always runs its first draw, however slow the
-        host; a found failure shrinks for ``SHRINK_S`` more)."""
+        host; a found failure shrinks for ``SHRINK_RUNS`` more runs, within ``SHRINK_S`` more seconds)."""
         if not self.seen:
             return False
         now = time.monotonic()
-        return now > (self.deadline if self.found_at is None else max(self.deadline, self.found_at) + SHRINK_S)
+        if self.found_at is None:
+            return now > self.deadline
+        return (sum(self.seen.values()) - self.found_draw >= SHRINK_RUNS
+                or now > max(self.deadline, self.found_at) + SHRINK_S)
 
     def example(self, drawn) -> None:
         ws, spec, knobs = drawn
@@ -241,4 +249,4 @@ def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, p
         return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
 
 
-__all__ = ["SHRINK_S", "explore_property", "check_exact"]
+__all__ = ["SHRINK_RUNS", "SHRINK_S", "explore_property", "check_exact"]

@@ -78,6 +78,7 @@ def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
         return case.verdict("fail" if bad else "pass", "mismatch" if bad else None, "stand-in judge")
 
     monkeypatch.setattr(explore._Explorer, "run", judge)
+    monkeypatch.setattr(explore, "SHRINK_RUNS", 10_000)  # shrinking to the end; the gate's count: the next test
     opts = Options(target=SPECIMEN, seed=3)
     [v] = explore.explore_property(CLIPPED, opts, draws=40, pool=object(), max_world_size=2)
     assert (v.status, v.diagnosis) == ("fail", "mismatch")
@@ -94,6 +95,23 @@ def test_a_failing_draw_is_shrunk_to_its_smallest_configuration(monkeypatch):
     ran.clear()
     explore.explore_property(CLIPPED, opts, draws=40, pool=object(), max_world_size=2)
     assert ran == first
+
+
+def test_shrinking_stops_after_a_count_of_runs_the_same_on_any_machine(monkeypatch):
+    """A found failure shrinks for ``SHRINK_RUNS`` runs, not seconds: the same seed reports the same
+    (partly shrunk) configuration twice, however slow the runs."""
+    def judge(self, ws, spec, knobs):
+        bad = spec.global_batch_size // ws > FIRST_UNCLIPPED_ROW and not spec.poisson
+        case = CLIPPED.explore_case(self.opts, spec, knobs, ws, self.modes)
+        return case.verdict("fail" if bad else "pass", "mismatch" if bad else None, "stand-in judge")
+
+    monkeypatch.setattr(explore._Explorer, "run", judge)
+    monkeypatch.setattr(explore, "SHRINK_RUNS", 3)
+    opts = Options(target=SPECIMEN, seed=3)
+    found = [explore.explore_property(CLIPPED, opts, draws=40, pool=object(), max_world_size=2)[0] for _ in range(2)]
+    assert all(v.status == "fail" for v in found)
+    assert all(v.evidence["draws_run"] - v.evidence["found_at_draw"] <= 3 for v in found), [v.evidence for v in found]
+    assert found[0].evidence["spec"] == found[1].evidence["spec"]
 
 
 def test_no_draws_no_runs(monkeypatch):
