@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from dpfsdp_verify import models  # noqa: E402
 from dpfsdp_verify.harness import Pool  # noqa: E402
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.analysis import audit_bound  # noqa: E402
-from dpfsdp_verify.properties.checks import privacy_audit as pa  # noqa: E402
+from dpfsdp_verify.properties.audit import bound as audit_bound  # noqa: E402
+from dpfsdp_verify.properties.audit import check as pa  # noqa: E402
 from dpfsdp_verify.targets import accounting  # noqa: E402
 from fixtures.audit_specimens import CLIP_FACTOR_ENV, NOISE_FACTOR_ENV  # noqa: E402
 

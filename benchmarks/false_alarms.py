@@ -125,7 +125,7 @@ def stream_false_alarms(n: int, seed: int) -> tuple:
     streams (``--streams``)."""
     import torch
 
-    from dpfsdp_verify.properties.checks.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
+    from dpfsdp_verify.properties.training.checkpoint_resume import NOISE_EQUAL, shared_values, shared_values_needed
 
     sizes = (228, 210)  # the default mlp's two uneven shards' noise values over both post-resume steps
     eps = NOISE_EQUAL["float64"]

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dpfsdp_verify.properties.checks.sampling_accounting import ALPHA, across_steps  # noqa: E402
+from dpfsdp_verify.properties.sampling.check import ALPHA, across_steps  # noqa: E402
 
 T = 2000
 #: (label, N, q, tests in the case): the default gate's sampling_accounting shapes

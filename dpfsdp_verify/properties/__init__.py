@@ -1,12 +1,17 @@
-"""Properties: one module per property id in ``checks/``, each building a ``Property``
-(``engine/contract.py``) that says what it means, which cases it runs and how it judges them;
-``engine/runner.py`` runs any of them. Layers, each importing only those below it:
+"""Properties, packaged by topic: each topic package holds its check(s) -- a module building a
+``Property`` (``engine/contract.py``) that says what it means, which cases it runs and how it judges
+them -- with the analysis and wording only that topic uses; ``engine/runner.py`` runs any of them.
 
-* ``checks/``   one module per property id (``PROPERTY``); no check imports another;
-* ``wording/``  the sentences verdicts are made of, from findings;
-* ``analysis/`` pure statistics, fits and comparisons against the float64 reference;
-* ``engine/``   the contract (``Property``, ``Case``, ``Options``), the runner, the checks every
-  run gets (``prechecks``), the long-run settings (``horizon``).
+* topics: ``clipping/`` (``norm_fidelity``, ``clipped_step``, ``sensitivity_bound``; the norm
+  hypotheses and parameter shares that name a wrong norm), ``noise/`` (``noise_calibration``; its
+  statistics, exact checks, repeat wording), ``releases/`` (the whole-run release judge),
+  ``training/`` (``mode_equivalence``, ``trajectory``, ``checkpoint_resume``), ``hangs/``
+  (``deadlock_free``), ``sampling/`` (``sampling_accounting``), ``audit/`` (``privacy_audit``; the
+  counting and f-DP bounds). No check imports another check;
+* shared below them: ``wording/`` (sentences several topics speak: failures, the accountant, noise
+  messages), ``analysis/`` (pure statistics, fits and comparisons against the float64 reference,
+  the accountant's history checks), ``engine/`` (the contract: ``Property``, ``Case``, ``Options``;
+  the runner; the checks every run gets, ``prechecks``; the long-run settings, ``horizon``).
 
     from dpfsdp_verify import properties
     verdicts = properties.run("norm_fidelity", "opacus", world_sizes=(1, 2), models=("mlp",))
@@ -26,8 +31,12 @@ from __future__ import annotations
 from typing import Dict, List, Union
 
 from ..verdict import Verdict
-from .checks import (checkpoint_resume, clipped_step, deadlock_free, mode_equivalence, noise_calibration, norm_fidelity,
-                      privacy_audit, sampling_accounting, sensitivity_bound, trajectory)
+from .audit import check as privacy_audit
+from .clipping import clipped_step, norm_fidelity, sensitivity_bound
+from .hangs import check as deadlock_free
+from .noise import check as noise_calibration
+from .sampling import check as sampling_accounting
+from .training import checkpoint_resume, mode_equivalence, trajectory
 from .engine.contract import Case, FuzzRecipe, Options, Outputs, Point, Property, by_id, modes_problem
 from .engine.runner import run_property
 

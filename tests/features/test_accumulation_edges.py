@@ -14,7 +14,7 @@ import re
 import pytest
 
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.checks import trajectory
+from dpfsdp_verify.properties.training import trajectory
 import dpfsdp_verify.properties as props
 from tests.verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 

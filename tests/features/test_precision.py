@@ -23,7 +23,7 @@ from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.analysis.precision_bounds import precision_bound, UNIT_ROUNDOFF
 from dpfsdp_verify.properties.engine.contract import Options
-from dpfsdp_verify.properties.checks.norm_fidelity import prepare
+from dpfsdp_verify.properties.clipping.norm_fidelity import prepare
 from dpfsdp_verify.targets import RunSpec
 from tests.verdict_helpers import assert_all_pass
 

@@ -16,7 +16,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify import reference
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.checks.checkpoint_resume import mask_false_alarm
+from dpfsdp_verify.properties.training.checkpoint_resume import mask_false_alarm
 from dpfsdp_verify.targets import RunSpec, unsupported_feature
 from fixtures.resume_specimens import UndeclaredResume
 from fixtures.specimens import Correct

@@ -25,11 +25,11 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify import models
 from dpfsdp_verify import reference as R
 from dpfsdp_verify.gate import expectations
-from dpfsdp_verify.properties.checks import norm_fidelity
+from dpfsdp_verify.properties.clipping import norm_fidelity
 from dpfsdp_verify.properties.analysis.clipfit import pick_clip_bound
 from dpfsdp_verify.properties.analysis.compare import (norm_ratios, reference_batch, reference_grads, reference_norms,
                                               smallest_norm)
-from dpfsdp_verify.properties.analysis.norm_hypotheses import sequence_weights
+from dpfsdp_verify.properties.clipping.norm_hypotheses import sequence_weights
 from dpfsdp_verify.properties.engine.prechecks import all_padding_note
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput

@@ -24,7 +24,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify import models, reference
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.models import catalog, contract
-from dpfsdp_verify.properties.analysis.param_shares import clip_share_diagnosis, fit_shares
+from dpfsdp_verify.properties.clipping.param_shares import clip_share_diagnosis, fit_shares
 from dpfsdp_verify.properties.analysis.compare import reference_grads
 from dpfsdp_verify.targets import RunSpec
 from tests.verdict_helpers import assert_all_pass, run_gate

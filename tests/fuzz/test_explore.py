@@ -189,7 +189,7 @@ def test_the_fixed_floor_reaches_every_row_a_draw_can(pool):
     draws: the default gate's own ws=1 case fails the rows-from-40 specimen without a draw, and
     passes Correct."""
     from dpfsdp_verify.gate.plan import RunPlan
-    from dpfsdp_verify.properties.checks.clipped_step import WIDE_LOCAL_BATCH
+    from dpfsdp_verify.properties.clipping.clipped_step import WIDE_LOCAL_BATCH
     from dpfsdp_verify.properties.engine.runner import judge_cases
     from dpfsdp_verify.config.space import AXES
 

@@ -16,7 +16,7 @@ from dpfsdp_verify.fuzz import strategies  # noqa: E402
 from dpfsdp_verify.fuzz.explore import check_exact  # noqa: E402
 from dpfsdp_verify.gate import expectations  # noqa: E402
 from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
-from dpfsdp_verify.properties.checks.deadlock_free import explore_prepare  # noqa: E402
+from dpfsdp_verify.properties.hangs.check import explore_prepare  # noqa: E402
 from dpfsdp_verify.properties.releases import judge as releases  # noqa: E402
 from dpfsdp_verify.properties.engine.contract import resumed_halves  # noqa: E402
 from dpfsdp_verify.targets import RunSpec  # noqa: E402

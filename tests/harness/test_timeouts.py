@@ -12,7 +12,7 @@ from importlib import resources
 import pytest
 
 from dpfsdp_verify.harness import DEFAULT_TIMEOUT_S, wait_gone
-from dpfsdp_verify.properties.checks.deadlock_free import POISSON_DEADLINE_S
+from dpfsdp_verify.properties.hangs.check import POISSON_DEADLINE_S
 from dpfsdp_verify.properties.engine.runner import case_deadline
 from dpfsdp_verify.targets import progress
 from dpfsdp_verify.verdict import DIAGNOSES

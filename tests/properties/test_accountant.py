@@ -13,7 +13,7 @@ import torch
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.targets import accounting
 from dpfsdp_verify.properties.analysis.accountant import accountant_problem
-from dpfsdp_verify.properties.checks.noise_calibration import SIGMA
+from dpfsdp_verify.properties.noise.check import SIGMA
 from dpfsdp_verify.properties.analysis.findings import HistoryFinding
 from dpfsdp_verify.properties.wording.accountant import measured_history_message
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput

@@ -1,4 +1,4 @@
-"""The one-run audit's bound (``dpfsdp_verify.properties.analysis.audit_bound``) against an independent
+"""The one-run audit's bound (``dpfsdp_verify.properties.audit.bound``) against an independent
 computation: scipy's binomial distribution, the formula of Steinke, Nasr and Jagielski (arXiv
 2305.08846, Algorithm 1 with the 2 m delta alpha term) written out here, a brute-force grid for the
 supremum, and a Monte Carlo check that the bound holds at its confidence on the worst-case
@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from dpfsdp_verify.properties.analysis import audit_bound as ab
+from dpfsdp_verify.properties.audit import bound as ab
 
 binom = pytest.importorskip("scipy.stats").binom
 

@@ -1,4 +1,4 @@
-"""The one-run audit's f-DP bound (``dpfsdp_verify.properties.analysis.audit_fdp``, Mahloujifar,
+"""The one-run audit's f-DP bound (``dpfsdp_verify.properties.audit.fdp``, Mahloujifar,
 Melis and Chaudhuri, arXiv 2410.22235) against an independent computation: the published recursion
 written out here with scipy as the reference code writes it (full arrays, no early stop, a grid
 over the Gaussian noise scale 1/mu), mu-GDP's epsilon against published values, and a Monte Carlo
@@ -11,8 +11,8 @@ import random
 import numpy as np
 import pytest
 
-from dpfsdp_verify.properties.analysis import audit_bound as ab
-from dpfsdp_verify.properties.analysis import audit_fdp as af
+from dpfsdp_verify.properties.audit import bound as ab
+from dpfsdp_verify.properties.audit import fdp as af
 
 norm = pytest.importorskip("scipy.stats").norm
 from scipy.special import ndtr, ndtri  # noqa: E402  (scipy's Phi and Phi^-1 on scalars, fast)

@@ -81,7 +81,7 @@ def test_scale_dispersion_tells_a_varying_std_from_a_heavy_tailed_one():
     accounted), one std per release drawn from 0.5..2 is."""
     import torch
 
-    from dpfsdp_verify.properties.analysis.noise_stats import scale_dispersion
+    from dpfsdp_verify.properties.noise.stats import scale_dispersion
 
     g = torch.Generator().manual_seed(0)
     laplace = torch.distributions.Laplace(0.0, 1.0)
@@ -133,7 +133,7 @@ def test_a_later_hypothesis_that_fits_decisively_better_is_named(monkeypatch):
 
     import torch
 
-    from dpfsdp_verify.properties.checks import norm_fidelity as nf
+    from dpfsdp_verify.properties.clipping import norm_fidelity as nf
     from dpfsdp_verify.reference import clip_coefficients
 
     true = torch.tensor([0.5, 0.8, 1.5, 2.5, 4.0], dtype=torch.float64)

@@ -83,7 +83,7 @@ def test_trajectory_names_a_first_local_batch_of_one():
     so (a batch of one left unclipped used to read "state carried between steps")."""
     from types import SimpleNamespace as NS
 
-    from dpfsdp_verify.properties.checks.trajectory import _first_drift_cause
+    from dpfsdp_verify.properties.training.trajectory import _first_drift_cause
 
     outputs = [NS(steps=[NS(indices=[1, 2]), NS(indices=[3]), NS(indices=[4, 5])]),
                NS(steps=[NS(indices=[6, 7]), NS(indices=[8, 9]), NS(indices=[0, 10])])]

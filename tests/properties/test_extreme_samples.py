@@ -13,7 +13,7 @@ import torch
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.analysis.compare import reference_norms
-from dpfsdp_verify.properties.checks.sensitivity_bound import EXTREME_NEAR_C, extreme_spec
+from dpfsdp_verify.properties.clipping.sensitivity_bound import EXTREME_NEAR_C, extreme_spec
 from dpfsdp_verify.targets import RunSpec
 
 X = "fixtures.extreme_specimens:"

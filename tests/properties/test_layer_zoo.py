@@ -13,7 +13,7 @@ import torch
 import dpfsdp_verify.properties as props
 from dpfsdp_verify import models, reference
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.analysis.norm_hypotheses import omitted_layer_norms
+from dpfsdp_verify.properties.clipping.norm_hypotheses import omitted_layer_norms
 from dpfsdp_verify.targets import RunSpec
 from tests.verdict_helpers import assert_all_pass
 

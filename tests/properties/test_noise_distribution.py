@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.checks import noise_calibration as nc
-from dpfsdp_verify.properties.analysis import noise_stats
+from dpfsdp_verify.properties.noise import check as nc
+from dpfsdp_verify.properties.noise import stats as noise_stats
 from dpfsdp_verify.properties.analysis.compare import reference_model
 from dpfsdp_verify.properties.engine.contract import Options
 from dpfsdp_verify.properties.analysis.stats import (detectable_std_ratios, kurtosis_z, normal_two_sided_p,

@@ -3,8 +3,8 @@ by ``wording/noise_repeats``: each kind of repetition on synthetic noise, its co
 import pytest
 import torch
 
-from dpfsdp_verify.properties.analysis.noise_exact import repeated_noise
-from dpfsdp_verify.properties.wording.noise_repeats import NEGATED_NOTE, repeat_message, repeat_words
+from dpfsdp_verify.properties.noise.exact import repeated_noise
+from dpfsdp_verify.properties.noise.repeats import NEGATED_NOTE, repeat_message, repeat_words
 
 
 def _noise(runs, steps, shapes, seed=0):

@@ -1,7 +1,7 @@
 """Noise structure across tensors, steps and within a matrix (``fixtures/noise_structure_specimens.py``):
 each tensor's noise exactly Gaussian with the right std, yet negated on another tensor of the same
 shape, mixed into it, negated at the next step, or of rank 1 or 2. ``noise_calibration`` names each
-as dependent noise (``properties/analysis/noise_stats.py``; the sign-blind repeat check); ``Correct`` passes.
+as dependent noise (``properties/noise/stats.py``; the sign-blind repeat check); ``Correct`` passes.
 Plus the statistics' false-alarm bounds on i.i.d. Gaussian noise."""
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.analysis import noise_stats
+from dpfsdp_verify.properties.noise import stats as noise_stats
 from tests.verdict_helpers import assert_all_pass, without_extra_noise_cases
 
 N = "fixtures.noise_structure_specimens:"

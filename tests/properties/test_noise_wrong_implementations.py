@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.checks import noise_calibration as nc
+from dpfsdp_verify.properties.noise import check as nc
 from dpfsdp_verify.properties.analysis.stats import chi2_cdf
 import dpfsdp_verify.properties as props  # noqa: E402
 from tests.verdict_helpers import assert_all_pass

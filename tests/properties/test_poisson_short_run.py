@@ -7,7 +7,7 @@ fail it, naming the step; ``Correct`` passes both."""
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.checks.clipped_step import SHORT_POISSON_STEPS
+from dpfsdp_verify.properties.clipping.clipped_step import SHORT_POISSON_STEPS
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.properties.engine.runner import judge_cases
 

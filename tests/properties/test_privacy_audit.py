@@ -14,7 +14,7 @@ from dpfsdp_verify import models, reference
 from dpfsdp_verify.gate import cli
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.checks import privacy_audit as pa
+from dpfsdp_verify.properties.audit import check as pa
 from dpfsdp_verify.properties.engine.contract import Case, Options, Point
 from dpfsdp_verify.targets import accounting
 import dpfsdp_verify.properties as props  # noqa: E402
@@ -138,7 +138,8 @@ def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     """At the default size on a correct release the f-DP bound proves ~2x the counting bound and
     stays below the claim; a clip bound at 2 C is flagged by it. The counting bound is the one of
     ``audit_bound.audit`` at 1 - 20% of the error probability, the f-DP bound ``audit_fdp``'s at 80%."""
-    from dpfsdp_verify.properties.analysis import audit_bound, audit_fdp
+    from dpfsdp_verify.properties.audit import bound as audit_bound
+    from dpfsdp_verify.properties.audit import fdp as audit_fdp
     claimed = accounting.epsilon([(pa.SIGMA, pa.SAMPLE_RATE, pa.STEPS)], pa.DELTA)
     y, secrets = released(pa.CANARIES, pa.STEPS, 11)
     got = pa.bounds(y, pa.SAMPLE_RATE, pa.SIGMA, secrets, 0.95)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpfsdp_verify.properties.checks.sampling_accounting import across_steps
+from dpfsdp_verify.properties.sampling.check import across_steps
 from dpfsdp_verify.properties.analysis.stats import lag_autocovariance_z, skewed_normal_two_sided_p
 import dpfsdp_verify.properties as props  # noqa: E402
 from tests.verdict_helpers import assert_all_pass, by

@@ -8,7 +8,7 @@ run on ``trajectory.POISSON_PER_RANK`` samples per rank (an empty local batch wi
 import pytest
 
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.checks import trajectory
+from dpfsdp_verify.properties.training import trajectory
 from tests.verdict_helpers import assert_all_pass, by
 
 pytest.importorskip("opacus")

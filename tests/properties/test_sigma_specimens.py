@@ -12,7 +12,7 @@ import pytest
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.fuzz import explore
 from dpfsdp_verify.properties import PROPERTIES
-from dpfsdp_verify.properties.checks.noise_calibration import SIGMA
+from dpfsdp_verify.properties.noise.check import SIGMA
 from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case, Options
 from dpfsdp_verify.properties.engine.runner import judge_cases

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import dpfsdp_verify.properties as props
-from dpfsdp_verify.properties.checks.checkpoint_resume import _count_error
+from dpfsdp_verify.properties.training.checkpoint_resume import _count_error
 from dpfsdp_verify.properties.engine.prechecks import privacy_steps_problem
 from dpfsdp_verify.targets import RankOutput, RunSpec, StepOutput
 from tests.verdict_helpers import assert_all_pass

@@ -9,7 +9,7 @@ with the numbers in the reason).
 import pytest
 
 import dpfsdp_verify.properties as props  # noqa: E402
-from dpfsdp_verify.properties.checks.clipped_step import SHORT_LAYER_DIMS
+from dpfsdp_verify.properties.clipping.clipped_step import SHORT_LAYER_DIMS
 from tests.verdict_helpers import KnownUpstreamFailure, assert_all_pass, by
 
 pytest.importorskip("opacus")

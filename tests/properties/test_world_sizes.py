@@ -19,7 +19,7 @@ from dpfsdp_verify import properties as props
 from dpfsdp_verify.harness.group import GroupResult
 from dpfsdp_verify.harness.protocol import JobError, JobResult
 from dpfsdp_verify.properties import PROPERTIES, Options
-from dpfsdp_verify.properties.checks.clipped_step import SHORT_LAYER_DIMS
+from dpfsdp_verify.properties.clipping.clipped_step import SHORT_LAYER_DIMS
 from dpfsdp_verify.properties.engine.runner import _Failed, failure_verdict
 from tests.verdict_helpers import run_gate
 

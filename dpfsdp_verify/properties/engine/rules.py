@@ -4,14 +4,23 @@ the API into ``ValueError``); ``contract`` re-exports them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Protocol, Sequence, Tuple
 
 from ...config.defaults import POISSON_DEFAULTS
 from ...config.modes import Mode
 from ...targets.base import PRECISIONS, SAMPLINGS, SEEDINGS
 
-if TYPE_CHECKING:
-    from .contract import Property
+
+class Comparing(Protocol):
+    """What the modes rule reads of a property (``contract.Property`` has it)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def compares_modes(self) -> bool: ...
+
+    def modes_for(self, modes: Sequence[Mode]) -> Tuple[Mode, ...]: ...
 
 
 def sampling_problem(samplings, seedings, sample_rate, dataset_size, world_size: int = 1) -> Optional[str]:
@@ -51,7 +60,7 @@ def precision_problem(precisions, dtypes) -> Optional[str]:
     return None
 
 
-def modes_problem(prop: Property, modes: Sequence[Mode]) -> Optional[str]:
+def modes_problem(prop: Comparing, modes: Sequence[Mode]) -> Optional[str]:
     """Why ``prop`` cannot run under ``modes`` (``None`` if it can): the one place the rule
     "a comparing property needs two or more modes" is written."""
     if prop.compares_modes and len(prop.modes_for(modes)) < 2:

@@ -28,8 +28,8 @@ from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...targets.crash_site import CrashSite, locate
 from ...verdict import Verdict, config_label
+from . import evidence as run_evidence
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
-from ..releases import judge as releases
 from .own_models import float64_skip
 from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
@@ -243,7 +243,7 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    ledger = releases.current()  # every noisy run is evidence for the noise at every step (releases/judge.py)
+    ledger = run_evidence.current()  # every noisy run is evidence for the noise at every step (releases/judge.py)
     if ledger is not None:
         ledger.add(case, outputs)
     try:

@@ -27,12 +27,10 @@ false-alarm probabilities below 1e-20 each.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import time
 import traceback
 from dataclasses import asdict, replace
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from ...lazy import torch
 
@@ -40,6 +38,7 @@ from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
 from .wording import finding_message, pass_message, pooled_message
+from ..engine.evidence import collecting, current  # the sink the runner feeds (re-exported)
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
 from ..engine.threads import one_thread
@@ -51,7 +50,6 @@ ALPHA = 1e-4
 DIAGNOSIS = {"coarse": "non_gaussian_noise", "silent": "mismatch", "scale": "mismatch", "mean": "mismatch",
              "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
 
-_CURRENT: "contextvars.ContextVar[Optional[Ledger]]" = contextvars.ContextVar("dpfsdp_release_ledger", default=None)
 
 
 class Ledger:
@@ -201,21 +199,6 @@ def run_key(world_size: int, spec) -> str:
     """One run's identity: its world size and spec (seeds and checkpoint directory included), so that
     cases that share a job (``runner.run_cases``' ``shared``) share one entry."""
     return f"{world_size}:{sorted(asdict(spec).items())!r}"
-
-
-def current() -> Optional[Ledger]:
-    """The ledger cases are fed to now (``None``: none)."""
-    return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def collecting(ledger: Optional[Ledger]) -> Iterator[Optional[Ledger]]:
-    """Every case judged inside feeds ``ledger`` (``None``: none)."""
-    token = _CURRENT.set(ledger)
-    try:
-        yield ledger
-    finally:
-        _CURRENT.reset(token)
 
 
 __all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key", "current", "collecting"]

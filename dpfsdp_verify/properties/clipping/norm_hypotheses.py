@@ -20,8 +20,8 @@ from ...lazy import torch
 
 from ...lazy import models, reference
 from ...targets import RunSpec
-from .compare import reference_batch, reference_grads, reference_model, reference_norms
-from .memo import Memo
+from ..analysis.compare import reference_batch, reference_grads, reference_model, reference_norms
+from ..analysis.memo import Memo
 
 
 def finetune_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:

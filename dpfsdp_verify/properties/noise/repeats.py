@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
 
-from ..analysis.noise_exact import Repeat
+from .exact import Repeat
 
 #: added to the cause of a repeat whose copy is negated
 NEGATED_NOTE = (" (here negated: a sign flip cancels in the *sum* of the two releases as a copy does in their "

@@ -57,10 +57,10 @@ from ..analysis.clipfit import (COEF_TOL, ROUNDING_MARGIN, fit_clip_epsilon, nor
 from ..analysis.compare import (fmt, norm_ratios, processed_indices, reference_grads, reference_model,
                                 reference_norms, tolerance)
 from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
-from ..analysis.norm_hypotheses import (HYPOTHESIS_RTOL, batch_summed_norms, borrowed_norms, close as _close,
+from .norm_hypotheses import (HYPOTHESIS_RTOL, batch_summed_norms, borrowed_norms, close as _close,
                                         finetune_norms, omitted_layer_norms, phantom_bias_norms, right_prefix,
                                         sequence_weights)
-from ..analysis.param_shares import clip_share_diagnosis, norm_share_diagnosis
+from .param_shares import clip_share_diagnosis, norm_share_diagnosis
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
 

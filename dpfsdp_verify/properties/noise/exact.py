@@ -18,7 +18,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, cast
 from ...lazy import torch
 
 from ...targets import RunSpec
-from .noise_stats import shard_sizes, shards
+from .stats import shard_sizes, shards
 
 
 #: consecutive values that make a repetition (a chance match of 4 quantised Gaussians is ~1e-25)

@@ -67,7 +67,7 @@ from ..analysis.compare import (flat, fmt, max_rel_diff, norm_picked, processed_
 from ..engine.contract import (DEFAULT_PRECISION_FACT, Case, ExploreRecipe, FuzzRecipe, Outputs, Point, Prepared,
                                Property)
 from ..engine.horizon import horizon_labels, horizon_point, horizon_spec
-from ..analysis.norm_hypotheses import sequence_weights
+from .norm_hypotheses import sequence_weights
 from ..analysis.kinks import nearest_with_flips
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_flip_columns,
                                          precision_gradient_bound, precision_kinks, precision_norm_tolerances,

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from ...lazy import torch
 
-from .stats import (chi2_cdf, chi2_sf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis,
+from ..analysis.stats import (chi2_cdf, chi2_sf, chi2_two_sided_p, correlation_p, detectable_excess_kurtosis,
                     detectable_std_ratios, kurtosis_z, normal_two_sided_p)
 
 

@@ -62,8 +62,8 @@ from ...lazy import models, reference
 from ...config.space import mesh_problem
 from ...targets import RunSpec, accounting
 from ...verdict import Verdict
-from ..analysis import audit_fdp
-from ..analysis.audit_bound import CONFIDENCE, audit, count_correct, guess_choices
+from . import fdp as audit_fdp
+from .bound import CONFIDENCE, audit, count_correct, guess_choices
 from ..analysis.compare import reference_model
 from ..engine.contract import Case, Outputs, Point, Property
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...lazy import torch
 from ...targets import RunSpec
-from .compare import reference_grads, reference_model
+from ..analysis.compare import reference_grads, reference_model
 
 #: how close to 0 a fitted factor is read as "left out"
 LEFT_OUT = 1e-3

@@ -101,7 +101,7 @@ from ..wording.accountant import measured_history_message
 from ..analysis.accountant import describe as describe_accountant
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import DEFAULT_PRECISION_FACT, Case, Outputs, Point, Property
-from ..analysis import noise_stats
+from . import stats as noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
 from ..releases.judge import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
@@ -109,15 +109,15 @@ from ..releases.analysis import decompose, detectable_ratio, run_tests, tests_of
 from ..releases.wording import finding_message, node_layout_note, one_run_pass_message
 from ...harness.launch import local_world_size
 from ...verdict import config_label
-from ..analysis.noise_exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
+from .exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
 from ..wording.noise_messages import (empty_round_message, independence_message, late_message, low_rank_message,
                                       grid_message, pairs_message, scale_message, shape_message, tail_message,
                                       tensor_pair_message, varying_scale_message)
 from ..analysis import noise_tails
-from ..wording.noise_repeats import repeat_message
-from ..analysis.noise_stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
+from .repeats import repeat_message
+from .stats import late_scale_change, scale_stats, shape_stats, shard_sizes, step_scales
 from ..analysis.stats import detectable_std_ratios, pairwise_dependence
 
 #: false-alarm probability of a correct target over every noise verdict of one run

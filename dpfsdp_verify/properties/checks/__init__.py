@@ -1,1 +1,0 @@
-"""Properties, the checks: one module per property id, each defining ``PROPERTY``."""
