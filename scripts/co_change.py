@@ -15,8 +15,28 @@ from collections import Counter
 
 PREFIX = "dpfsdp_verify/properties/"
 #: where a file of the old layout lives now (the package moves of issue 49)
-MOVED = {"analysis/releases.py": "releases/analysis.py", "wording/releases.py": "releases/wording.py",
-         "engine/releases.py": "releases/judge.py"}
+MOVED = {
+    "analysis/releases.py": "releases/analysis.py",
+    "wording/releases.py": "releases/wording.py",
+    "engine/releases.py": "releases/judge.py",
+    "checks/noise_calibration.py": "noise/check.py",
+    "analysis/noise_stats.py": "noise/stats.py",
+    "analysis/noise_exact.py": "noise/exact.py",
+    "wording/noise_repeats.py": "noise/repeats.py",
+    "checks/norm_fidelity.py": "clipping/norm_fidelity.py",
+    "checks/clipped_step.py": "clipping/clipped_step.py",
+    "checks/sensitivity_bound.py": "clipping/sensitivity_bound.py",
+    "analysis/norm_hypotheses.py": "clipping/norm_hypotheses.py",
+    "checks/sampling_accounting.py": "sampling/check.py",
+    "checks/deadlock_free.py": "hangs/check.py",
+    "checks/privacy_audit.py": "audit/check.py",
+    "analysis/audit_bound.py": "audit/bound.py",
+    "checks/trajectory.py": "training/trajectory.py",
+    "checks/mode_equivalence.py": "training/mode_equivalence.py",
+    "checks/checkpoint_resume.py": "training/checkpoint_resume.py",
+    "analysis/audit_fdp.py": "audit/fdp.py",
+    "analysis/param_shares.py": "clipping/param_shares.py",
+}
 
 
 def package(rel: str, now: bool) -> str:
