@@ -39,27 +39,29 @@ def test_deadlock_free_scenarios_have_unique_labels_in_every_report(tmp_path):
     x, md = tmp_path / "r.xml", tmp_path / "r.md"
     r = run_cli("run", "--target", "fixtures.specimens:Correct", "--properties", "deadlock_free", "--world-sizes",
                 "2", "--models", "mlp", "--loss-reductions", "mean", "--json", "-", "--junit", str(x), "--markdown",
-                str(md))
+                str(md), "-v")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)  # --json -: stdout is the JSON report and nothing else
     validate(rep)
     results = rep["results"]
-    # the 8 scenarios at 2 ranks, the long run (poisson_horizon) and uneven_accum at the third rank
-    assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "poisson_horizon",
+    # the 8 scenarios at 2 ranks, the long run (poisson_horizon), one process asked twice for its epsilon
+    # (history_twice) and uneven_accum at the third rank
+    assert sorted(v["config"]["local_batches"] for v in results) == ["empty", "even", "history_twice",
+                                                                     "poisson_horizon",
                                                                      "poisson_per_rank", "poisson_per_rank_accum",
                                                                      "poisson_same", "single", "uneven",
                                                                      "uneven_accum", "uneven_accum"]
     labels = [v["label"] for v in results]
-    assert len(set(labels)) == 10 and all("local_batches=" in lab and "None" not in lab for lab in labels)
+    assert len(set(labels)) == 11 and all("local_batches=" in lab and "None" not in lab for lab in labels)
     assert all(set(v["config"]) <= set(CONFIG_KEYS) for v in results)
     # the terminal table went to stderr, one row per verdict, each with its own label
-    assert "10 pass" in r.stderr and all(lab in r.stderr for lab in labels)
+    assert "11 passed" in r.stderr and all(lab in r.stderr for lab in labels)
     cases = ET.parse(x).getroot().findall("testsuite/testcase")
     names = [(c.get("classname"), c.get("name")) for c in cases]
-    assert len(names) == 10 and len(set(names)) == 10 and {n for _, n in names} == set(labels)
+    assert len(names) == 11 and len(set(names)) == 11 and {n for _, n in names} == set(labels)
     page = md.read_text()
     rows = [line for line in page.splitlines() if line.startswith("| `deadlock_free`")]
-    assert len(rows) == 10 and len(set(rows)) == 10
+    assert len(rows) == 11 and len(set(rows)) == 11
     assert "![" not in page and ".png" not in page  # nothing a GitHub step summary cannot show
 
 

@@ -113,7 +113,7 @@ def test_gate_in_a_two_node_torchrun_job_matches_the_spawned_gate(tmp_path):
     junit = tmp_path / "torchrun.xml"
     codes, outs, ranks, seconds = two_agents(
         tmp_path, ["--target", "fixtures.specimens:Correct", "--world-sizes", "2,4", "--json", str(report),
-                   "--junit", str(junit), *reach, *SELECTION])
+                   "--junit", str(junit), "-v", *reach, *SELECTION])  # -v: the per-verdict table and every skip
     both = "\n".join(outs)
     assert codes == [0, 0], both[-3000:]
     assert len(ranks) >= 4, f"saw rank processes {sorted(ranks)}"

@@ -125,6 +125,10 @@ GRID_MAX_DISTINCT = 1024
 #: how far from a grid point (a fraction of the step) a value of noise on that grid may lie: its rounding
 #: only. Continuous noise puts the largest of >= 64 values within 5% of a point with probability 0.1^64
 ON_GRID = 0.05
+#: the fewest distinct values called a grid: a few noisy values among exact zeros (noise missing on most
+#: coordinates) sit on the "grid" their own gaps define; 8 continuous values all within ``ON_GRID`` of
+#: the grid of their smallest gap have probability ~0.1^6
+GRID_MIN_DISTINCT = 8
 
 
 def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float]]:
@@ -137,7 +141,7 @@ def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float
     if n < 64:
         return None
     keys = torch.unique(torch.round(v / quantum).to(torch.int64))
-    if keys.numel() > min(GRID_MAX_DISTINCT, n // 4) or keys.numel() < 2:
+    if keys.numel() > min(GRID_MAX_DISTINCT, n // 4) or keys.numel() < GRID_MIN_DISTINCT:
         return None
     gap = int(torch.diff(keys).min())
     # a uniform grid fills its range (half of its steps or more hold a value); a floating-point format's
@@ -153,4 +157,4 @@ def coarse_grid(values, quantum: float) -> Optional[Tuple[int, int, float, float
 
 
 __all__ = ["KS", "M_MAX", "GRID_MAX_DISTINCT", "Tails", "two_sided_sf", "binomial_lower_bound", "rounding_quantum",
-           "clean_max", "tails", "ON_GRID", "coarse_grid"]
+           "clean_max", "tails", "ON_GRID", "GRID_MIN_DISTINCT", "coarse_grid"]

@@ -286,11 +286,11 @@ def _edge_cases(point: Point, spec: RunSpec, verdicts: int):
         yield point.case(b, [b.with_(noise_multiplier=0.0), b, b.with_(noise_seed=adjacent(seed, 1))],
                          doing="DP steps with noise under bf16 mixed precision", isolate=True,
                          facts={"alpha_per_test": alpha, DEFAULT_PRECISION_FACT: True})
-    f = spec.with_(model_kwargs=FEW_ROWS_DIMS, steps=1,
+    f = spec.with_(model="mlp", model_kwargs=FEW_ROWS_DIMS, steps=1,  # the mlp whatever the --models
                    noise_seed=point.seed_for("few_rows_exact", point.param("noise_seed"), point.world_size))
     yield point.case(f, [f.with_(noise_multiplier=0.0), f], doing="one DP step with noise on a parameter with fewer "
                      "rows than ranks (exact checks)", facts={"exact_only": True}, isolate=True,
-                     labels={"model_kwargs": dict(FEW_ROWS_DIMS)})
+                     labels={"model": "mlp", "model_kwargs": dict(FEW_ROWS_DIMS)})
 
 
 def wide(point: Point):
