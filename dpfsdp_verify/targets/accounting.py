@@ -118,10 +118,11 @@ def rdp(q: float, sigma: float, order: float) -> float:
     return log_a / (order - 1)
 
 
-def epsilon(history: History, delta: float, orders: Sequence[float] = ORDERS) -> float:
+def epsilon(history: History, delta: float, orders: Sequence[float] = ORDERS, classic: bool = False) -> float:
     """The (epsilon, ``delta``)-DP guarantee of ``history`` (opacus' format, module docstring):
-    RDP summed over the entries at each order, converted (Balle et al.) and minimised over the
-    orders. ``inf`` where an entry has no noise; 0 for an empty history."""
+    RDP summed over the entries at each order, converted (Balle et al.; ``classic``: Mironov 2017,
+    proposition 3, the looser conversion) and minimised over the orders. ``inf`` where an entry has
+    no noise; 0 for an empty history."""
     if not history:
         return 0.0
     if not 0 < delta < 1:
@@ -129,7 +130,10 @@ def epsilon(history: History, delta: float, orders: Sequence[float] = ORDERS) ->
     best = math.inf
     for a in orders:
         total = sum(steps * rdp(q, sigma, a) for sigma, q, steps in history)
-        eps = total - (math.log(delta) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
+        if classic:
+            eps = total + math.log(1 / delta) / (a - 1)
+        else:
+            eps = total - (math.log(delta) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
         if eps < best:  # NaN never wins
             best = eps
     return best

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple
 
-from .accounting import ORDERS, History, rdp
+from .accounting import ORDERS, History, epsilon
 
 #: relative margin the floor is lowered by, for the rounding of its sums (~1e-13 relative)
 FLOOR_RTOL = 1e-9
@@ -47,16 +47,7 @@ def classic_epsilon(history: History, delta: float, orders: Sequence[float] = OR
     """The (epsilon, ``delta``) of ``history`` by RDP with the classic conversion (Mironov 2017,
     proposition 3), minimised over ``orders``: the ceiling of the interval (module docstring).
     ``inf`` where an entry has no noise; 0 for an empty history."""
-    if not history:
-        return 0.0
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    best = math.inf
-    for a in orders:
-        eps = sum(n * rdp(q, s, a) for s, q, n in history) + math.log(1 / delta) / (a - 1)
-        if eps < best:
-            best = eps
-    return best
+    return epsilon(history, delta, orders, classic=True)
 
 
 def _log_sf(x: float) -> float:
