@@ -170,6 +170,7 @@ def test_clips_over_frozen_fails_norm_fidelity_naming_the_frozen_weight(pool):
 def test_noises_frozen_fails_noise_calibration_as_frozen_updated(pool):
     vs = props.run("noise_calibration", F + "NoisesFrozen", pool=pool, world_sizes=(1, 2), models=("lora",),
                                          reductions=("mean",), draws=32, seed=3)
+    vs = [v for v in vs if v.config["model"] == "lora"]  # not the one-row case, which runs on the mlp
     assert vs and all((v.status, v.diagnosis) == ("fail", "frozen_updated") for v in vs), [v.message for v in vs]
     assert all("frozen parameter 'fc1.weight'" in v.message for v in vs)
 
