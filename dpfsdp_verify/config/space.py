@@ -54,6 +54,16 @@ def adjacent(seed: int, i: int) -> int:
     return (seed + i) % SEED_MODULUS
 
 
+R = TypeVar("R")
+
+
+def _explored(name: str, explore: Optional[R]) -> R:
+    """A ranged axis' ``explore`` range; ``ValueError`` for an axis exploration never draws."""
+    if explore is None:
+        raise ValueError(f"axis {name} is not explored")
+    return explore
+
+
 @dataclass(frozen=True)
 class Axis:
     """One axis: ``name``, what it means, its default (``None``: none / each property's own)."""
@@ -120,9 +130,7 @@ class Integer(Axis):
     @property
     def drawn(self) -> Tuple[int, int]:
         """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
-        if self.explore is None:
-            raise ValueError(f"axis {self.name} is not explored")
-        return self.explore
+        return _explored(self.name, self.explore)
 
     def __post_init__(self):
         ex = self.explore
@@ -158,9 +166,7 @@ class Real(Axis):
     @property
     def drawn(self) -> Tuple[float, float]:
         """``(lo, hi)`` exploration draws from; ``ValueError`` for an axis it never draws."""
-        if self.explore is None:
-            raise ValueError(f"axis {self.name} is not explored")
-        return self.explore
+        return _explored(self.name, self.explore)
 
     def check(self, value: Any) -> Optional[str]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
