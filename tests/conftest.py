@@ -11,7 +11,7 @@ import os
 import pytest
 
 from dpfsdp_verify.config.defaults import EXPLORE_ENV
-from dpfsdp_verify.gate import run as _gate_run
+from dpfsdp_verify.gate import session as _gate_session
 from dpfsdp_verify.harness import Pool, wait_gone
 
 # the gate runs of these tests judge the fixed cases they count: no default exploration (an explicit
@@ -20,7 +20,7 @@ os.environ.setdefault(EXPLORE_ENV, "0")
 # the gate runs made in this process run on the session's pool (verdict_helpers.run_gate): no zygotes
 # are started ahead for the pool the CLI makes and they do not use (~3 s of CPU each); the console-script
 # runs start theirs, as users' do (tests/gate/test_pipeline.py tests the early start itself)
-_gate_run.EARLY_ZYGOTES = 0
+_gate_session.EARLY_ZYGOTES = 0
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,8 @@ def run_gate(pool, monkeypatch, capsys, *args):
     from dpfsdp_verify.gate import cli
 
     monkeypatch.setattr(_gate_run, "run_plan",
-                        lambda plan, progress=None, pool=None, _shared=pool: _RUN_PLAN(plan, progress, pool=_shared))
+                        lambda plan, progress=None, pool=None, listener=None, _shared=pool: _RUN_PLAN(
+                            plan, progress, pool=_shared, listener=listener))
     capsys.readouterr()
     code = cli.main(list(args))
     out = capsys.readouterr()

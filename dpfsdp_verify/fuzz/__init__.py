@@ -24,6 +24,7 @@ from ..config.modes import Mode
 from ..properties import PROPERTIES, Property, fuzzable
 from ..properties.engine import runner
 from ..properties.engine.contract import Case, Options
+from ..properties.engine.session import Session
 from ..targets import RunSpec
 from ..verdict import Verdict
 from .search import DEFAULT_DTYPES, DEFAULT_MODELS, Counterexample, format_failure, fuzz_groups
@@ -52,17 +53,18 @@ def fuzz_property(property_id: str, target_ref: str, n_examples: int, *, pool: O
 
 
 def fuzz_examples(prop: Property, opts: Options, n_examples: int, pool: Optional[JobPool] = None,
-                  settings=None) -> List[Verdict]:
+                  settings=None, session: Optional[Session] = None) -> List[Verdict]:
     """``n_examples`` hypothesis-drawn examples of ``prop`` (it must have a ``fuzz`` recipe) at each
     of the options' world sizes and mode groups, each run and judged by ``runner.check_example``
     (``search.fuzz_groups``); ``settings`` overrides the hypothesis profile's. ``pool=None``: a
-    private pool, closed at the end. What ``dpfsdp-verify run --fuzz N`` hands the runner."""
+    private pool, closed at the end; ``session``: the run's ledger and listener (``engine/session.py``).
+    What ``dpfsdp-verify run --fuzz N`` hands the runner."""
     opts = prop.with_defaults(opts)
     own = pool is None
     pool = pool or Pool()
     try:
         def check(spec, world_size, modes):
-            return runner.check_example(prop, opts, spec, world_size, pool, modes)
+            return runner.check_example(prop, opts, spec, world_size, pool, modes, session)
 
         return fuzz_groups(prop, opts, n_examples, check, settings)
     finally:

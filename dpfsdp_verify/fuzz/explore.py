@@ -45,6 +45,7 @@ from ..harness import Pool
 from ..config.modes import Mode
 from ..properties.engine import runner
 from ..properties.engine.contract import Options, Property
+from ..properties.engine.session import Session
 from ..config.space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
@@ -65,8 +66,9 @@ class _Explorer:
     """One property's exploration: its draws, the cap's clock, the cache, the counts."""
 
     def __init__(self, prop: Property, opts: Options, draws: int, pool: Pool, modes: Sequence[Mode],
-                 max_world_size: int, deadline: float = math.inf):
+                 max_world_size: int, deadline: float = math.inf, session: Optional[Session] = None):
         self.prop, self.opts, self.pool, self.modes = prop, opts, pool, tuple(modes)
+        self.session = session
         self.t0 = time.monotonic()
         self.n_draws, self.deadline = draws, deadline
         #: draws of the seed's that were not run: the time cap was hit before them
@@ -120,7 +122,8 @@ class _Explorer:
             case = self.prop.explore_case(self.opts, spec, knobs, ws, self.modes)
             if isinstance(case, Verdict):
                 return case
-            return unproven_timeout_skipped(runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout)[0])
+            return unproven_timeout_skipped(runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout,
+                                                               self.session)[0])
 
     def round(self, index: int = 0) -> Optional[Verdict]:
         """The seed's ``n_draws`` examples in one hypothesis run; the shrunk failure's verdict, or ``None``."""
@@ -213,12 +216,14 @@ def unproven_timeout_skipped(v: Verdict) -> Verdict:
 
 
 def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[Pool] = None,
-                     max_world_size: Optional[int] = None, deadline: float = math.inf) -> List[Verdict]:
+                     max_world_size: Optional[int] = None, deadline: float = math.inf,
+                     session: Optional[Session] = None) -> List[Verdict]:
     """``prop``'s exploration: ``draws`` configurations drawn from the run's seed, one verdict (module
     docstring); none when ``draws`` is 0, the property has no recipe, the modes give it nothing to run,
     or ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
     drawn (default: ``space.explore_max_world_size()``, the same on every machine). ``deadline``: the time cap
-    (``time.monotonic()``; draws that would start past it are not run, and the verdict says so)."""
+    (``time.monotonic()``; draws that would start past it are not run, and the verdict says so).
+    ``session``: the run's ledger and listener (``engine/session.py``): every draw feeds its ledger."""
     draws = int(draws)
     if draws <= 0 or prop.explore is None or max_world_size == 0:
         return []
@@ -230,7 +235,8 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
     pool = pool or Pool()
     try:
         ex = _Explorer(prop, opts, draws, pool, groups[0],
-                       max_world_size if max_world_size is not None else explore_max_world_size(), deadline)
+                       max_world_size if max_world_size is not None else explore_max_world_size(), deadline,
+                       session)
         found = ex.round(0)
         return [found] if found is not None else [ex.summary(1)]
     finally:
@@ -239,14 +245,14 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
 
 
 def check_exact(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: Pool,
-                modes: Sequence[Mode] = ()) -> Verdict:
+                modes: Sequence[Mode] = (), session: Optional[Session] = None) -> Verdict:
     """The property's verdict for ``spec`` exactly as given (an explored verdict's ``replay
     --exact`` line: no recipe ``prepare``), judged by its ``judge``."""
     opts = prop.with_defaults(opts)
     modes = tuple(modes) or prop.mode_groups(opts.modes, opts.params)[0]
     case = prop.exact_case(opts, spec, world_size, modes)
     with runner.one_thread():
-        return runner.judge_cases(prop, [case], pool, opts.timeout)[0]
+        return runner.judge_cases(prop, [case], pool, opts.timeout, session)[0]
 
 
 __all__ = ["SHRINK_RUNS", "SHRINK_S", "explore_property", "check_exact"]

@@ -224,7 +224,7 @@ def cmd_run(args) -> int:
         from .torchrun_job import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
-    from .run import early_pool, size_pool
+    from .session import early_pool, size_pool
 
     pool = early_pool(args.target, args.mode_env)  # its zygotes import torch while this process checks the plan
     try:

@@ -14,7 +14,7 @@ they must read if this job kills the run, and again as the job goes on:
   job ended while this configuration ran ...". Only rank 0's trail is at hand (the others' die
   with their ranks), so a step divergence is not claimed here: it is not proven;
 * the running property's configurations already judged with their verdicts: the runner judges
-  each as soon as the job that settles its runs has ended (``runner.telling``, in force on rank 0
+  each as soon as the job that settles its runs has ended (the session's listener, ``engine/session.py``, on rank 0
   of a torchrun job), so a crash loses none that was in;
 * its other configurations as ``skip``: "no verdict: ..." for one that ran earlier in the dying job
   (a job's outputs reach rank 0 only at its end), "not run: ..." for the rest; every configuration
@@ -62,7 +62,7 @@ def _config_key(config: dict) -> str:
 
 class Journal:
     """See the module docstring. ``started`` and ``__call__`` are ``run.Progress``' hooks (a
-    property begins; a verdict is in); ``judged`` is the runner's (``runner.telling``: a case of the
+    property begins; a verdict is in); ``judged`` is the runner's (the session's listener: a case of the
     running property is judged); ``on_job`` is ``TorchrunPool``'s."""
 
     def __init__(self, plan, target: Dict):

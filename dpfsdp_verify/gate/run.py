@@ -1,4 +1,4 @@
-"""Run a checked ``RunPlan`` (``plan.py``) property by property on one warm pool, with progress
+"""Run a checked ``RunPlan`` (``plan.py``) as one ``session.Session`` on one warm pool, with progress
 lines on stderr, and hand the verdicts to ``report.finish``.
 
 Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
@@ -7,22 +7,17 @@ of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmar
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional
 
-from ..harness import JobPool, Pool
-from ..properties import PROPERTIES
-from ..properties.releases import judge as releases
-from ..properties.engine.runner import Fuzzer, fuzz_property, run_property
+from ..harness import JobPool
+from ..properties.engine.session import Listener
 from ..verdict import Verdict, config_label
-from . import pipeline, report, target_info
+from . import report, target_info
 from .plan import RunPlan
-
-#: upper bound on warm worker groups kept by one gate run
-MAX_WARM_GROUPS = 6
+from .session import Session, Silent
 
 
 class Progress:
@@ -33,7 +28,7 @@ class Progress:
         self.quiet, self.t0, self.done, self.also = quiet, time.monotonic(), 0, also
         #: whether the expectations file lists a failing verdict (its line then says ``xfail``)
         self.expected = expected
-        self._lock = threading.Lock()  # verdicts come from the judge thread (gate/pipeline.py) and this one
+        self._lock = threading.Lock()  # verdicts come from the judge thread (gate/scheduler.py) and this one
 
     def started(self, property_id: str) -> None:
         if self.also is not None:
@@ -68,7 +63,8 @@ class Progress:
 def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", journal=None) -> int:
     """The gate's ``run`` of a checked plan: banner and seed on stderr, progress, the reports; the
     exit code. ``where`` ends the banner (e.g. the torchrun job it runs in); ``journal``: a
-    ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0)."""
+    ``journal.Journal`` kept up to date as the run goes (a torchrun job's rank 0): told every case as
+    soon as it is judged (the session's listener), so a later job's crash loses none."""
     progress = Progress(plan.quiet, also=journal, expected=_expected_test(plan))
     target = target_info.describe_target(plan.options.target, plan.info)
     if journal is not None:
@@ -85,7 +81,10 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
                   "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    verdicts = run_plan(plan, progress=progress, pool=pool)
+    if journal is not None:
+        verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged)
+    else:
+        verdicts = run_plan(plan, progress=progress, pool=pool)
     if journal is not None:
         journal.close()
     return report.finish(plan, verdicts, target)
@@ -105,212 +104,13 @@ def _expected_test(plan: RunPlan) -> Optional[Callable[[Verdict], bool]]:
 
 
 def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None,
-             pool: Optional[JobPool] = None) -> List[Verdict]:
-    """Every selected property's verdicts (then its fuzz runs', with ``--fuzz``), in plan order.
-    Never raises for a target's failure: a property that cannot run becomes an ``error`` verdict
-    saying why."""
-    own_pool = pool is None
-    opts = plan.options
-    pool = pool or size_pool(Pool(), plan)
-    budget = _ExploreBudget(plan)
-    fuzz = _fuzzer(plan.fuzz, budget)
-    verdicts: List[Verdict] = []
-    # every noisy run any property makes feeds the release judge (properties/releases/judge.py)
-    ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
-    try:
-        with releases.collecting(ledger):
-            if pipeline.usable(pool):
-                verdicts += _pipelined(plan, pool, fuzz, progress, budget)
-            else:
-                _prestart(pool, opts)
-                verdicts += _one_by_one(plan, pool, fuzz, progress)
-        if ledger is not None:
-            t0 = time.monotonic()
-            try:
-                found = ledger.verdicts(opts)
-            except Exception as e:  # a bug in the release judge: exit 3, the verdicts above still stand
-                found = [PROPERTIES[releases.PROPERTY_ID].internal_error(opts, "judging every release for",
-                                                                          e, time.monotonic() - t0)]
-            for v in found:
-                verdicts.append(v)
-                if progress:
-                    progress(v)
-    finally:
-        if own_pool:
-            pool.close()
-    return verdicts
+             pool: Optional[JobPool] = None, listener: Optional[Listener] = None) -> List[Verdict]:
+    """Every selected property's verdicts (then its fuzz runs' and exploration's), in plan order, then
+    the release judge's: one ``Session`` run (``session.py``). ``progress``: a ``Progress`` or any
+    callable taking each verdict; ``listener``: told each case as soon as it is judged. Never raises
+    for a target's failure: a property that cannot run becomes an ``error`` verdict saying why."""
+    reporter = progress if isinstance(progress, Progress) else Silent(progress)
+    return Session(plan, pool, reporter, listener).run()
 
 
-def size_pool(pool: Pool, plan: RunPlan) -> Pool:
-    """``pool`` keeping one warm group per (world size, mode) the plan (and its exploration) uses, so
-    that no property restarts ranks another one just used (a restart costs seconds; idle ranks only
-    cost memory), at most ``MAX_WARM_GROUPS`` (+2 with exploration)."""
-    opts = plan.options
-    sizes = (len(opts.world_sizes) + len(opts.meshes)
-             + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
-    if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
-        from ..config.space import explore_max_world_size
-
-        sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
-                    | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
-    pool.max_groups = min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes))
-    return pool
-
-
-#: the zygotes ``early_pool`` starts: those of the first groups a gate run forks (1 and 2 ranks)
-EARLY_ZYGOTES = 2
-
-
-def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
-    """The gate's pool, made before its plan is checked, its first ``EARLY_ZYGOTES`` zygotes already
-    importing torch and the target's modules (``target_modules``) while this process imports its own
-    (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
-    environment is a mode's: nothing is started ahead. The caller closes it."""
-    pool = Pool()
-    if not mode_env and EARLY_ZYGOTES > 0:
-        pool.warm(EARLY_ZYGOTES, None, target_modules(target))
-    return pool
-
-
-def _one_by_one(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], progress) -> List[Verdict]:
-    """Every selected property's verdicts, property by property (``runner.run_property``)."""
-    verdicts: List[Verdict] = []
-    for pid in plan.properties:
-        if progress and hasattr(progress, "started"):
-            progress.started(pid)
-        t0 = time.monotonic()
-        try:
-            found = run_property(PROPERTIES[pid], plan.options, pool, fuzz=fuzz)
-        except Exception as e:  # a bug in a check or an unloadable target: report, go on
-            found = [PROPERTIES[pid].internal_error(plan.options, "running", e, time.monotonic() - t0)]
-        for v in found:
-            verdicts.append(v)
-            if progress:
-                progress(v)
-    return verdicts
-
-
-def _pipelined(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], progress,
-               budget: Optional["_ExploreBudget"] = None) -> List[Verdict]:
-    """The same verdicts as ``_one_by_one``, in the same order: every property's fixed cases run and
-    judged at once (``pipeline.run_fixed``: the ranks run jobs while this process judges and plans),
-    then each property's fuzz runs and exploration."""
-    started = progress.started if progress and hasattr(progress, "started") else None
-    # the wide and node groups start while the first property is planned
-    fixed = pipeline.run_fixed(plan.properties, plan.options, pool, progress, started,
-                               warm_up=lambda: _prestart(pool, plan.options))
-    explored = _explore_all(plan, pool, fuzz, fixed, progress, budget)
-    return [v for pid in plan.properties for v in fixed[pid][1] + explored.get(pid, [])]
-
-
-def _explores(plan: RunPlan, pid: str) -> bool:
-    """Whether ``pid`` has fuzz runs or an exploration in this run."""
-    prop = PROPERTIES[pid]
-    return bool((plan.fuzz and prop.fuzz is not None) or (plan.explore > 0 and prop.explore is not None))
-
-
-def _explore_all(plan: RunPlan, pool: JobPool, fuzz: Optional[Fuzzer], fixed: dict, progress,
-                 budget: Optional["_ExploreBudget"] = None) -> Dict[str, List[Verdict]]:
-    """Each property's fuzz and exploration verdicts (``runner.fuzz_property``), by property id, one
-    property after another: explorations adapt (each draw's verdict decides the next) and keep both
-    cores busy on their own (two at once, measured: as many draws in all as one after the other).
-    ``budget``: the run's draws per property and its time cap, which starts here (``_ExploreBudget``)."""
-    todo = [pid for pid in plan.properties if fuzz is not None and fixed[pid][0] is not None
-            and _explores(plan, pid)]  # no options: its planning, jobs or judging raised
-    if budget is not None:
-        budget.begin(sum(1 for pid in todo if PROPERTIES[pid].explore is not None))
-
-    out: Dict[str, List[Verdict]] = {}
-    for pid in todo:
-        if progress and hasattr(progress, "exploring"):
-            progress.exploring(pid)
-        out[pid] = fuzz_property(PROPERTIES[pid], fixed[pid][0], pool, fuzz)
-        if progress:
-            for v in out[pid]:
-                progress(v)
-    return out
-
-
-def _prestart(pool, opts) -> None:
-    """Start the groups of the run's world sizes (the wide and node ones too) in the background, as
-    the run begins and again before each property (``pipeline.run_fixed``), so that a group's start
-    (fork, rendezvous, process group, the target's imports: ``target_modules``) overlaps the jobs
-    and planning before its first job instead of adding to the run's wall time. Never waits: a group
-    whose zygotes still import (the wide and node ranks' at the start) is started by a later call
-    (``Pool.prestart``); it waited 1-2.5 s here before its first job could run."""
-    prestart = getattr(pool, "prestart", None)
-    if prestart is None:  # a caller's own job pool
-        return
-    for ws in sorted(set(opts.world_sizes) | {opts.wide_world_size, opts.node_world_size} - {0}):
-        if (ws == opts.wide_world_size and opts.wide_unavailable) or (
-                ws == opts.node_world_size and opts.node_unavailable):
-            continue
-        for mode in opts.modes:
-            prestart(ws, opts.backend, mode.env_dict or None, preload=target_modules(opts.target))
-
-
-def target_modules(ref: str) -> tuple:
-    """The modules a rank imports to load the target ``ref`` (``targets.load_target``): opacus and its
-    adapter for ``opacus``, the module of a ``module:Attr`` reference; none for an entry point's name
-    (found when a job loads it)."""
-    from ..targets import BUILTIN
-
-    ref = ref.strip()
-    if ref in BUILTIN:
-        return (("opacus",) if ref == "opacus" else ()) + (BUILTIN[ref].split(":")[0],)
-    return (ref.split(":")[0],) if ":" in ref else ()
-
-
-class _ExploreBudget:
-    """The run's exploration: ``--explore`` draws for each explored property, and one time cap for
-    the whole phase (``--explore-cap``), which starts when the explorations start (``_explore_all``
-    calls ``begin``; property by property, ``_one_by_one``: at the first exploration)."""
-
-    def __init__(self, plan: RunPlan):
-        self.draws = int(plan.explore) if any(PROPERTIES[p].explore is not None for p in plan.properties) else 0
-        self.cap = float(getattr(plan, "explore_cap", 0.0) or 0.0) or math.inf
-        self.deadline: Optional[float] = None
-
-    def begin(self, properties: int = 0) -> None:
-        self.deadline = time.monotonic() + self.cap
-
-    def share(self) -> Tuple[int, float]:
-        """``(draws, deadline)`` of the next exploration (0 draws: no exploration in this run)."""
-        if self.draws and self.deadline is None:
-            self.begin()
-        return self.draws, (self.deadline if self.deadline is not None else math.inf)
-
-
-def _fuzzer(n_examples: int, explore: Union[int, "_ExploreBudget"] = 0) -> Optional[Fuzzer]:
-    """With ``--fuzz N``: each fuzzable property's N fuzzed examples; with exploration
-    (``--explore``, docs/explore.md): each explored property's draws (a number, no cap; or the run's
-    ``_ExploreBudget``: its draws and the cap's deadline as each starts) of drawn configurations after
-    them (hypothesis, the ``fuzz`` extra: the plan checked it is installed)."""
-    if isinstance(explore, int):
-        drawn = int(explore)
-        share: Callable[[], Tuple[int, float]] = lambda: (drawn, math.inf)  # noqa: E731
-    else:
-        drawn, share = explore.draws, explore.share
-    if not n_examples and not drawn:
-        return None
-
-    def run(prop, opts, pool):
-        verdicts = []
-        if n_examples and prop.fuzz is not None:
-            from ..fuzz import fuzz_examples
-
-            verdicts += fuzz_examples(prop, opts, n_examples, pool)
-        draws, deadline = share() if prop.explore is not None else (0, math.inf)
-        if draws > 0:
-            from ..fuzz.explore import explore_property
-            from ..harness.backends import visible_gpus
-
-            # nccl: one GPU per rank, so no draw beyond the GPUs this machine has (gloo: the cores decide)
-            most = visible_gpus() if opts.backend == "nccl" else None
-            verdicts += explore_property(prop, opts, draws, pool, max_world_size=most, deadline=deadline)
-        return verdicts
-
-    return run
-
-
-__all__ = ["MAX_WARM_GROUPS", "Progress", "execute", "run_plan"]
+__all__ = ["Progress", "execute", "run_plan"]

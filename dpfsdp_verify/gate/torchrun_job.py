@@ -73,7 +73,6 @@ def cmd_run_torchrun(args) -> int:
 
 def _run_gate(args, pool: TorchrunPool) -> int:
     """Rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target."""
-    from ..properties.engine.runner import telling
     from ..targets import load_target
     from .journal import Journal
     from .run import execute
@@ -87,8 +86,7 @@ def _run_gate(args, pool: TorchrunPool) -> int:
     pool.prepare(load_target, plan.options.target)
     try:
         # each case judged as soon as its job has ended, into the journal: a later job's crash loses none
-        with telling(journal.judged):
-            return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
+        return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
     finally:
         pool.on_job = None
         journal.close()

@@ -181,10 +181,10 @@ class Pool:
                 self._lost.add(key)
         return res
 
-    def side_lane(self):
+    def side_lane(self) -> "ThreadPoolExecutor":
         """A thread of this pool's own (a one-worker ``concurrent.futures`` executor, started on first
         use, ended by ``close``) for jobs that run beside the caller's on other groups: the gate runs
-        its 1-rank jobs there while its larger groups run the rest (``gate/pipeline.py``). Ranks a
+        its 1-rank jobs there while its larger groups run the rest (``gate/scheduler.py``). Ranks a
         lane's job starts live as long as the pool (a spawned rank's parent-death signal follows the
         thread that started it: this one ends only when the pool closes)."""
         with self._lock:

@@ -9,9 +9,11 @@ that both still satisfy it (the way pytest-xdist declares its schedulers' interf
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:  # types only: this module stays import-free at run time
+    from concurrent.futures import Executor
+
     from .group import GroupResult, WorkerGroup
 
 
@@ -32,6 +34,19 @@ class JobPool(Protocol):
 
     def close(self) -> None:
         """Stop what the pool started."""
+        ...
+
+    # what a pool can do beyond running jobs, declared rather than probed for: a pool that cannot
+    # answers ``None`` / ``False`` (the gate's scheduler and session ask, ``gate/scheduler.py``)
+    def side_lane(self) -> Optional[Executor]:
+        """A thread of the pool's own for jobs that run beside the caller's on other groups (the
+        gate's 1-rank jobs), or ``None`` where its ranks cannot run two jobs at once."""
+        ...
+
+    def prestart(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+                 preload: Sequence[str] = ()) -> bool:
+        """Start a group for ``world_size`` in the background, not waited for; whether one was
+        started (``False`` for a pool whose groups cannot be started ahead)."""
         ...
 
 

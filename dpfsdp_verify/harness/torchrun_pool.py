@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, cast
+from typing import Callable, Dict, List, Optional, Sequence, cast
 
 from . import diagnose
 from .frames import frames_of
@@ -180,6 +180,15 @@ class TorchrunPool:
         raise NotRunHere("not run in a torchrun job: needs fresh rank processes (each run the first thing its "
                          "processes do), which only the spawning launcher starts; run this property without "
                          "--launcher torchrun")
+
+    def side_lane(self) -> None:
+        """None: the job's ranks run one job at a time (``JobPool.side_lane``)."""
+        return None
+
+    def prestart(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+                 preload: Sequence[str] = ()) -> bool:
+        """False: the job's ranks are the torchrun job's own, started by torchrun (``JobPool.prestart``)."""
+        return False
 
     def stop(self, code: int) -> None:
         """Tell every rank the run is over and its exit code; wait (briefly) until they took it."""

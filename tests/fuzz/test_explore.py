@@ -17,6 +17,7 @@ from dpfsdp_verify.gate import cli  # noqa: E402
 from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
 from dpfsdp_verify.properties.analysis.clipfit import clip_at_quantile  # noqa: E402
 from dpfsdp_verify.properties.analysis.compare import reference_norms  # noqa: E402
+from dpfsdp_verify.properties.engine.session import Session  # noqa: E402
 from dpfsdp_verify.targets import RunSpec  # noqa: E402
 from dpfsdp_verify.verdict import Verdict  # noqa: E402
 from fixtures.explore_specimens import FIRST_UNCLIPPED_ROW  # noqa: E402
@@ -299,14 +300,14 @@ def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
 def test_nccl_exploration_draws_no_more_ranks_than_gpus(monkeypatch):
     """Under nccl every rank needs a GPU of its own: on a one-GPU box exploration draws world size 1
     only (gloo draws up to the cores' limit); with no GPU it draws nothing."""
-    from dpfsdp_verify.gate import run as gate_run
+    from dpfsdp_verify.gate import session as gate_session
     from dpfsdp_verify.harness.backends import SIMULATED_GPUS_ENV
 
     asked = []
     monkeypatch.setattr(explore, "explore_property",
-                        lambda prop, opts, s, pool, max_world_size=None, deadline=0.0: asked.append(max_world_size)
-                        or [])
-    fuzzer = gate_run._fuzzer(0, 5)
+                        lambda prop, opts, s, pool, max_world_size=None, deadline=0.0, session=None:
+                        asked.append(max_world_size) or [])
+    fuzzer = gate_session.make_fuzzer(0, 5)
     for backend, gpus in (("nccl", "1"), ("gloo", "1"), ("nccl", "2")):
         monkeypatch.setenv(SIMULATED_GPUS_ENV, gpus)
         fuzzer(PROPERTIES["clipped_step"], Options(target="opacus", backend=backend), None)
@@ -330,8 +331,7 @@ def test_deadlock_free_explores_noisy_runs_whose_releases_feed_the_release_judge
                            ("fixtures.specimens:Correct", "pass")):
         opts = Options(target=target, seed=3)
         ledger = releases.Ledger()
-        with releases.collecting(ledger):
-            own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2)
+        own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2, session=Session(ledger))
         assert own.status == "pass" and own.evidence["explored"] is True, own.message  # every draw finished
         judged = ledger.verdicts(prop.with_defaults(opts))
         assert judged and {v.status for v in judged} == {status}, [v.message[:300] for v in judged]

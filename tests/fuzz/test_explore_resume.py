@@ -19,6 +19,7 @@ from dpfsdp_verify.properties import PROPERTIES, Options  # noqa: E402
 from dpfsdp_verify.properties.hangs.check import explore_prepare  # noqa: E402
 from dpfsdp_verify.properties.releases import judge as releases  # noqa: E402
 from dpfsdp_verify.properties.engine.contract import resumed_halves  # noqa: E402
+from dpfsdp_verify.properties.engine.session import Session  # noqa: E402
 from dpfsdp_verify.targets import RunSpec  # noqa: E402
 
 DEADLOCK = PROPERTIES["deadlock_free"]
@@ -56,8 +57,7 @@ def _explored(pool, target):
     spec = explore_prepare(LONG, {"clip_quantile": 0.5, "resume_fraction": 0.5})
     assert (spec.resume_at, spec.phase) == (12, "save")
     ledger = releases.Ledger()
-    with releases.collecting(ledger):
-        v = check_exact(DEADLOCK, Options(target=target), spec, 2, pool)
+    v = check_exact(DEADLOCK, Options(target=target), spec, 2, pool, session=Session(ledger))
     return v, ledger.verdicts(DEADLOCK.with_defaults(Options(target=target)))
 
 

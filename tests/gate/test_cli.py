@@ -266,7 +266,7 @@ def test_skips_are_printed_with_their_reason(monkeypatch, capsys):
     skip = Verdict("sensitivity_bound", "skip", {"world_size": 2, "data_layout": "replicated", "model": "mlp",
                                                   "mode": "default", "grad_sample_mode": "ghost_fsdp"},
                    message="leave-one-out needs split data")
-    monkeypatch.setattr(gate, "run_plan", lambda plan, progress=None, pool=None: [skip])
+    monkeypatch.setattr(gate, "run_plan", lambda plan, progress=None, pool=None, listener=None: [skip])
     assert cli.main(["run", "--properties", "sensitivity_bound", "--world-sizes", "2", "-q"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "skipped:" in out and "sensitivity_bound [ws=2 replicated mlp" in out

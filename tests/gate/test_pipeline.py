@@ -1,7 +1,8 @@
-"""The gate's pipelined run (``gate/pipeline.py``): the same verdicts as property by property, runs two
-properties ask for made once, a bug of one property its own internal error, no wait left behind on an
-interrupt; and what it rests on: the pool's side lane and per-group locking (``Pool.run``), the
-zygotes started ahead (``run.early_pool``), the counted one-thread switch, the model lock."""
+"""The gate's pipelined run (``gate/scheduler.py``'s ``Pipelined`` policy): the same verdicts as
+property by property (``Serial``), runs two properties ask for made once, a bug of one property its own
+internal error, no wait left behind on an interrupt; and what it rests on: the pool's side lane and
+per-group locking (``Pool.run``), the zygotes started ahead (``session.early_pool``), the counted one-thread
+switch, the model lock."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 
 import pytest
 
-from dpfsdp_verify.gate import cli, pipeline
+from dpfsdp_verify.gate import cli, scheduler
 from dpfsdp_verify.gate import run as gate_run
+from dpfsdp_verify.gate import session as gate_session
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.harness import Pool, wait_gone
 from dpfsdp_verify.properties import PROPERTIES
@@ -49,9 +51,10 @@ class _Counting:
     def close(self):
         pass
 
+    def side_lane(self):
+        return self._pool.side_lane() if self._lane else None
+
     def __getattr__(self, name):
-        if name == "side_lane" and not self._lane:
-            raise AttributeError(name)
         return getattr(self._pool, name)
 
 
@@ -61,7 +64,8 @@ def test_pipelined_verdicts_are_the_property_by_property_ones(pool, target):
     one whose clipping fails -- and the pipelined run ships fewer runs to the ranks (the one-step clip
     runs both properties ask for run once)."""
     piped, plain = _Counting(pool), _Counting(pool, lane=False)
-    assert pipeline.usable(piped) and not pipeline.usable(plain)
+    assert isinstance(scheduler.choose(piped), scheduler.Pipelined)
+    assert isinstance(scheduler.choose(plain), scheduler.Serial)
     a = gate_run.run_plan(_plan(target), pool=piped)
     b = gate_run.run_plan(_plan(target), pool=plain)
     assert [_key(v) for v in a] == [_key(v) for v in b]
@@ -106,7 +110,7 @@ def test_a_failing_progress_report_is_an_internal_error(pool):
         if v.property == "norm_fidelity":
             raise OSError("planted")
 
-    found = pipeline.run_fixed(plan.properties, plan.options, pool, progress)
+    found = scheduler.run_fixed(plan.properties, plan.options, pool, progress)
     assert found["norm_fidelity"][0] is None and "planted" in found["norm_fidelity"][1][0].message
     assert found["clipped_step"][0] is not None and all(v.status == "pass" for v in found["clipped_step"][1])
 
@@ -121,7 +125,7 @@ def test_an_interrupt_leaves_no_thread_waiting(pool, monkeypatch):
     plan = _plan("fixtures.specimens:Correct")
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        pipeline.run_fixed(plan.properties, plan.options, pool)
+        scheduler.run_fixed(plan.properties, plan.options, pool)
     assert time.monotonic() - t0 < 20
     assert not [t for t in threading.enumerate() if t.name == "dpfsdp-judge"]
 
@@ -165,10 +169,10 @@ def test_jobs_on_different_groups_run_at_once_and_a_busy_group_is_kept():
 def test_early_zygotes_fork_the_first_groups():
     """``early_pool`` starts the zygotes of the first groups before anything else runs; the first 1- and
     2-rank groups fork from them (no other zygote is started), and closing the pool ends them all."""
-    pool = gate_run.early_pool("fixtures.specimens:Correct")
+    pool = gate_session.early_pool("fixtures.specimens:Correct")
     try:
-        if gate_run.EARLY_ZYGOTES == 0:  # the tests' own setting (tests/conftest.py): start them here
-            pool.warm(2, None, gate_run.target_modules("fixtures.specimens:Correct"))
+        if gate_session.EARLY_ZYGOTES == 0:  # the tests' own setting (tests/conftest.py): start them here
+            pool.warm(2, None, gate_session.target_modules("fixtures.specimens:Correct"))
         zygotes = list(pool.started_pids)
         assert len(zygotes) == 2
         assert pool.run(_sleep, 0, world_size=2).ok and pool.run(_sleep, 0, world_size=1).ok
@@ -176,7 +180,7 @@ def test_early_zygotes_fork_the_first_groups():
     finally:
         pool.close()
     assert wait_gone(pool.started_pids) == []
-    with gate_run.early_pool("fixtures.specimens:Correct", ["m:X=1"]) as other:
+    with gate_session.early_pool("fixtures.specimens:Correct", ["m:X=1"]) as other:
         assert other.started_pids == []
 
 
@@ -240,11 +244,11 @@ def test_every_explored_property_gets_its_draws_under_one_time_cap(monkeypatch):
     explored = [p for p in plan.properties if PROPERTIES[p].explore is not None]
     assert len(explored) == 2
     clock = [100.0]
-    monkeypatch.setattr(gate_run.time, "monotonic", lambda: clock[0])
-    budget = gate_run._ExploreBudget(plan)
-    budget.begin(2)
+    monkeypatch.setattr(gate_session.time, "monotonic", lambda: clock[0])
+    budget = gate_session.ExploreBudget(plan)
+    budget.begin()
     assert budget.share() == (6, 130.0)
     clock[0] += 25.0  # the first property's draws took 25 s: the second gets its 6 draws, capped at the same 130
     assert budget.share() == (6, 130.0)
-    assert gate_run._ExploreBudget(RunPlan.from_args(cli.build_parser().parse_args(
+    assert gate_session.ExploreBudget(RunPlan.from_args(cli.build_parser().parse_args(
         ["run", "--target", "fixtures.specimens:Correct", "--explore", "0"]))).share()[0] == 0

@@ -19,7 +19,8 @@ from dpfsdp_verify.gate.journal import POLL_S, Journal
 from dpfsdp_verify.gate.plan import RunPlan
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.engine.contract import Case
-from dpfsdp_verify.properties.engine.runner import judge_cases, telling
+from dpfsdp_verify.properties.engine.runner import judge_cases
+from dpfsdp_verify.properties.engine.session import Session
 
 SCHEMA = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
 
@@ -54,7 +55,7 @@ def test_the_report_on_disk_is_the_one_a_death_now_would_leave(tmp_path):
     planned = cases_of(j, "deadlock_free")
     at = next(i for i, c in enumerate(planned) if c.config().get("local_batches") == "uneven_accum")
     accum = planned[at]
-    # the cases before it were judged as their jobs ended (runner.telling), from the runner's own plan
+    # the cases before it were judged as their jobs ended (the session's listener), from the runner's own plan
     prop = PROPERTIES["deadlock_free"]
     theirs = [c for c in prop.plan(prop.with_defaults(plan.options)) if isinstance(c, Case)]
     for c, status in zip(theirs[:at], itertools.cycle(["pass", "fail"])):
@@ -141,9 +142,10 @@ class _DyingJob:
 
 
 def test_the_cases_a_property_ran_before_a_job_killed_rank_0_keep_their_verdicts(tmp_path, pool):
-    """The runner judges each case as its job ends (``runner.telling``), so the report on disk when a
-    later job of the same property kills rank 0 has those cases' real verdicts -- the same as judged
-    at the property's end -- the dying one's error, and only the cases never run as ``skip``."""
+    """The runner judges each case as its job ends (the session's listener, ``engine/session.py``), so
+    the report on disk when a later job of the same property kills rank 0 has those cases' real verdicts
+    -- the same as judged at the property's end -- the dying one's error, and only the cases never run
+    as ``skip``."""
     plan = plan_of(tmp_path, "--properties", "deadlock_free", "--world-sizes", "1,2")
     prop = PROPERTIES["deadlock_free"]
     opts = prop.with_defaults(plan.options)
@@ -152,8 +154,8 @@ def test_the_cases_a_property_ran_before_a_job_killed_rank_0_keep_their_verdicts
     j = Journal(plan, {"name": "specimen-correct", "version": "0", "ref": "fixtures.specimens:Correct", "opacus": None})
     j.started("deadlock_free")
     dying = _DyingJob(pool, j, die_at=3, path=tmp_path / "r.json")
-    with telling(j.judged), pytest.raises(_Died):
-        judge_cases(prop, cases, dying, opts.timeout)
+    with pytest.raises(_Died):
+        judge_cases(prop, cases, dying, opts.timeout, Session(listener=j.judged))
     j.close()
     # before the second job, the first case's verdict was already on disk (judged when its job ended),
     # the second case blamed should that job kill rank 0
@@ -162,7 +164,7 @@ def test_the_cases_a_property_ran_before_a_job_killed_rank_0_keep_their_verdicts
     assert data["exit_code"] == 1
     results = data["results"]
     assert [r["config"] for r in results] == [c.config() for c in cases]  # every planned configuration, in order
-    # the same verdicts as the runner gives when it judges at the end (outside telling)
+    # the same verdicts as the runner gives when it judges at the end (without a listener)
     alone = judge_cases(prop, cases[:2], pool, opts.timeout)
     assert [(r["status"], r["diagnosis"]) for r in results[:2]] == [(v.status, v.diagnosis) for v in alone] \
         == [("pass", None)] * 2

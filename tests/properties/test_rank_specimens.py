@@ -13,6 +13,7 @@ from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.properties.engine.runner import judge_cases
+from dpfsdp_verify.properties.engine.session import Session
 
 R = "fixtures.rank_specimens:"
 TIMEOUT = 240.0
@@ -39,8 +40,7 @@ def judged(pool, pid, target):
     """The verdicts of ``pid``'s node cases on ``target``, and the release judge's of their runs."""
     prop, cases = node_cases(pid, target)
     ledger = releases.Ledger()
-    with releases.collecting(ledger):
-        own = judge_cases(prop, cases, pool, TIMEOUT)
+    own = judge_cases(prop, cases, pool, TIMEOUT, Session(ledger))
     return own, ledger
 
 

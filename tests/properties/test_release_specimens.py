@@ -12,6 +12,7 @@ from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case
 from dpfsdp_verify.properties.engine.runner import judge_cases
+from dpfsdp_verify.properties.engine.session import Session
 
 R = "fixtures.release_specimens:"
 TIMEOUT = 240.0
@@ -31,8 +32,7 @@ def judged(pool, pid, target, select, **changes):
     """``(the owning property's verdicts, the release judge's verdicts)`` of the selected cases."""
     prop, cases, opts = planned(pid, target, select, **changes)
     ledger = releases.Ledger()
-    with releases.collecting(ledger):
-        own = judge_cases(prop, cases, pool, TIMEOUT)
+    own = judge_cases(prop, cases, pool, TIMEOUT, Session(ledger))
     return own, ledger.verdicts(opts)
 
 

@@ -16,6 +16,7 @@ from dpfsdp_verify.properties.noise.check import SIGMA
 from dpfsdp_verify.properties.releases import judge as releases
 from dpfsdp_verify.properties.engine.contract import Case, Options
 from dpfsdp_verify.properties.engine.runner import judge_cases
+from dpfsdp_verify.properties.engine.session import Session
 from dpfsdp_verify.properties.wording.noise_messages import ratio_hint
 from dpfsdp_verify.targets import accounting
 from tests.verdict_helpers import without_extra_noise_cases
@@ -62,9 +63,9 @@ def _explored_with_sigma_1_runs(pool, target):
     update = [c for c in traj.plan(topts) if isinstance(c, Case) and c.labels.get("noise_multiplier")]
     assert update and all(c.spec.noise_multiplier in (0, 1) for c in update)
     ledger = releases.Ledger()
-    with releases.collecting(ledger):
-        judge_cases(traj, update, pool, 240.0)
-        own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2)
+    session = Session(ledger)
+    judge_cases(traj, update, pool, 240.0, session)
+    own, = explore.explore_property(prop, opts, 1, pool, max_world_size=2, session=session)
     return own, ledger.verdicts(prop.with_defaults(opts))
 
 

@@ -12,8 +12,6 @@ ranks' progress trails show different step counts); a deadline that passed unpro
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import shutil
 import tempfile
@@ -28,9 +26,9 @@ from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec, progress, run_many_on_rank
 from ...targets.crash_site import CrashSite, locate
 from ...verdict import Verdict, config_label
-from . import evidence as run_evidence
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
 from .own_models import float64_skip
+from .session import Session, ledger_of, listener_of
 from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
@@ -55,14 +53,15 @@ def case_deadline(deadline: Optional[float], timeout: float) -> float:
     return min(timeout, max(deadline, deadline * timeout / DEFAULT_TIMEOUT_S))
 
 
-def run_property(prop: Property, opts: Options, pool: Optional[JobPool] = None, fuzz: Optional[Fuzzer] = None
-                 ) -> List[Verdict]:
+def run_property(prop: Property, opts: Options, pool: Optional[JobPool] = None, fuzz: Optional[Fuzzer] = None,
+                 session: Optional[Session] = None) -> List[Verdict]:
     """Every verdict of ``prop`` under ``opts``, in report order; then, with ``fuzz``, its fuzz
-    runs' verdicts where it has a recipe and the modes suit it. (The gate runs the same three steps,
+    runs' verdicts where it has a recipe and the modes suit it; ``session``: the run's ledger and
+    listener (``session.Session``). (The gate's scheduler runs the same three steps,
     ``plan_property``, ``judge_cases`` + ``in_plan_order``, ``fuzz_property``, pipelined:
-    ``gate/pipeline.py``.)"""
+    ``gate/scheduler.py``.)"""
     opts, items, cases = plan_property(prop, opts)
-    verdicts = in_plan_order(items, judge_cases(prop, cases, pool, opts.timeout))
+    verdicts = in_plan_order(items, judge_cases(prop, cases, pool, opts.timeout, session))
     return verdicts + fuzz_property(prop, opts, pool, fuzz)
 
 
@@ -94,7 +93,7 @@ def fuzz_property(prop: Property, opts: Options, pool: Optional[JobPool], fuzz: 
 
 
 def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int, pool: JobPool,
-                  modes: Sequence[Mode] = ()) -> Verdict:
+                  modes: Sequence[Mode] = (), session: Optional[Session] = None) -> Verdict:
     """The verdict of one fuzzed ``spec`` at ``world_size`` (``Property.fuzz_case``: a spec the
     recipe cannot use is a ``skip``). ``modes`` (default: the options' first mode group) holds one
     mode, or two for a property that compares modes (the first is compared with the second)."""
@@ -105,61 +104,40 @@ def check_example(prop: Property, opts: Options, spec: RunSpec, world_size: int,
         if isinstance(case, Verdict):
             return case
         outcome = run_cases([case], pool, opts.timeout)[0]
-        return settle(prop, case, outcome)
+        return settle(prop, case, outcome, session)
 
 
-#: ``listener(case, verdict)`` in force (``telling``): judge each case as soon as its runs are in
-_TOLD: "contextvars.ContextVar[Optional[Callable[[Case, Verdict], None]]]" = contextvars.ContextVar(
-    "dpfsdp_told_verdicts", default=None)
-
-
-@contextlib.contextmanager
-def telling(listener: Optional[Callable[[Case, Verdict], None]]):
-    """Within it, ``judge_cases`` judges each case as soon as the job that settles its last run
-    has ended (not when every case of the property has run) and hands ``listener`` the case and
-    its verdict -- what a torchrun job's rank 0 keeps on disk should a later job kill it
-    (``gate/journal.py``). The verdicts are the same; only when they are judged differs (and so
-    the order in which the release ledger, ``releases/judge.py``, takes the cases' runs). Outside it the
-    cases are judged at the end, in order."""
-    token = _TOLD.set(listener)
-    try:
-        yield
-    finally:
-        _TOLD.reset(token)
-
-
-def telling_listener() -> Optional[Callable[[Case, Verdict], None]]:
-    """The listener of ``telling`` in force (``None``: none)."""
-    return _TOLD.get()
-
-
-def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], timeout: float) -> List[Verdict]:
-    """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict; within
-    ``telling``, each as soon as its runs are in, told to the listener."""
-    listener = _TOLD.get()
+def judge_cases(prop: Property, cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
+                session: Optional[Session] = None) -> List[Verdict]:
+    """Run ``cases`` and judge each (``judge_case``), or give it its run's failure verdict; with a
+    ``session`` listener (``session.Session``), each as soon as its runs are in, told to it (the
+    verdicts are the same; only when they are judged differs, and so the order in which the
+    session's ledger takes the cases' runs)."""
+    listener = listener_of(session)
     if listener is None:
         outcomes = run_cases(cases, pool, timeout)
-        return [settle(prop, case, outcome) for case, outcome in zip(cases, outcomes)]
+        return [settle(prop, case, outcome, session) for case, outcome in zip(cases, outcomes)]
     judged: Dict[int, Verdict] = {}
 
     def ready(i: int, outcome) -> None:
-        judged[i] = settle(prop, cases[i], outcome)
+        judged[i] = settle(prop, cases[i], outcome, session)
         listener(cases[i], judged[i])
 
     run_cases(cases, pool, timeout, on_ready=ready)
     return [judged[i] for i in range(len(cases))]
 
 
-def settle(prop: Property, case: Case, outcome: Union[Verdict, Outputs]) -> Verdict:
+def settle(prop: Property, case: Case, outcome: Union[Verdict, Outputs], session: Optional[Session] = None
+           ) -> Verdict:
     """A case's verdict: its run's failure verdict or ``judge_case``'s, unless its model (one of its
     own) cannot run in float64, which is a ``skip`` saying why either way (``own_models``)."""
     skipped = float64_skip(case)
     if skipped is not None:
         return skipped
-    return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome)
+    return outcome if isinstance(outcome, Verdict) else judge_case(prop, case, outcome, session)
 
 
-def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
+def judge_case(prop: Property, case: Case, outputs: Outputs, session: Optional[Session] = None) -> Verdict:
     """What every property requires before its own judgement, then ``prop.judge``; every verdict's
     evidence names the device the ranks computed on and, on CUDA, the TF32 switches in force
     (``prechecks.device_facts``):
@@ -192,13 +170,13 @@ def judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
     * everything reported is finite: otherwise ``fail`` / ``non_finite`` naming the tensor, step
       and rank -- no comparison or test statistic may read NaN as agreement.
     """
-    verdict = _judge_case(prop, case, outputs)
+    verdict = _judge_case(prop, case, outputs, session)
     if outputs and outputs[0]:
         verdict.evidence = {**device_facts(outputs[0][0]), **verdict.evidence}
     return verdict
 
 
-def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
+def _judge_case(prop: Property, case: Case, outputs: Outputs, session: Optional[Session]) -> Verdict:
     accountant = None  # the first run whose accountant is wrong: judged once the property's own verdict passes
     for mode, runs in zip(case.modes, outputs):
         for spec, ranks in zip(case.specs, runs):
@@ -243,7 +221,7 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs) -> Verdict:
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    ledger = run_evidence.current()  # every noisy run is evidence for the noise at every step (releases/judge.py)
+    ledger = ledger_of(session)  # every noisy run is evidence for the noise at every step (releases/judge.py)
     if ledger is not None:
         ledger.add(case, outputs)
     try:
@@ -304,7 +282,7 @@ def run_cases(cases: Sequence[Case], pool: Optional[JobPool], timeout: float,
     that)`` is called for case ``i`` as soon as the job that settles its last run has ended (a
     job's runs are settled when it returns, its retries and splits included), once per case.
     ``shared``: the outputs of runs made by earlier calls, by run (the gate's, across properties:
-    ``gate/pipeline.py``): a run asked again -- the same target, backend, world size, mode, specs
+    ``gate/scheduler.py``): a run asked again -- the same target, backend, world size, mode, specs
     and deadline, in a warm group -- takes them instead of running again, and this call's
     finished runs are added.
 
@@ -605,7 +583,7 @@ def failure_verdict(case: Case, failed: _Failed, mode_index: int = 0) -> Verdict
 
 
 __all__ = ["Fuzzer", "case_deadline", "run_property", "plan_property", "in_plan_order", "fuzz_property",
-           "check_example", "one_thread", "telling", "telling_listener", "judge_cases",
+           "check_example", "one_thread", "judge_cases",
            "judge_case", "settle", "run_cases",
            "with_checkpoint_dir", "PLACEMENT_ERRORS", "placement_crash", "not_run_verdict", "failure_finding",
            "failure_evidence", "crash_site", "failure_verdict"]

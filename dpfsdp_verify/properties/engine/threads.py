@@ -3,7 +3,7 @@
 example ~3-5x, measured; a switch and back costs ~0.35 ms.
 
 Torch's intra-op thread count is the calling thread's (OpenMP's setting is per thread: measured,
-torch 2.13): the gate's judge thread (``gate/pipeline.py``) switches its own, and the thread that
+torch 2.13): the gate's judge thread (``gate/scheduler.py``) switches its own, and the thread that
 runs the jobs keeps its own.
 """
 

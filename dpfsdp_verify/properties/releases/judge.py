@@ -3,10 +3,10 @@ evidence for ``noise_calibration`` at every step and rank (``releases/analysis.p
 tests, ``releases/wording.py`` words).
 
 How it is fed: ``runner.judge_case`` hands every case whose runs passed the runner's prechecks to the
-ledger in force (``collecting``) before the owning property judges it; the ledger keeps only the
-small per-(step, rank) statistics of each noisy run, never its tensors. The gate opens a ledger for
-its whole run when ``noise_calibration`` is selected (``gate/run.py``); anything else that judges
-cases inside ``collecting`` (the fuzzer, an exploration) feeds the same ledger.
+ledger of the run's session (``engine/session.py``) before the owning property judges it; the ledger
+keeps only the small per-(step, rank) statistics of each noisy run, never its tensors. The gate's
+session holds a ledger for its whole run when ``noise_calibration`` is selected (``gate/session.py``);
+anything else that judges cases with that session (the fuzzer, an exploration) feeds the same ledger.
 
 What it gives (``Ledger.verdicts``), all ``noise_calibration`` verdicts with config key ``releases``:
 
@@ -38,7 +38,6 @@ from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
 from .wording import finding_message, pass_message, pooled_message
-from ..engine.evidence import collecting, current  # the sink the runner feeds (re-exported)
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
 from ..engine.threads import one_thread
@@ -201,4 +200,4 @@ def run_key(world_size: int, spec) -> str:
     return f"{world_size}:{sorted(asdict(spec).items())!r}"
 
 
-__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key", "current", "collecting"]
+__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key"]

@@ -1,17 +1,28 @@
-"""The gate's fixed cases, pipelined: the ranks run one property's jobs while this process judges
-the cases already run and plans the properties after it.
+"""How a gate run's fixed cases are scheduled: one interface (``Scheduler``), two policies, chosen in
+one place (``choose``) from what the pool declares it can do (``JobPool.side_lane``) and whether the
+run tells a listener each case as it is judged (``Session.listener``):
 
-Run property by property (``runner.run_property``), the gate's own work -- planning (reference
+* ``Serial``: property by property (``runner.run_property``'s steps), each property's cases judged
+  once its jobs have run (or, with a listener, each as soon as its job ended) -- a torchrun job's
+  rank 0 (its pool runs rank 0's share of a job in this very process and has no side lane, and its
+  journal follows one property at a time) and a caller's own job pool;
+* ``Pipelined``: the ranks run one property's jobs while this process judges the cases already run
+  and plans the properties after it (below).
+
+Both give the same verdicts in the same order (tests/gate/test_pipeline.py); exploration and the
+release judge come after, in the session (``gate/session.py``).
+
+Run property by property, the gate's own work -- planning (reference
 norms for the clip bounds, the layer zoo), judging (the float64 reference of every case, the
 noise statistics) and the ranks' jobs -- took turns: ~12 s of this process' CPU per default run
 while the ranks waited, and the ranks' ~45 s of jobs while this process waited. Here the same
 three steps (``runner.plan_property``, ``runner.judge_case``, ``runner.in_plan_order``) run in two
 threads:
 
-* the **judge** thread (started in a copy of the caller's context, so it feeds the release ledger
-  in force, ``releases/judge.py``) plans every property in order and hands each one's cases to
-  the calling thread; then it judges each property's cases in case order as their outcomes come
-  in, and hands the property's verdicts, in report order, to ``progress``;
+* the **judge** thread (which feeds the session's release ledger, ``releases/judge.py``) plans every
+  property in order and hands each one's cases to the calling thread; then it judges each property's
+  cases in case order as their outcomes come in, and hands the property's verdicts, in report order,
+  to ``progress``;
 * the **calling** thread runs the cases' jobs (``runner.run_cases``), property after property,
   and hands each case's outcome to the judge as soon as the job that settles it has ended.
 
@@ -28,27 +39,29 @@ they start), and only the judge thread computes with torch while they run (on on
 ``threads.one_thread``, as the ranks do). So the verdicts, and the order in which cases feed the
 ledger, are those of the property-by-property run; only when each is judged differs. Fuzzing and
 exploration (adaptive: each draw's verdict decides the next) run after, in the calling thread
-(``gate/run.py``).
+(``gate/session.py``).
 
-Where it is not used (``usable``): a torchrun job's rank 0 (its pool runs rank 0's share of a job in
-this very process, and its journal, ``runner.telling``, follows one property at a time) and a
-caller's own job pool; those run property by property, with the same verdicts.
+Where it is not used, ``Serial`` runs property by property, with the same verdicts.
 """
 
 from __future__ import annotations
 
-import contextvars
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 from ..harness import JobPool
 from ..properties import PROPERTIES
 from ..properties.engine import runner
 from ..properties.engine.contract import Case, Options, Outputs, Property
+from ..properties.engine.session import Session
 from ..verdict import Verdict
+
+#: each property's options (with its defaults; ``None``: its planning, jobs or judging raised) and its
+#: fixed cases' verdicts in report order, by property id
+Fixed = Dict[str, Tuple[Optional[Options], List[Verdict]]]
 
 #: what the calling thread sends for a property whose jobs raised (a bug of the runner)
 _CRASHED = -1
@@ -73,28 +86,83 @@ class _Planned:
     inbox: "queue.Queue[Tuple[int, object]]" = field(default_factory=queue.Queue)
 
 
-def usable(pool: object) -> bool:
-    """Whether the gate's fixed cases may run pipelined on ``pool``: a pool of ranks in processes of
-    their own, with a side lane (``harness.Pool``, or a view of one) and no ``runner.telling``
-    listener in force."""
-    return getattr(pool, "side_lane", None) is not None and runner.telling_listener() is None
+class Scheduler(Protocol):
+    """Runs and judges a gate run's fixed cases, property by property in report order."""
+
+    name: str
+
+    def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
+              progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,
+              warm_up: Optional[Callable[[], None]] = None) -> Fixed:
+        """Each property's options and fixed verdicts (``Fixed``); ``progress`` gets each verdict once
+        judged, ``started`` each property's id as its jobs begin, ``warm_up`` is called (never waits)
+        before each property's jobs: groups started ahead (``Session.prestart``)."""
+        ...
+
+
+class Serial:
+    """Property by property: plan, run, judge (``runner.run_property``'s steps); a property that
+    raised is its ``internal_error`` verdict and the others go on."""
+
+    name = "serial"
+
+    def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
+              progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,
+              warm_up: Optional[Callable[[], None]] = None) -> Fixed:
+        results: Fixed = {}
+        for pid in properties:
+            if started is not None:
+                started(pid)
+            if warm_up is not None:
+                warm_up()
+            prop, t0 = PROPERTIES[pid], time.monotonic()
+            try:
+                popts, items, cases = runner.plan_property(prop, opts)
+                judged = runner.judge_cases(prop, cases, pool, popts.timeout, session)
+                results[pid] = (popts, runner.in_plan_order(items, judged))
+            except Exception as e:  # a bug in a check or an unloadable target: report, go on
+                results[pid] = (None, [prop.internal_error(opts, "running", e, time.monotonic() - t0)])
+            for v in results[pid][1]:
+                if progress is not None:
+                    progress(v)
+        return results
+
+
+class Pipelined:
+    """The ranks run one property's jobs while this process judges and plans (module docstring)."""
+
+    name = "pipelined"
+
+    def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
+              progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,
+              warm_up: Optional[Callable[[], None]] = None) -> Fixed:
+        return run_fixed(properties, opts, pool, progress, started, warm_up, session)
+
+
+def choose(pool: JobPool, session: Optional[Session] = None) -> Scheduler:
+    """The one place a policy is chosen: ``Pipelined`` where the pool has a side lane (ranks in
+    processes of their own: ``harness.Pool``, or a view of one) and no listener must be told each case
+    as it is judged; else ``Serial``."""
+    if pool.side_lane() is not None and (session is None or session.listener is None):
+        return Pipelined()
+    return Serial()
 
 
 def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
               progress: Optional[Callable[[Verdict], None]] = None,
-              started: Optional[Callable[[str], None]] = None, warm_up: Optional[Callable[[], None]] = None
-              ) -> Dict[str, Tuple[Optional[Options], List[Verdict]]]:
+              started: Optional[Callable[[str], None]] = None, warm_up: Optional[Callable[[], None]] = None,
+              session: Optional[Session] = None) -> Fixed:
     """Each property's options (with its defaults) and its fixed cases' verdicts in report order,
     by property id (module docstring). A property whose planning, jobs or judging raised has no
     options (``None``) and one ``error`` / ``internal_error`` verdict (a bug of this suite; the
     others' verdicts stand).
     ``progress`` gets each property's verdicts once it is judged, ``started`` each property's id as
     its jobs begin; ``warm_up`` is called in the calling thread while the first property is planned
-    and again before each property's jobs (e.g. groups started ahead, ``run._prestart``: it must not
-    wait, and starts what it could not start before)."""
+    and again before each property's jobs (e.g. groups started ahead, ``Session.prestart``: it must not
+    wait, and starts what it could not start before); ``session``: the run's ledger."""
     todo: "queue.Queue[Optional[_Planned]]" = queue.Queue()
     stop = threading.Event()
-    results: Dict[str, Tuple[Optional[Options], List[Verdict]]] = {}
+    results: Fixed = {}
     planned: List[_Planned] = []
     died: List[BaseException] = []
 
@@ -110,7 +178,7 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
                         todo.put(item)
                 todo.put(None)
                 for item in planned:
-                    results[item.pid] = _judge(item)
+                    results[item.pid] = _judge(item, session)
                     try:
                         for v in results[item.pid][1]:
                             if progress is not None:
@@ -123,11 +191,10 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
         finally:
             todo.put(None)  # never leave the calling thread waiting for a plan
 
-    judge = threading.Thread(target=contextvars.copy_context().run, args=(judge_all,), name="dpfsdp-judge",
-                             daemon=True)
+    judge = threading.Thread(target=judge_all, name="dpfsdp-judge", daemon=True)
     judge.start()
     finished = False
-    lane = _side_lane(pool)
+    lane = pool.side_lane()
     beside: list = []  # the side lane's futures
     shared: Dict[object, list] = {}  # a run two properties ask for runs once (``run_cases``' ``shared``)
     try:
@@ -139,7 +206,7 @@ def run_fixed(properties: Sequence[str], opts: Options, pool: JobPool,
             if warm_up is not None:  # groups whose zygotes were still importing last time
                 warm_up()
             solo = [i for i, case in enumerate(item.cases) if solo_case(case)] if lane is not None else []
-            if solo:
+            if solo and lane is not None:
                 beside.append(lane.submit(_run_part, item, solo, pool, shared))
             _run_part(item, sorted(set(range(len(item.cases))) - set(solo)), pool, shared)
         for future in beside:
@@ -159,12 +226,6 @@ def solo_case(case: Case) -> bool:
     environment (no mode variables, no fresh processes)."""
     return (case.world_size == 1 and case.backend == "gloo" and not case.fresh_groups
             and not any(m.env_dict for m in case.modes))
-
-
-def _side_lane(pool: JobPool):
-    """The pool's side lane (``Pool.side_lane``), or ``None`` for a pool without one."""
-    lane = getattr(pool, "side_lane", None)
-    return lane() if lane is not None else None
 
 
 def _run_part(item: _Planned, indices: List[int], pool: JobPool, shared: Dict[object, list]) -> None:
@@ -191,7 +252,7 @@ def _plan(pid: str, opts: Options, results: dict, stop: threading.Event) -> Opti
     return _Planned(pid, prop, popts, items, cases, t0, stop)
 
 
-def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
+def _judge(item: _Planned, session: Optional[Session]) -> Tuple[Optional[Options], List[Verdict]]:
     """``item``'s options and verdicts in report order, each case judged (``runner.judge_case``) in
     case order as its outcome comes in (no options: it raised)."""
     outcomes: Dict[int, object] = {}
@@ -209,10 +270,10 @@ def _judge(item: _Planned) -> Tuple[Optional[Options], List[Verdict]]:
                     raise outcome  # type: ignore[misc]  # the runner's exception, with its traceback
                 outcomes[k] = outcome
             outcome = outcomes.pop(i)
-            judged.append(runner.settle(item.prop, case, cast(Union[Verdict, Outputs], outcome)))
+            judged.append(runner.settle(item.prop, case, cast(Union[Verdict, Outputs], outcome), session))
         return item.opts, runner.in_plan_order(item.items, judged)
     except Exception as e:  # a bug in a check: this property's internal error (as run property by property)
         return None, [item.prop.internal_error(item.opts, "running", e, time.monotonic() - item.t0)]
 
 
-__all__ = ["usable", "run_fixed", "solo_case"]
+__all__ = ["Fixed", "Scheduler", "Serial", "Pipelined", "choose", "run_fixed", "solo_case"]

@@ -1,0 +1,264 @@
+"""One object owns a gate run: ``Session``.
+
+It holds what a run needs from start to end -- the checked plan (options, seed, properties), the
+pool, the progress reporter, the release ledger and the verdict listener (the engine's part,
+``properties/engine/session.py``, handed down to every case judged), the exploration budget and
+the fuzzer, and the scheduling policy (``scheduler.choose``) -- and runs it in four steps::
+
+    fixed = session.fixed()          # every property's fixed cases, by the scheduler's policy
+    explored = session.explore(fixed)  # then each property's fuzz runs and exploration, in order
+    releases = session.judge()       # then the whole-run release judge over every noisy run
+    session.close()                  # the pool, if the session made it
+
+``run`` does the four and returns the verdicts in report order. The gate (``run.execute``), a
+torchrun job's rank 0 (``torchrun_job``, with its journal as the listener) and the tests build one
+through ``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
+the pool declares what it can do (``JobPool.side_lane`` / ``prestart``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from ..harness import JobPool, Pool
+from ..properties import PROPERTIES
+from ..properties.engine import session as engine_session
+from ..properties.engine.contract import Options, Property
+from ..properties.engine.runner import Fuzzer, fuzz_property
+from ..properties.releases import judge as releases
+from ..verdict import Verdict
+from . import scheduler
+from .plan import RunPlan
+
+#: upper bound on warm worker groups kept by one gate run
+MAX_WARM_GROUPS = 6
+#: the zygotes ``early_pool`` starts: those of the first groups a gate run forks (1 and 2 ranks)
+EARLY_ZYGOTES = 2
+
+
+class Reporter(Protocol):
+    """What a session tells as it goes (``run.Progress``): each verdict, each property's start, each
+    exploration's start."""
+
+    def __call__(self, verdict: Verdict) -> None: ...
+
+    def started(self, property_id: str) -> None: ...
+
+    def exploring(self, property_id: str) -> None: ...
+
+
+class Silent:
+    """A ``Reporter`` that tells nothing, or only the verdicts to a plain callable."""
+
+    def __init__(self, on_verdict: Optional[Callable[[Verdict], None]] = None):
+        self.on_verdict = on_verdict
+
+    def __call__(self, verdict: Verdict) -> None:
+        if self.on_verdict is not None:
+            self.on_verdict(verdict)
+
+    def started(self, property_id: str) -> None:
+        pass
+
+    def exploring(self, property_id: str) -> None:
+        pass
+
+
+class Session(engine_session.Session):
+    """One gate run's state and its steps (module docstring)."""
+
+    def __init__(self, plan: RunPlan, pool: Optional[JobPool] = None, reporter: Optional[Reporter] = None,
+                 listener: Optional[engine_session.Listener] = None):
+        # every noisy run any property makes feeds the release judge (properties/releases/judge.py)
+        ledger = releases.Ledger() if releases.PROPERTY_ID in plan.properties else None
+        super().__init__(ledger=ledger, listener=listener)
+        self.plan = plan
+        self.options: Options = plan.options
+        self.own_pool = pool is None
+        self.pool: JobPool = pool if pool is not None else size_pool(Pool(), plan)
+        self.reporter: Reporter = reporter if reporter is not None else Silent()
+        self.budget = ExploreBudget(plan)
+        self.fuzzer = self._fuzzer()
+        self.policy: scheduler.Scheduler = scheduler.choose(self.pool, self)
+
+    # -- the steps ------------------------------------------------------------------------------
+    def run(self) -> List[Verdict]:
+        """Every selected property's verdicts (then its fuzz runs' and exploration's), in plan order,
+        then the release judge's; the pool closed if the session made it. Never raises for a target's
+        failure: a property that cannot run becomes an ``error`` verdict saying why."""
+        try:
+            fixed = self.fixed()
+            explored = self.explore(fixed)
+            verdicts = [v for pid in self.plan.properties for v in fixed[pid][1] + explored.get(pid, [])]
+            return verdicts + self.judge()
+        finally:
+            self.close()
+
+    def fixed(self) -> scheduler.Fixed:
+        """Every property's fixed cases, run and judged by the session's policy."""
+        return self.policy.fixed(self.plan.properties, self.options, self.pool, self, self.reporter,
+                                 self.reporter.started, self.prestart)
+
+    def explore(self, fixed: scheduler.Fixed) -> Dict[str, List[Verdict]]:
+        """Each property's fuzz and exploration verdicts (``runner.fuzz_property``), by property id, one
+        property after another: explorations adapt (each draw's verdict decides the next) and keep both
+        cores busy on their own (two at once, measured: as many draws in all as one after the other).
+        The budget's time cap starts here."""
+        # no options: its planning, jobs or judging raised
+        todo = [(pid, opts) for pid in self.plan.properties if (opts := fixed[pid][0]) is not None
+                and self.fuzzer is not None and self._explores(PROPERTIES[pid])]
+        self.budget.begin()
+        out: Dict[str, List[Verdict]] = {}
+        for pid, opts in todo:
+            self.reporter.exploring(pid)
+            out[pid] = fuzz_property(PROPERTIES[pid], opts, self.pool, self.fuzzer)
+            for v in out[pid]:
+                self.reporter(v)
+        return out
+
+    def judge(self) -> List[Verdict]:
+        """The release judge's verdicts over every noisy run the session's cases made (none when
+        ``noise_calibration`` is not selected); a bug there is its ``internal_error`` (exit 3), the
+        verdicts before it still stand."""
+        if self.ledger is None:
+            return []
+        t0 = time.monotonic()
+        assert isinstance(self.ledger, releases.Ledger)
+        try:
+            found = self.ledger.verdicts(self.options)
+        except Exception as e:  # a bug in the release judge
+            found = [PROPERTIES[releases.PROPERTY_ID].internal_error(self.options, "judging every release for",
+                                                                      e, time.monotonic() - t0)]
+        for v in found:
+            self.reporter(v)
+        return found
+
+    def close(self) -> None:
+        """Close the pool if the session made it."""
+        if self.own_pool:
+            self.pool.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def prestart(self) -> None:
+        """Start the groups of the run's world sizes (the wide and node ones too) in the background, as
+        the run begins and again before each property, so that a group's start (fork, rendezvous,
+        process group, the target's imports: ``target_modules``) overlaps the jobs and planning before
+        its first job instead of adding to the run's wall time. Never waits: a group whose zygotes still
+        import (the wide and node ranks' at the start) is started by a later call (``Pool.prestart``);
+        a pool that cannot start groups ahead answers ``False`` (``JobPool.prestart``)."""
+        opts = self.options
+        for ws in sorted(set(opts.world_sizes) | {opts.wide_world_size, opts.node_world_size} - {0}):
+            if (ws == opts.wide_world_size and opts.wide_unavailable) or (
+                    ws == opts.node_world_size and opts.node_unavailable):
+                continue
+            for mode in opts.modes:
+                self.pool.prestart(ws, opts.backend, mode.env_dict or None, preload=target_modules(opts.target))
+
+    def _explores(self, prop: Property) -> bool:
+        """Whether ``prop`` has fuzz runs or an exploration in this run."""
+        return bool((self.plan.fuzz and prop.fuzz is not None) or (self.plan.explore > 0 and prop.explore is not None))
+
+    def _fuzzer(self) -> Optional[Fuzzer]:
+        """With ``--fuzz N``: each fuzzable property's N fuzzed examples; with exploration
+        (``--explore``, docs/explore.md): each explored property's draws (the budget's: its draws and
+        the cap's deadline as each starts) after them (hypothesis, the ``fuzz`` extra: the plan checked
+        it is installed). Every run feeds the session's ledger."""
+        return make_fuzzer(self.plan.fuzz, self.budget, self)
+
+
+class ExploreBudget:
+    """The run's exploration: ``--explore`` draws for each explored property, and one time cap for
+    the whole phase (``--explore-cap``), which starts when the explorations start
+    (``Session.explore`` calls ``begin``)."""
+
+    def __init__(self, plan: RunPlan):
+        self.draws = int(plan.explore) if any(PROPERTIES[p].explore is not None for p in plan.properties) else 0
+        self.cap = float(plan.explore_cap or 0.0) or math.inf
+        self.deadline: Optional[float] = None
+
+    def begin(self) -> None:
+        self.deadline = time.monotonic() + self.cap
+
+    def share(self) -> Tuple[int, float]:
+        """``(draws, deadline)`` of the next exploration (0 draws: no exploration in this run)."""
+        if self.draws and self.deadline is None:
+            self.begin()
+        return self.draws, (self.deadline if self.deadline is not None else math.inf)
+
+
+def make_fuzzer(n_examples: int, explore: "int | ExploreBudget" = 0,
+                session: Optional[engine_session.Session] = None) -> Optional[Fuzzer]:
+    """The runner's ``Fuzzer``: with ``n_examples``, each fuzzable property's fuzzed examples; with
+    ``explore`` (a number of draws, no cap; or the run's ``ExploreBudget``), each explored property's
+    draws after them; ``None`` with neither. Every verdict's runs feed ``session``'s ledger."""
+    if isinstance(explore, int):
+        drawn = int(explore)
+        share: Callable[[], Tuple[int, float]] = lambda: (drawn, math.inf)  # noqa: E731
+    else:
+        drawn, share = explore.draws, explore.share
+    if not n_examples and not drawn:
+        return None
+
+    def run(prop, opts, pool):
+        verdicts = []
+        if n_examples and prop.fuzz is not None:
+            from ..fuzz import fuzz_examples
+
+            verdicts += fuzz_examples(prop, opts, n_examples, pool, session=session)
+        draws, deadline = share() if prop.explore is not None else (0, math.inf)
+        if draws > 0:
+            from ..fuzz.explore import explore_property
+            from ..harness.backends import visible_gpus
+
+            # nccl: one GPU per rank, so no draw beyond the GPUs this machine has (gloo: the cores decide)
+            most = visible_gpus() if opts.backend == "nccl" else None
+            verdicts += explore_property(prop, opts, draws, pool, max_world_size=most, deadline=deadline,
+                                         session=session)
+        return verdicts
+
+    return run
+
+
+def size_pool(pool: Pool, plan: RunPlan) -> Pool:
+    """``pool`` keeping one warm group per (world size, mode) the plan (and its exploration) uses, so
+    that no property restarts ranks another one just used (a restart costs seconds; idle ranks only
+    cost memory), at most ``MAX_WARM_GROUPS`` (+2 with exploration)."""
+    opts = plan.options
+    sizes = (len(opts.world_sizes) + len(opts.meshes)
+             + len({opts.wide_world_size, opts.node_world_size} - {0} - set(opts.world_sizes)))
+    if plan.explore > 0:  # exploration draws world sizes 1..explore_max_world_size(): keep them warm too
+        from ..config.space import explore_max_world_size
+
+        sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
+                    | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
+    pool.max_groups = min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes))
+    return pool
+
+
+def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
+    """The gate's pool, made before its plan is checked, its first ``EARLY_ZYGOTES`` zygotes already
+    importing torch and the target's modules (``target_modules``) while this process imports its own
+    (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
+    environment is a mode's: nothing is started ahead. The caller closes it."""
+    pool = Pool()
+    if not mode_env and EARLY_ZYGOTES > 0:
+        pool.warm(EARLY_ZYGOTES, None, target_modules(target))
+    return pool
+
+
+def target_modules(ref: str) -> tuple:
+    """The modules a rank imports to load the target ``ref`` (``targets.load_target``): opacus and its
+    adapter for ``opacus``, the module of a ``module:Attr`` reference; none for an entry point's name
+    (found when a job loads it)."""
+    from ..targets import BUILTIN
+
+    ref = ref.strip()
+    if ref in BUILTIN:
+        return (("opacus",) if ref == "opacus" else ()) + (BUILTIN[ref].split(":")[0],)
+    return (ref.split(":")[0],) if ":" in ref else ()
+
+
+__all__ = ["Session", "Reporter", "Silent", "ExploreBudget", "make_fuzzer", "size_pool", "early_pool",
+           "target_modules", "MAX_WARM_GROUPS", "EARLY_ZYGOTES"]
