@@ -35,7 +35,7 @@ import json
 import math
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import seed as hypothesis_seed
@@ -45,7 +45,7 @@ from ..harness import Pool
 from ..config.modes import Mode
 from ..properties.engine import runner
 from ..properties.engine.contract import Options, Property
-from ..properties.engine.session import Session
+from ..properties.engine.session import Session, stopping
 from ..config.space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
@@ -58,6 +58,20 @@ from .search import Counterexample, run_to_counterexample
 SHRINK_RUNS = 8
 #: seconds a found failure may spend shrinking past the cap, on a host too slow for ``SHRINK_RUNS``
 SHRINK_S = 30.0
+
+
+class CapClock(Protocol):
+    """A time cap whose deadline is known only later (``gate/session.ExploreBudget``: a gate that
+    explores beside its fixed cases starts the cap when they are done): ``deadline()`` now
+    (``math.inf`` until it starts), ``cap`` its length in seconds."""
+
+    cap: float
+
+    def deadline(self) -> float: ...
+
+
+#: an exploration's time cap: a ``time.monotonic()`` deadline, or a ``CapClock``
+Deadline = Union[float, CapClock]
 #: the draws a pass verdict lists in its evidence (the first ones)
 LISTED_DRAWS = 40
 
@@ -66,11 +80,12 @@ class _Explorer:
     """One property's exploration: its draws, the cap's clock, the cache, the counts."""
 
     def __init__(self, prop: Property, opts: Options, draws: int, pool: Pool, modes: Sequence[Mode],
-                 max_world_size: int, deadline: float = math.inf, session: Optional[Session] = None):
+                 max_world_size: int, deadline: "Deadline" = math.inf, session: Optional[Session] = None):
         self.prop, self.opts, self.pool, self.modes = prop, opts, pool, tuple(modes)
         self.session = session
         self.t0 = time.monotonic()
-        self.n_draws, self.deadline = draws, deadline
+        self.n_draws = draws
+        self._deadline = deadline
         #: draws of the seed's that were not run: the time cap was hit before them
         self.unrun = 0
         self.max_world_size = max_world_size
@@ -81,9 +96,17 @@ class _Explorer:
         #: how many draws had been judged when the first failure was found (the rest shrank it)
         self.found_draw = 0
 
+    @property
+    def deadline(self) -> float:
+        """The time cap's deadline now (a ``CapClock`` is asked each time)."""
+        return self._deadline if isinstance(self._deadline, (int, float)) else self._deadline.deadline()
+
     def spent(self) -> bool:
         """Whether the time cap is hit (an exploration always runs its first draw, however slow the
-        host; a found failure shrinks for ``SHRINK_RUNS`` more runs, within ``SHRINK_S`` more seconds)."""
+        host; a found failure shrinks for ``SHRINK_RUNS`` more runs, within ``SHRINK_S`` more seconds),
+        or the run is stopping (an interrupt: no further draw)."""
+        if stopping(self.session):
+            return True
         if not self.seen:
             return False
         now = time.monotonic()
@@ -179,7 +202,8 @@ class _Explorer:
         """``{"capped": True, "unrun_draws": k, "cap_s": ...}`` when the time cap stopped draws, else ``{}``."""
         if not self.unrun:
             return {}
-        return {"capped": True, "unrun_draws": self.unrun, "cap_s": round(self.deadline - self.t0, 3)}
+        cap = (self.deadline - self.t0 if isinstance(self._deadline, (int, float)) else self._deadline.cap)
+        return {"capped": True, "unrun_draws": self.unrun, "cap_s": round(cap, 3)}
 
     def cap_note(self) -> str:
         """The sentence a verdict ends with when the time cap stopped draws; "" otherwise."""
@@ -216,13 +240,13 @@ def unproven_timeout_skipped(v: Verdict) -> Verdict:
 
 
 def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[Pool] = None,
-                     max_world_size: Optional[int] = None, deadline: float = math.inf,
+                     max_world_size: Optional[int] = None, deadline: "Deadline" = math.inf,
                      session: Optional[Session] = None) -> List[Verdict]:
     """``prop``'s exploration: ``draws`` configurations drawn from the run's seed, one verdict (module
     docstring); none when ``draws`` is 0, the property has no recipe, the modes give it nothing to run,
     or ``max_world_size`` is 0 (no GPU for an nccl rank). ``max_world_size``: the largest world size
     drawn (default: ``space.explore_max_world_size()``, the same on every machine). ``deadline``: the time cap
-    (``time.monotonic()``; draws that would start past it are not run, and the verdict says so).
+    (``time.monotonic()``, or a ``CapClock``; draws that would start past it are not run, and the verdict says so).
     ``session``: the run's ledger and listener (``engine/session.py``): every draw feeds its ledger."""
     draws = int(draws)
     if draws <= 0 or prop.explore is None or max_world_size == 0:

@@ -90,6 +90,8 @@ class Scheduler(Protocol):
     """Runs and judges a gate run's fixed cases, property by property in report order."""
 
     name: str
+    #: whether other jobs (the session's explorations) may run beside this policy's
+    explores_beside: bool
 
     def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
               progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,
@@ -105,6 +107,7 @@ class Serial:
     raised is its ``internal_error`` verdict and the others go on."""
 
     name = "serial"
+    explores_beside = False
 
     def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
               progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,
@@ -132,6 +135,7 @@ class Pipelined:
     """The ranks run one property's jobs while this process judges and plans (module docstring)."""
 
     name = "pipelined"
+    explores_beside = True
 
     def fixed(self, properties: Sequence[str], opts: Options, pool: JobPool, session: Optional[Session] = None,
               progress: Optional[Callable[[Verdict], None]] = None, started: Optional[Callable[[str], None]] = None,

@@ -6,11 +6,16 @@ pool, the progress reporter, the release ledger and the verdict listener (the en
 the fuzzer, and the scheduling policy (``scheduler.choose``) -- and runs it in four steps::
 
     fixed = session.fixed()          # every property's fixed cases, by the scheduler's policy
-    explored = session.explore(fixed)  # then each property's fuzz runs and exploration, in order
+    explored = session.explore(fixed)  # each property's fuzz runs and exploration, in order
     releases = session.judge()       # then the whole-run release judge over every noisy run
     session.close()                  # the pool, if the session made it
 
-``run`` does the four and returns the verdicts in report order. The gate (``run.execute``), a
+``run`` does the four and returns the verdicts in report order. Where the policy runs jobs beside
+one another (``Pipelined``), the explorations run on a lane of the pool's own (``"explore"``) beside
+the fixed cases instead of after them -- each draw is the seed's whatever runs beside it, and the
+exploration's time cap starts only when the fixed cases are done (``ExploreBudget``) -- so that the
+cores the fixed cases leave idle (group starts, a rank waiting for its peer, the judge's turns) draw
+configurations; the verdicts and their order are the same. The gate (``run.execute``), a
 torchrun job's rank 0 (``torchrun_job``, with its journal as the listener) and the tests build one
 through ``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
 the pool declares what it can do (``JobPool.side_lane`` / ``prestart``).
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..harness import JobPool, Pool
 from ..properties import PROPERTIES
@@ -30,6 +35,9 @@ from ..properties.engine.runner import Fuzzer, fuzz_property
 from ..properties.releases import judge as releases
 from ..verdict import Verdict
 from . import scheduler
+
+if TYPE_CHECKING:  # types only: the fuzzer (hypothesis) is imported when a run explores
+    from ..fuzz.explore import Deadline
 from .plan import RunPlan
 
 #: upper bound on warm worker groups kept by one gate run
@@ -89,10 +97,20 @@ class Session(engine_session.Session):
         then the release judge's; the pool closed if the session made it. Never raises for a target's
         failure: a property that cannot run becomes an ``error`` verdict saying why."""
         try:
+            beside = self._explore_beside()
             fixed = self.fixed()
-            explored = self.explore(fixed)
-            verdicts = [v for pid in self.plan.properties for v in fixed[pid][1] + explored.get(pid, [])]
+            if beside is not None:
+                self.budget.begin()  # what is left of the explorations gets the cap from now
+                explored = beside.result()
+            else:
+                explored = self.explore(fixed)
+            # a property whose planning, jobs or judging raised has its internal error only (as run alone)
+            verdicts = [v for pid in self.plan.properties
+                        for v in fixed[pid][1] + (explored.get(pid, []) if fixed[pid][0] is not None else [])]
             return verdicts + self.judge()
+        except BaseException:
+            self.stopping.set()  # an exploration under way runs no further draw
+            raise
         finally:
             self.close()
 
@@ -101,15 +119,15 @@ class Session(engine_session.Session):
         return self.policy.fixed(self.plan.properties, self.options, self.pool, self, self.reporter,
                                  self.reporter.started, self.prestart)
 
-    def explore(self, fixed: scheduler.Fixed) -> Dict[str, List[Verdict]]:
+    def explore(self, fixed: Optional[scheduler.Fixed] = None) -> Dict[str, List[Verdict]]:
         """Each property's fuzz and exploration verdicts (``runner.fuzz_property``), by property id, one
-        property after another: explorations adapt (each draw's verdict decides the next) and keep both
-        cores busy on their own (two at once, measured: as many draws in all as one after the other).
-        The budget's time cap starts here."""
-        # no options: its planning, jobs or judging raised
-        todo = [(pid, opts) for pid in self.plan.properties if (opts := fixed[pid][0]) is not None
-                and self.fuzzer is not None and self._explores(PROPERTIES[pid])]
-        self.budget.begin()
+        property after another: explorations adapt (each draw's verdict decides the next). After the
+        fixed cases (``fixed``: each property's options from them; the budget's time cap starts here),
+        or beside them (``fixed=None``: each property's options with its defaults, ``_explore_beside``)."""
+        todo = [(pid, opts) for pid in self.plan.properties if self.fuzzer is not None
+                and self._explores(PROPERTIES[pid]) and (opts := self._options(pid, fixed)) is not None]
+        if fixed is not None:
+            self.budget.begin()
         out: Dict[str, List[Verdict]] = {}
         for pid, opts in todo:
             self.reporter.exploring(pid)
@@ -141,6 +159,28 @@ class Session(engine_session.Session):
             self.pool.close()
 
     # -- helpers --------------------------------------------------------------------------------
+    def _explore_beside(self):
+        """The explorations started on the pool's ``"explore"`` lane (a future of ``explore``'s
+        result), where the policy runs jobs beside one another; ``None``: they run after the fixed cases."""
+        if self.fuzzer is None or not self.policy.explores_beside:
+            return None
+        lane = self.pool.side_lane("explore")
+        if lane is None:
+            return None
+        self.budget.beside = True
+        return lane.submit(self.explore, None)
+
+    def _options(self, pid: str, fixed: Optional[scheduler.Fixed]) -> Optional[Options]:
+        """``pid``'s options with its defaults: the fixed cases' (``None`` where its planning, jobs or
+        judging raised), or, beside them, computed here (``None`` where that raises: the fixed cases
+        report it)."""
+        if fixed is not None:
+            return fixed[pid][0]
+        try:
+            return PROPERTIES[pid].with_defaults(self.options)
+        except Exception:  # the fixed cases' planning raises the same: their internal error says it
+            return None
+
     def prestart(self) -> None:
         """Start the groups of the run's world sizes (the wide and node ones too) in the background, as
         the run begins and again before each property, so that a group's start (fork, rendezvous,
@@ -170,22 +210,33 @@ class Session(engine_session.Session):
 
 class ExploreBudget:
     """The run's exploration: ``--explore`` draws for each explored property, and one time cap for
-    the whole phase (``--explore-cap``), which starts when the explorations start
-    (``Session.explore`` calls ``begin``)."""
+    the whole phase (``--explore-cap``). The cap starts when the explorations start (``begin``), or,
+    for explorations that run beside the fixed cases (``beside``), when the fixed cases are done: the
+    draws are the seed's on any machine, and the cap only bounds what is left after the fixed cases
+    (a ``fuzz.explore.CapClock``, asked as the draws go)."""
 
     def __init__(self, plan: RunPlan):
         self.draws = int(plan.explore) if any(PROPERTIES[p].explore is not None for p in plan.properties) else 0
         self.cap = float(plan.explore_cap or 0.0) or math.inf
-        self.deadline: Optional[float] = None
+        #: the explorations run beside the fixed cases: the cap starts when they are done
+        self.beside = False
+        self._until: Optional[float] = None
 
     def begin(self) -> None:
-        self.deadline = time.monotonic() + self.cap
+        self._until = time.monotonic() + self.cap
 
-    def share(self) -> Tuple[int, float]:
-        """``(draws, deadline)`` of the next exploration (0 draws: no exploration in this run)."""
-        if self.draws and self.deadline is None:
+    def deadline(self) -> float:
+        """The cap's deadline (``time.monotonic()``), ``math.inf`` until it starts."""
+        return self._until if self._until is not None else math.inf
+
+    def share(self) -> "Tuple[int, Deadline]":
+        """``(draws, deadline)`` of the next exploration (0 draws: no exploration in this run); the
+        deadline is this budget, asked as the draws go, for explorations beside the fixed cases."""
+        if self.beside:
+            return self.draws, self
+        if self.draws and self._until is None:
             self.begin()
-        return self.draws, (self.deadline if self.deadline is not None else math.inf)
+        return self.draws, self.deadline()
 
 
 def make_fuzzer(n_examples: int, explore: "int | ExploreBudget" = 0,
@@ -195,7 +246,7 @@ def make_fuzzer(n_examples: int, explore: "int | ExploreBudget" = 0,
     draws after them; ``None`` with neither. Every verdict's runs feed ``session``'s ledger."""
     if isinstance(explore, int):
         drawn = int(explore)
-        share: Callable[[], Tuple[int, float]] = lambda: (drawn, math.inf)  # noqa: E731
+        share: Callable[[], Tuple[int, Deadline]] = lambda: (drawn, math.inf)  # noqa: E731
     else:
         drawn, share = explore.draws, explore.share
     if not n_examples and not drawn:

@@ -68,7 +68,8 @@ class Pool:
         self._free = threading.Condition(self._lock)
         #: keys whose group runs a job now: never closed to make room (``group``)
         self._busy: set = set()
-        self._lane: Optional["ThreadPoolExecutor"] = None
+        #: the pool's own threads for jobs beside the caller's, by name (``side_lane``)
+        self._lanes: Dict[str, "ThreadPoolExecutor"] = {}
 
     @staticmethod
     def key(world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> Key:
@@ -181,18 +182,19 @@ class Pool:
                 self._lost.add(key)
         return res
 
-    def side_lane(self) -> "ThreadPoolExecutor":
-        """A thread of this pool's own (a one-worker ``concurrent.futures`` executor, started on first
-        use, ended by ``close``) for jobs that run beside the caller's on other groups: the gate runs
-        its 1-rank jobs there while its larger groups run the rest (``gate/scheduler.py``). Ranks a
-        lane's job starts live as long as the pool (a spawned rank's parent-death signal follows the
-        thread that started it: this one ends only when the pool closes)."""
+    def side_lane(self, name: str = "side") -> "ThreadPoolExecutor":
+        """A thread of this pool's own named ``name`` (a one-worker ``concurrent.futures`` executor,
+        started on first use, ended by ``close``) for jobs that run beside the caller's on other
+        groups: the gate runs its 1-rank jobs on ``"side"`` while its larger groups run the rest, and
+        its explorations on ``"explore"`` (``gate/scheduler.py``, ``gate/session.py``). Ranks a lane's
+        job starts live as long as the pool (a spawned rank's parent-death signal follows the thread
+        that started it: this one ends only when the pool closes)."""
         with self._lock:
-            if self._lane is None:
+            if name not in self._lanes:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfsdp-side-lane")
-            return self._lane
+                self._lanes[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dpfsdp-{name}-lane")
+            return self._lanes[name]
 
     def fresh_group(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> WorkerGroup:
         """A new group outside the warm set, for jobs that must be the first thing their rank
@@ -206,8 +208,8 @@ class Pool:
         return g
 
     def close(self) -> None:
-        lane, self._lane = self._lane, None
-        if lane is not None:  # its jobs end first (a caller that closes a pool has nothing running on it)
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:  # their jobs end first (a caller that closes a pool has nothing running on it)
             lane.shutdown(wait=True)
         with self._lock:
             while self.groups:

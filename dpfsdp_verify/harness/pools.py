@@ -38,9 +38,10 @@ class JobPool(Protocol):
 
     # what a pool can do beyond running jobs, declared rather than probed for: a pool that cannot
     # answers ``None`` / ``False`` (the gate's scheduler and session ask, ``gate/scheduler.py``)
-    def side_lane(self) -> Optional[Executor]:
-        """A thread of the pool's own for jobs that run beside the caller's on other groups (the
-        gate's 1-rank jobs), or ``None`` where its ranks cannot run two jobs at once."""
+    def side_lane(self, name: str = "side") -> Optional[Executor]:
+        """A thread of the pool's own, by name, for jobs that run beside the caller's on other groups
+        (the gate's 1-rank jobs, its explorations), or ``None`` where its ranks cannot run two jobs
+        at once."""
         ...
 
     def prestart(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,

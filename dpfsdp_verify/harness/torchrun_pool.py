@@ -181,7 +181,7 @@ class TorchrunPool:
                          "processes do), which only the spawning launcher starts; run this property without "
                          "--launcher torchrun")
 
-    def side_lane(self) -> None:
+    def side_lane(self, name: str = "side") -> None:
         """None: the job's ranks run one job at a time (``JobPool.side_lane``)."""
         return None
 

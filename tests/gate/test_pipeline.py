@@ -51,8 +51,8 @@ class _Counting:
     def close(self):
         pass
 
-    def side_lane(self):
-        return self._pool.side_lane() if self._lane else None
+    def side_lane(self, name="side"):
+        return self._pool.side_lane(name) if self._lane else None
 
     def __getattr__(self, name):
         return getattr(self._pool, name)

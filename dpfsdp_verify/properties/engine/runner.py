@@ -28,7 +28,7 @@ from ...targets.crash_site import CrashSite, locate
 from ...verdict import Verdict, config_label
 from .contract import DEFAULT_PRECISION_FACT, Case, Options, Outputs, Property, modes_problem
 from .own_models import float64_skip
-from .session import Session, ledger_of, listener_of
+from .session import Session, listener_of
 from .threads import one_thread
 from ..wording.failures import FailureFinding, failure_details, failure_lead, failure_message, in_mode
 from .prechecks import (accountant_history_problem, all_padding_note, data_problem, device_facts, frozen_problem,
@@ -221,9 +221,8 @@ def _judge_case(prop: Property, case: Case, outputs: Outputs, session: Optional[
                                     "step must release finite values; NaN/inf noise or clip coefficients make the "
                                     "update meaningless and its privacy analysis void."
                                     + all_padding_note(spec, ranks))
-    ledger = ledger_of(session)  # every noisy run is evidence for the noise at every step (releases/judge.py)
-    if ledger is not None:
-        ledger.add(case, outputs)
+    if session is not None:  # every noisy run is evidence for the noise at every step (releases/judge.py)
+        session.feed(case, outputs)
     try:
         verdict = prop.judge(case, outputs)
     except Float64Unsupported as e:  # a model of its own that has no float64 reference (docs/models.md)

@@ -18,7 +18,8 @@ a torchrun job, the fuzzer and the pytest plugin each build one and hand it down
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .evidence import RunSink
@@ -39,16 +40,17 @@ class Session:
     ledger: Optional[RunSink] = None
     #: told each case as soon as it is judged (``None``: a property's cases are judged together)
     listener: Optional[Listener] = None
+    #: set when the run stops early (an interrupt): an exploration under way runs no further draw
+    stopping: threading.Event = field(default_factory=threading.Event)
+    #: cases are judged in more than one thread at once (the gate's judge thread and its exploration)
+    _feeding: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def feed(self, case: "Case", outputs: "Outputs") -> None:
-        """``case``'s runs, which passed the prechecks, as evidence to the ledger (if any)."""
+        """``case``'s runs, which passed the prechecks, as evidence to the ledger (if any), one case
+        at a time whichever thread judged it."""
         if self.ledger is not None:
-            self.ledger.add(case, outputs)
-
-
-def ledger_of(session: Optional[Session]) -> Optional[RunSink]:
-    """``session``'s ledger (``None`` without a session)."""
-    return session.ledger if session is not None else None
+            with self._feeding:
+                self.ledger.add(case, outputs)
 
 
 def listener_of(session: Optional[Session]) -> Optional[Listener]:
@@ -56,4 +58,9 @@ def listener_of(session: Optional[Session]) -> Optional[Listener]:
     return session.listener if session is not None else None
 
 
-__all__ = ["Session", "Listener", "ledger_of", "listener_of"]
+def stopping(session: Optional[Session]) -> bool:
+    """Whether ``session`` is stopping early (never without a session)."""
+    return session is not None and session.stopping.is_set()
+
+
+__all__ = ["Session", "Listener", "listener_of", "stopping"]
