@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                            f"and reported with its replay line); 0: a fixed run (default {DEFAULT_EXPLORE_DRAWS} where "
                            "hypothesis is installed; docs/explore.md)")
     what.add_argument("--explore-cap", type=float, default=None, metavar="SECONDS",
-                      help="time cap of the whole exploration: draws not started by then are not run, and the report "
-                           f"and the exit line say so (default {DEFAULT_EXPLORE_CAP_S:g})")
+                      help="time cap of the exploration, from the end of the fixed cases (it runs beside them): draws "
+                           "not started by then are not run, and the report and the exit line say so (default "
+                           f"{DEFAULT_EXPLORE_CAP_S:g})")
     _environment_args(what, execution)
     reports.add_argument("--json", metavar="PATH", help="write the JSON report here ('-': stdout)")
     reports.add_argument("--junit", metavar="PATH", help="write JUnit XML here")
