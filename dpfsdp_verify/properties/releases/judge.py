@@ -37,7 +37,9 @@ from ...lazy import torch
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
-from .wording import finding_message, pass_message, pooled_message
+from .wording import finding_message, pass_message, pooled_message, where
+from ..analysis.postprocessing import PostProcessing, pinned_norm
+from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message
 from ..engine.evidence import collecting, current  # the sink the runner feeds (re-exported)
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
@@ -67,6 +69,8 @@ class Ledger:
         self.decomposed: set = set()
         #: the runs a ``releases_judged`` case judges itself (``add``)
         self.owned: set = set()
+        #: each decomposed run's post-processing signature (``analysis/postprocessing.py``), by ``id``
+        self.post: Dict[int, PostProcessing] = {}
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -106,6 +110,10 @@ class Ledger:
                             self.runs.append((case, found))
                             self.keys[id(found)] = identity
                             self.decomposed.add(identity)
+                            pinned = pinned_norm([st.gradient for st in ranks[0].steps], sorted(
+                                ranks[0].steps[0].gradient), spec.dtype if spec.precision == "fp32" else "mixed")
+                            if pinned is not None:
+                                self.post[id(found)] = pinned
                             device = device_facts(ranks).get("device")
                             if device:
                                 self.devices[id(case)] = str(device)
@@ -129,10 +137,12 @@ class Ledger:
     def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
         """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
         what the other ``runs`` released at the same place (``contrasts``)."""
-        owner = case.property
+        owner, post = case.property, self.post.get(id(run))
+        # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
+        message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
+                   finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
         v = replace(case, property=PROPERTY_ID).verdict(
-            "fail", DIAGNOSIS[f.kind], finding_message(f, owner, config_label(case.config()), run, alpha,
-                                                       contrasts(run, runs, f)),
+            "fail", POST_PROCESSED if post else DIAGNOSIS[f.kind], message,
             {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
              "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
              "dtype": run.dtype, "lr": run.lr, **self._device([case])})
