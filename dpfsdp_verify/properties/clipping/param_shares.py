@@ -38,6 +38,10 @@ class Share:
     def __init__(self, names: List[str], k: float, residual: float):
         self.names, self.k, self.residual = names, k, residual
 
+    def excess(self, parts: Dict[str, "torch.Tensor"]) -> "torch.Tensor":
+        """The squared norms' excess over the truth this fit predicts, from the true ``parts``."""
+        return (self.k ** 2 - 1) * torch.stack([parts[n] for n in self.names]).sum(0)
+
     def describe(self) -> str:
         names = ", ".join(repr(n) for n in self.names)
         plural = "s" if len(self.names) > 1 else ""
@@ -54,6 +58,9 @@ class Combined(Share):
     def __init__(self, parts: List[Share], residual: float):
         super().__init__([n for p in parts for n in p.names], min(p.k for p in parts), residual)
         self.parts = parts
+
+    def excess(self, parts: Dict[str, "torch.Tensor"]) -> "torch.Tensor":
+        return sum((p.excess(parts) for p in self.parts), torch.zeros_like(next(iter(parts.values()))))
 
     def describe(self) -> str:
         return " and ".join(p.describe() for p in self.parts)
@@ -190,8 +197,7 @@ def clip_share_diagnosis(spec: RunSpec, indices: Sequence[int], coef: "torch.Ten
     true_sq = torch.stack(list(parts.values())).sum(0)
     kept = []
     for f in found:
-        share = torch.stack([parts[n] for n in f.names]).sum(0)
-        hyp = (true_sq + (f.k ** 2 - 1) * share).clamp_min(0).sqrt()
+        hyp = (true_sq + f.excess(parts)).clamp_min(0).sqrt()
         shape = reference.clip_coefficients(hyp, c)
         k = float(coef @ shape) / float(shape @ shape)
         if float((coef - k * shape).abs().max()) / max(1.0, abs(k)) <= tol:
