@@ -81,3 +81,25 @@ def message_problems(v) -> list:
         if len(items) != len(set(items)):
             bad.append(f"{flag} {value}: a value twice")
     return bad
+
+
+def is_post_processing(target_ref: str) -> bool:
+    """Whether the specimen ``target_ref`` ("module:Class") only post-processes its noisy releases
+    (its class sets ``post_processing``): the privacy of such a target is intact."""
+    import importlib
+
+    module, _, name = target_ref.partition(":")
+    if not module.startswith("fixtures."):
+        return False
+    try:
+        return bool(getattr(getattr(importlib.import_module(module), name, None), "post_processing", False))
+    except ImportError:
+        return False
+
+
+def verdict_word_problems(v, target_ref: str) -> list:
+    """``message_problems`` plus "PRIVACY VIOLATION" said of a post-processing specimen's verdict."""
+    bad = message_problems(v)
+    if "PRIVACY VIOLATION" in v.message and is_post_processing(target_ref):
+        bad.append("PRIVACY VIOLATION said of a post-processing specimen (privacy intact)")
+    return bad

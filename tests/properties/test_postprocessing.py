@@ -87,3 +87,17 @@ def test_post_processing_is_named_and_a_leak_stays_a_violation(pool, target, ws,
     assert words in said and not message_problems(vs[0]), said
     if diagnosis == "post_processed":
         assert "PRIVACY VIOLATION" not in said and said.startswith("UTILITY LOSS (privacy intact)"), said
+
+
+def test_the_suite_wide_word_check_flags_a_violation_said_of_post_processing():
+    """``tests/conftest.py`` checks every verdict ``properties.run`` gives in the suite with this."""
+    from dpfsdp_verify.verdict import Verdict
+
+    from tests.verdict_helpers import is_post_processing, verdict_word_problems
+
+    said = Verdict("noise_calibration", "fail", {}, message="PRIVACY VIOLATION: too little noise at world_size=1")
+    assert is_post_processing(P + "ClipsNoisyGradient") and not is_post_processing("fixtures.specimens:Correct")
+    assert verdict_word_problems(said, P + "ClipsNoisyGradient") == [
+        "PRIVACY VIOLATION said of a post-processing specimen (privacy intact)"]
+    assert verdict_word_problems(said, "fixtures.specimens:NoiseDividedTwice") == []
+    assert not is_post_processing("no_such_module:X") and not is_post_processing("fixtures.nope:X")
