@@ -463,6 +463,8 @@ def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Ten
 def _direction_message(changed: int, low, high, direction: str, where: str):
     """``(diagnosis, message)`` for ``_direction``'s finding."""
     ratio = f" (effective/true norm {low:.4g}..{high:.4g})" if low is not None else ""
+    ratio += (". No parameter is named: the clip coefficients carry the norms of the clipped samples only, and no "
+              "parameter, module or pair of parameters at a fixed factor explains them")
     if direction == "less":
         return "undercount", (f"the norms it clips with undercount the true norms {where}: {changed} "
                               f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
