@@ -101,3 +101,10 @@ def test_the_suite_wide_word_check_flags_a_violation_said_of_post_processing():
         "PRIVACY VIOLATION said of a post-processing specimen (privacy intact)"]
     assert verdict_word_problems(said, "fixtures.specimens:NoiseDividedTwice") == []
     assert not is_post_processing("no_such_module:X") and not is_post_processing("fixtures.nope:X")
+
+
+def test_a_run_of_one_or_two_releases_is_pinned_at_its_c_or_a_norm_pinned_elsewhere():
+    assert pp.pinned([1.0 - 1e-8], "float64", [0.5, 1.0]).value == 1.0
+    assert pp.pinned([2.0, 2.0 * (1 + 1e-9)], "float64", [2.0]).releases == 2
+    assert pp.pinned([1.0 - 1e-8], "float64") is None  # one value alone: nothing to compare it with
+    assert pp.pinned([1.01], "float64", [1.0]) is None and pp.pinned([], "float64", [1.0]) is None

@@ -18,7 +18,7 @@ Pure functions of tensors: findings, no sentences (``wording/postprocessing.py``
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from ...lazy import torch
 
@@ -61,18 +61,33 @@ def on_grid(values: "torch.Tensor", fmt: str) -> float:
     return float((back == v).to(torch.float64).mean())
 
 
+def release_norms(releases: Sequence[Dict[str, "torch.Tensor"]], names: Sequence[str]) -> List[float]:
+    """The global norm of each release (one dict of full tensors per draw)."""
+    return [float(_flat(r, names).norm()) for r in releases]
+
+
 def pinned_norm(releases: Sequence[Dict[str, "torch.Tensor"]], names: Sequence[str], dtype: str
                 ) -> Optional[PostProcessing]:
     """``norm_pinned`` when the noisy ``releases`` (one dict of full tensors per draw) all have one
     global norm, to ``PINNED_SPREAD[dtype]`` relative; ``None`` otherwise."""
-    norms = [float(_flat(r, names).norm()) for r in releases]
+    return pinned(release_norms(releases, names), dtype)
+
+
+def pinned(norms: Sequence[float], dtype: str, values: Sequence[float] = ()) -> Optional[PostProcessing]:
+    """``norm_pinned`` when the release ``norms`` are one value (>= ``MIN_RELEASES`` of them) or, fewer,
+    each equal to one of ``values`` (a norm pinned in another run of the gate, or the run's C), to
+    ``PINNED_SPREAD[dtype]`` relative; ``None`` otherwise."""
     norms = [n for n in norms if n > 0]
-    if len(norms) < MIN_RELEASES:
+    tol = PINNED_SPREAD.get(dtype, PINNED_SPREAD["float32"])
+    if not norms:
         return None
     spread = (max(norms) - min(norms)) / max(norms)
-    if not spread <= PINNED_SPREAD.get(dtype, PINNED_SPREAD["float32"]):
-        return None
-    return PostProcessing("norm_pinned", max(norms), spread, len(norms))
+    if len(norms) >= MIN_RELEASES and spread <= tol:
+        return PostProcessing("norm_pinned", max(norms), spread, len(norms))
+    for v in values:
+        if v > 0 and all(abs(n - v) <= tol * v for n in norms):
+            return PostProcessing("norm_pinned", v, max(abs(n - v) / v for n in norms), len(norms))
+    return None
 
 
 def rounded(releases: Sequence[Dict[str, "torch.Tensor"]], names: Sequence[str], dtype: str,

@@ -38,7 +38,7 @@ from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
 from .wording import finding_message, pass_message, pooled_message, where
-from ..analysis.postprocessing import PostProcessing, pinned_norm
+from ..analysis.postprocessing import PostProcessing, pinned, release_norms
 from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message
 from ..engine.evidence import collecting, current  # the sink the runner feeds (re-exported)
 from ..engine.contract import Case, Options, Outputs
@@ -71,6 +71,9 @@ class Ledger:
         self.owned: set = set()
         #: each decomposed run's post-processing signature (``analysis/postprocessing.py``), by ``id``
         self.post: Dict[int, PostProcessing] = {}
+        #: each decomposed run's release norms and dtype, by ``id``: a run of one or two releases is
+        #: pinned when they equal its C or a norm pinned in a longer run
+        self.norms: Dict[int, Tuple[List[float], str]] = {}
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -110,10 +113,12 @@ class Ledger:
                             self.runs.append((case, found))
                             self.keys[id(found)] = identity
                             self.decomposed.add(identity)
-                            pinned = pinned_norm([st.gradient for st in ranks[0].steps], sorted(
-                                ranks[0].steps[0].gradient), spec.dtype if spec.precision == "fp32" else "mixed")
-                            if pinned is not None:
-                                self.post[id(found)] = pinned
+                            norms = release_norms([st.gradient for st in ranks[0].steps],
+                                                  sorted(ranks[0].steps[0].gradient))
+                            self.norms[id(found)] = (norms, spec.dtype if spec.precision == "fp32" else "mixed")
+                            post = pinned(*self.norms[id(found)])
+                            if post is not None:
+                                self.post[id(found)] = post
                             device = device_facts(ranks).get("device")
                             if device:
                                 self.devices[id(case)] = str(device)
@@ -137,7 +142,9 @@ class Ledger:
     def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
         """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
         what the other ``runs`` released at the same place (``contrasts``)."""
-        owner, post = case.property, self.post.get(id(run))
+        norms, dtype = self.norms.get(id(run), ([], "float32"))
+        values = sorted({p.value for p in self.post.values()}) + [run.clip]
+        owner, post = case.property, self.post.get(id(run)) or pinned(norms, dtype, values)
         # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
         message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
                    finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))

@@ -4,7 +4,7 @@ a correctly-noised release costs no privacy, and the user must look for a wrong 
 
 from __future__ import annotations
 
-from ..analysis.postprocessing import PostProcessing
+from ..analysis.postprocessing import MIN_RELEASES, PostProcessing
 
 #: the diagnosis of every verdict this module words
 DIAGNOSIS = "post_processed"
@@ -14,8 +14,11 @@ def post_processing_message(f: PostProcessing, where: str) -> str:
     """The message of finding ``f`` in the run(s) ``where`` describes."""
     lead = "UTILITY LOSS (privacy intact): the noisy gradient was changed AFTER the noise was added " + where + ": "
     if f.kind == "norm_pinned":
-        what = (f"every one of the {f.releases} noisy releases has global norm {f.value:.6g} (relative spread "
-                f"{f.spread:.1e}; a noisy gradient's norm varies between draws by ~1/sqrt(2d) of d coordinates), "
+        few = f.releases < MIN_RELEASES  # matched to the run's C or a norm pinned in a longer run
+        what = (f"{'its' if few else 'every one of the'} {f.releases} noisy release(s) "
+                f"{'have' if few else 'has'} global norm {f.value:.6g} ({'within' if few else 'relative spread'} "
+                f"{f.spread:.1e}{' relative of C or of the norm the longer runs pin' if few else ''}; a noisy "
+                "gradient's norm varies between draws by ~1/sqrt(2d) of d coordinates), "
                 "so the noisy gradient was clipped (or rescaled) to that norm after the noise, and the "
                 "update is shrunk with it. The noise went in before the clip")
     else:
