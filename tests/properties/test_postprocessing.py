@@ -74,6 +74,8 @@ def test_the_message_says_after_the_noise_and_privacy_intact():
     (P + "RoundsNoisyGradientToBf16", 1, "post_processed", "exactly representable in bfloat16"),
     # noise / N^2 instead of / N: right at one rank, too little noise at two
     ("fixtures.specimens:NoiseDividedTwice", 2, "mismatch", "PRIVACY VIOLATION: too little noise"),
+    # pinned norms without noise: a leak, not post-processing
+    (P + "ClipsUnnoisedGradient", 1, "mismatch", "PRIVACY VIOLATION: no noise"),
     ("fixtures.specimens:Correct", 1, None, None),
 ])
 def test_post_processing_is_named_and_a_leak_stays_a_violation(pool, target, ws, diagnosis, words):

@@ -116,3 +116,16 @@ def post_processing(releases: Sequence[Dict[str, "torch.Tensor"]], names: Sequen
                     noise: Optional["torch.Tensor"] = None) -> Optional[PostProcessing]:
     """The first post-processing signature the noisy ``releases`` show (module doc), or ``None``."""
     return pinned_norm(releases, names, dtype) or rounded(releases, names, dtype, noise)
+
+
+def mostly_nonzero(noise: "torch.Tensor") -> bool:
+    """Whether most coordinates of ``noise`` (release minus the noise-0 release) are noised at all: a
+    post-processing verdict needs the noise to be there (a release with no noise whose norm is pinned
+    -- an unnoised sum of one clipped sample has norm C -- is missing noise, a privacy violation)."""
+    return float((noise != 0).to(torch.float64).mean()) > 0.5
+
+
+def noisy_finding(finding) -> bool:
+    """Whether a release-judge ``finding`` (``releases.analysis.Finding``) measured noise at all: a scale
+    finding with a std ratio above ``1e-3`` (none, or only rounding, is missing noise, never post-processing)."""
+    return finding is not None and finding.kind == "scale" and finding.ratio > 1e-3

@@ -127,8 +127,7 @@ NODE_ALPHA = 1e-5
 #: right (``fixtures.sigma_specimens``); and its ratios sigma, 1/sigma (a std with sigma twice or
 #: left out) 17 % or more from every ratio a world size explains (1/sqrt(N), 1/N, N for N <= 4), so
 #: that a cause is named by the ratio alone. Exploration draws others (``deadlock_free``'s draws)
-SIGMA = 2.5
-CLIP = 1.0
+SIGMA, CLIP = 2.5, 1.0
 #: power target: a std error of this size on a shard (as tested) of >= POWER_MIN_NUMEL coordinates ...
 POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
 #: ... and the mlp dims that give the gate such shards cheaply: fc1.weight 64 x 32 and fc2.weight
@@ -337,8 +336,9 @@ def _judge_releases(case: Case, outputs: Outputs) -> Verdict:
     tests, alpha = tests_of(run), case.facts["alpha"] / max(1, tests_of(run))
     evidence: Dict = {"alpha_per_test": alpha, "tests": tests, "releases": len(run.cells),
                       "steps": sorted({c.step for c in run.cells}), "ranks": sorted({c.rank for c in run.cells})}
-    f, post = run_tests(run, alpha), pinned_release(case, outputs[0][0], run, evidence)
+    f = run_tests(run, alpha)
     if f is not None:
+        post = pinned_release(case, outputs[0][0], run, f, evidence)
         if post is not None:
             return post
         evidence.update(finding=f.kind, scope=f.scope, finding_steps=list(f.steps), finding_ranks=list(f.ranks),

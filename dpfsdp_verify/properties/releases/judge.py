@@ -38,7 +38,7 @@ from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
 from .wording import finding_message, pass_message, pooled_message, where
-from ..analysis.postprocessing import PostProcessing, pinned, release_norms
+from ..analysis.postprocessing import PostProcessing, noisy_finding, pinned, release_norms
 from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message
 from ..engine.evidence import collecting, current  # the sink the runner feeds (re-exported)
 from ..engine.contract import Case, Options, Outputs
@@ -144,7 +144,8 @@ class Ledger:
         what the other ``runs`` released at the same place (``contrasts``)."""
         norms, dtype = self.norms.get(id(run), ([], "float32"))
         values = sorted({p.value for p in self.post.values()}) + [run.clip]
-        owner, post = case.property, self.post.get(id(run)) or pinned(norms, dtype, values)
+        post = (self.post.get(id(run)) or pinned(norms, dtype, values)) if noisy_finding(f) else None
+        owner = case.property
         # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
         message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
                    finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
