@@ -103,6 +103,9 @@ def test_the_suite_wide_word_check_flags_a_violation_said_of_post_processing():
         "PRIVACY VIOLATION said of a post-processing specimen (privacy intact)"]
     assert verdict_word_problems(said, "fixtures.specimens:NoiseDividedTwice") == []
     assert not is_post_processing("no_such_module:X") and not is_post_processing("fixtures.nope:X")
+    # one --mode-env per mode is how the CLI takes modes, not a doubled option
+    modes = Verdict("mode_equivalence", "pass", {}, repro="dpfsdp-verify run --mode-env a:X=0 --mode-env b:X=1")
+    assert verdict_word_problems(modes, "fixtures.specimens:Correct") == []
 
 
 def test_a_run_of_one_or_two_releases_is_pinned_at_its_c_or_a_norm_pinned_elsewhere():
