@@ -86,7 +86,8 @@ def message_problems(v) -> list:
     import re
     import shlex
     bad = [f"empty list {m.group(0)!r}" for m in re.finditer(
-        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|\[\]|\(\)|, ,", v.message)]
+        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|(?<![\w.])(?:\[\]|\(\))|, ,",
+        v.message)]  # "run()" is a call, not an empty list
     words = shlex.split(v.repro) if v.repro else []
     repeatable = repeatable_options()
     flags = [w for w in words if w.startswith("--") and w not in repeatable]

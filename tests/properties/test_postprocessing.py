@@ -106,6 +106,11 @@ def test_the_suite_wide_word_check_flags_a_violation_said_of_post_processing():
     # one --mode-env per mode is how the CLI takes modes, not a doubled option
     modes = Verdict("mode_equivalence", "pass", {}, repro="dpfsdp-verify run --mode-env a:X=0 --mode-env b:X=1")
     assert verdict_word_problems(modes, "fixtures.specimens:Correct") == []
+    # a call is not an empty list; a rank's empty list of local batches is
+    call = Verdict("norm_fidelity", "fail", {}, message="add 'resume' to Target.features once run() saves")
+    assert verdict_word_problems(call, "fixtures.specimens:Correct") == []
+    empty = Verdict("deadlock_free", "hang", {}, message="rank 1 ended its run after 0 step(s) (local batches [])")
+    assert verdict_word_problems(empty, "fixtures.specimens:Correct") == ["empty list '[]'"]
 
 
 def test_a_run_of_one_or_two_releases_is_pinned_at_its_c_or_a_norm_pinned_elsewhere():
