@@ -109,6 +109,8 @@ def test_the_suite_wide_word_check_flags_a_violation_said_of_post_processing():
     # a call is not an empty list; a rank's empty list of local batches is
     call = Verdict("norm_fidelity", "fail", {}, message="add 'resume' to Target.features once run() saves")
     assert verdict_word_problems(call, "fixtures.specimens:Correct") == []
+    shapes = Verdict("deadlock_free", "hang", {}, message="(rank 0: gloo:all_gather [[60]]; rank 1: gloo:barrier [])")
+    assert verdict_word_problems(shapes, "fixtures.specimens:Correct") == []
     empty = Verdict("deadlock_free", "hang", {}, message="rank 1 ended its run after 0 step(s) (local batches [])")
     assert verdict_word_problems(empty, "fixtures.specimens:Correct") == ["empty list '[]'"]
 
