@@ -35,7 +35,7 @@ RUN_DIAGNOSES = ("mismatch", "non_finite", "deadlock", "rank_crash", "step_diver
 DIAGNOSES = RUN_DIAGNOSES + ("sqrt_n_inflation", "sample_mixing", "undercount", "correlated_sampling",
                              "wrong_sample_rate", "non_gaussian_noise", "dependent_noise", "step_count_reset",
                              "noise_replayed", "mask_replayed", "noise_bypassed",
-                             "replica_divergence", "replicated_counted", "audit_violation")
+                             "replica_divergence", "replicated_counted", "audit_violation", "post_processed")
 #: a bug inside the suite's own check code (not a verdict about the target)
 INTERNAL_ERROR = "internal_error"
 #: every key a property or the fuzzer puts in ``Verdict.config`` (keep in step with them: the

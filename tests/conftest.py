@@ -83,3 +83,23 @@ def pytest_collection_modifyitems(config, items):
     order.update({m: len(HEAVY_FIRST) + 1 + i for i, m in enumerate(CHEAP_LAST)})
     middle = len(HEAVY_FIRST)
     items.sort(key=lambda item: order.get(item.path.stem, middle))  # stable: a module's own order is kept
+
+
+@pytest.fixture(autouse=True)
+def _verdict_words(monkeypatch):
+    """Every verdict a test computes through ``properties.run`` -- every specimen the suite runs that
+    way -- is checked for broken words (``verdict_helpers.verdict_word_problems``: an empty list, a
+    doubled option in its replay line, "PRIVACY VIOLATION" said of a post-processing specimen); the
+    test that computed it fails, naming the problem."""
+    import dpfsdp_verify.properties as props
+    from tests.verdict_helpers import verdict_word_problems
+
+    run = props.run
+
+    def checked(prop, target_ref, *args, **kwargs):
+        verdicts = run(prop, target_ref, *args, **kwargs)
+        bad = [(v.property, v.config, p) for v in verdicts for p in verdict_word_problems(v, target_ref)]
+        assert not bad, f"broken verdict words for {target_ref}: {bad}"
+        return verdicts
+
+    monkeypatch.setattr(props, "run", checked)

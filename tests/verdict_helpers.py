@@ -1,5 +1,7 @@
 """Small verdict filters and runners shared by the test modules."""
 
+import functools
+
 from dpfsdp_verify.gate import run as _gate_run
 
 _RUN_PLAN = _gate_run.run_plan
@@ -66,19 +68,56 @@ def run_gate(pool, monkeypatch, capsys, *args):
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
+@functools.lru_cache(maxsize=None)
+def repeatable_options() -> frozenset:
+    """The ``run`` command's options given once per value (``action="append"``, e.g. ``--mode-env``)."""
+    import argparse
+
+    from dpfsdp_verify.gate import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return frozenset(o for a in sub.choices["run"]._actions if isinstance(a, argparse._AppendAction)
+                     for o in a.option_strings)
+
+
 def message_problems(v) -> list:
     """What is broken in a verdict's words: an empty list ("at steps  in", "[]", ", ,") in its
     message, or a replay line naming an option twice or one value twice in an option's comma list
     (``--properties noise_calibration,noise_calibration``)."""
     import re
     import shlex
+    # "run()" is a call, and "gloo:barrier []" a collective's tensor shapes (a barrier has none): no empty list
     bad = [f"empty list {m.group(0)!r}" for m in re.finditer(
-        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|\[\]|\(\)|, ,", v.message)]
+        r"\b(?:steps?|ranks?|coordinates|tensors|values) +(?=[,;:)]|in a run| in |\s*$)|(?<![\w.])(?:\[\]|\(\))|, ,",
+        v.message) if not re.search(r"\w+:\w+ $", v.message[:m.start()])]
     words = shlex.split(v.repro) if v.repro else []
-    flags = [w for w in words if w.startswith("--")]
+    repeatable = repeatable_options()
+    flags = [w for w in words if w.startswith("--") and w not in repeatable]
     bad += [f"option {f} twice" for f in sorted({f for f in flags if flags.count(f) > 1})]
     for flag, value in zip(words, words[1:]):
         items = value.split(",") if flag.startswith("--") and not value.startswith("--") else []
         if len(items) != len(set(items)):
             bad.append(f"{flag} {value}: a value twice")
+    return bad
+
+
+def is_post_processing(target_ref: str) -> bool:
+    """Whether the specimen ``target_ref`` ("module:Class") only post-processes its noisy releases
+    (its class sets ``post_processing``): the privacy of such a target is intact."""
+    import importlib
+
+    module, _, name = target_ref.partition(":")
+    if not module.startswith("fixtures."):
+        return False
+    try:
+        return bool(getattr(getattr(importlib.import_module(module), name, None), "post_processing", False))
+    except ImportError:
+        return False
+
+
+def verdict_word_problems(v, target_ref: str) -> list:
+    """``message_problems`` plus "PRIVACY VIOLATION" said of a post-processing specimen's verdict."""
+    bad = message_problems(v)
+    if "PRIVACY VIOLATION" in v.message and is_post_processing(target_ref):
+        bad.append("PRIVACY VIOLATION said of a post-processing specimen (privacy intact)")
     return bad

@@ -129,17 +129,19 @@ class Trail:
         """``proven=False`` (a deadline passed, nothing proven): a step begun and not finished is
         told as not finished *yet* -- it may still finish."""
         if self.ended:
-            return (f"rank {rank} ended its run after {self.finished} step(s) (local batches {self.sizes}"
-                    f"{self._passes()})")
+            return f"rank {rank} ended its run after {self.finished} step(s){self._batches()}"
         if self.begun > self.finished:
             during = (f", during physical pass {self.pass_counts[-1]} of size {self.passes[-1][-1]}"
                       if self.passes and self.passes[-1] else "")
             size = self.sizes[-1] if self.given[-1] >= 0 else f">= {self.sizes[-1]}"  # passes so far
             never = "and never finished it" if proven else "and had not finished it when the deadline passed"
             return (f"rank {rank} began step {self.current} (local batch {size}) after {self.finished} "
-                    f"finished step(s) {never}{during} (local batches {self.sizes}{self._passes()})")
-        return (f"rank {rank} finished {self.finished} step(s) and did not end its run (local batches {self.sizes}"
-                f"{self._passes()})")
+                    f"finished step(s) {never}{during}{self._batches()}")
+        return f"rank {rank} finished {self.finished} step(s) and did not end its run{self._batches()}"
+
+    def _batches(self) -> str:
+        """`` (local batches [...]; passes)``, or what a rank that drew none says (never an empty list)."""
+        return f" (local batches {self.sizes}{self._passes()})" if self.sizes else " (no local batch drawn)"
 
 
 def read(directory: str, world_size: int) -> List[Optional[Trail]]:

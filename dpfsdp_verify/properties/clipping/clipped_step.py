@@ -356,9 +356,10 @@ def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdic
             f"from step {k} (counted from 0; epoch {k // per_epoch + 1}) on, the DP step differs from the reference "
             f"in a {where}: {len(wrong)} of the {steps - k} steps from step {k} differ"
             + (f", the {k} before it equal the reference" if k else "")
-            + f". At step {k}: {why.rstrip('.')}. A step that is right at first and wrong later (a flag flipped after "
-              "a "
-            "warm-up, an epoch counter, a schedule) passes every short run."), evidence)
+            + f". At step {k}: {why.rstrip('.')}." + (" A step that is right at first and wrong later (a flag flipped "
+                                                      "after a warm-up, an epoch counter, a schedule) passes every "
+                                                      "short run." if k else " It is wrong from the first step on.")),
+            evidence)
     own_note = (f" (at the target's own clip epsilon, {min(epsilons):.3g}..{max(epsilons):.3g}, inside the accepted "
                 f"0..{MAX_CLIP_EPSILON:g})" if epsilons else "")
     return case.verdict("pass", None, f"every one of the {steps} steps equals the reference DP-SGD step (noise 0) "

@@ -60,7 +60,7 @@ from ..engine.contract import Case, FuzzRecipe, Outputs, Point, Property
 from .norm_hypotheses import (HYPOTHESIS_RTOL, batch_summed_norms, borrowed_norms, close as _close,
                                         finetune_norms, omitted_layer_norms, phantom_bias_norms, right_prefix,
                                         sequence_weights)
-from .param_shares import clip_share_diagnosis, norm_share_diagnosis
+from .param_shares import clip_share_diagnosis, norm_share_diagnosis, unnamed_reason
 from ..analysis.precision_bounds import (precision_bound, precision_coefficient_bounds, precision_kinks,
                                          precision_norm_tolerances, precision_spec, precision_unjudgeable)
 
@@ -463,6 +463,8 @@ def _direction(coef: torch.Tensor, expected: torch.Tensor, true_norms: torch.Ten
 def _direction_message(changed: int, low, high, direction: str, where: str):
     """``(diagnosis, message)`` for ``_direction``'s finding."""
     ratio = f" (effective/true norm {low:.4g}..{high:.4g})" if low is not None else ""
+    ratio += (". No parameter is named: the clip coefficients carry the norms of the clipped samples only, and no "
+              "parameter, module or pair of parameters at a fixed factor explains them")
     if direction == "less":
         return "undercount", (f"the norms it clips with undercount the true norms {where}: {changed} "
                               f"sample(s) clipped less than min(1, C/||g_i||){ratio}. A sample can then contribute "
@@ -569,6 +571,7 @@ def diagnose(case: Case, got, want, steps, ratios):
                                   "per-sample norms", where)  # one parameter's (or module's) share off, named
     if shared:
         return shared
+    unnamed = unnamed_reason(sum(len(s.indices) for s in steps))
     if bool((ratios < 1).all()):
         note = ""
         if layout == "replicated" and ws > 1 and len({len(g) for g in got}) == 1:
@@ -578,13 +581,14 @@ def diagnose(case: Case, got, want, steps, ratios):
         return "undercount", (
             f"per-sample norms undercount the true norms {where}: ratio reported/true between "
             f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g}.{note} Clipping with too small a norm "
-            "lets a sample contribute more than C: a privacy violation.")
+            "lets a sample contribute more than C: a privacy violation." + unnamed)
     if bool((ratios > 1).all()):
         k = float(ratios.mean())
         kind = f"inflated (ratio {float(ratios.min()):.4g}..{float(ratios.max()):.4g})"
         if _close(ratios, torch.full_like(ratios, k)):
             kind = f"inflated by a constant factor {k:.4g}"
-        return "mismatch", (f"per-sample norms {kind} {where}: every sample is over-clipped (utility loss).")
+        return "mismatch", (f"per-sample norms {kind} {where}: every sample is over-clipped (utility loss)."
+                            + ("" if kind.startswith("inflated by a constant") else unnamed))
     worst = max(range(len(got)), key=lambda r: float(((got[r] - want[r]).abs() / want[r].clamp_min(1e-300)).max()))
     k = right_prefix(got, want)
     prefix = (f" The first {k} sample(s) of every rank's local batch are right and the rest are not: per-sample "
@@ -592,7 +596,7 @@ def diagnose(case: Case, got, want, steps, ratios):
               "backprops?" if k else "")
     return "mismatch", (f"per-sample norms differ from the reference {where}: ratio reported/true between "
                         f"{float(ratios.min()):.4g} and {float(ratios.max()):.4g} (worst on rank {worst}), "
-                        f"some above and some below the truth.{prefix}")
+                        f"some above and some below the truth.{prefix}" + ("" if k else unnamed))
 
 
 def _borrowed_message(what: str, borrowed: dict, where: str) -> str:

@@ -11,7 +11,9 @@ squared norms minus the true ones are a multiple of ``P``'s shares over the samp
 is fitted by least squares for every candidate ``P``; the candidates whose residual is within the
 tolerance are the explanation (several when their shares are proportional on these samples: all are
 named). Single parameters are tried before modules (the more specific reading first); a set that
-holds the whole norm (a model of one parameter) is not tried: that is one factor on every norm.
+holds the whole norm (a model of one parameter) is not tried: that is one factor on every norm. When
+no one set fits, two parameters at a factor each are tried (``pair_fits``, on >= 4 samples); when
+nothing fits, ``unnamed_reason`` says why no parameter is named.
 
 DP meaning: ``k < 1`` undercounts the sample's norm (it can contribute more than C: a privacy
 violation); ``k > 1`` over-clips (utility).
@@ -36,6 +38,10 @@ class Share:
     def __init__(self, names: List[str], k: float, residual: float):
         self.names, self.k, self.residual = names, k, residual
 
+    def excess(self, parts: Dict[str, "torch.Tensor"]) -> "torch.Tensor":
+        """The squared norms' excess over the truth this fit predicts, from the true ``parts``."""
+        return (self.k ** 2 - 1) * torch.stack([parts[n] for n in self.names]).sum(0)
+
     def describe(self) -> str:
         names = ", ".join(repr(n) for n in self.names)
         plural = "s" if len(self.names) > 1 else ""
@@ -43,6 +49,21 @@ class Share:
             return f"leave out parameter{plural} {names} (its per-sample gradient contributes nothing: factor 0)"
         return (f"count parameter{plural} {names} with a factor {self.k:.4g} on its per-sample gradient "
                 f"({self.k ** 2:.4g} x its share of the squared norm)")
+
+
+class Combined(Share):
+    """A fit of two parameters at a factor each (``parts``): both are named, each with its factor; its
+    ``k`` is the smaller one (below 1: a share is undercounted)."""
+
+    def __init__(self, parts: List[Share], residual: float):
+        super().__init__([n for p in parts for n in p.names], min(p.k for p in parts), residual)
+        self.parts = parts
+
+    def excess(self, parts: Dict[str, "torch.Tensor"]) -> "torch.Tensor":
+        return sum((p.excess(parts) for p in self.parts), torch.zeros_like(next(iter(parts.values()))))
+
+    def describe(self) -> str:
+        return " and ".join(p.describe() for p in self.parts)
 
 
 def candidates(spec: RunSpec) -> List[List[str]]:
@@ -89,7 +110,32 @@ def fit_shares(spec: RunSpec, indices: Sequence[int], got_sq: "torch.Tensor", rt
             found.append(Share(names, math.sqrt(max(k2, 0.0)), float((resid / true_sq.clamp_min(1e-300)).max())))
     found.sort(key=lambda f: f.residual)
     best = [f for f in found if len(f.names) == len(found[0].names)] if found else []
-    return best
+    return best or pair_fits(parts, d, allowed, rtol)
+
+
+#: fewest samples a two-parameter fit is made on (two factors from >= 4 equations: 2 to spare)
+PAIR_MIN_SAMPLES = 4
+
+
+def pair_fits(parts: Dict[str, "torch.Tensor"], d: "torch.Tensor", allowed: "torch.Tensor", rtol: float
+              ) -> List[Share]:
+    """Two parameters each off by its own factor (``d`` = the squared norms' excess over the truth,
+    least squares over the pair's shares), best first; ``[]`` with fewer than ``PAIR_MIN_SAMPLES``
+    samples or when no pair explains ``d`` within ``allowed``."""
+    names = [n for n, s in parts.items() if float(s.abs().sum()) > 0]
+    if len(d) < PAIR_MIN_SAMPLES:
+        return []
+    found: List[Share] = []
+    for i, p in enumerate(names):
+        for q in names[i + 1:]:
+            x = torch.stack([parts[p], parts[q]], 1)
+            sol = torch.linalg.lstsq(x, d.unsqueeze(1)).solution.squeeze(1)
+            resid = (d - x @ sol).abs()
+            a = [float(v) for v in sol]
+            if bool((resid <= allowed).all()) and all(1 + v >= -2 * rtol and abs(v) > 2 * rtol for v in a):
+                found.append(Combined([Share([n], math.sqrt(max(1 + v, 0.0)), 0.0) for n, v in zip((p, q), a)],
+                                      float((resid / (d.abs() + allowed)).max())))
+    return sorted(found, key=lambda f: f.residual)
 
 
 def describe_fits(found: List[Share]) -> Tuple[str, str]:
@@ -119,6 +165,15 @@ def norm_share_diagnosis(spec: RunSpec, got: Sequence["torch.Tensor"], steps, rt
     return diagnosis, f"{subject} {where} {what}; {consequence}."
 
 
+def unnamed_reason(samples: int) -> str:
+    """Why a norm failure names no parameter: what was tried on how many ``samples``."""
+    pairs = (" nor any two parameters at a factor each" if samples >= PAIR_MIN_SAMPLES else
+             f" (two parameters at a factor each need >= {PAIR_MIN_SAMPLES} samples)")
+    return (f" No parameter is named: no single parameter or module at one factor{pairs} explains the reported "
+            f"norms of these {samples} samples -- the error is not a fixed factor on some parameters' per-sample "
+            "gradients (it varies by sample: e.g. a sequence layer's norm taken per token, or other samples' norms).")
+
+
 def clip_share_diagnosis(spec: RunSpec, indices: Sequence[int], coef: "torch.Tensor", expected: "torch.Tensor",
                          tol: float, where: str) -> Optional[Tuple[str, str]]:
     """``(diagnosis, message)`` naming the parameters whose share of the norms a target *clips with*
@@ -142,8 +197,7 @@ def clip_share_diagnosis(spec: RunSpec, indices: Sequence[int], coef: "torch.Ten
     true_sq = torch.stack(list(parts.values())).sum(0)
     kept = []
     for f in found:
-        share = torch.stack([parts[n] for n in f.names]).sum(0)
-        hyp = (true_sq + (f.k ** 2 - 1) * share).clamp_min(0).sqrt()
+        hyp = (true_sq + f.excess(parts)).clamp_min(0).sqrt()
         shape = reference.clip_coefficients(hyp, c)
         k = float(coef @ shape) / float(shape @ shape)
         if float((coef - k * shape).abs().max()) / max(1.0, abs(k)) <= tol:
@@ -154,5 +208,5 @@ def clip_share_diagnosis(spec: RunSpec, indices: Sequence[int], coef: "torch.Ten
     return diagnosis, f"the norms it clips with {where} {what}."
 
 
-__all__ = ["LEFT_OUT", "Share", "candidates", "shares", "fit_shares", "describe_fits", "norm_share_diagnosis",
-           "clip_share_diagnosis"]
+__all__ = ["LEFT_OUT", "Share", "Combined", "PAIR_MIN_SAMPLES", "pair_fits", "unnamed_reason", "candidates", "shares",
+           "fit_shares", "describe_fits", "norm_share_diagnosis", "clip_share_diagnosis"]

@@ -78,10 +78,10 @@ alarm in a whole gate run with probability <= ``FAMILY_ALPHA``):
   (Pearson correlation, Fisher z ~ N(0, 1)), and between every pair of draws at any lag
   (``stats.pairwise_dependence``, chi^2).
 
-The verdict states each test's power as tested: the smallest std error of a shard of >=
-``POWER_MIN_NUMEL`` coordinates detected with >= 99% probability (draws are chosen so that it is
-<= 5%: ``draws_for``), the true figure of the weakest (smallest) shard, and the smallest excess
-kurtosis the shape test detects. Measured detection and false-alarm rates: docs/noise.md.
+The verdict states each test's power as tested: the smallest std error of a shard of >= ``POWER_MIN_NUMEL``
+coordinates detected with >= 99% probability (draws are chosen so that it is <= 5%: ``draws_for``), the
+true figure of the weakest shard, and the smallest excess kurtosis the shape test detects. Measured
+detection and false-alarm rates: docs/noise.md. A release changed after its noise: ``postprocessed.py``.
 """
 
 from __future__ import annotations
@@ -94,11 +94,10 @@ from ...lazy import torch
 
 from ...config.space import adjacent
 from ...targets import RunSpec
-from ...verdict import Verdict
-from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA
-from ..analysis.accountant import accountant_problem
+from ...verdict import Verdict, config_label
+from ..analysis.accountant import DELTA as ACCOUNTANT_DELTA, accountant_problem, describe as describe_accountant
 from ..wording.accountant import measured_history_message
-from ..analysis.accountant import describe as describe_accountant
+from .postprocessed import pinned_release, post_processed
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import DEFAULT_PRECISION_FACT, Case, Outputs, Point, Property
 from . import stats as noise_stats
@@ -108,7 +107,6 @@ from ..analysis.clipfit import with_picked_clip
 from ..releases.analysis import decompose, detectable_ratio, run_tests, tests_of
 from ..releases.wording import finding_message, node_layout_note, one_run_pass_message
 from ...harness.launch import local_world_size
-from ...verdict import config_label
 from .exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
                                     unnoised_message)
@@ -129,8 +127,7 @@ NODE_ALPHA = 1e-5
 #: right (``fixtures.sigma_specimens``); and its ratios sigma, 1/sigma (a std with sigma twice or
 #: left out) 17 % or more from every ratio a world size explains (1/sqrt(N), 1/N, N for N <= 4), so
 #: that a cause is named by the ratio alone. Exploration draws others (``deadlock_free``'s draws)
-SIGMA = 2.5
-CLIP = 1.0
+SIGMA, CLIP = 2.5, 1.0
 #: power target: a std error of this size on a shard (as tested) of >= POWER_MIN_NUMEL coordinates ...
 POWER_STD_ERROR, POWER_MIN_NUMEL, POWER = 0.05, 512, 0.99
 #: ... and the mlp dims that give the gate such shards cheaply: fc1.weight 64 x 32 and fc2.weight
@@ -330,19 +327,20 @@ def nodes(point: Point):
 
 
 def _judge_releases(case: Case, outputs: Outputs) -> Verdict:
-    """The node run (``nodes``) and the long run (``cases``): every release decomposed and judged per
-    run, step and rank (``releases.analysis.run_tests``), the case's ``alpha`` split over its tests."""
+    """The node and long runs: releases judged per run, step and rank, ``alpha`` split over the tests."""
     run = decompose(case.spec, case.world_size, outputs[0][0])
     if run is None or not run.cells:
         skipped = "; ".join(f"step {t}: {why}" for t, why in (run.skipped if run else [])[:3])
         return case.verdict("fail", None, f"not checkable on this target: no release of the {case.doing} could be "
                             f"decomposed ({skipped or 'no step with noise reported'})")
-    tests = tests_of(run)
-    alpha = case.facts["alpha"] / max(1, tests)
+    tests, alpha = tests_of(run), case.facts["alpha"] / max(1, tests_of(run))
     evidence: Dict = {"alpha_per_test": alpha, "tests": tests, "releases": len(run.cells),
                       "steps": sorted({c.step for c in run.cells}), "ranks": sorted({c.rank for c in run.cells})}
     f = run_tests(run, alpha)
     if f is not None:
+        post = pinned_release(case, outputs[0][0], run, f, evidence)
+        if post is not None:
+            return post
         evidence.update(finding=f.kind, scope=f.scope, finding_steps=list(f.steps), finding_ranks=list(f.ranks),
                         std_ratio=f.ratio, p=f.p)
         nodes = case.facts.get("nodes") and f.scope in ("rank", "run")
@@ -380,7 +378,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
              f"C={spec.max_grad_norm}, D={d:g}{sampling}; {n_draws} draws of every coordinate)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "alpha_per_test": case.facts["alpha_per_test"],
                       "clean_gradient_max": noise_tails.clean_max(runs, names)}
-    silent = silent_shard(stacked, names, ws)
+    silent = post_processed(case, runs, names, where, evidence) or silent_shard(stacked, names, ws)
+    if isinstance(silent, Verdict):
+        return silent
     if silent:
         n, r, k, numel = silent
         return case.verdict("fail", "mismatch", (
@@ -466,7 +466,8 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
              f"(sigma={spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
              "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
-    exact = _exact_failure(case, runs, noise, names, s, where, evidence)
+    exact = post_processed(case, runs, names, where, evidence) or _exact_failure(case, runs, noise, names, s, where,
+                                                                                 evidence)
     if exact is not None:
         return exact
     return case.verdict("pass", None, (
@@ -632,8 +633,7 @@ def _judge_fresh(case: Case, outputs: Outputs) -> Verdict:
 
 PROPERTY = Property(
     id="noise_calibration", diagnoses=("mismatch", "non_gaussian_noise", "dependent_noise", "accountant_mismatch",
-               "replica_divergence"),
-    meshes=True,
+                                       "replica_divergence", "post_processed"), meshes=True,
     meaning=("the noise is Gaussian with std sigma*C/D on every coordinate of every tensor (less: privacy "
              "violation; more: utility loss; not Gaussian: privacy violation), fresh at every step, run and training "
              "job, independent across shards and tensors, under fixed and Poisson sampling"),

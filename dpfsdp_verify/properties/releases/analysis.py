@@ -490,7 +490,9 @@ def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
     ranks = sorted({c.rank for c in run.cells})
     per_rank = {r: _scale([c for c in run.cells if c.rank == r]) for r in ranks} if len(ranks) > 1 else {}
     bad_ranks = [r for r in ranks if r in per_rank and not per_rank[r][1] >= alpha]
-    if (not p >= alpha or bad_steps or bad_ranks) and any(c.own_max < 1 for c in run.cells):
+    # (a local batch whose largest clipped norm is 0 -- all its samples' gradients 0 -- has no such scale)
+    if (not p >= alpha or bad_steps or bad_ranks) and any(c.own_max < 1 for c in run.cells) \
+            and all(c.own_max > 0 for c in run.cells):
         # the noise std tied to each local batch's largest clipped norm: every cell scaled back by it fits
         ss = sum(c.ss / c.own_max ** 2 for c in run.cells)
         df = sum(c.df for c in run.cells)

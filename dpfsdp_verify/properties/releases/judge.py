@@ -37,7 +37,9 @@ from ...lazy import torch
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
-from .wording import finding_message, pass_message, pooled_message
+from .wording import finding_message, pass_message, pooled_message, where
+from ..analysis.postprocessing import PostProcessing, noisy_finding, pinned, release_norms
+from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
 from ..engine.threads import one_thread
@@ -66,6 +68,11 @@ class Ledger:
         self.decomposed: set = set()
         #: the runs a ``releases_judged`` case judges itself (``add``)
         self.owned: set = set()
+        #: each decomposed run's post-processing signature (``analysis/postprocessing.py``), by ``id``
+        self.post: Dict[int, PostProcessing] = {}
+        #: each decomposed run's release norms and dtype, by ``id``: a run of one or two releases is
+        #: pinned when they equal its C or a norm pinned in a longer run
+        self.norms: Dict[int, Tuple[List[float], str]] = {}
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -105,6 +112,12 @@ class Ledger:
                             self.runs.append((case, found))
                             self.keys[id(found)] = identity
                             self.decomposed.add(identity)
+                            norms = release_norms([st.gradient for st in ranks[0].steps],
+                                                  sorted(ranks[0].steps[0].gradient))
+                            self.norms[id(found)] = (norms, spec.dtype if spec.precision == "fp32" else "mixed")
+                            post = pinned(*self.norms[id(found)])
+                            if post is not None:
+                                self.post[id(found)] = post
                             device = device_facts(ranks).get("device")
                             if device:
                                 self.devices[id(case)] = str(device)
@@ -128,10 +141,15 @@ class Ledger:
     def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
         """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
         what the other ``runs`` released at the same place (``contrasts``)."""
+        norms, dtype = self.norms.get(id(run), ([], "float32"))
+        values = sorted({p.value for p in self.post.values()}) + [run.clip]
+        post = (self.post.get(id(run)) or pinned(norms, dtype, values)) if noisy_finding(f) else None
         owner = case.property
+        # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
+        message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
+                   finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
         v = replace(case, property=PROPERTY_ID).verdict(
-            "fail", DIAGNOSIS[f.kind], finding_message(f, owner, config_label(case.config()), run, alpha,
-                                                       contrasts(run, runs, f)),
+            "fail", POST_PROCESSED if post else DIAGNOSIS[f.kind], message,
             {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
              "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
              "dtype": run.dtype, "lr": run.lr, **self._device([case])})

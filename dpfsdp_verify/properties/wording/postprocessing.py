@@ -1,0 +1,32 @@
+"""The sentence of a post-processed release (``analysis/postprocessing.py``): the noise is there, the
+update was changed after it -- utility wrong, privacy intact. Never "PRIVACY VIOLATION": a function of
+a correctly-noised release costs no privacy, and the user must look for a wrong update, not a leak."""
+
+from __future__ import annotations
+
+from ..analysis.postprocessing import MIN_RELEASES, PostProcessing
+
+#: the diagnosis of every verdict this module words
+DIAGNOSIS = "post_processed"
+
+
+def post_processing_message(f: PostProcessing, where: str) -> str:
+    """The message of finding ``f`` in the run(s) ``where`` describes."""
+    lead = "UTILITY LOSS (privacy intact): the noisy gradient was changed AFTER the noise was added " + where + ": "
+    if f.kind == "norm_pinned":
+        few = f.releases < MIN_RELEASES  # matched to the run's C or a norm pinned in a longer run
+        what = (f"{'its' if few else 'every one of the'} {f.releases} noisy release(s) "
+                f"{'have' if few else 'has'} global norm {f.value:.6g} ({'within' if few else 'relative spread'} "
+                f"{f.spread:.1e}{' relative of C or of the norm the longer runs pin' if few else ''}; a noisy "
+                "gradient's norm varies between draws by ~1/sqrt(2d) of d coordinates), "
+                "so the noisy gradient was clipped (or rescaled) to that norm after the noise, and the "
+                "update is shrunk with it. The noise went in before the clip")
+    else:
+        noise = f", while only {f.spread:.1%} of the noise (released minus the noise-0 run's) is on that grid"
+        what = (f"{f.value:.1%} of the values released in its {f.releases} noisy release(s) are exactly "
+                f"representable in {f.grid}{noise}, so the noisy gradient was rounded to {f.grid} after the "
+                "noise (noise drawn on a grid and added to the full-precision gradient leaves the release off it). "
+                "The noise went in before the rounding")
+    return (lead + what + ": the release is a deterministic function of a noisy release (post-processing), which "
+            "costs no privacy beyond the noise's own accounting, but the model trained is not DP-SGD's (a utility "
+            "bug: move the transformation before the noise, or drop it).")
