@@ -18,13 +18,13 @@ The run, one case per world size (and at the options' ``wide_world_size``) and p
 (``--meshes hsdp:2x2``: every rank of an HSDP mesh is data parallel, so the target's Poisson sampler
 is the 1-D one while its clipping, sharding and noise run on the 2-D mesh; a data x tensor-parallel
 mesh is a ``skip``: no Poisson sampling there): the ``canary`` model
-(``models.CanaryEmbedding``: canary i's per-sample gradient is a fixed vector on row i of an
-embedding FSDP shards over the ranks, so the canaries are spread over every shard; an *out* canary's
-sample hits a sink row no score reads), ``m`` canaries (param ``audit_canaries``, CLI
-``--audit-canaries``) each in the data with a secret ``S_i = +-1`` (``models.canary_secrets`` of
-the run's batch seed), ``T`` steps (``audit_steps``, ``--audit-steps``) of DP-SGD with the target's own
+(``models.CanaryLayers``: two kinds in one run, canary i's per-sample gradient a fixed vector on row
+i of an embedding FSDP shards over the ranks, or, for the second half, on column i of a real
+``nn.Linear`` whose output rows FSDP shards; an *out* canary's gradient is zero), ``m`` canaries
+(param ``audit_canaries``, CLI ``--audit-canaries``) each in the data with a secret ``S_i = +-1``
+(``models.canary_secrets`` of the run's batch seed), ``T`` steps (``audit_steps``, ``--audit-steps``) of DP-SGD with the target's own
 Poisson sampling at rate q (``SAMPLE_RATE``, or ``--sample-rate``), noise multiplier ``SIGMA``,
-clip bound ``CLIP`` (every canary's norm is ~7 C: each is clipped), lr 0 (the parameters, hence
+clip bound ``CLIP`` (every canary's norm is ~9.5 C: each is clipped), lr 0 (the parameters, hence
 each canary's gradient direction, stay fixed), ``mean`` reduction, float32 unless ``--dtypes``
 says otherwise. The target is asked for its epsilon at ``DELTA``.
 
@@ -36,10 +36,11 @@ ratio ``sum_t log(1 - q + q exp((y_ti - 1/2) / sigma^2))`` at the claimed sigma 
 for a correct-shaped mechanism with a larger sensitivity), and ``llr_fitted``, the same at each
 canary's own observed std (``fitted_sigma``: a shard released without noise puts its canaries at
 the extremes there, in the middle of ``llr``). Guesses: +1 for the k highest, -1 for the k lowest
-scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` with ``FDP_SHARE`` of the error
-probability; the counting bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS,
-COUNTING_GUESSES)`` with the rest, shared among its pairs (all fixed in advance: Bonferroni); the
-larger bound is reported, both in the evidence.
+scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` among all canaries and on both scores
+at ``FDP_KIND_FRACTION`` among each kind alone (``fdp_groups``: a leak confined to one layer type
+moves one kind), with ``FDP_SHARE`` of the error probability; the counting bound on both scores at
+each k of ``guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)`` with the rest, shared among its
+pairs (all fixed in advance: Bonferroni); the larger bound is reported, both in the evidence.
 
 Verdict: ``fail`` / ``audit_violation`` when ``eps_lb`` exceeds the epsilon the target reports (or,
 for a target that reports none, the suite's RDP epsilon of the configured mechanism), naming both,
@@ -330,5 +331,6 @@ PROPERTY = Property(
 
 
 __all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "FDP_FRACTIONS",
-           "FDP_SHARE", "audit_spec", "directions", "observations", "llr_scores", "fitted_sigma", "fdp_bound", "bounds",
-           "cases", "wide", "judge", "PROPERTY"]
+           "FDP_SHARE", "FDP_KIND_FRACTION", "FDP_KIND_SHARE", "EMBEDDING", "LINEAR", "KINDS", "audit_spec",
+           "canary_coordinates", "fdp_groups", "directions", "observations", "llr_scores", "fitted_sigma",
+           "fdp_bound", "bounds", "cases", "wide", "judge", "PROPERTY"]
