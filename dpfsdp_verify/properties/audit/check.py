@@ -24,9 +24,9 @@ i of an embedding FSDP shards over the ranks, or, for the second half, on column
 (param ``audit_canaries``, CLI ``--audit-canaries``) each in the data with a secret ``S_i = +-1``
 (``models.canary_secrets`` of the run's batch seed), ``T`` steps (``audit_steps``, ``--audit-steps``)
 of DP-SGD with the target's own Poisson sampling at rate q (``SAMPLE_RATE``, or ``--sample-rate``),
-noise multiplier ``SIGMA``, clip bound ``CLIP`` (every canary's norm is ~9.5 C: each is clipped), lr 0 (the parameters, hence
-each canary's gradient direction, stay fixed), ``mean`` reduction, float32 unless ``--dtypes``
-says otherwise. The target is asked for its epsilon at ``DELTA``.
+noise multiplier ``SIGMA``, clip bound ``CLIP`` (every canary's norm is ~9.5 C: each is clipped),
+lr 0 (the parameters, hence each canary's gradient direction, stay fixed), ``mean`` reduction,
+float32 unless ``--dtypes`` says otherwise. The target is asked for its epsilon at ``DELTA``.
 
 Score: from the released gradient G_t the suite already reads back at every step, canary i's
 per-step observation ``y_ti = D <G_t, u_i> / C`` (u_i its unit per-sample gradient, from the
