@@ -38,9 +38,10 @@ canary's own observed std (``fitted_sigma``: a shard released without noise puts
 the extremes there, in the middle of ``llr``). Guesses: +1 for the k highest, -1 for the k lowest
 scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` among all canaries and on both scores
 at ``FDP_KIND_FRACTION`` among each kind alone (``fdp_groups``: a leak confined to one layer type
-moves one kind), with ``FDP_SHARE`` of the error probability; the counting bound on both scores at
-each k of ``guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)`` with the rest, shared among its
-pairs (all fixed in advance: Bonferroni); the larger bound is reported, both in the evidence.
+moves one kind), with ``FDP_SHARE`` and ``FDP_KIND_SHARE`` of the error probability; the counting
+bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)`` with the
+rest, shared among its pairs (all fixed in advance: Bonferroni); the larger bound is reported, both
+in the evidence.
 
 Verdict: ``fail`` / ``audit_violation`` when ``eps_lb`` exceeds the epsilon the target reports (or,
 for a target that reports none, the suite's RDP epsilon of the configured mechanism), naming both,
@@ -87,10 +88,11 @@ COUNTING_GUESSES = 1000
 #: the fraction the f-DP bound guesses among all canaries (``llr`` only): it keeps most of the confidence
 FDP_FRACTIONS = (0.1,)
 #: the fraction of one kind's canaries the f-DP bound guesses among that kind alone (``fdp_groups``), and
-#: the share of the f-DP bound's error probability each (kind, score) choice gets (the pooled one: the rest)
+#: the share of the error probability ``1 - confidence`` each of its four (kind, score) choices gets
 FDP_KIND_FRACTION = 0.4
 FDP_KIND_SHARE = 0.025
-#: the f-DP bound's share of the error probability ``1 - confidence``; the counting bound has the rest
+#: the pooled f-DP choice's share of the error probability ``1 - confidence``; the counting bound has
+#: what the f-DP choices leave (``1 - FDP_SHARE - 4 FDP_KIND_SHARE``: 10%)
 FDP_SHARE = 0.8
 #: the smallest per-canary noise std the fitted score uses (a noise-free row has std 0)
 SIGMA_FLOOR = 1e-3
@@ -212,12 +214,12 @@ def fdp_groups(m: int) -> List[tuple]:
     e = models.embedded_canaries(m)
     own = [(kind, lo, hi, score, (FDP_KIND_FRACTION,), FDP_KIND_SHARE) for kind, lo, hi in
            ((KINDS[0], 0, e), (KINDS[1], e, m)) for score in ("llr", "llr_fitted")]
-    return [("all", 0, m, "llr", FDP_FRACTIONS, 1.0 - len(own) * FDP_KIND_SHARE)] + own
+    return [("all", 0, m, "llr", FDP_FRACTIONS, FDP_SHARE)] + own
 
 
 def fdp_bound(scores: Dict[str, List[float]], secrets: List[int], m: int, level: float) -> Dict:
     """The f-DP bound (``audit_fdp``, mu-GDP hypothesis) of the guess choices of ``fdp_groups`` on
-    ``scores``, the error probability ``level`` shared among them (Bonferroni; a group of canaries
+    ``scores``, each with its share of the error probability ``level`` (Bonferroni; a group of canaries
     fixed in advance is an audit of its own, the others part of the mechanism): the best one's
     ``{eps_lb_fdp, mu_lb, fdp_group, fdp_score, fdp_k, fdp_r, fdp_v}``."""
     best: Optional[Dict] = None
@@ -238,14 +240,16 @@ def fdp_bound(scores: Dict[str, List[float]], secrets: List[int], m: int, level:
 def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: float) -> Dict:
     """Both bounds from the observations ``y`` at confidence ``conf`` overall: the counting bound
     (``audit_bound.audit``: scores ``llr`` and ``llr_fitted`` x ``GUESS_FRACTIONS``) with
-    ``1 - FDP_SHARE`` of the error probability, the f-DP bound (``fdp_bound`` on ``llr``) with
-    ``FDP_SHARE``; ``eps_lb`` is the larger (a union bound: both hold together at ``conf``)."""
+    what the f-DP choices leave of the error probability, the f-DP bound (``fdp_bound``) with
+    ``FDP_SHARE`` (pooled) and ``FDP_KIND_SHARE`` (each kind x score); ``eps_lb`` is the larger (a
+    union bound: they all hold together at ``conf``)."""
     m = len(secrets)
     llr = llr_scores(y, q, sigma).tolist()
     scores = {"llr": llr, "llr_fitted": llr_scores(y, q, fitted_sigma(y)).tolist()}
     choices = guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)
-    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - FDP_SHARE))
-    fdp = fdp_bound(scores, secrets, m, (1.0 - conf) * FDP_SHARE)
+    fdp_shares = sum(group[-1] for group in fdp_groups(m))
+    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - fdp_shares))
+    fdp = fdp_bound(scores, secrets, m, 1.0 - conf)
     best = "f-DP" if fdp["eps_lb_fdp"] > counting.eps_lb else "counting"
     return {"eps_lb": max(counting.eps_lb, fdp["eps_lb_fdp"]), "bound": best, "eps_lb_counting": counting.eps_lb,
             **fdp, "guesses": counting.r, "correct": counting.v, "k_plus": counting.k_plus,
