@@ -30,7 +30,7 @@ from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS,
                             MLP_CLASSES, CONV_CHANNELS, CONV_SIZE, CONV_CLASSES,
                             CONV_WIDTH, CONV_GROUPS, CONV_MIXER, VOCAB, SEQ_LEN,
                             D_MODEL, N_HEADS, LORA_RANK, TIES, IGNORE_INDEX, PAD_ID,
-                            CANARIES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims, contract_path)
+                            CANARIES, CANARY_CLASSES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims, contract_path)
 
 #: held while a model's parameters are drawn from torch's default generator (``build_model``)
 _DEFAULT_GENERATOR = threading.Lock()
@@ -349,28 +349,48 @@ class ExtremeMLP(nn.Module):
 
 
 
-class CanaryEmbedding(nn.Module):
-    """White-box gradient canaries (``docs/audit.md``): one ``Embedding(canaries + 1, 2)`` whose
-    output is the logits, initialised to zero. Sample ``i`` of a ``canary`` batch is token ``i``
-    (canary ``i``, a *member*) or token ``canaries`` (the sink row: canary ``i`` is *out*), with
-    label 0. A member's per-sample gradient is ``softmax(0) - e_0 = (-1/2, 1/2)`` on row ``i`` and
-    zero everywhere else (norm 1/sqrt(2), the same for every canary while the parameters stay at
-    zero, i.e. at lr 0): each canary owns a row no other sample touches, and FSDP shards the rows
-    (dim 0) over the ranks, so the canaries are spread across shards while each rank's samples are
-    strided over the dataset. An *out* canary's gradient lands on the sink row only, which no score
-    reads: the canary rows are then distributed exactly as if the sample were absent (add/remove
-    DP), whatever else is released. The secrets are ``canary_secrets`` of the batch seed."""
+class CanaryLayers(nn.Module):
+    """White-box gradient canaries of two kinds (``docs/audit.md``): canaries ``0 .. e-1`` (``e =
+    embedded_canaries(canaries)``, the first half) are rows of an ``Embedding(e + 1, CANARY_CLASSES)``,
+    the others columns of a ``Linear(canaries - e, CANARY_CLASSES, bias=False)`` fed a one-hot input;
+    the logits are the sum, every parameter initialised to zero. Sample ``i`` of a ``canary`` batch is
+    token ``i`` (canary ``i``, a *member*) or token ``canaries`` (canary ``i`` is *out*), with label 0.
+    A member's per-sample gradient is ``softmax(0) - e_0`` (norm ~0.95, the same for every canary
+    while the parameters stay at zero, i.e. at lr 0) on its own embedding row or its own Linear
+    column, and zero everywhere else: each layer's output is masked to the samples of its kind, so an
+    embedding canary sends no gradient through the Linear layer (its input there is zero) and a Linear
+    canary none through the embedding (it looks up the sink row ``e`` behind a zero mask). An *out*
+    canary's gradient is zero: the canary coordinates are distributed exactly as if the sample were
+    absent (add/remove DP). FSDP shards the embedding's rows (each canary on one shard) and the Linear
+    weight's ``CANARY_CLASSES`` output rows (each canary's column across the shards), so the two kinds
+    go through different layer types, clipping paths and shard layouts in one run. The secrets are
+    ``canary_secrets`` of the batch seed."""
 
     def __init__(self, canaries: int = CANARIES):
         super().__init__()
-        if canaries < 1:
-            raise ValueError(f"canaries={canaries} must be >= 1")
-        self.canary = nn.Embedding(canaries + 1, 2)
+        if canaries < 2:
+            raise ValueError(f"canaries={canaries} must be >= 2 (one of each kind)")
+        self.canaries, self.embedded = canaries, embedded_canaries(canaries)
+        self.embedding = nn.Embedding(self.embedded + 1, CANARY_CLASSES)
+        self.linear = nn.Linear(canaries - self.embedded, CANARY_CLASSES, bias=False)
         with torch.no_grad():
-            self.canary.weight.zero_()
+            self.embedding.weight.zero_()
+            self.linear.weight.zero_()
 
     def forward(self, idx):
-        return self.canary(idx)
+        e = self.embedded
+        in_embedding = idx < e
+        rows = torch.where(in_embedding, idx, torch.full_like(idx, e))
+        columns = torch.arange(self.canaries - e, device=idx.device)
+        one_hot = (columns.unsqueeze(0) == (idx - e).unsqueeze(1)).to(self.linear.weight.dtype)
+        looked_up = self.embedding(rows) * in_embedding.unsqueeze(1).to(self.embedding.weight.dtype)
+        return looked_up + self.linear(one_hot)
+
+
+def embedded_canaries(canaries: int) -> int:
+    """How many of a ``canary`` model's canaries are embedding rows (the first ones; the rest are
+    Linear columns): half, rounded up."""
+    return (canaries + 1) // 2
 
 
 def canary_secrets(batch_size: int, seed: int) -> torch.Tensor:
@@ -427,7 +447,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
         return contract.build_model(name, seed, dtype)
     ctor = {"mlp": MLP, "conv": ConvNet, "transformer": TinyGPT, "lora": LoRAMLP, "tied": TiedLM,
             "masked": MaskedEncoder, "zoo": LayerZoo, "extreme": ExtremeMLP,
-            "canary": CanaryEmbedding}[name]
+            "canary": CanaryLayers}[name]
     kwargs = {k: v for k, v in dims.items() if k not in BATCH_DIMS}
     # torch's default generator is the process's: two threads building models at once (the gate judges
     # and explores in threads of its own) would draw from each other's seeds
@@ -503,7 +523,8 @@ def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = t
 #: the models and batches, and (re-exported) every name of ``catalog``
 __all__ = ["build_model", "make_batch", "Batch", "MODEL_NAMES", "MODEL_DIMS", "IGNORE_INDEX", "PAD_ID", "MLP",
            "ConvNet", "TinyGPT", "MaskedEncoder", "LayerZoo", "ExtremeMLP", "EXTREME_SCALES",
-           "sequence_lengths", "CanaryEmbedding", "canary_secrets", "CANARIES", "AUDIT_MODELS",
+           "sequence_lengths", "CanaryLayers", "embedded_canaries", "CANARY_CLASSES",
+           "canary_secrets", "CANARIES", "AUDIT_MODELS",
            "BASE_MODELS", "FINETUNE_MODELS", "SEQUENCE_MODELS", "ZOO_MODELS", "EXTREME_MODELS", "MLP_IN",
            "MLP_HIDDEN", "MLP_CLASSES", "CONV_CHANNELS", "CONV_SIZE", "CONV_CLASSES", "CONV_WIDTH",
            "CONV_GROUPS", "CONV_MIXER", "VOCAB", "SEQ_LEN", "D_MODEL", "N_HEADS", "LORA_RANK", "TIES",

@@ -23,7 +23,8 @@ SEQUENCE_MODELS = ("masked",)
 ZOO_MODELS = ("zoo",)
 #: samples of every scale (``ExtremeMLP``): per-sample norms from ~1 to ~1e20 in one batch
 EXTREME_MODELS = ("extreme",)
-#: gradient canaries with secret membership (``CanaryEmbedding``): the privacy audit's model (``docs/audit.md``)
+#: gradient canaries with secret membership (``CanaryLayers``: embedding rows and Linear columns): the
+#: privacy audit's model (``docs/audit.md``)
 AUDIT_MODELS = ("canary",)
 MODEL_NAMES = BASE_MODELS + FINETUNE_MODELS + SEQUENCE_MODELS + ZOO_MODELS + EXTREME_MODELS + AUDIT_MODELS
 #: the input scale of sample ``i`` of an ``extreme`` batch: ``EXTREME_SCALES[i % 6]``. Its per-sample
@@ -52,6 +53,9 @@ PAD_ID = 0
 
 #: canaries of a ``canary`` model and batch unless ``canaries`` says otherwise
 CANARIES = 1000
+#: the logits of a ``canary`` model: the embedding's width and the Linear layer's output rows (dim 0,
+#: which FSDP shards: 10 rows, so every rank up to 8 holds some or an empty shard past the end)
+CANARY_CLASSES = 10
 
 #: The size (and layer-choice) keywords each model takes; ``build_model`` and ``make_batch`` accept
 #: exactly these (plus ``BATCH_DIMS``). The batch depends on the ones in ``BATCH_USES``.
@@ -134,6 +138,7 @@ def check_dims(name: str, dims: dict) -> None:
 __all__ = ["BASE_MODELS", "FINETUNE_MODELS", "SEQUENCE_MODELS", "ZOO_MODELS", "EXTREME_MODELS", "AUDIT_MODELS",
            "MODEL_NAMES", "EXTREME_SCALES", "MLP_IN", "MLP_HIDDEN", "MLP_CLASSES", "CONV_CHANNELS",
            "CONV_SIZE", "CONV_CLASSES", "CONV_WIDTH", "CONV_GROUPS", "CONV_MIXER", "VOCAB", "SEQ_LEN",
-           "D_MODEL", "N_HEADS", "LORA_RANK", "TIES", "IGNORE_INDEX", "PAD_ID", "CANARIES", "MODEL_DIMS",
+           "D_MODEL", "N_HEADS", "LORA_RANK", "TIES", "IGNORE_INDEX", "PAD_ID", "CANARIES",
+           "CANARY_CLASSES", "MODEL_DIMS",
            "BATCH_DIMS", "BATCH_USES", "check_dims", "CONTRACT_MODELS", "MODEL_GROUPS", "is_import_path",
            "contract_path", "expand_models", "REAL_MODELS"]

@@ -18,15 +18,15 @@ The run, one case per world size (and at the options' ``wide_world_size``) and p
 (``--meshes hsdp:2x2``: every rank of an HSDP mesh is data parallel, so the target's Poisson sampler
 is the 1-D one while its clipping, sharding and noise run on the 2-D mesh; a data x tensor-parallel
 mesh is a ``skip``: no Poisson sampling there): the ``canary`` model
-(``models.CanaryEmbedding``: canary i's per-sample gradient is a fixed vector on row i of an
-embedding FSDP shards over the ranks, so the canaries are spread over every shard; an *out* canary's
-sample hits a sink row no score reads), ``m`` canaries (param ``audit_canaries``, CLI
-``--audit-canaries``) each in the data with a secret ``S_i = +-1`` (``models.canary_secrets`` of
-the run's batch seed), ``T`` steps (``audit_steps``, ``--audit-steps``) of DP-SGD with the target's own
-Poisson sampling at rate q (``SAMPLE_RATE``, or ``--sample-rate``), noise multiplier ``SIGMA``,
-clip bound ``CLIP`` (every canary's norm is ~7 C: each is clipped), lr 0 (the parameters, hence
-each canary's gradient direction, stay fixed), ``mean`` reduction, float32 unless ``--dtypes``
-says otherwise. The target is asked for its epsilon at ``DELTA``.
+(``models.CanaryLayers``: two kinds in one run, canary i's per-sample gradient a fixed vector on row
+i of an embedding FSDP shards over the ranks, or, for the second half, on column i of a real
+``nn.Linear`` whose output rows FSDP shards; an *out* canary's gradient is zero), ``m`` canaries
+(param ``audit_canaries``, CLI ``--audit-canaries``) each in the data with a secret ``S_i = +-1``
+(``models.canary_secrets`` of the run's batch seed), ``T`` steps (``audit_steps``, ``--audit-steps``)
+of DP-SGD with the target's own Poisson sampling at rate q (``SAMPLE_RATE``, or ``--sample-rate``),
+noise multiplier ``SIGMA``, clip bound ``CLIP`` (every canary's norm is ~9.5 C: each is clipped),
+lr 0 (the parameters, hence each canary's gradient direction, stay fixed), ``mean`` reduction,
+float32 unless ``--dtypes`` says otherwise. The target is asked for its epsilon at ``DELTA``.
 
 Score: from the released gradient G_t the suite already reads back at every step, canary i's
 per-step observation ``y_ti = D <G_t, u_i> / C`` (u_i its unit per-sample gradient, from the
@@ -36,10 +36,12 @@ ratio ``sum_t log(1 - q + q exp((y_ti - 1/2) / sigma^2))`` at the claimed sigma 
 for a correct-shaped mechanism with a larger sensitivity), and ``llr_fitted``, the same at each
 canary's own observed std (``fitted_sigma``: a shard released without noise puts its canaries at
 the extremes there, in the middle of ``llr``). Guesses: +1 for the k highest, -1 for the k lowest
-scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` with ``FDP_SHARE`` of the error
-probability; the counting bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS,
-COUNTING_GUESSES)`` with the rest, shared among its pairs (all fixed in advance: Bonferroni); the
-larger bound is reported, both in the evidence.
+scores. The f-DP bound guesses on ``llr`` at ``FDP_FRACTIONS`` among all canaries and on both scores
+at ``FDP_KIND_FRACTION`` among each kind alone (``fdp_groups``: a leak confined to one layer type
+moves one kind), with ``FDP_SHARE`` and ``FDP_KIND_SHARE`` of the error probability; the counting
+bound on both scores at each k of ``guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)`` with the
+rest, shared among its pairs (all fixed in advance: Bonferroni); the larger bound is reported, both
+in the evidence.
 
 Verdict: ``fail`` / ``audit_violation`` when ``eps_lb`` exceeds the epsilon the target reports (or,
 for a target that reports none, the suite's RDP epsilon of the configured mechanism), naming both,
@@ -83,14 +85,23 @@ GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.4)
 #: the most guesses a counting-bound choice makes (fixed by m alone, before any score is seen): its
 #: cost grows with them and, past a few hundred, its value does not
 COUNTING_GUESSES = 1000
-#: the fraction the f-DP bound guesses (``llr`` only): one choice, so it keeps most of the confidence
+#: the fraction the f-DP bound guesses among all canaries (``llr`` only): it keeps most of the confidence
 FDP_FRACTIONS = (0.1,)
-#: the f-DP bound's share of the error probability ``1 - confidence``; the counting bound has the rest
+#: the fraction of one kind's canaries the f-DP bound guesses among that kind alone (``fdp_groups``), and
+#: the share of the error probability ``1 - confidence`` each of its four (kind, score) choices gets
+FDP_KIND_FRACTION = 0.4
+FDP_KIND_SHARE = 0.025
+#: the pooled f-DP choice's share of the error probability ``1 - confidence``; the counting bound has
+#: what the f-DP choices leave (``1 - FDP_SHARE - 4 FDP_KIND_SHARE``: 10%)
 FDP_SHARE = 0.8
 #: the smallest per-canary noise std the fitted score uses (a noise-free row has std 0)
 SIGMA_FLOOR = 1e-3
-#: the one parameter of the canary model (``models.CanaryEmbedding``)
-WEIGHT = "canary.weight"
+#: the parameters of the canary model (``models.CanaryLayers``): the embedding canaries' rows and the
+#: Linear canaries' columns
+EMBEDDING = "embedding.weight"
+LINEAR = "linear.weight"
+#: the canary kinds, in the order of their canaries
+KINDS = ("embedding", "linear")
 #: a case's deadline at the default timeout (the job is one T-step run)
 DEADLINE_S = 120.0
 
@@ -144,26 +155,35 @@ def wide(point: Point) -> Iterator[Case]:
     yield _case(point)
 
 
+def canary_coordinates(grads: Dict[str, torch.Tensor], m: int) -> torch.Tensor:
+    """``[m, CANARY_CLASSES]``: each canary's own coordinates of a gradient of the canary model
+    (``models.CanaryLayers``): the embedding canaries' rows, then the Linear canaries' columns."""
+    e = models.embedded_canaries(m)
+    return torch.cat([grads[EMBEDDING][:e], grads[LINEAR].transpose(0, 1)[:m - e]])
+
+
 def directions(spec: RunSpec) -> torch.Tensor:
-    """``[m, 2]``: each canary's unit per-sample gradient on its own row of ``WEIGHT``, from the
-    float64 reference model at its initial parameters with every canary a member. One backward of
-    the summed loss gives them all: an embedding lookup puts sample i's gradient on row i alone,
-    and no two canaries share a row (the sink row gets nothing: checked)."""
+    """``[m, CANARY_CLASSES]``: each canary's unit per-sample gradient on its own embedding row or Linear
+    column (``canary_coordinates``), from the float64 reference model at its initial parameters with
+    every canary a member. One backward of the summed loss gives them all: no two canaries share a
+    coordinate, and nothing reaches the embedding's sink row (checked)."""
     m = dict(spec.model_kwargs)["canaries"]
     model = reference_model(spec)
     tokens = torch.arange(m)
     loss = reference.per_sample_losses(model(tokens), torch.zeros(m, dtype=torch.long), "cross_entropy", "sum")
-    (grad,) = torch.autograd.grad(loss.sum(), [dict(model.named_parameters())[WEIGHT]])
-    if float(grad[m:].abs().sum()) != 0.0:
+    params = dict(model.named_parameters())
+    grads = dict(zip((EMBEDDING, LINEAR), torch.autograd.grad(loss.sum(), [params[EMBEDDING], params[LINEAR]])))
+    if float(grads[EMBEDDING][models.embedded_canaries(m):].abs().sum()) != 0.0:
         raise ValueError("the canary model's sink row has a gradient from a member canary")
-    own = grad[:m]
+    own = canary_coordinates(grads, m)
     return own / own.norm(dim=1, keepdim=True)
 
 
-def observations(spec: RunSpec, gradients: List[torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-    """``[T, m]``: ``y_ti = D <G_t[row i], u_i> / C`` (module docstring)."""
+def observations(spec: RunSpec, gradients: List[Dict[str, torch.Tensor]], u: torch.Tensor) -> torch.Tensor:
+    """``[T, m]``: ``y_ti = D <G_t[canary i's coordinates], u_i> / C`` (module docstring)."""
     m = u.shape[0]
-    g = torch.stack([x.to(torch.float64)[:m] for x in gradients])  # [T, m, 2]
+    g = torch.stack([canary_coordinates({k: x[k].to(torch.float64) for k in (EMBEDDING, LINEAR)}, m)
+                     for x in gradients])  # [T, m, classes]
     return (g * u).sum(-1) * (spec.divisor / spec.max_grad_norm)
 
 
@@ -184,33 +204,52 @@ def fitted_sigma(y: torch.Tensor) -> torch.Tensor:
     return y.std(0, unbiased=False).clamp(min=SIGMA_FLOOR)
 
 
-def fdp_bound(scores: List[float], secrets: List[int], m: int, level: float) -> Dict:
-    """The f-DP bound (``audit_fdp``, mu-GDP hypothesis) of the ``FDP_FRACTIONS`` guess choices on
-    ``scores``, the error probability ``level`` shared among them: the best one's
-    ``{eps_lb_fdp, mu_lb, k, r, v}``."""
-    choices = guess_choices(m, FDP_FRACTIONS)
+def fdp_groups(m: int) -> List[tuple]:
+    """``[(group, first, end, score, fractions, share)]``: the canaries the f-DP bound guesses among
+    (all of them by ``llr``, then each kind alone by ``llr`` and by ``llr_fitted``: ``KINDS``), the
+    fractions of the group it guesses and the share of its error probability, all fixed by m before
+    any score is seen. A leak confined to one layer type (a Linear layer left out of clipping or
+    noise) or to one shard moves only some of one kind's canaries, which the pooled guesses dilute
+    with the rest, and the kind's own guesses do not."""
+    e = models.embedded_canaries(m)
+    own = [(kind, lo, hi, score, (FDP_KIND_FRACTION,), FDP_KIND_SHARE) for kind, lo, hi in
+           ((KINDS[0], 0, e), (KINDS[1], e, m)) for score in ("llr", "llr_fitted")]
+    return [("all", 0, m, "llr", FDP_FRACTIONS, FDP_SHARE)] + own
+
+
+def fdp_bound(scores: Dict[str, List[float]], secrets: List[int], m: int, level: float) -> Dict:
+    """The f-DP bound (``audit_fdp``, mu-GDP hypothesis) of the guess choices of ``fdp_groups`` on
+    ``scores``, each with its share of the error probability ``level`` (Bonferroni; a group of canaries
+    fixed in advance is an audit of its own, the others part of the mechanism): the best one's
+    ``{eps_lb_fdp, mu_lb, fdp_group, fdp_score, fdp_k, fdp_r, fdp_v}``."""
     best: Optional[Dict] = None
-    for k_plus, k_minus in choices:
-        r, v = count_correct(scores, secrets, k_plus, k_minus)
-        mu = audit_fdp.mu_lower_bound(r, v, m, level / len(choices))
-        if best is None or mu > best["mu_lb"]:
-            eps = audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
-            best = {"eps_lb_fdp": eps, "mu_lb": mu, "fdp_k": k_plus, "fdp_r": r, "fdp_v": v}
-    assert best is not None  # FDP_FRACTIONS is not empty
+    for group, lo, hi, score, fractions, share in fdp_groups(m):
+        n = hi - lo
+        choices = guess_choices(n, fractions) if n >= 2 else []
+        for k_plus, k_minus in choices:
+            r, v = count_correct(scores[score][lo:hi], secrets[lo:hi], k_plus, k_minus)
+            mu = audit_fdp.mu_lower_bound(r, v, n, level * share / len(choices))
+            if best is None or mu > best["mu_lb"]:
+                eps = audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
+                best = {"eps_lb_fdp": eps, "mu_lb": mu, "fdp_group": group, "fdp_score": score, "fdp_k": k_plus,
+                        "fdp_r": r, "fdp_v": v}
+    assert best is not None  # the group "all" has m >= 10 canaries
     return best
 
 
 def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: float) -> Dict:
     """Both bounds from the observations ``y`` at confidence ``conf`` overall: the counting bound
     (``audit_bound.audit``: scores ``llr`` and ``llr_fitted`` x ``GUESS_FRACTIONS``) with
-    ``1 - FDP_SHARE`` of the error probability, the f-DP bound (``fdp_bound`` on ``llr``) with
-    ``FDP_SHARE``; ``eps_lb`` is the larger (a union bound: both hold together at ``conf``)."""
+    what the f-DP choices leave of the error probability, the f-DP bound (``fdp_bound``) with
+    ``FDP_SHARE`` (pooled) and ``FDP_KIND_SHARE`` (each kind x score); ``eps_lb`` is the larger (a
+    union bound: they all hold together at ``conf``)."""
     m = len(secrets)
     llr = llr_scores(y, q, sigma).tolist()
     scores = {"llr": llr, "llr_fitted": llr_scores(y, q, fitted_sigma(y)).tolist()}
     choices = guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)
-    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - FDP_SHARE))
-    fdp = fdp_bound(llr, secrets, m, (1.0 - conf) * FDP_SHARE)
+    fdp_shares = sum(group[-1] for group in fdp_groups(m))
+    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - fdp_shares))
+    fdp = fdp_bound(scores, secrets, m, 1.0 - conf)
     best = "f-DP" if fdp["eps_lb_fdp"] > counting.eps_lb else "counting"
     return {"eps_lb": max(counting.eps_lb, fdp["eps_lb_fdp"]), "bound": best, "eps_lb_counting": counting.eps_lb,
             **fdp, "guesses": counting.r, "correct": counting.v, "k_plus": counting.k_plus,
@@ -221,7 +260,7 @@ def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: fl
 def judge(case: Case, outputs: Outputs) -> Verdict:
     spec, ranks = case.spec, outputs[0][0]
     m, q, conf = spec.dataset_size, spec.sample_rate, dict(case.facts).get("confidence", CONFIDENCE)
-    steps = [s.gradient[WEIGHT] for s in ranks[0].steps]
+    steps = [s.gradient for s in ranks[0].steps]
     taken = len(steps)
     y = observations(spec, steps, directions(spec))
     secrets = models.canary_secrets(m, spec.batch_seed).tolist()
@@ -238,11 +277,13 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                 "suite_rdp_epsilon": rdp, "tightness": ratio, "delta": DELTA, "confidence": conf, "canaries": m,
                 "members": sum(1 for s in secrets if s > 0), "steps": taken, "sample_rate": q,
                 "noise_multiplier": spec.noise_multiplier, "max_grad_norm": spec.max_grad_norm,
-                "member_mean_y": _mean(y, secrets, 1), "out_mean_y": _mean(y, secrets, -1)}
+                "member_mean_y": _mean(y, secrets, 1), "out_mean_y": _mean(y, secrets, -1),
+                **{f"member_mean_y_{kind}": _mean(y, secrets, 1, kind) for kind in KINDS}}
     where = f"at world_size={case.world_size}" + (f" ({spec.mesh})" if spec.mesh else "")
     setup = (f"{m} canaries, {taken} steps, q={q:g}, sigma={spec.noise_multiplier:g}, delta={DELTA:g}, "
              f"confidence {conf:g}; f-DP bound {found['eps_lb_fdp']:.4g} (mu >= {found['mu_lb']:.3g}: "
-             f"{found['fdp_v']} of {found['fdp_r']} right, top/bottom {found['fdp_k']} by 'llr'), counting bound "
+             f"{found['fdp_v']} of {found['fdp_r']} right, top/bottom {found['fdp_k']} by {found['fdp_score']!r} among "
+             f"{_group(found['fdp_group'])}), counting bound "
              f"{found['eps_lb_counting']:.4g} ({found['correct']} of {found['guesses']} right, top/bottom "
              f"{found['k_plus']} by {found['score']!r}, one of {found['choices']} score x guess choices)")
     rdp_note = f"the suite's RDP epsilon of (sigma, q, {taken} steps) is {rdp:.4g}"
@@ -252,7 +293,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             f"(eps_lb, {found['bound']} bound, at confidence {conf:g}), above the epsilon {source} ({claimed:.4g} at "
             f"delta {DELTA:g}; {rdp_note}): the training leaks more about its canaries than "
             f"its privacy claim allows ({setup}). Members' mean observation y = D<G, u>/C is "
-            f"{evidence['member_mean_y']:.3g} per step (a correct run: q = {q:g}); out canaries' "
+            f"{evidence['member_mean_y']:.3g} per step (a correct run: q = {q:g}; embedding canaries "
+            f"{evidence['member_mean_y_embedding']:.3g}, Linear canaries {evidence['member_mean_y_linear']:.3g}); "
+            "out canaries' "
             f"{evidence['out_mean_y']:.3g} "
             "(0). Typical causes: a parameter group left out of clipping, a shard or rank released without noise, "
             "a sampler that includes samples more often than q."), evidence)
@@ -262,8 +305,15 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         f"({setup})"), evidence)
 
 
-def _mean(y: torch.Tensor, secrets: List[int], side: int) -> float:
-    cols = [i for i, s in enumerate(secrets) if s == side]
+def _group(group: str) -> str:
+    return "all canaries" if group == "all" else f"the {group} canaries alone"
+
+
+def _mean(y: torch.Tensor, secrets: List[int], side: int, kind: Optional[str] = None) -> float:
+    """The mean observation of the canaries with secret ``side`` (of one kind: ``KINDS``)."""
+    e = models.embedded_canaries(len(secrets))
+    span = range(len(secrets)) if kind is None else (range(e) if kind == KINDS[0] else range(e, len(secrets)))
+    cols = [i for i in span if secrets[i] == side]
     return float(y[:, cols].mean()) if cols else float("nan")
 
 
@@ -285,5 +335,6 @@ PROPERTY = Property(
 
 
 __all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "FDP_FRACTIONS",
-           "FDP_SHARE", "audit_spec", "directions", "observations", "llr_scores", "fitted_sigma", "fdp_bound", "bounds",
-           "cases", "wide", "judge", "PROPERTY"]
+           "FDP_SHARE", "FDP_KIND_FRACTION", "FDP_KIND_SHARE", "EMBEDDING", "LINEAR", "KINDS", "audit_spec",
+           "canary_coordinates", "fdp_groups", "directions", "observations", "llr_scores", "fitted_sigma",
+           "fdp_bound", "bounds", "cases", "wide", "judge", "PROPERTY"]
