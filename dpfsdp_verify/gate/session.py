@@ -138,7 +138,7 @@ class Session(engine_session.Session):
 
     def judge(self) -> List[Verdict]:
         """The release judge's verdicts over every noisy run the session's cases made (none when
-        ``noise_calibration`` is not selected); a bug there is its ``internal_error`` (exit 3), the
+        its property is not selected); a bug there is its ``internal_error`` (exit 3), the
         verdicts before it still stand."""
         if self.ledger is None:
             return []

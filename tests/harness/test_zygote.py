@@ -181,7 +181,7 @@ def test_a_prestarted_group_is_the_one_the_first_job_runs_on_with_its_preload():
     no group, and a later call starts the group -- the group starts in the background, the first job
     at that size runs on its ranks (no second start), its ranks imported the preload before they
     were ready, a second prestart of a live key starts nothing, and nothing is left behind."""
-    from dpfsdp_verify.gate.run import target_modules
+    from dpfsdp_verify.gate.session import target_modules
 
     assert target_modules("opacus") == ("opacus", "dpfsdp_verify.targets.opacus_target")
     assert target_modules("fixtures.specimens:Correct") == ("fixtures.specimens",)
