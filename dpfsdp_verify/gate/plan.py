@@ -151,7 +151,10 @@ class RunPlan:
                           meshes=tuple(meshes),
                           **axes, **parse_sampling(args, max(world_sizes + [1])),
                           params=((("physical_batch_size", physical),) if physical else ())
-                          + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit)
+                          + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit
+                          # the privacy audit named: at every world size and the wide one, not the default's smallest
+                          + ((("audit_every_world_size", True),) if args.properties and "privacy_audit" in props
+                             else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    explore=explore, explore_cap=parse_explore_cap(args), explore_note=explore_note,
                    expectations=expectations, reports=reports,

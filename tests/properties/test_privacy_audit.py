@@ -1,5 +1,5 @@
-"""privacy_audit (issue 34): opt-in, its options and repro line, its scores on a simulated release,
-and end to end: ``Correct`` passes, the specimens of ``fixtures/audit_specimens.py`` fail with
+"""privacy_audit (issues 34, 47): in the default gate at the smallest world size; its options and
+repro line, its scores on a simulated release, and end to end: ``Correct`` passes, the specimens of ``fixtures/audit_specimens.py`` fail with
 ``audit_violation`` naming eps_lb and the claimed epsilon; upstream opacus passes (slow)."""
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ def cases_of(opts):
     return [c for c in PROP.plan(PROP.with_defaults(opts)) if isinstance(c, Case)]
 
 
-def test_opt_in_runs_only_when_named_and_the_repro_line_replays_its_size():
-    assert "privacy_audit" not in plan_of().properties and "norm_fidelity" in plan_of().properties
+def test_the_default_gate_audits_at_the_smallest_world_size_and_naming_it_audits_everywhere():
+    default = plan_of()
+    assert "privacy_audit" in default.properties and "norm_fidelity" in default.properties
+    assert [c.world_size for c in cases_of(default.options)] == [1]  # one T-step run, 0.2% of false alarms
+    assert [c.world_size for c in cases_of(plan_of("--world-sizes", "2,3").options)] == [2]
     plan = plan_of("--properties", "privacy_audit", "--audit-canaries", "300", "--audit-steps", "30", "--seed", "5")
     assert plan.properties == ("privacy_audit",)
     cases = cases_of(plan.options)
@@ -148,10 +151,12 @@ def released(m, t, seed, clip_factor=1.0, noise_factor=1.0):
 def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     """At the default size on a correct release the f-DP bound proves ~2x the counting bound and
     stays below the claim; a clip bound at 2 C is flagged by it. The counting bound is the one of
-    ``audit_bound.audit`` at 1 - 10% of the error probability, the f-DP bound ``audit_fdp``'s at 80%
-    (pooled) and 4 x 2.5% (each kind alone, by each score)."""
+    ``audit_bound.audit`` at 1 - 10% of the error probability, the f-DP bound's pooled tail analysis
+    (``audit_tail``) at 70%, its pooled recursion (``audit_fdp``) at 10% and 4 x 2.5% (each kind
+    alone, by each score, tail analysis)."""
     from dpfsdp_verify.properties.audit import bound as audit_bound
     from dpfsdp_verify.properties.audit import fdp as audit_fdp
+    from dpfsdp_verify.properties.audit import tail as audit_tail
     claimed = accounting.epsilon([(pa.SIGMA, pa.SAMPLE_RATE, pa.STEPS)], pa.DELTA)
     y, secrets = released(pa.CANARIES, pa.STEPS, 11)
     got = pa.bounds(y, pa.SAMPLE_RATE, pa.SIGMA, secrets, 0.95)
@@ -163,8 +168,12 @@ def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     assert got["eps_lb_counting"] == audit_bound.audit(scores, secrets, choices, pa.DELTA, 1 - 0.05 * 0.1).eps_lb
     k = round(pa.FDP_FRACTIONS[0] * pa.CANARIES / 2)
     r, v = audit_bound.count_correct(scores["llr"], secrets, k, k)
-    assert (got["fdp_r"], got["fdp_v"], got["fdp_group"]) == (r, v, "all")
-    assert got["mu_lb"] == audit_fdp.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.8)  # each kind x score: 2.5%
+    assert (got["fdp_r"], got["fdp_v"], got["fdp_group"], got["fdp_analysis"]) == (r, v, "all", "tail")
+    assert got["mu_lb"] == audit_tail.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.7)
+    k = round(pa.RECURSION_FRACTIONS[0] * pa.CANARIES / 2)
+    r, v = audit_bound.count_correct(scores["llr"], secrets, k, k)
+    mu = audit_fdp.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.1)
+    assert got["eps_lb_recursion"] == audit_fdp.gdp_epsilon(mu, pa.DELTA) < got["eps_lb_fdp"]
     y2, s2 = released(pa.CANARIES, pa.STEPS, 12, clip_factor=2.0)
     leaky = pa.bounds(y2, pa.SAMPLE_RATE, pa.SIGMA, s2, 0.95)
     assert leaky["eps_lb_fdp"] > claimed > leaky["eps_lb_counting"]
@@ -202,7 +211,7 @@ def check_violation(v, spec_steps, m):
     assert e["claimed_epsilon"] == pytest.approx(accounting.epsilon([(pa.SIGMA, pa.SAMPLE_RATE, spec_steps)], pa.DELTA))
     assert v.message.startswith("PRIVACY VIOLATION: the one-run audit")
     assert f"proves epsilon >= {e['eps_lb']:.4g}" in v.message and f"{e['claimed_epsilon']:.4g}" in v.message
-    assert f"{m} canaries, {spec_steps} steps" in v.message and "confidence 0.95" in v.message
+    assert f"{m} canaries, {spec_steps} steps" in v.message and f"confidence {pa.AUDIT_CONFIDENCE:g}" in v.message
 
 
 def test_correct_passes_and_an_unclipped_layer_fails_small(pool):
@@ -233,7 +242,7 @@ def test_a_linear_layer_left_out_of_clipping_fails_small(pool):
 @pytest.mark.slow
 def test_correct_passes_at_every_world_size_at_the_default_size(pool):
     vs = props.run("privacy_audit", "fixtures.specimens:Correct", world_sizes=(1, 2, 3), pool=pool,
-                   meshes=("hsdp:2x2",))
+                   meshes=("hsdp:2x2",), audit_every_world_size=True)
     audits = list(vs)
     assert [(v.config["world_size"], v.config.get("mesh"), v.status) for v in audits] == [
         (1, None, "pass"), (2, None, "pass"), (3, None, "pass"), (4, "hsdp:2x2", "pass")], [v.message for v in audits]
@@ -252,7 +261,8 @@ def test_correct_passes_at_every_world_size_at_the_default_size(pool):
     ("EveryCanaryEveryStep", (1, 2), SMALL),  # every canary in every batch: 10x the work per step
 ])
 def test_leaking_specimens_fail_with_audit_violation(pool, name, world_sizes, size):
-    vs = props.run("privacy_audit", A + name, world_sizes=world_sizes, pool=pool, meshes=(HSDP,), **size)
+    vs = props.run("privacy_audit", A + name, world_sizes=world_sizes, pool=pool, meshes=(HSDP,),
+                   audit_every_world_size=True, **size)
     assert len(vs) == len(world_sizes) + 1
     for v in vs:
         check_violation(v, size.get("audit_steps", pa.STEPS), size.get("audit_canaries", pa.CANARIES))
@@ -277,7 +287,8 @@ def test_on_an_hsdp_mesh_correct_passes_and_a_shard_without_noise_fails_small(po
 @pytest.mark.slow
 def test_upstream_opacus_passes(pool):
     pytest.importorskip("opacus")
-    vs = props.run("privacy_audit", "opacus", world_sizes=(1, 2), pool=pool, meshes=(HSDP,))
+    vs = props.run("privacy_audit", "opacus", world_sizes=(1, 2), pool=pool, meshes=(HSDP,),
+                   audit_every_world_size=True)
     assert [v.status for v in vs] == ["pass", "pass", "pass"], [v.message for v in vs]
     assert vs[-1].config["mesh"] == HSDP
     for v in vs:
