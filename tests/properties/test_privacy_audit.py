@@ -1,6 +1,7 @@
 """privacy_audit (issues 34, 47): in the default gate at the smallest world size; its options and
-repro line, its scores on a simulated release, and end to end: ``Correct`` passes, the specimens of ``fixtures/audit_specimens.py`` fail with
-``audit_violation`` naming eps_lb and the claimed epsilon; upstream opacus passes (slow)."""
+repro line, its scores on a simulated release, and end to end: ``Correct`` passes, the specimens of
+``fixtures/audit_specimens.py`` fail with ``audit_violation`` naming eps_lb and the claimed epsilon;
+upstream opacus passes (slow)."""
 
 from __future__ import annotations
 
