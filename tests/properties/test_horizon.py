@@ -67,7 +67,7 @@ def one_failure(verdicts, status, diagnosis, *words, count=1):
 def test_default_gate_plans_a_third_rank_and_the_long_runs():
     opts = default_options("fixtures.specimens:Correct")
     assert (opts.world_sizes, opts.wide_world_size, opts.horizon) == ((1, 2), WIDE_WORLD_SIZE, HORIZON_STEPS)
-    # the default gate's properties (an opt-in one, the privacy audit, runs only when named)
+    # the default gate's properties (the privacy audit among them: at the smallest world size, no wide case)
     planned = {pid: beyond_matrix(pid, "fixtures.specimens:Correct") for pid, p in PROPERTIES.items() if not p.opt_in}
     wide = {pid: [c for c in cs if c.world_size == 3] for pid, cs in planned.items()}
     assert {pid: len(cs) for pid, cs in wide.items() if cs} == {"norm_fidelity": 1, "noise_calibration": 2,

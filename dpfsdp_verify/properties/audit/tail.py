@@ -51,8 +51,8 @@ from ...lazy import torch
 MU_MAX = 20.0
 MU_TOL = 1e-5
 #: points of the quadrature over s, and the half-width of its range in standard deviations of W
-GRID = 1537
-SPAN = 14.0
+GRID = 257
+SPAN = 12.0
 
 _NORMAL = NormalDist()
 
