@@ -147,11 +147,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def dry_run(args, job_world_size: Optional[int] = None) -> int:
-    """``run --dry-run``: the plan on stdout, exit 0 (a usage error raises ``UsageError``: exit 2)."""
+def dry_run(plan: RunPlan) -> int:
+    """``run --dry-run``: ``plan`` (checked without loading the target: ``RunPlan.from_args(...,
+    load_target=False)``; a usage error was its ``UsageError``, exit 2) on stdout, exit 0."""
     from .report import EXIT_OK
 
-    plan = RunPlan.from_args(args, job_world_size=job_world_size, load_target=False)
     described = describe(plan)
     print(format_plan(plan, described), file=sys.stdout, flush=True)
     return EXIT_OK
