@@ -27,7 +27,6 @@ import math
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ..config.defaults import DEFAULT_WORLD_SIZES, EXPLORE_MAX_WORLD_SIZE, NODE_WORLD_SIZE, WIDE_WORLD_SIZE
 from ..harness import JobPool, Pool
 from ..harness.cores import plan_cores, usable_cores
 from ..properties import PROPERTIES
@@ -311,10 +310,9 @@ def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
     importing torch and the target's modules (``target_modules``) while this process imports its own
     (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
     environment is a mode's: nothing is started ahead. The caller closes it."""
-    # the cores shared as for the default gate's group sizes (``size_pool`` sets the run's own): the
-    # zygotes' OMP_NUM_THREADS is the plan's, so theirs must be what the run's ranks will be given
-    pool = Pool(cores=plan_cores(usable_cores(), DEFAULT_WORLD_SIZES + (WIDE_WORLD_SIZE, NODE_WORLD_SIZE,
-                                                                         EXPLORE_MAX_WORLD_SIZE)))
+    # its cores are shared for the run's group sizes by ``size_pool``, before its first group starts
+    # (a zygote does not depend on them: a rank sets its threads after the fork, ``launch.rank_threads``)
+    pool = Pool()
     if not mode_env and EARLY_ZYGOTES > 0:
         pool.warm(EARLY_ZYGOTES, None, target_modules(target))
     return pool

@@ -15,7 +15,7 @@ So the cores the process may actually use (``usable_cores``: its CPU affinity, a
   op below its grain size on one thread whatever the pool, so more threads only add their wake-ups).
 
 So ranks x threads <= cores wherever the largest group fits on the cores at all. A user's own
-``OMP_NUM_THREADS`` wins (``launch.rank_env``), as a mode's environment does. On 2 cores the plan is
+``OMP_NUM_THREADS`` wins (``launch.rank_threads``), as a mode's environment does. On 2 cores the plan is
 one thread per rank and one side lane: what the harness did before the plan existed.
 """
 
@@ -35,7 +35,7 @@ class CorePlan(NamedTuple):
     cores: int
     #: rank groups at once: 1 (one at a time) or 2 (the caller's and a side lane's)
     groups_at_once: int
-    #: torch intra-op threads per rank (``OMP_NUM_THREADS`` unless the user set it)
+    #: torch intra-op threads per rank (set in the rank unless the user gave ``OMP_NUM_THREADS``)
     rank_threads: int
     #: the most ranks running at once under the plan (the largest group, plus 1 with a side lane)
     ranks_at_once: int
