@@ -70,6 +70,17 @@ def test_a_renamed_page_is_caught(tmp_path):
     assert ("docs/gate.md", "hangs.md") in stale and ("README.md", "docs/hangs.md") in stale
 
 
+def test_a_page_gone_from_the_repository_is_caught(monkeypatch):
+    """The checker run on the repository itself, with one page made to be missing (``os.path.exists``
+    answers no for it; no file is touched): every citation of it, from the docs and the code, fails."""
+    gone, real = os.path.normpath(os.path.join(REPO, "docs", "horizon.md")), os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: os.path.normpath(p) != gone and real(p))
+    stale = {(f, p) for f, _, p in stale_references(REPO, cited_files(REPO))}
+    assert stale and {p for _, p in stale} <= {"horizon.md", "docs/horizon.md"}
+    assert ("docs/gate.md", "horizon.md") in stale
+    assert any(f.endswith(".py") for f, _ in stale)  # a comment in the code cites it too
+
+
 INSTALL = re.compile(r"pip install [^`\n|]*")
 REGISTRY_NAME = re.compile(r"""(?<![\w/.\-@])["']?dpfsdp-verify(?:\[[\w,]+\])?["']?(?=\s|$)(?!\s*@)""")
 

@@ -204,23 +204,17 @@ def cmd_run(args) -> int:
     # like `python -m`: an adapter MODULE:ATTR may live in the current directory
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    if not getattr(args, "dry_run", False) and args.launcher == "spawn":
-        # a usage error answers before torch or the target is imported (the dry run's checks, which
-        # import neither for a gloo plan): in under a second, not after the ranks' zygotes start
-        RunPlan.from_args(args, load_target=False)
+    dry = getattr(args, "dry_run", False)
+    if dry or args.launcher == "spawn":
+        # a usage error answers before torch or the target is imported (the dry run's plan, which
+        # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
+        checked = RunPlan.from_args(args, job_world_size=_dry_job_size(args) if dry else None, load_target=False)
+        if dry:
+            from .dryrun import dry_run
+
+            return dry_run(checked)
     from .run import execute
 
-    if getattr(args, "dry_run", False):
-        from .dryrun import dry_run
-
-        job = None
-        if args.launcher == "torchrun":  # planned at the job's size, as its rank 0 would
-            try:
-                job = int(os.environ["WORLD_SIZE"])
-            except (KeyError, ValueError):
-                raise UsageError("--dry-run --launcher torchrun: plans at the torchrun job's world size, and "
-                                 "WORLD_SIZE is not set", "run it inside the job, or set WORLD_SIZE=N") from None
-        return dry_run(args, job_world_size=job)
     if args.launcher == "torchrun":
         from .torchrun_job import cmd_run_torchrun
 
@@ -234,6 +228,18 @@ def cmd_run(args) -> int:
         return execute(plan, pool)
     finally:
         pool.close()
+
+
+def _dry_job_size(args) -> Optional[int]:
+    """The world size a dry run plans at: ``None`` (the plan's own), or inside a torchrun job
+    (``--launcher torchrun``) the job's, as its rank 0 would."""
+    if args.launcher != "torchrun":
+        return None
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise UsageError("--dry-run --launcher torchrun: plans at the torchrun job's world size, and "
+                         "WORLD_SIZE is not set", "run it inside the job, or set WORLD_SIZE=N") from None
 
 
 def _replayable(property_id: str, exact: bool):

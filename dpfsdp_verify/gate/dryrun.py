@@ -7,9 +7,10 @@ it needs, and an estimate of the wall time from the benchmarks. No rank is start
 ``--target opacus`` is not imported (checked importable, described from its files). Nor is torch,
 for a gloo plan: the property registry imports it lazily (``dpfsdp_verify.lazy``), and what a plan
 derives from the float64 reference -- clip bounds picked between reference norms, the parameters'
-shapes behind a noise check's draw count -- is left to the run (``compare.planning_only``): the
-cases printed are those a run plans, only their C is not known yet (tests/gate/
-test_gate_platform.py compares the two plans). What still imports torch: ``--backend nccl`` (the
+shapes behind a noise check's draw count -- is left to the run (``Options.planning``, set on the
+plan's options here: the cases read it and hand it to ``compare.norm_picked``): the cases printed
+are those a run plans, only their C is not known yet (tests/gate/test_gate_platform.py compares
+the two plans). What still imports torch: ``--backend nccl`` (the
 GPU count is part of the plan) and a ``--target MODULE:ATTR`` adapter (loaded to read its features).
 
 The estimate: each property's seconds in the default gate on 2 idle cores (docs/benchmarks.md,
@@ -70,13 +71,14 @@ def _items(pid: str, options) -> list:
     return prop.plan(prop.with_defaults(options))
 
 
-def describe(plan: RunPlan) -> Described:
-    """What ``plan`` would run, per property (module docstring)."""
+def describe(plan: RunPlan, planning: bool = True) -> Described:
+    """What ``plan`` would run, per property (module docstring); ``planning``: without the values a
+    run derives from the reference (``Options.planning``; ``False`` plans every case as a run does)."""
     from ..properties.engine.contract import Case
     from ..properties.engine.costs import seconds_per_case
     from ..verdict import config_label
 
-    opts = plan.options
+    opts = plan.options.with_(planning=planning)  # the clip bounds picked from reference norms: left to the run
     out = []
     for pid in plan.properties:
         pp = PropertyPlan(pid)
@@ -145,15 +147,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def dry_run(args, job_world_size: Optional[int] = None) -> int:
-    """``run --dry-run``: the plan on stdout, exit 0 (a usage error raises ``UsageError``: exit 2)."""
+def dry_run(plan: RunPlan) -> int:
+    """``run --dry-run``: ``plan`` (checked without loading the target: ``RunPlan.from_args(...,
+    load_target=False)``; a usage error was its ``UsageError``, exit 2) on stdout, exit 0."""
     from .report import EXIT_OK
 
-    from ..properties.analysis.compare import planning_only
-
-    plan = RunPlan.from_args(args, job_world_size=job_world_size, load_target=False)
-    with planning_only():  # the clip bounds picked from reference norms are left to the run
-        described = describe(plan)
+    described = describe(plan)
     print(format_plan(plan, described), file=sys.stdout, flush=True)
     return EXIT_OK
 

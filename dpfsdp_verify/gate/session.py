@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..harness import JobPool, Pool
+from ..harness.cores import plan_cores, usable_cores
 from ..properties import PROPERTIES
 from ..properties.engine import session as engine_session
 from ..properties.engine.contract import Options, Property
@@ -285,7 +286,23 @@ def size_pool(pool: Pool, plan: RunPlan) -> Pool:
         sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
                     | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
     pool.max_groups = min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes))
+    pool.cores = plan_cores(usable_cores(), run_world_sizes(plan))
     return pool
+
+
+def run_world_sizes(plan: RunPlan) -> Tuple[int, ...]:
+    """Every group size the run starts: its world sizes, wide and node world sizes, meshes' ranks and
+    the world sizes exploration draws (what ``cores.plan_cores`` shares the cores among)."""
+    from ..targets.mesh import Mesh
+
+    opts = plan.options
+    sizes = set(opts.world_sizes) | ({opts.wide_world_size, opts.node_world_size} - {0})
+    sizes |= {Mesh.parse(m).world_size for m in opts.meshes}
+    if plan.explore > 0:
+        from ..config.space import explore_max_world_size
+
+        sizes |= set(range(1, explore_max_world_size() + 1))
+    return tuple(sorted(sizes))
 
 
 def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
@@ -293,6 +310,8 @@ def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
     importing torch and the target's modules (``target_modules``) while this process imports its own
     (~2.5 s on 2 cores that the first job no longer waits for). With ``--mode-env`` the first groups'
     environment is a mode's: nothing is started ahead. The caller closes it."""
+    # its cores are shared for the run's group sizes by ``size_pool``, before its first group starts
+    # (a zygote does not depend on them: a rank sets its threads after the fork, ``launch.rank_threads``)
     pool = Pool()
     if not mode_env and EARLY_ZYGOTES > 0:
         pool.warm(EARLY_ZYGOTES, None, target_modules(target))

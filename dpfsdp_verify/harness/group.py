@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import diagnose, wording
 from .backends import get_backend
-from .launch import Forker, RankProcess, local_world_size, node_env, rank_env, start_rank  # noqa: F401 (re-exported)
+from .launch import Forker, RankProcess, local_world_size, node_env, rank_env, rank_threads, start_rank  # noqa: F401 (re-exported)
 from .proof import PROBE_AFTER_S, PROBE_EVERY_S, DeadlockWatch, Evidence
 from .protocol import (Abort, Dump, DumpRequest, Job, JobError, JobResult, Probe, ProbeRequest, RankConfig,
                        RankDump, Ready, Renew, Result, Stop, recv, send)
@@ -180,16 +180,18 @@ class WorkerGroup:
 
     def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
                  start_timeout: float = 120.0, preload: Sequence[str] = (), wait_ready: bool = True,
-                 zygotes: Optional[Forker] = None):
+                 zygotes: Optional[Forker] = None, rank_threads: int = 1):
         """Start the ranks. ``preload``: modules each rank imports before it is ready (what the
         jobs of a group this one replaces had imported, so its first job does not pay for them).
         ``wait_ready=False`` returns once the processes are started; the first ``run`` (or
         ``ensure_ready``) waits for them. ``zygotes``: fork the ranks from these (a pool's,
         ``zygote.py``) unless the group has an ``env`` of its own; else (or when they cannot)
         each rank is a new interpreter. Raises ``BackendUnavailable`` / ``ValueError`` before
-        anything starts, ``GroupStartError`` when the ranks cannot start."""
+        anything starts, ``GroupStartError`` when the ranks cannot start. ``rank_threads``: each
+        rank's intra-op threads unless ``OMP_NUM_THREADS`` is set (``launch.rank_threads``)."""
         check_backend(backend, world_size)
         self.world_size, self.backend = world_size, backend
+        self.rank_threads = rank_threads
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.zygotes = None if self.env else zygotes
@@ -226,6 +228,7 @@ class WorkerGroup:
         self.tmpdir = tempfile.mkdtemp(prefix="dpfsdp-group-")
         store = os.path.join(self.tmpdir, "store")
         env = rank_env(self.env)
+        threads = rank_threads(self.env, self.rank_threads)
         try:
             for r in range(self.world_size):
                 env.update(node_env(r, self.world_size))
@@ -233,7 +236,7 @@ class WorkerGroup:
                 parent_diag, child_diag = socket.socketpair()
                 cfg = RankConfig(rank=r, world_size=self.world_size, backend=self.backend, store_path=store,
                                  job_fd=child_job.fileno(), diag_fd=child_diag.fileno(), parent_pid=os.getpid(),
-                                 pg_timeout_s=PG_TIMEOUT_S, preload=self.preload)
+                                 pg_timeout_s=PG_TIMEOUT_S, preload=self.preload, threads=threads)
                 with open(os.path.join(self.tmpdir, f"rank{r}.log"), "wb") as log:
                     proc = start_rank(cfg, env, log.fileno(), self.zygotes)
                 child_job.close()

@@ -72,6 +72,18 @@ def rank_env(group_env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def rank_threads(group_env: Optional[Dict[str, str]], planned: int) -> int:
+    """The torch intra-op threads a rank sets once it runs (``RankConfig.threads``): ``planned``
+    (the pool's ``cores.CorePlan.rank_threads``) unless ``OMP_NUM_THREADS`` is the user's or the
+    group's own (0: torch's from it). Not through ``OMP_NUM_THREADS``: with more than one thread,
+    importing torch starts an OpenMP worker, and a zygote with a thread cannot fork ranks
+    (``zygote._unsafe_to_fork``); a forked rank whose zygote never ran a parallel region starts its
+    pool after the fork."""
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (group_env or {}):
+        return 0
+    return max(1, int(planned))
+
+
 class RankProcess(Protocol):
     """What ``WorkerGroup`` needs of a started rank (``subprocess.Popen`` has it, but the pidfd)."""
 

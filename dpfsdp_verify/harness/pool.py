@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 # the default deadline for a job, seconds (marker ``timeout=``, ini ``dpfsdp_timeout``, CLI ``--timeout``),
 # is ``defaults.DEFAULT_TIMEOUT_S``: re-exported here, where the harness has always named it
 from ..config.defaults import DEFAULT_TIMEOUT_S
+from ..config.defaults import DEFAULT_WORLD_SIZES
+from .cores import CorePlan, plan_cores, usable_cores
 from .group import GroupResult, GroupStartError, WorkerGroup, check_backend
 from .launch import rank_env
 from .proof import Evidence
@@ -44,9 +46,13 @@ Key = Tuple[int, str, Tuple[Tuple[str, str], ...]]
 
 class Pool:
     def __init__(self, max_groups: int = 3, reuse: bool = True, start_timeout: float = 120.0, spares: bool = True,
-                 zygote_preload: Optional[Sequence[str]] = PRELOAD):
+                 zygote_preload: Optional[Sequence[str]] = PRELOAD, cores: Optional[CorePlan] = None):
         """``zygote_preload``: what the pool's zygotes import before they fork ranks (``zygote.py``;
-        they learn more from the jobs); ``None``: no zygote, every rank is a new interpreter."""
+        they learn more from the jobs); ``None``: no zygote, every rank is a new interpreter.
+        ``cores``: how the cores are shared (``cores.plan_cores``: each rank's threads, whether a
+        side lane runs beside the caller); default: the usable cores for the default world sizes."""
+        #: how this pool shares the cores; the gate sets its run's (``gate/session.py``'s ``size_pool``)
+        self.cores = cores if cores is not None else plan_cores(usable_cores(), DEFAULT_WORLD_SIZES)
         self.max_groups = max_groups
         self.reuse = reuse
         self.start_timeout = start_timeout
@@ -100,7 +106,7 @@ class Pool:
                 g = None
         if g is None or g.closed:
             g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload,
-                            zygotes=self.zygotes)
+                            zygotes=self.zygotes, rank_threads=self.cores.rank_threads)
             self.started_pids += g.pids()
         self.groups[key] = g
         return g
@@ -113,7 +119,7 @@ class Pool:
         world_size, backend, env = key[0], key[1], dict(key[2])
         try:
             spare = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, preload=preload,
-                                wait_ready=False, zygotes=self.zygotes)
+                                wait_ready=False, zygotes=self.zygotes, rank_threads=self.cores.rank_threads)
         except Exception:  # no spare then: the next job starts its group as before
             return
         self.started_pids += spare.pids()
@@ -182,13 +188,16 @@ class Pool:
                 self._lost.add(key)
         return res
 
-    def side_lane(self, name: str = "side") -> "ThreadPoolExecutor":
+    def side_lane(self, name: str = "side") -> Optional["ThreadPoolExecutor"]:
         """A thread of this pool's own named ``name`` (a one-worker ``concurrent.futures`` executor,
         started on first use, ended by ``close``) for jobs that run beside the caller's on other
         groups: the gate runs its 1-rank jobs on ``"side"`` while its larger groups run the rest, and
         its explorations on ``"explore"`` (``gate/scheduler.py``, ``gate/session.py``). Ranks a lane's
         job starts live as long as the pool (a spawned rank's parent-death signal follows the thread
-        that started it: this one ends only when the pool closes)."""
+        that started it: this one ends only when the pool closes). ``None`` where the cores do not
+        hold two groups at once (one core: ``cores.CorePlan.side_lane``)."""
+        if not self.cores.side_lane:
+            return None
         with self._lock:
             if name not in self._lanes:
                 from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +212,7 @@ class Pool:
         Its pids join ``started_pids``."""
         check_backend(backend, world_size)
         g = WorkerGroup(world_size, backend, env, start_timeout=self.start_timeout, wait_ready=False,
-                        zygotes=self.zygotes)
+                        zygotes=self.zygotes, rank_threads=self.cores.rank_threads)
         self.started_pids += g.pids()
         return g
 

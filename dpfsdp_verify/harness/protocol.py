@@ -52,6 +52,8 @@ class RankConfig:
     pg_timeout_s: float
     #: modules to import before Ready (see ``WorkerGroup(preload=...)``)
     preload: List[str] = field(default_factory=list)
+    #: torch intra-op threads the rank sets once it runs (``launch.rank_threads``; 0: torch's own)
+    threads: int = 0
 
     def to_argv(self) -> str:
         return json.dumps(self.__dict__)

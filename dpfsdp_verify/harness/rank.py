@@ -327,8 +327,11 @@ def main(argv=None) -> None:
     threading.Thread(target=_serve_dumps, args=(diag_conn, cfg.rank, cfg.backend), name="dpfsdp-diagnosis",
                      daemon=True).start()
 
+    import torch
     import torch.distributed as dist
 
+    if cfg.threads:  # the pool's share of the cores (cores.py), set after a zygote's fork
+        torch.set_num_threads(cfg.threads)
     simulate_accelerator_from_env()  # tests only (backends.SIMULATED_ACCELERATOR_ENV)
     store, env_snapshot = _join_group(cfg)
     send(job_conn, Ready(cfg.rank, os.getpid()))

@@ -216,7 +216,7 @@ NO_TORCH_PROBE = (
                          ids=["default", "meshes", "audit-bf16", "models-accumulation"])
 def test_dry_run_starts_nothing_and_imports_neither_torch_nor_opacus(argv):
     """The plan of a gloo run needs no torch: its clip bounds and parameter shapes are the run's to
-    compute (``compare.planning_only``); the cases are the same (next test)."""
+    compute (``Options.planning``, which the dry run sets); the cases are the same (next test)."""
     done = subprocess.run([sys.executable, "-c", NO_TORCH_PROBE, *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     result = [line.split() for line in done.stdout.splitlines() if line.startswith("RESULT")]
@@ -230,16 +230,13 @@ def test_dry_run_starts_nothing_and_imports_neither_torch_nor_opacus(argv):
                                    "--world-sizes", "1,2", "--precisions", "fp32,bf16-fsdp"]],
                          ids=["default", "meshes", "audit-bf16"])
 def test_dry_run_plans_the_cases_a_run_plans(argv):
-    """Under ``planning_only`` every case is planned as a run plans it (same properties, world sizes,
+    """With ``Options.planning`` every case is planned as a run plans it (same properties, world sizes,
     meshes and skips); only the values a run derives from the reference (C, draws) are placeholders."""
     from dpfsdp_verify.gate.dryrun import describe
     from dpfsdp_verify.gate.plan import RunPlan
-    from dpfsdp_verify.properties.analysis.compare import planning_only
 
     plan = RunPlan.from_args(cli.build_parser().parse_args(["run", *argv]), load_target=False)
-    with planning_only():
-        dry = describe(plan)
-    real = describe(plan)
+    dry, real = describe(plan), describe(plan, planning=False)
     assert [(p.property, dict(p.cases), p.skips) for p in dry.properties] == \
         [(p.property, dict(p.cases), p.skips) for p in real.properties]
     assert dry.n_cases >= 40

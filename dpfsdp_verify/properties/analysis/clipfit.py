@@ -26,23 +26,24 @@ from .compare import (norm_picked, reference_batch, reference_grads, reference_m
                       tensors_close)
 
 
-def pick_clip_bound(spec: RunSpec) -> Optional[float]:
+def pick_clip_bound(spec: RunSpec, planning: bool = False) -> Optional[float]:
     """C between the two middle reference norms of step 0's global batch (a Poisson spec: of its
     dataset) (some samples clipped, some not: a missing ``min(1, .)`` or a wrong norm both show);
-    ``None`` if they tie or the batch has fewer than two samples."""
+    ``None`` if they tie or the batch has fewer than two samples; ``compare.PLANNED_CLIP`` when
+    ``planning`` (a dry run: ``compare.norm_picked``)."""
     if (spec.dataset_size if spec.poisson else spec.global_batch_size) < 2:
         return None
-    return norm_picked(spec, _middle_bound)
+    return norm_picked(spec, _middle_bound, planning=planning)
 
 
-def upper_clip(spec: RunSpec) -> RunSpec:
+def upper_clip(spec: RunSpec, planning: bool = False) -> RunSpec:
     """``spec`` with C between the two largest reference norms of its step-0 batch (Poisson: of its
     dataset): the largest sample clipped, the others not (``spec`` as it is if they tie). Where a
     run's outcome does not depend on C (``deadlock_free``'s scenarios, the gate's noisy long run), its
     noisy releases still feed the release judge (``releases/judge.py``), and a noise scale that
     depends on the batch's norms shows only on batches whose samples are all below C (at C = 1 every
-    sample of the gate's models is clipped)."""
-    c = norm_picked(spec, _between_largest)
+    sample of the gate's models is clipped). ``planning``: as ``pick_clip_bound``'s."""
+    c = norm_picked(spec, _between_largest, planning=planning)
     return spec if c is None else spec.with_(max_grad_norm=c)
 
 
@@ -76,10 +77,10 @@ def clip_at_quantile(spec: RunSpec, quantile: float) -> float:
     return (float(positive[i - 1]) + float(positive[i])) / 2
 
 
-def with_picked_clip(spec: RunSpec, fallback: float = 1.0) -> RunSpec:
-    """``spec`` with ``max_grad_norm`` set to ``pick_clip_bound(spec)``, or to ``fallback`` where no
-    bound splits the batch (ties, fewer than two samples, a bound of 0)."""
-    return spec.with_(max_grad_norm=pick_clip_bound(spec) or fallback)
+def with_picked_clip(spec: RunSpec, fallback: float = 1.0, planning: bool = False) -> RunSpec:
+    """``spec`` with ``max_grad_norm`` set to ``pick_clip_bound(spec, planning)``, or to ``fallback``
+    where no bound splits the batch (ties, fewer than two samples, a bound of 0)."""
+    return spec.with_(max_grad_norm=pick_clip_bound(spec, planning) or fallback)
 
 
 

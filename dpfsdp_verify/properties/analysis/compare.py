@@ -12,10 +12,7 @@ bounds), ``norm_hypotheses.py`` (the wrong per-sample norms a target may clip wi
 from __future__ import annotations
 
 import math
-
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from ...lazy import models, reference, torch
 from ...targets import RankOutput, RunSpec
@@ -121,44 +118,32 @@ def reference_norms(spec: RunSpec, step: int = 0) -> torch.Tensor:
 
 T = TypeVar("T")
 
-#: set while a dry run plans (``planning_only``): clip bounds picked from the reference norms are
-#: not computed (``norm_picked``), so planning needs no torch
-_PLANNING: ContextVar[bool] = ContextVar("dpfsdp_verify_planning", default=False)
 #: the bound a dry run's plan carries where a run picks one from the reference norms, and the size
 #: of the one tensor it plans with where a run reads the model's parameters
 PLANNED_CLIP, PLANNED_NUMEL = 1.0, 1024
 
 
-@contextmanager
-def planning_only() -> Iterator[None]:
-    """While this holds, ``norm_picked`` answers ``PLANNED_CLIP`` without computing a norm: a
-    plan's cases are the same (a bound changes no case's shape), only their C is not yet known
-    (``run --dry-run``; a run computes every bound)."""
-    token = _PLANNING.set(True)
-    try:
-        yield
-    finally:
-        _PLANNING.reset(token)
-
-
-def planned(compute: Callable[[], T], placeholder: T) -> T:
+def planned(compute: Callable[[], T], placeholder: T, planning: bool) -> T:
     """``compute()``: a value a case derives from the float64 reference when it is planned (a clip
-    bound, the parameters' shapes); ``placeholder`` under ``planning_only``."""
-    return placeholder if _PLANNING.get() else compute()
+    bound, the parameters' shapes); ``placeholder`` when ``planning`` (a dry run plans without the
+    reference: ``Options.planning``, read by the cases as ``point.planning`` and handed down)."""
+    return placeholder if planning else compute()
 
 
-def norm_picked(spec: RunSpec, pick: Callable[[torch.Tensor], T], step: int = 0) -> Union[T, float]:
+def norm_picked(spec: RunSpec, pick: Callable[[torch.Tensor], T], step: int = 0,
+                planning: bool = False) -> Union[T, float]:
     """``pick(reference_norms(spec, step))``: a clip bound (or other value) a case derives from the
-    reference norms when it is planned; ``PLANNED_CLIP`` under ``planning_only``."""
+    reference norms when it is planned; ``PLANNED_CLIP`` when ``planning``: a plan's cases are the
+    same (a bound changes no case's shape), only their C is not yet known (``run --dry-run``)."""
     placeholder: Union[T, float] = PLANNED_CLIP
-    return planned(lambda: pick(reference_norms(spec, step)), placeholder)
+    return planned(lambda: pick(reference_norms(spec, step)), placeholder, planning)
 
 
-def trainable_shapes(spec: RunSpec) -> Dict[str, Tuple[int, ...]]:
+def trainable_shapes(spec: RunSpec, planning: bool = False) -> Dict[str, Tuple[int, ...]]:
     """The shape of each trainable parameter of ``spec``'s model (frozen ones are not released);
-    under ``planning_only`` one placeholder tensor of ``PLANNED_NUMEL`` coordinates."""
+    when ``planning``, one placeholder tensor of ``PLANNED_NUMEL`` coordinates."""
     return planned(lambda: {n: tuple(p.shape) for n, p in reference_model(spec).named_parameters() if p.requires_grad},
-                   {"planned": (PLANNED_NUMEL,)})
+                   {"planned": (PLANNED_NUMEL,)}, planning)
 
 
 def smallest_norm(norms: torch.Tensor) -> float:
@@ -298,7 +283,7 @@ def fmt(x: float) -> str:
 #: ``reference_model`` and ``reference_batch``)
 __all__ = ["flat", "unflat", "TOLERANCES", "tolerance",
            "reference_model", "reference_batch", "reference_grads", "reference_norms",
-           "norm_picked", "planned", "planning_only", "trainable_shapes", "PLANNED_CLIP", "PLANNED_NUMEL",
+           "norm_picked", "planned", "trainable_shapes", "PLANNED_CLIP", "PLANNED_NUMEL",
            "frozen_parameters", "trainable_names", "rows", "sample_columns", "smallest_norm", "norm_ratios",
            "data_outputs",
            "shard_divisor", "replica_problem", "processed_indices", "global_loss", "max_rel_diff", "tensors_close",

@@ -76,9 +76,10 @@ from ..analysis.precision_bounds import (precision_bound, precision_coefficient_
 FIT_RTOL = 1e-6
 
 
-def prepare(spec: RunSpec) -> Prepared:
-    """``spec`` clipped between its two middle reference norms, or why that is impossible."""
-    c = pick_clip_bound(spec)
+def prepare(spec: RunSpec, planning: bool = False) -> Prepared:
+    """``spec`` clipped between its two middle reference norms, or why that is impossible
+    (``planning``: a dry run's, ``clipfit.pick_clip_bound``)."""
+    c = pick_clip_bound(spec, planning)
     if c is None:
         return "reference norms tie: no clip bound separates clipped from unclipped samples"
     return spec.with_(max_grad_norm=c)
@@ -137,7 +138,7 @@ def cases(point: Point):
         spec = spec.with_(dataset_size=poisson_dataset_size(point.world_size))
     if p:
         spec = spec.with_(physical_batch_size=p)
-    ready = prepare(spec)
+    ready = prepare(spec, point.planning)
     if isinstance(ready, str):
         yield point.case(spec, doing="one DP step with noise 0").verdict("skip", None, ready)
         return
@@ -150,15 +151,15 @@ def cases(point: Point):
         # goes wrong far down a batch (a kernel's second tile) is in the floor, not left to a draw
         wide = ready if p or spec.precision != "fp32" else ready.with_(
             global_batch_size=WIDE_LOCAL_BATCH * point.world_size)
-        specs.append(wide.with_(max_grad_norm=norm_picked(wide, _wide_clip)))
+        specs.append(wide.with_(max_grad_norm=norm_picked(wide, _wide_clip, planning=point.planning)))
     elif point.sampling == "fixed" and spec.precision != "fp32" and _first_bf16(point):
         # bf16 compute runs in float32 only, so the first_of_axes point above is never a bf16 one: its
         # first point runs the small C too, and a C no sample reaches (BF16_LOOSE_CLIP x the largest
         # norm): at the mid-norm C the unclipped samples' norms are within a few % of C on the
         # PRECISION_DIMS models, where a missing min(1, .) moves the step less than bf16's derived
         # bound (0.7x it on the mlp); with every sample below C/2 it scales each by >= 2
-        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip)))
-        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _loose_clip)))
+        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _wide_clip, planning=point.planning)))
+        specs.append(ready.with_(max_grad_norm=norm_picked(ready, _loose_clip, planning=point.planning)))
     elif spec.poisson and not p and spec.precision == "fp32":
         specs.append(short_poisson_spec(ready))
     yield point.case(ready, specs, doing="one DP step with noise 0" + (
@@ -169,7 +170,7 @@ def cases(point: Point):
         # the long run (horizon.py): every step of a long Poisson run against the reference step on its
         # batch (lr 0: the same parameters at every step), so a clip changed from step k shows at step k
         long = horizon_spec(point, noise_multiplier=0.0, lr=0.0)
-        long = long.with_(max_grad_norm=pick_clip_bound(long) or 1.0)
+        long = long.with_(max_grad_norm=pick_clip_bound(long, point.planning) or 1.0)
         yield point.case(long, doing=f"{long.steps} DP steps with noise 0 (long run)", labels=horizon_labels(long),
                          isolate=True)
     if _runs_default_bf16(point, spec):
@@ -181,7 +182,7 @@ def cases(point: Point):
                     item.facts = {**item.facts, DEFAULT_PRECISION_FACT: True}
                 yield item
     if _runs_short_layer(point, spec):
-        short = prepare(spec.with_(model_kwargs=SHORT_LAYER_DIMS))
+        short = prepare(spec.with_(model_kwargs=SHORT_LAYER_DIMS), point.planning)
         if not isinstance(short, str):
             # a job of its own: a crash re-runs every run of a shared job one by one
             yield point.case(short, doing="one DP step with noise 0 on a layer with fewer rows than ranks",

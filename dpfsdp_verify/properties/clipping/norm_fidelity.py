@@ -66,12 +66,13 @@ from ..analysis.precision_bounds import (precision_bound, precision_coefficient_
 
 
 
-def prepare(spec: RunSpec) -> RunSpec:
+def prepare(spec: RunSpec, planning: bool = False) -> RunSpec:
     """C between the middle norms: some samples clipped, some not, so the clip coefficients
     recovered from the released gradient tell an overall gradient scale from norms that are off.
-    A mixed-precision spec runs at ``precision_bounds.PRECISION_DIMS`` (where bf16 accumulation shows)."""
+    A mixed-precision spec runs at ``precision_bounds.PRECISION_DIMS`` (where bf16 accumulation shows).
+    ``planning``: a dry run's (``clipfit.pick_clip_bound``)."""
     spec = precision_spec(spec)
-    return with_picked_clip(spec)
+    return with_picked_clip(spec, planning=planning)
 
 
 #: the local batch of the one large case (``cases``): every default local batch is <= 8, so a fork that
@@ -81,18 +82,19 @@ LARGE_LOCAL_BATCH = 33
 
 
 def cases(point: Point):
-    spec = prepare(point.spec(global_batch_size=4 * point.world_size))
+    spec = prepare(point.spec(global_batch_size=4 * point.world_size), point.planning)
     if not large_point(point):
         yield point.case(spec, doing="per-sample norms")
         return
     # the large batch rides in the same case (one job, one verdict): judged after the small one passes
-    large = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size))
+    large = prepare(point.spec(global_batch_size=LARGE_LOCAL_BATCH * point.world_size), point.planning)
     yield point.case(spec, specs=(spec, large), doing=f"per-sample norms (local batches of 4 and {LARGE_LOCAL_BATCH})")
     if point.options.models is None:
         # every layer type ghost clipping samples, once per world size, beside the property's own models
         # (a --models selection runs just those): a layer type missing from a target's norm registry
         # shows, named (models.LayerZoo; docs/properties.md)
-        zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()))
+        zoo = prepare(point.spec(global_batch_size=4 * point.world_size).with_(model="zoo", model_kwargs=()),
+                      point.planning)
         yield point.case(zoo, doing="per-sample norms of every layer type (the layer zoo)")
 
 
@@ -102,7 +104,7 @@ def wide(point: Point):
     from the third rank on."""
     if point.sampling == "fixed":
         spec = point.spec(global_batch_size=4 * point.world_size).with_(data_layout="split")
-        yield point.case(prepare(spec), doing="per-sample norms")
+        yield point.case(prepare(spec, point.planning), doing="per-sample norms")
 
 
 def large_point(point: Point) -> bool:

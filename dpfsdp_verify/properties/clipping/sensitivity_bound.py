@@ -63,13 +63,13 @@ NAME_TOL = 1e-6
 
 def cases(point: Point):
     spec = point.spec(global_batch_size=3 * point.world_size)
-    spec = spec.with_(max_grad_norm=norm_picked(spec, _clip_below_all))
+    spec = spec.with_(max_grad_norm=norm_picked(spec, _clip_below_all, planning=point.planning))
     specs = leave_one_out_specs(spec, point.world_size) if spec.data_layout == "split" else [spec]
     yield point.case(spec, specs, doing="leave-one-out DP steps")
     # beside the property's own models only (a --models selection runs just those)
     if point.options.models is None and point.sampling == "fixed" and point.data_layout == "split" and \
             point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
-        yield point.case(extreme_spec(point.spec(), point.world_size),
+        yield point.case(extreme_spec(point.spec(), point.world_size, point.planning),
                          doing="extreme and rare samples (norms ~1 to ~1e20 C, local batches of 1 and 3)",
                          facts={"extreme": True})
 
@@ -83,15 +83,17 @@ EXTREME_STEPS = ((2,), (0, 1, 2), (0, 1, 2, 3, 4, 5))
 EXTREME_NEAR_C = 1.005
 
 
-def extreme_spec(base: RunSpec, ws: int) -> RunSpec:
+def extreme_spec(base: RunSpec, ws: int, planning: bool = False) -> RunSpec:
     """The extreme case (``EXTREME_STEPS``) at ``base``'s world size and reduction: the ``extreme``
     model in float32 (where a squared norm of 1e40 overflows), 3 steps at lr 0 (every step at the
-    initial parameters, so each is read back against the reference), noise 0."""
+    initial parameters, so each is read back against the reference), noise 0; C 1/1.005 of step 2's
+    first norm (``compare.PLANNED_CLIP`` when ``planning``: a dry run's)."""
     block = len(EXTREME_SCALES)
     batches = tuple(tuple(tuple(block * r + k for k in step) for r in range(ws)) for step in EXTREME_STEPS)
     spec = base.with_(model="extreme", model_kwargs=(), dtype="float32", global_batch_size=block * ws,
                       steps=len(EXTREME_STEPS), lr=0.0, noise_multiplier=0.0, rank_batches=batches)
-    return spec.with_(max_grad_norm=norm_picked(spec, _near_first, step=len(EXTREME_STEPS) - 1))
+    return spec.with_(max_grad_norm=norm_picked(spec, _near_first, step=len(EXTREME_STEPS) - 1,
+                                                     planning=planning))
 
 
 def _clip_below_all(norms: torch.Tensor) -> float:

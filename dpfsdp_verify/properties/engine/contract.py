@@ -108,6 +108,12 @@ class Options:
     #: 2-D meshes (``dpfsdp_verify.targets.mesh`` names, e.g. ``"hsdp:2x2"``) each property that runs on
     #: meshes runs at, besides ``world_sizes`` (``()``: none)
     meshes: Tuple[str, ...] = ()
+    #: a dry run's plan (``run --dry-run``): what a case derives from the float64 reference (clip
+    #: bounds picked between reference norms, the parameters' shapes) is left to the run, so planning
+    #: imports no torch; every case is the same, only its C is not known yet. The cases read it as
+    #: ``Point.planning`` and hand it to ``compare.norm_picked`` / ``compare.planned`` and the helpers
+    #: built on them
+    planning: bool = False
 
     def __post_init__(self):
         problem = precision_problem(self.precisions, self.dtypes)
@@ -321,6 +327,12 @@ class Point:
         """A ``Case`` of this point running ``specs`` (default: just ``spec``)."""
         return Case(self.property, self.options.target, spec, self.world_size, self.modes, tuple(specs),
                     self.options.backend, seed=self.options.seed, **kw)
+
+    @builtins.property  # ``property`` is a field here
+    def planning(self) -> bool:
+        """Whether this point is planned by a dry run (``Options.planning``): hand it to
+        ``compare.norm_picked`` / ``planned`` and the clip helpers built on them."""
+        return self.options.planning
 
     def seed_for(self, *names) -> int:
         """The seed of this property's random stream ``names`` in this run: ``space.seed_for`` of the

@@ -92,7 +92,7 @@ def noisy_long_spec(point: Point) -> RunSpec:
     seed = point.options.seed
     return upper_clip(horizon_spec(point, noise_multiplier=LONG_RUN_SIGMA, lr=LONG_RUN_LR,
                                    sampling_seed=seed_for(seed, "horizon", "sampling"),
-                                   noise_seed=seed_for(seed, "horizon", "noise")))
+                                   noise_seed=seed_for(seed, "horizon", "noise")), planning=point.planning)
 
 
 #: the node run's steps (one Poisson epoch at q = 1/4) and learning rate (> 0: the noise is judged

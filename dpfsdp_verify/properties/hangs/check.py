@@ -126,7 +126,7 @@ def poisson_spec(point: Point, seeding: str):
     ws = point.world_size
     n = 2 * ws + 1
     return upper_clip(point.spec(sampling="poisson", dataset_size=n, sample_rate=1 / -(-n // ws), epochs=EPOCHS,
-                                 seeding=seeding, steps=0, noise_multiplier=1.0))
+                                 seeding=seeding, steps=0, noise_multiplier=1.0), planning=point.planning)
 
 
 def cases(point: Point):
@@ -140,7 +140,7 @@ def cases(point: Point):
             continue
         sizes = [len(s) for s in split]
         spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                                     rank_batches=(split,) * STEPS))
+                                     rank_batches=(split,) * STEPS), planning=point.planning)
         fixed.append(point.case(spec, labels={"local_batches": name}, facts={"local_batch_sizes": sizes},
                                 doing=f"{name} local batches {sizes}", isolate=True))
     if (only is None or "history_twice" in only) and point.world_size == max(point.options.world_sizes) and \
@@ -182,7 +182,7 @@ def history_twice_case(point: Point) -> Case:
     # Poisson: the told q is the configured one in both (a fixed run's q is 1/steps, which would differ)
     specs = [upper_clip(point.spec(sampling="poisson", dataset_size=TWICE_PER_RANK * ws, sample_rate=TWICE_Q,
                                    epochs=-(-max(TWICE_STEPS) // int(1 / TWICE_Q)), seeding="same", steps=n,
-                                   noise_multiplier=TWICE_SIGMA)) for n in TWICE_STEPS]
+                                   noise_multiplier=TWICE_SIGMA), planning=point.planning) for n in TWICE_STEPS]
     delta = drawn_delta(specs[0])
     specs = [s.with_(accountant_delta=delta) for s in specs]
     return point.case(specs[0], specs, labels={"local_batches": "history_twice"},
@@ -199,7 +199,8 @@ def accum_cases(point: Point, only):
         if name == "uneven_accum":
             split = scenarios(point.world_size)["uneven"]
             spec = upper_clip(point.spec(steps=STEPS, global_batch_size=2 * point.world_size, noise_multiplier=1.0,
-                                         rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P))
+                                         rank_batches=(split,) * STEPS, physical_batch_size=ACCUM_P),
+                              planning=point.planning)
             what = f"uneven local batches {[len(s) for s in split]}"
         else:
             spec = poisson_spec(point, "per_rank").with_(epochs=ACCUM_EPOCHS, physical_batch_size=ACCUM_P)

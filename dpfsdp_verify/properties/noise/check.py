@@ -219,7 +219,7 @@ def _statistical_case(point: Point):
     if spec.poisson:  # enough epochs of int(1/q) steps for STEPS_PER_RUN draws per run
         spec = spec.with_(epochs=-(-STEPS_PER_RUN // spec.steps_per_epoch))
     # frozen parameters are not released (the runner checks they get no noise at all)
-    shapes = trainable_shapes(spec)
+    shapes = trainable_shapes(spec, point.planning)
     # the long run (horizon.py) is one more statistical verdict: it shares the family's budget
     # ... and so does the bf16 case at 2+ ranks (``_edge_cases``)
     verdicts = (point.matrix_size + (1 if point.options.horizon else 0)
@@ -227,8 +227,8 @@ def _statistical_case(point: Point):
     shards = shard_divisor(spec, point.world_size)
     alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(shapes, shards)
     big = [k for s in shapes.values() for k in shard_sizes(s, shards) if k >= POWER_MIN_NUMEL]
-    draws = point.param("draws") or (planned(lambda: draws_for(min(big), alpha), 4 * STEPS_PER_RUN) if big
-                                     else 4 * STEPS_PER_RUN)
+    draws = point.param("draws") or (planned(lambda: draws_for(min(big), alpha), 4 * STEPS_PER_RUN, point.planning)
+                                     if big else 4 * STEPS_PER_RUN)
     repeats = max(2, -(-draws // STEPS_PER_RUN))
     # adjacent noise seeds: a generator seeded with noise_seed + step gives run i+1's step k the noise of
     # run i's step k+1, which the exact repeat check sees across runs
@@ -279,7 +279,8 @@ def _edge_cases(point: Point, spec: RunSpec, verdicts: int):
     if o.precisions is None and (o.dtypes is None or "float32" in o.dtypes):
         seed = point.seed_for("bf16", point.param("noise_seed"), point.world_size)
         b = spec.with_(dtype="float32", precision="bf16-fsdp", steps=BF16_STEPS, noise_seed=seed)
-        alpha = FAMILY_ALPHA / verdicts / _tests_per_verdict(trainable_shapes(b), shard_divisor(b, point.world_size))
+        tests = _tests_per_verdict(trainable_shapes(b, point.planning), shard_divisor(b, point.world_size))
+        alpha = FAMILY_ALPHA / verdicts / tests
         yield point.case(b, [b.with_(noise_multiplier=0.0), b, b.with_(noise_seed=adjacent(seed, 1))],
                          doing="DP steps with noise under bf16 mixed precision", isolate=True,
                          facts={"alpha_per_test": alpha, DEFAULT_PRECISION_FACT: True})
@@ -305,8 +306,7 @@ def wide(point: Point):
     yield point.case(t, [t.with_(noise_multiplier=0.0), t], doing="one DP step with noise (exact checks)",
                      facts={"exact_only": True})
     w = spec.with_(model="mlp", model_kwargs=WIDE_MLP_DIMS,
-                   noise_seed=point.seed_for("wide_world_layer_exact", point.param("noise_seed"),
-                                                          point.world_size))
+                   noise_seed=point.seed_for("wide_world_layer_exact", point.param("noise_seed"), point.world_size))
     yield point.case(w, [w.with_(noise_multiplier=0.0), w], doing="one DP step with noise on a wide layer "
                      "(exact checks)", facts={"exact_only": True}, labels={"model_kwargs": dict(WIDE_MLP_DIMS)})
 
@@ -321,7 +321,7 @@ def nodes(point: Point):
         return
     # on its mlp whatever the --models (a check sized for the mlp's tensors)
     spec = with_picked_clip(node_spec(point, noise_multiplier=SIGMA, noise_seed=point.seed_for(
-        "nodes", point.param("noise_seed"))).with_(model="mlp", model_kwargs=MLP_DIMS))
+        "nodes", point.param("noise_seed"))).with_(model="mlp", model_kwargs=MLP_DIMS), planning=point.planning)
     yield point.case(spec, doing=f"{spec.steps} noisy DP steps at lr {spec.lr:g} on 2 nodes x 2 ranks",
                      facts={"releases_judged": True, "alpha": NODE_ALPHA, "nodes": True})
 

@@ -117,7 +117,7 @@ def cases(point: Point):
     steps, k = point.param("steps"), point.param("resume_at")
     ws = point.world_size
     base = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.5, momentum=MOMENTUM)
-    traj = with_picked_clip(base)
+    traj = with_picked_clip(base, planning=point.planning)
     noise = point.spec(steps=steps, global_batch_size=4 * ws, lr=0.0, max_grad_norm=CLIP, noise_multiplier=SIGMA,
                        noise_seed=point.seed_for("noise_run", ws))
     o = point.options

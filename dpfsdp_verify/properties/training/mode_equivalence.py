@@ -85,8 +85,8 @@ def pair_local_batch(p: int) -> int:
     return 2 * p + 1
 
 
-def prepare(spec: RunSpec) -> RunSpec:  # always a spec: never a reason to skip (``Prepared``)
-    return with_picked_clip(spec)
+def prepare(spec: RunSpec, planning: bool = False) -> RunSpec:  # always a spec: never a reason to skip (``Prepared``)
+    return with_picked_clip(spec, planning=planning)
 
 
 def poisson_pair_spec(point: Point) -> RunSpec:
@@ -100,7 +100,8 @@ def poisson_pair_spec(point: Point) -> RunSpec:
     o = point.options
     return prepare(point.spec(sampling="poisson", sample_rate=o.sample_rate or q,
                               dataset_size=o.dataset_size or per_rank * point.world_size, epochs=1, steps=steps,
-                              seeding=point.seeding or "same", sampling_seed=point.poisson_seed()))
+                              seeding=point.seeding or "same", sampling_seed=point.poisson_seed()),
+                   point.planning)
 
 
 def cases(point: Point):
@@ -114,11 +115,12 @@ def cases(point: Point):
             yield point.case(poisson_pair_spec(point), doing="the same Poisson rounds under each mode")
         return
     if p:  # the built-in pair: local batches with a short last pass, and one noised step
-        spec = prepare(point.spec(steps=steps, global_batch_size=pair_local_batch(p) * point.world_size))
+        spec = prepare(point.spec(steps=steps, global_batch_size=pair_local_batch(p) * point.world_size),
+                       point.planning)
         yield point.case(spec, specs=(spec, spec.with_(steps=1, noise_multiplier=1.0)),
                          doing="the same logical steps unsplit and in physical batches")
         return
-    spec = prepare(point.spec(steps=steps, global_batch_size=4 * point.world_size))
+    spec = prepare(point.spec(steps=steps, global_batch_size=4 * point.world_size), point.planning)
     yield point.case(spec, doing="the same steps under each mode")
 
 

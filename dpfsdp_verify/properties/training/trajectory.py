@@ -120,7 +120,7 @@ def cases(point: Point):
         # as many epochs as the steps need (int(1/q) steps each): all ``steps`` are taken
         spec = spec.with_(epochs=-(-steps // spec.steps_per_epoch))
     # on a mesh both cases say their noise (mesh configs are new: an expectation can tell them apart)
-    yield point.case(with_picked_clip(spec), doing=f"{steps} DP steps",
+    yield point.case(with_picked_clip(spec, planning=point.planning), doing=f"{steps} DP steps",
                      labels={"noise_multiplier": 0.0} if point.mesh else {})
     o = point.options
     if point.mesh:  # the noisy-update case, once per mesh: the replicas must stay bit-identical with noise too
@@ -148,7 +148,8 @@ def update_case(point: Point, dtype: Optional[str] = None):
                       noise_seed=point.seed_for("noisy_update", point.world_size))
     if dtype:
         spec = spec.with_(dtype=dtype)
-    return point.case(with_picked_clip(spec), labels={"noise_multiplier": UPDATE_SIGMA, "momentum": mu},
+    return point.case(with_picked_clip(spec, planning=point.planning),
+                      labels={"noise_multiplier": UPDATE_SIGMA, "momentum": mu},
                       doing=f"{UPDATE_STEPS} noisy DP steps (noise multiplier {UPDATE_SIGMA:g}, SGD momentum {mu:g})")
 
 
@@ -158,7 +159,7 @@ def accum_cases(point: Point, steps: int, p: int):
     ws = point.world_size
     if not point.sampling == "poisson":
         spec = point.spec(steps=steps, global_batch_size=(p + 1) * ws, lr=0.5, physical_batch_size=p)
-        yield point.case(with_picked_clip(spec), doing=(
+        yield point.case(with_picked_clip(spec, planning=point.planning), doing=(
             f"{steps} DP steps, local batches of {p + 1} in physical passes of at most {p}"))
         return
     if not point.first_of_axes(PROPERTY.models, PROPERTY.reductions, PROPERTY.dtypes):
@@ -166,7 +167,7 @@ def accum_cases(point: Point, steps: int, p: int):
     o = point.options
     spec = point.spec(steps=0, lr=0.5, physical_batch_size=p).with_(
         epochs=EMPTY_EPOCHS, sample_rate=o.sample_rate or EMPTY_Q, dataset_size=o.dataset_size or EMPTY_PER_RANK * ws)
-    spec = with_picked_clip(spec)
+    spec = with_picked_clip(spec, planning=point.planning)
     yield point.case(spec, [spec, spec.with_(noise_multiplier=1.0)], doing=(
         f"every Poisson round of {EMPTY_EPOCHS} epochs (q={spec.sample_rate:g}, dataset of {spec.dataset_size}) "
         f"in physical passes of at most {p}, empty logical batches included, at noise 0 and at noise 1"))
