@@ -152,8 +152,8 @@ def released(m, t, seed, clip_factor=1.0, noise_factor=1.0):
 def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     """At the default size on a correct release the f-DP bound proves ~2x the counting bound and
     stays below the claim; a clip bound at 2 C is flagged by it. The counting bound is the one of
-    ``audit_bound.audit`` at 1 - 10% of the error probability, the f-DP bound's pooled tail analysis
-    (``audit_tail``) at 70%, its pooled recursion (``audit_fdp``) at 10% and 4 x 2.5% (each kind
+    ``audit_bound.audit`` at 1 - 5% of the error probability, the f-DP bound's pooled tail analysis
+    (``audit_tail``) at 85%, its pooled recursion (``audit_fdp``) at 5% and 4 x 1.25% (each kind
     alone, by each score, tail analysis)."""
     from dpfsdp_verify.properties.audit import bound as audit_bound
     from dpfsdp_verify.properties.audit import fdp as audit_fdp
@@ -166,14 +166,14 @@ def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     scores = {"llr": pa.llr_scores(y, pa.SAMPLE_RATE, pa.SIGMA).tolist(),
               "llr_fitted": pa.llr_scores(y, pa.SAMPLE_RATE, pa.fitted_sigma(y)).tolist()}
     choices = audit_bound.guess_choices(pa.CANARIES, pa.GUESS_FRACTIONS, pa.COUNTING_GUESSES)
-    assert got["eps_lb_counting"] == audit_bound.audit(scores, secrets, choices, pa.DELTA, 1 - 0.05 * 0.1).eps_lb
+    assert got["eps_lb_counting"] == audit_bound.audit(scores, secrets, choices, pa.DELTA, 1 - 0.05 * 0.05).eps_lb
     k = round(pa.FDP_FRACTIONS[0] * pa.CANARIES / 2)
     r, v = audit_bound.count_correct(scores["llr"], secrets, k, k)
     assert (got["fdp_r"], got["fdp_v"], got["fdp_group"], got["fdp_analysis"]) == (r, v, "all", "tail")
-    assert got["mu_lb"] == audit_tail.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.7)
+    assert got["mu_lb"] == audit_tail.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.85)
     k = round(pa.RECURSION_FRACTIONS[0] * pa.CANARIES / 2)
     r, v = audit_bound.count_correct(scores["llr"], secrets, k, k)
-    mu = audit_fdp.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.1)
+    mu = audit_fdp.mu_lower_bound(r, v, pa.CANARIES, 0.05 * 0.05)
     assert got["eps_lb_recursion"] == audit_fdp.gdp_epsilon(mu, pa.DELTA) < got["eps_lb_fdp"]
     y2, s2 = released(pa.CANARIES, pa.STEPS, 12, clip_factor=2.0)
     leaky = pa.bounds(y2, pa.SAMPLE_RATE, pa.SIGMA, s2, 0.95)

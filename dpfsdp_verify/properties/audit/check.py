@@ -103,12 +103,12 @@ RECURSION_FRACTIONS = (0.1,)
 #: tail analysis), and the share of the error probability ``1 - confidence`` each of its four
 #: (kind, score) choices gets
 FDP_KIND_FRACTION = 0.4
-FDP_KIND_SHARE = 0.025
+FDP_KIND_SHARE = 0.0125
 #: the pooled tail-bound choice's and the pooled recursion's shares of the error probability
 #: ``1 - confidence``; the counting bound has what the f-DP choices leave
-#: (``1 - FDP_SHARE - RECURSION_SHARE - 4 FDP_KIND_SHARE``: 10%)
-FDP_SHARE = 0.7
-RECURSION_SHARE = 0.1
+#: (``1 - FDP_SHARE - RECURSION_SHARE - 4 FDP_KIND_SHARE``: 5%)
+FDP_SHARE = 0.85
+RECURSION_SHARE = 0.05
 #: the smallest per-canary noise std the fitted score uses (a noise-free row has std 0)
 SIGMA_FLOOR = 1e-3
 #: the parameters of the canary model (``models.CanaryLayers``): the embedding canaries' rows and the
