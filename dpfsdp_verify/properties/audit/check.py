@@ -97,7 +97,7 @@ COUNTING_GUESSES = 1000
 #: (``audit_tail``, Xiang et al.: the channel's own distribution of mistakes) and the recursion
 #: (``audit_fdp``, Mahloujifar et al.: valid for any trade-off curve, looser); the tail bound's
 #: choice keeps most of the confidence
-FDP_FRACTIONS = (0.2,)
+FDP_FRACTIONS = (0.3,)
 RECURSION_FRACTIONS = (0.1,)
 #: the fraction of one kind's canaries the f-DP bound guesses among that kind alone (``fdp_groups``,
 #: tail analysis), and the share of the error probability ``1 - confidence`` each of its four
