@@ -30,3 +30,21 @@ def post_processing_message(f: PostProcessing, where: str) -> str:
     return (lead + what + ": the release is a deterministic function of a noisy release (post-processing), which "
             "costs no privacy beyond the noise's own accounting, but the model trained is not DP-SGD's (a utility "
             "bug: move the transformation before the noise, or drop it).")
+
+
+def rounded_sensitivity_message(grid: str, share: float, worst: int, ratio: float, exceed: int, total: int,
+                                c: float, where: str) -> str:
+    """Contributions above C by no more than the rounding of the released gradient to ``grid`` explains
+    (``analysis.postprocessing.grid_rounding``, ``coarse_grid``), in a run without noise: both readings, never
+    a bare "PRIVACY VIOLATION" (the noise-0 run cannot tell whether the rounding is before or after where the
+    noise goes). ``worst``: the sample of the largest contribution (-1: contributions read back, not left out)."""
+    how = "leave-one-out contributions" if worst >= 0 else "contributions read back from the released gradient"
+    who = f"sample {worst}: " if worst >= 0 else "largest "
+    return (f"the released gradient is rounded to {grid} {where}: {share:.1%} of the released values are exactly "
+            f"representable in {grid}, and the {how} exceed C={c:.4g} at most by what that rounding explains ({who}"
+            f"{ratio:.6g} x C; {exceed} of {total} samples above C). Two readings, which this noise-0 run cannot "
+            "tell apart: if the rounding is applied to the noisy gradient AFTER the noise, it is post-processing "
+            "(privacy intact; a utility bug: the update loses precision); if the clipped sum is rounded BEFORE the "
+            f"noise, the sensitivity is {max(ratio, 1.0):.6g} C instead of C, a privacy violation of that size (the "
+            "noise sigma*C is calibrated to C). noise_calibration's noisy releases say which (post_processed there: "
+            "after the noise).")
