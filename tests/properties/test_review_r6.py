@@ -98,3 +98,17 @@ def test_sensitivity_of_a_rounded_release_is_said_both_ways(pool, target, rounde
     for v in vs:
         assert "PRIVACY VIOLATION" not in v.message and "Two readings" in v.message, v.message
         assert "post-processing" in v.message and not message_problems(v), v.message
+
+
+# -- the accountant asked by one process with histories that differ in one component each ------------------
+def test_an_epsilon_cached_without_sigma_in_its_key_fails_history_twice(pool):
+    """``EpsilonCacheKeyedBySteps`` (a cache by (steps, delta)) passed the gate: ``history_twice``'s runs
+    differed in their steps only. Its third run (5 steps at another sigma) gets the second's epsilon: over-
+    reported (the cached run had less noise), privacy intact; a more-orders RDP accountant passes."""
+    [v] = props.run("deadlock_free", R6 + "EpsilonCacheKeyedBySteps", pool=pool, world_sizes=(1,),
+                    local_batches=("history_twice",), timeout=240)
+    assert (v.status, v.diagnosis) == ("fail", "epsilon_over_reported"), v.message
+    assert "[(2.3, 0.25, 5)]" in v.message and "PRIVACY VIOLATION" not in v.message, v.message
+    [v] = props.run("deadlock_free", R6 + "MoreRdpOrders", pool=pool, world_sizes=(1,),
+                    local_batches=("history_twice",), timeout=240)
+    assert v.status == "pass" and "[2, 5, 5, 5] step(s)" in v.message, v.message
