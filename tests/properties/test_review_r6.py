@@ -112,3 +112,30 @@ def test_an_epsilon_cached_without_sigma_in_its_key_fails_history_twice(pool):
     [v] = props.run("deadlock_free", R6 + "MoreRdpOrders", pool=pool, world_sizes=(1,),
                     local_batches=("history_twice",), timeout=240)
     assert v.status == "pass" and "[2, 5, 5, 5] step(s)" in v.message, v.message
+
+
+# -- a bug only exploration reaches, where it reaches it ----------------------------------------------------
+@pytest.mark.slow
+def test_noise_capped_at_sigma_3_fails_an_explored_draw_at_sigma_4(pool):
+    """``NoiseMultiplierCappedAt3`` passed the gate at seed 4242: its 4 draws of deadlock_free drew sigma
+    0.5, 2.55, 2.28, 0.53 (docs/review-r6.md). An explored noisy draw at sigma 3.8 feeds the release judge
+    (as in a gate run) and fails it as too little noise (3/3.8 of sigma*C); Correct passes the same draw."""
+    from dpfsdp_verify.fuzz.explore import check_exact
+    from dpfsdp_verify.properties.engine.contract import Options
+    from dpfsdp_verify.properties.engine.session import Session
+    from dpfsdp_verify.properties.releases import judge as releases
+    from dpfsdp_verify.targets import RunSpec
+
+    prop = PROPERTIES["deadlock_free"]
+    spec = prop.explore.prepare(RunSpec(global_batch_size=8, lr=0.0, steps=4),
+                                {"noise_multiplier": 3.8, "clip_quantile": 0.5})
+    found = {}
+    for target in ("fixtures.specimens:Correct", R6 + "NoiseMultiplierCappedAt3"):
+        ledger = releases.Ledger()
+        opts = Options(target=target, timeout=240)
+        assert check_exact(prop, opts, spec, 2, pool, session=Session(ledger)).status == "pass"
+        found[target] = [v for v in ledger.verdicts(prop.with_defaults(opts)) if v.status != "pass"]
+    assert found["fixtures.specimens:Correct"] == [], [v.message for v in found["fixtures.specimens:Correct"]]
+    bad = found[R6 + "NoiseMultiplierCappedAt3"]
+    assert bad and all(v.diagnosis == "mismatch" and "PRIVACY VIOLATION: too little noise" in v.message
+                       for v in bad), [v.message for v in bad]
