@@ -139,3 +139,43 @@ def test_noise_capped_at_sigma_3_fails_an_explored_draw_at_sigma_4(pool):
     bad = found[R6 + "NoiseMultiplierCappedAt3"]
     assert bad and all(v.diagnosis == "mismatch" and "PRIVACY VIOLATION: too little noise" in v.message
                        for v in bad), [v.message for v in bad]
+
+
+# -- each wrong implementation the gate caught, on the cases that caught it ---------------------------------
+def _ws(n):
+    return lambda c: c.world_size == n
+
+
+def _bf16_at(n):
+    return lambda c: c.world_size == n and c.spec.precision != "fp32"
+
+
+def _twice(c):
+    return c.labels.get("local_batches") == "history_twice"
+
+
+#: (specimen, property planned, the cases run, diagnosis, words its message has, words it must not have)
+CAUGHT = [
+    pytest.param("NoiseDivisorRoundedToPowerOfTwo", "noise_calibration", _ws(3), "mismatch",
+                 "PRIVACY VIOLATION: too little noise", "only the float64 runs are off", marks=pytest.mark.slow),
+    ("ResumedFirstStepUnnoised", "checkpoint_resume", _ws(1), "mismatch", "load half of a resumed run", "UTILITY"),
+    ("Bf16NoiseOnRankZeroOnly", "noise_calibration", _bf16_at(2), "mismatch", "PRIVACY VIOLATION: no noise", "UTILITY"),
+    pytest.param("HalvedDeltaTermConversion", "deadlock_free", _twice, "epsilon_under_reported", "below",
+                 "over-reported", marks=pytest.mark.slow),
+    ("ResumeRestoresHistoryAtDoubleSigma", "checkpoint_resume", _ws(1), "epsilon_under_reported",
+     "told noise multiplier(s) 2", "over-reported"),
+    pytest.param("UniformNoiseRightVariance", "noise_calibration", _ws(1), "non_gaussian_noise", "bounded", "UTILITY",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name, pid, select, diagnosis, words, never", CAUGHT)
+def test_the_caught_ones_fail_with_their_cause(pool, name, pid, select, diagnosis, words, never):
+    from tests.properties.test_release_specimens import judged
+
+    own, found = judged(pool, pid, R6 + name, select)
+    bad = [v for v in own + found if v.status != "pass"]
+    assert bad and all(v.status == "fail" for v in bad), [(v.status, v.message) for v in bad]
+    named = [v for v in bad if v.diagnosis == diagnosis and words in v.message]
+    assert named, [(v.diagnosis, v.message[:300]) for v in bad]
+    assert all(never not in v.message and not message_problems(v) for v in bad), [v.message for v in bad]
