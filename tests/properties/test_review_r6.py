@@ -236,3 +236,23 @@ def test_few_row_scales_of_correct_noise_pass_at_the_stated_bound():
         half = few_rows.few_row_scales([[{n: t / 2 for n, t in z.items()}]], ["fc2.weight"], 1.0, 2)
         bad += half[0][3] < few_rows.ALPHA
     assert ok == 2000 and bad >= 1800, (ok, bad)
+
+
+# -- post-processing: the noisy gradient rescaled after the noise ----------------------------------------------
+@pytest.mark.slow
+def test_a_rescaled_noisy_gradient_is_post_processing(pool):
+    """``RescalesNoisyGradient`` (the noisy gradient x 0.5 before the step) was called "PRIVACY VIOLATION: too
+    little noise" by noise_calibration (noise 0.5 x sigma*C/D): its noise-0 release is exactly 0.5 x the
+    reference too, so signal and noise are scaled alike -- post-processing. Noise alone too small (std / N^2
+    at 2 ranks) stays a violation; Correct passes."""
+    from tests.properties.test_postprocessing import STATISTICAL
+
+    for target, ws, diagnosis, words in (
+            (R6 + "RescalesNoisyGradient", 1, "post_processed", "multiplied by 0.5 after the noise"),
+            ("fixtures.specimens:NoiseDividedTwice", 2, "mismatch", "PRIVACY VIOLATION: too little noise"),
+            ("fixtures.specimens:Correct", 1, None, "")):
+        vs = props.run(STATISTICAL, target, pool=pool, seed=17, timeout=120, world_sizes=(ws,), reductions=("mean",),
+                       samplings=("fixed",))
+        assert [(v.status, v.diagnosis) for v in vs] == [("pass" if diagnosis is None else "fail", diagnosis)], [
+            v.message for v in vs]
+        assert words in vs[0].message and not message_problems(vs[0]), vs[0].message

@@ -171,3 +171,26 @@ def coarse_grid(values: "torch.Tensor", dtype: str) -> Optional[Tuple[str, float
         if share >= ON_GRID:
             return fmt, share
     return None
+
+
+#: ``rescaled``: the noise-0 release is the reference's clipped gradient times one factor to this relative
+#: residual (a clip-epsilon variant moves it by ~1e-6), the factor off 1 by at least ``RESCALE_OFF``, and the
+#: noise's std ratio within ``RESCALE_MATCH`` (relative) of the same factor
+RESCALE_RESIDUAL, RESCALE_OFF, RESCALE_MATCH = 1e-3, 0.05, 0.15
+
+
+def rescaled(clean: "torch.Tensor", want: "torch.Tensor", noise_ratio: float, releases: int
+             ) -> Optional[PostProcessing]:
+    """``rescaled`` when the noise-0 release ``clean`` is ``f`` x the reference's clipped gradient ``want``
+    (flat, one step) with ``f`` off 1, and the noise's std ratio (measured over sigma*C/D) is ``f`` too: the
+    signal and the noise scaled alike, i.e. the noisy gradient multiplied by ``f`` after the noise (``value``:
+    ``f``, ``spread``: the noise ratio). A noise ratio off ``f`` is a noise finding, not this."""
+    denom = float(want.pow(2).sum())
+    if not denom > 0:
+        return None
+    f = float((clean * want).sum()) / denom
+    resid = float((clean - f * want).norm()) / max(float(clean.norm()), 1e-300)
+    if not (f > 0 and resid <= RESCALE_RESIDUAL and abs(f - 1) >= RESCALE_OFF
+            and abs(noise_ratio / f - 1) <= RESCALE_MATCH):
+        return None
+    return PostProcessing("rescaled", f, noise_ratio, releases)

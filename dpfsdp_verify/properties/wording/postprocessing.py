@@ -21,6 +21,11 @@ def post_processing_message(f: PostProcessing, where: str) -> str:
                 "gradient's norm varies between draws by ~1/sqrt(2d) of d coordinates), "
                 "so the noisy gradient was clipped (or rescaled) to that norm after the noise, and the "
                 "update is shrunk with it. The noise went in before the clip")
+    elif f.kind == "rescaled":
+        what = (f"its noise-0 release is exactly {f.value:.4g} x the reference's clipped gradient, and its noise std "
+                f"is {f.spread:.4g} x sigma*C/D: the signal and the noise are scaled alike, so the noisy gradient was "
+                f"multiplied by {f.value:.4g} after the noise (the noise relative to the sensitivity, {f.value:.4g} "
+                "C, is what the accounting states). The noise went in before the rescaling")
     else:
         noise = f", while only {f.spread:.1%} of the noise (released minus the noise-0 run's) is on that grid"
         what = (f"{f.value:.1%} of the values released in its {f.releases} noisy release(s) are exactly "
