@@ -53,3 +53,16 @@ def rounded_sensitivity_message(grid: str, share: float, worst: int, ratio: floa
             f"noise, the sensitivity is {max(ratio, 1.0):.6g} C instead of C, a privacy violation of that size (the "
             "noise sigma*C is calibrated to C). noise_calibration's noisy releases say which (post_processed there: "
             "after the noise).")
+
+
+def rounded_grid_message(grid: str, share: float, where: str) -> str:
+    """A release judge's grid finding in a run whose released values themselves lie on the ``grid`` (the
+    noisy gradient rounded, or noise on the grid added to a clean part on it too): both readings, since the
+    run alone (no noise-0 twin in the judge) cannot tell them apart; never a bare "PRIVACY VIOLATION"."""
+    return (f"the released gradient lies on the {grid} grid {where}: {share:.1%} of the released values (not only "
+            f"the noise) are exactly representable in {grid}, in a run of a finer dtype. Two readings, which this "
+            f"run alone cannot tell apart: the noisy gradient was rounded to {grid} AFTER the noise (post-processing: "
+            "privacy intact, a utility bug), or noise drawn on that grid was added to a clean gradient on it too (a "
+            "discrete noise, which the Gaussian accounting does not cover: a privacy violation). noise_calibration's "
+            "statistical cases, which compare the release with its noise-0 twin, say which (post_processed there: "
+            "rounded after the noise).")
