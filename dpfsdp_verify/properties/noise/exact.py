@@ -180,21 +180,24 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
     if repeat.kind == "across_steps":
         run = noise[repeat.a[0]]
         windowed = sum(run[0][n].numel() >= 2 for n in names)  # a 1-value tensor has no window (noise_windows)
-        repeat = repeat._replace(extent=across_steps_extent(found, repeat.a[0], windowed, len(run)))
+        lag = abs(repeat.b[1] - repeat.a[1])
+        repeat = repeat._replace(extent=across_steps_extent(found, repeat.a[0], windowed, len(run), lag))
     return repeat._replace(negated=flipped)
 
 
-def across_steps_extent(found, run: int, tensors: int, steps: int) -> Tuple[int, int, int, int]:
-    """``Repeat.extent`` of run ``run``: of its ``tensors`` and ``steps``, how many hold noise repeated at
-    another step of the run (any window of ``found``, the repeated pairs of ``repeated_pairs``); ``tensors``
-    counts those with a window."""
+def across_steps_extent(found, run: int, tensors: int, steps: int, lag: int = 1) -> Tuple[int, int, int, int]:
+    """``Repeat.extent`` of run ``run``: of its ``tensors``, how many hold noise repeated at another step of the
+    run (any window of ``found``, the repeated pairs of ``repeated_pairs``; ``tensors`` counts those with a
+    window), and of its steps that have a partner ``lag`` steps away (a pool of ``lag`` noise vectors reused
+    in turn repeats each of them), how many repeat."""
     hit_tensors: Set[int] = set()
     hit_steps: Set[int] = set()
     for a, b in found:
         if a[0] == b[0] == run and a[2] == b[2] and a[1] != b[1]:
             hit_tensors.add(a[2])
             hit_steps.update((a[1], b[1]))
-    return len(hit_tensors), tensors, len(hit_steps), steps
+    partnered = {k for k in range(steps) if k + lag < steps or k - lag >= 0}
+    return len(hit_tensors), tensors, len(hit_steps & partnered), len(partnered)
 
 
 def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:
