@@ -41,11 +41,14 @@ def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: in
     parameters: the reference's clipped gradient of the samples it processed) and the noise's std ratio."""
     spec = case.spec
     s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
-    grads = rows(reference_grads(spec, 0), processed_indices(runs[0], 0, spec))
+    indices = processed_indices(runs[0], 0, spec) if runs[0][0].steps else []
+    if not indices or not s > 0:  # an empty first (Poisson) batch: no signal to read a factor from
+        return None
+    grads = rows(reference_grads(spec, 0), indices)
     coef = reference.clip_coefficients(reference.per_sample_norms(grads), spec.max_grad_norm)
     want = torch.cat([torch.einsum("b,b...->...", coef, grads[n]).reshape(-1) / spec.divisor for n in names])
     clean = torch.cat([runs[0][0].steps[0].gradient[n].reshape(-1).to(torch.float64) for n in names])
-    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s if s > 0 else 0.0, releases)
+    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases)
 
 
 def pinned_release(case: Case, ranks, run, finding, evidence: Dict) -> Optional[Verdict]:
