@@ -265,6 +265,7 @@ def _one_row(c):
 @pytest.mark.parametrize("target, rounded", [("fixtures.postprocessing_specimens:RoundsNoisyGradientToBf16", True),
                                              (R6 + "RoundsNoisyGradientToFp16", True),
                                              ("fixtures.release_specimens:NoiseDrawnInFloat16", False)])
+@pytest.mark.slow
 def test_a_release_on_a_grid_is_said_both_ways_where_the_run_cannot_tell(pool, target, rounded):
     """The release judge on the one-row case's run: the released values themselves lie on the grid, and the
     judge has no noise-0 twin to tell a rounding after the noise from noise on the grid added to a clean part
