@@ -53,7 +53,7 @@ def _across_steps(r: Repeat) -> Tuple[str, str]:
     ri, si, sj = r.a[0], r.a[1], r.b[1]
     lag = abs(sj - si)
     hit_t, tensors, hit_s, steps = r.extent or (1, 1, 1, 1)
-    if hit_t < tensors or hit_s < steps:  # some tensors or steps only: not one generator re-seeded every step
+    if hit_t < tensors or (lag == 1 and hit_s < steps):  # some tensors (or steps) only: not a re-seeded generator
         cause = (f"noise reused for some releases only: {hit_t} of {tensors} tensor(s) repeat an earlier step's noise, "
                  f"at {hit_s} of {steps} step(s) of the run (a cache or buffer of noise drawn once and released "
                  "again; a generator re-seeded every step would repeat every tensor at every step)")
