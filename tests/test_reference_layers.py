@@ -164,6 +164,13 @@ def _model_case(name: str, **model_kwargs):
     return make
 
 
+def _without_padding(model, batch):
+    """The zoo's batch with its padding tokens (id 0) made id 1."""
+    import dataclasses
+
+    return model, dataclasses.replace(batch, inputs=batch.inputs.clamp(min=1))
+
+
 def _transformer_with_padded_sequence(batch: int, seed: int):
     """A sequence whose targets are all ignored has loss 0 and gradient 0 (opacus clamps the
     token count at 1 under "mean"); the others must be unaffected."""
@@ -180,7 +187,9 @@ MODEL_CASES = {
     "transformer_layernorm": _model_case("transformer", norm="layernorm"),
     "transformer_padded_sequence": _transformer_with_padded_sequence,
     # every layer type ghost clipping samples (Conv3d, InstanceNorm1d/2d/3d among them), and norms to ~1e20
-    "zoo": _model_case("zoo"),
+    # without padding tokens: opacus counts the Embedding's padding row (docs/findings.md 18, pinned in
+    # test_upstream.py); every other layer type is compared here
+    "zoo": lambda batch, seed: _without_padding(*_model_case("zoo")(batch, seed)),
     "extreme": _model_case("extreme"),
 }
 

@@ -88,12 +88,12 @@ def _twice(pool, target):
 
 
 def test_one_process_asked_twice_with_different_histories(pool):
-    """``deadlock_free``'s ``history_twice``: two Poisson runs of 2 and 5 steps at one (sigma, q, delta)
-    in the same rank process. An epsilon cached per process by (sigma, q, delta) fails the second,
-    named for the 2 steps it composes; Correct and the classic conversion pass."""
+    """``deadlock_free``'s ``history_twice``: Poisson runs of 2 and 5 steps at one (sigma, q, delta), then
+    two more at another sigma and q, in the same rank process. An epsilon cached per process by (sigma, q,
+    delta) fails the second, named for the 2 steps it composes; Correct and the classic conversion pass."""
     for target in (CORRECT, S + "ClassicRdpConversion"):
         [v] = _twice(pool, target)
-        assert v.status == "pass" and "[2, 5] step(s)" in v.message, (target, v.message)
+        assert v.status == "pass" and "[2, 5, 5, 5] step(s)" in v.message, (target, v.message)
     [v] = _twice(pool, S + "EpsilonCachedPerProcess")
     assert (v.status, v.diagnosis) == ("fail", "epsilon_under_reported"), v.message
     assert "exactly the RDP epsilon of 2 steps of the sigma and q it was told" in v.message, v.message

@@ -92,10 +92,14 @@ def test_layer_missing_from_the_norm_registry_is_named(pool, name, words):
 
 
 def test_correct_and_upstream_pass_the_zoo(pool):
-    for target in ("fixtures.specimens:Correct", "opacus"):
-        [v] = _run(pool, target)
-        assert v.status == "pass", (target, v.message)
+    [v] = _run(pool, "fixtures.specimens:Correct")
+    assert v.status == "pass", v.message
     assert_all_pass(_run(pool, "fixtures.specimens:Correct", ws=1))
+    # upstream: every layer type right but the Embedding's padding row (finding 18, now that the zoo's batch
+    # holds padding tokens; pinned in test_upstream.py): named, and nothing else blamed
+    [v] = _run(pool, "opacus")
+    assert (v.status, v.diagnosis) == ("fail", "mismatch"), v.message
+    assert "padding row (padding_idx 0) of the Embedding 'tok'" in v.message, v.message
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv", "transformer", "zoo", "extreme"])

@@ -26,8 +26,11 @@ def _one_buffer(sign):
 
 
 def _lag3(sign):
+    """A pool of 3 noise vectors reused in turn: steps 3 and 4 repeat steps 0 and 1 (step 2 has no partner
+    within 5 steps); a single repeat is worded as noise reused for some releases only (test_review_r6.py)."""
     n = _noise(1, 5, {"w": (4, 8)})
     n[0][3]["w"][:] = sign * n[0][0]["w"]
+    n[0][4]["w"][:] = sign * n[0][1]["w"]
     return n, ["w"], 1, None
 
 
@@ -95,4 +98,5 @@ def test_each_repeat_is_found_and_worded(kind, sign):
 def test_fresh_noise_repeats_nothing():
     noise, names, ws, seeds = _lag3(1)
     noise[0][3]["w"][:] = torch.randn(4, 8, dtype=torch.float64)
+    noise[0][4]["w"][:] = torch.randn(4, 8, dtype=torch.float64)
     assert repeated_noise(noise, names, ws, 1e-6, seeds) is None

@@ -18,7 +18,7 @@ Pure functions of tensors: findings, no sentences (``wording/postprocessing.py``
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ...lazy import torch
 
@@ -129,3 +129,68 @@ def noisy_finding(finding) -> bool:
     """Whether a release-judge ``finding`` (``releases.analysis.Finding``) measured noise at all: a scale
     finding with a std ratio above ``1e-3`` (none, or only rounding, is missing noise, never post-processing)."""
     return finding is not None and finding.kind == "scale" and finding.ratio > 1e-3
+
+
+#: a value rounded to nearest in each coarse format is within this relative error of the exact one
+#: (half a unit in the last place of a significand of 8 (bfloat16) or 11 (float16) bits)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+class GridRounding(NamedTuple):
+    """Released gradients of a float32/float64 run that all lie on a coarser format's grid: ``grid``
+    the format, ``share`` the share of the nonzero values on it, ``bounds`` per leave-one-out
+    difference the largest norm rounding to that grid can add to it (``roundoff`` x the norms of the
+    two releases subtracted, times the divisor)."""
+
+    grid: str
+    share: float
+    bounds: List[float]
+
+
+def grid_rounding(full: "torch.Tensor", withouts: Sequence["torch.Tensor"], divisor: float,
+                  dtype: str) -> Optional[GridRounding]:
+    """``GridRounding`` when the noise-0 release ``full`` and each leave-one-out release in ``withouts``
+    (flat float64) all lie (``ON_GRID``) on bfloat16's or float16's grid in a float32/float64 run; ``None``
+    otherwise. A clipped sum computed in float32/float64 lands on bfloat16's grid with probability
+    ~2^-16 per value: the released gradient was rounded after the sum. Without noise the release cannot
+    tell whether the rounding came before or after the noise would have been added."""
+    found = coarse_grid(torch.cat([full, *withouts]), dtype)
+    if found is None:
+        return None
+    u, n = UNIT_ROUNDOFF[found[0]], float(full.norm())
+    return GridRounding(found[0], found[1], [divisor * u * (n + float(w.norm())) for w in withouts])
+
+
+def coarse_grid(values: "torch.Tensor", dtype: str) -> Optional[Tuple[str, float]]:
+    """``(format, share)``: the coarse format (bfloat16, then float16) on whose grid ``ON_GRID`` of the nonzero
+    released ``values`` of a float32/float64 run lie (at least ``MIN_VALUES`` of them), or ``None``."""
+    if dtype not in ("float32", "float64") or int((values != 0).sum()) < MIN_VALUES:
+        return None
+    for fmt in COARSE:
+        share = on_grid(values, fmt)
+        if share >= ON_GRID:
+            return fmt, share
+    return None
+
+
+#: ``rescaled``: the noise-0 release is the reference's clipped gradient times one factor to this relative
+#: residual (a clip-epsilon variant moves it by ~1e-6), the factor off 1 by at least ``RESCALE_OFF``, and the
+#: noise's std ratio within ``RESCALE_MATCH`` (relative) of the same factor
+RESCALE_RESIDUAL, RESCALE_OFF, RESCALE_MATCH = 1e-3, 0.05, 0.15
+
+
+def rescaled(clean: "torch.Tensor", want: "torch.Tensor", noise_ratio: float, releases: int
+             ) -> Optional[PostProcessing]:
+    """``rescaled`` when the noise-0 release ``clean`` is ``f`` x the reference's clipped gradient ``want``
+    (flat, one step) with ``f`` off 1, and the noise's std ratio (measured over sigma*C/D) is ``f`` too: the
+    signal and the noise scaled alike, i.e. the noisy gradient multiplied by ``f`` after the noise (``value``:
+    ``f``, ``spread``: the noise ratio). A noise ratio off ``f`` is a noise finding, not this."""
+    denom = float(want.pow(2).sum())
+    if not denom > 0:
+        return None
+    f = float((clean * want).sum()) / denom
+    resid = float((clean - f * want).norm()) / max(float(clean.norm()), 1e-300)
+    if not (f > 0 and resid <= RESCALE_RESIDUAL and abs(f - 1) >= RESCALE_OFF
+            and abs(noise_ratio / f - 1) <= RESCALE_MATCH):
+        return None
+    return PostProcessing("rescaled", f, noise_ratio, releases)

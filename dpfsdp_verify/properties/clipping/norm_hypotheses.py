@@ -1,7 +1,8 @@
 """The wrong per-sample norms a target may clip with, each as a hypothesis a property tests the
 measured norms or coefficients against: norms that count frozen parameters or a tied parameter's
 uses wrongly (``finetune_norms``), a norm registry that misses a layer type (``omitted_layer_norms``),
-a bias term counted for a layer without one (``phantom_bias_norms``),
+a bias term counted for a layer without one (``phantom_bias_norms``), an Embedding's padding row counted
+(``padding_row_norms``), a LayerNorm without affine parameters counted with them (``affine_free_norms``),
 a per-sequence loss averaged over padding (``sequence_weights``); for a model given by its own code
 (``docs/models.md``), one parameter's per-sample gradient summed over the local batch
 (``batch_summed_norms``), named by the model's own parameter name.
@@ -145,7 +146,7 @@ def phantom_bias_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
             m.bias = torch.nn.Parameter(torch.zeros(m.weight.shape[0], dtype=m.weight.dtype))
             by_type.setdefault(type(m).__name__, []).append(name)
     if not by_type:
-        return []
+        return padding_row_norms(spec) + affine_free_norms(spec)
     grads = reference.per_sample_grads(model, reference_batch(spec), spec.reduction)
     true_sq = reference_norms(spec).pow(2)
     groups = list(by_type.items()) + ([("bias-free", sum(by_type.values(), []))] if len(by_type) > 1 else [])
@@ -156,7 +157,58 @@ def phantom_bias_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
                     f"layer{'s' if len(layers) > 1 else ''} {', '.join(repr(n) for n in layers)}, which "
                     f"{'have' if len(layers) > 1 else 'has'} no bias (bias=False): a norm formula written for "
                     "the layer with its bias adds the per-sample sum of the backprop, squared"))
-    return out
+    return out + padding_row_norms(spec) + affine_free_norms(spec)
+
+
+def affine_free_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of a LayerNorm norm formula that counts a weight
+    and a bias for a LayerNorm without them (``elementwise_affine=False``): the per-sample gradients an
+    affine LayerNorm at weight 1, bias 0 would have (same forward), as ``("mismatch", norms, what it
+    does)`` for all such LayerNorms at once. Too large: over-clipped (utility). Empty without one."""
+    import copy
+
+    model = copy.deepcopy(reference_model(spec))
+    plain = {name: m for name, m in model.named_modules()
+             if isinstance(m, torch.nn.LayerNorm) and not m.elementwise_affine}
+    if not plain:
+        return []
+    dtype = next(model.parameters()).dtype
+    for m in plain.values():  # weight 1 and bias 0: the same forward, and the gradients they would have
+        shape = tuple(m.normalized_shape)
+        m.weight = torch.nn.Parameter(torch.ones(shape, dtype=dtype))
+        m.bias = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        m.elementwise_affine = True
+    grads = reference.per_sample_grads(model, reference_batch(spec), spec.reduction)
+    extra = sum(grads[f"{n}.{p}"].flatten(1).pow(2).sum(1) for n in plain for p in ("weight", "bias"))
+    return [("mismatch", (reference_norms(spec).pow(2) + extra).sqrt(),
+             f"count a weight and a bias for the LayerNorm{'s' if len(plain) > 1 else ''} "
+             f"{', '.join(repr(n) for n in plain)} without affine parameters (elementwise_affine=False), which "
+             f"{'have' if len(plain) > 1 else 'has'} none: a norm formula written for the affine LayerNorm adds the "
+             "per-sample gradients its weight and bias would have")]
+
+
+def padding_row_norms(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
+    """The per-sample norms (over ``reference_batch(spec)``) of an Embedding norm that counts the padding
+    row (``padding_idx``) as trained -- the backprop at the padding positions summed into it, a gradient
+    torch never gives that row -- as ``("mismatch", norms, what it does)``, one per such Embedding. Too
+    large for every sample holding a padding token (over-clipped: utility). Empty without one (also
+    ``phantom_bias_norms``' tail: both count a gradient of a parameter that has none)."""
+    import copy
+
+    model = copy.deepcopy(reference_model(spec))
+    embeddings = {name: m for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None and m.weight.requires_grad}
+    padded = [(name, m.padding_idx) for name, m in embeddings.items()]
+    if not padded:
+        return []
+    for m in embeddings.values():  # without padding_idx the padding row receives the backprop of its positions
+        m.padding_idx = None
+    grads = reference.per_sample_grads(model, reference_batch(spec), spec.reduction)
+    true_sq = reference_norms(spec).pow(2)
+    return [("mismatch", (true_sq + grads[f"{name}.weight"][:, row].flatten(1).pow(2).sum(1)).sqrt(),
+             f"count a gradient for the padding row (padding_idx {row}) of the Embedding {name!r}, which has none "
+             "(torch leaves that row untrained): the backprop at the padding positions is summed into it")
+            for name, row in padded]
 
 
 def sequence_weights(spec: RunSpec) -> List[Tuple[str, torch.Tensor, str]]:
@@ -252,4 +304,4 @@ def batch_summed_norms(spec: RunSpec, steps) -> List[Tuple[str, list, str]]:
 
 
 __all__ = ["HYPOTHESIS_RTOL", "close", "borrowed_norms", "right_prefix", "finetune_norms", "omitted_layer_norms",
-           "phantom_bias_norms", "sequence_weights", "batch_summed_norms"]
+           "phantom_bias_norms", "padding_row_norms", "affine_free_norms", "sequence_weights", "batch_summed_norms"]

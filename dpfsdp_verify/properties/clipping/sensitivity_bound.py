@@ -31,7 +31,7 @@ rank's local batch (of one; last of an odd batch), a squared norm beyond float32
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...lazy import torch
 
@@ -40,9 +40,11 @@ from ...models.catalog import EXTREME_SCALES
 from ...targets import RunSpec
 from ...verdict import Verdict
 from ..analysis.clipfit import describe_clip_fit, fit_clip_coefficients
+from ..analysis.postprocessing import UNIT_ROUNDOFF, coarse_grid, grid_rounding
 from ..analysis.compare import (flat, norm_picked, reference_grads, reference_norms, sample_columns, smallest_norm,
                                 tolerance)
 from ..engine.contract import Case, Outputs, Point, Property
+from ..wording.postprocessing import rounded_sensitivity_message
 
 
 def leave_one_out_specs(spec: RunSpec, world_size: int) -> List[RunSpec]:
@@ -116,10 +118,8 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
     c = spec.max_grad_norm
     d = spec.divisor  # fixed sampling only: the global batch size under "mean"
     full = flat(runs[0][0].steps[0].gradient)
-    contributions = []
-    for j in range(spec.global_batch_size):
-        without = flat(runs[1 + j][0].steps[0].gradient)
-        contributions.append(float(((full - without) * d).norm()))
+    withouts = [flat(runs[1 + j][0].steps[0].gradient) for j in range(spec.global_batch_size)]
+    contributions = [float(((full - without) * d).norm()) for without in withouts]
     # two gradients of magnitude ~|full| are subtracted: their rounding is an absolute error
     slack = c * rtol + d * float(full.abs().max()) * rtol * full.numel() ** 0.5 + atol
     ratios = [x / c for x in contributions]
@@ -143,6 +143,9 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
             diagnosis = "undercount"
             cause = (f" Rank {owner} clipped it with norm {said:.4g} but its true gradient norm is {true:.4g} "
                      f"(ratio {said / true:.4g}): the norms undercount, so the clip coefficient is too large.")
+    rounded = _rounded_release(case, full, withouts, contributions, slack, evidence) if not cause else None
+    if rounded is not None:
+        return rounded
     if diagnosis == "mismatch":
         # each contribution is c_j g_j: its norm over the true norm is the coefficient sample j got
         # (a sample with a zero gradient, e.g. an all-padding sequence, got none to measure)
@@ -159,64 +162,101 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
         f"stated privacy guarantee does not hold.{cause}"), evidence)
 
 
+def _rounded_release(case: Case, full, withouts, contributions: List[float], slack: float,
+                     evidence: Dict[str, Any]) -> Optional[Verdict]:
+    """The verdict when every contribution above C is within what a rounding of the released gradient to
+    a coarse grid explains (``analysis.postprocessing.grid_rounding``): both readings (wording), never a
+    bare violation; ``None`` where there is no such grid or some contribution exceeds what it explains."""
+    spec, c = case.spec, case.spec.max_grad_norm
+    found = grid_rounding(full, withouts, spec.divisor, spec.dtype)
+    if found is None or any(x > c + slack + b for x, b in zip(contributions, found.bounds)):
+        return None
+    worst = max(range(len(contributions)), key=lambda j: contributions[j])
+    evidence["rounded_to"] = {"grid": found.grid, "share": found.share, "bounds": found.bounds}
+    return case.verdict("fail", "mismatch", rounded_sensitivity_message(
+        found.grid, found.share, worst, contributions[worst] / c, sum(x > c + slack for x in contributions),
+        len(contributions), c, f"at world_size={case.world_size}"), evidence)
+
+
 #: float32: a contribution read back from a float32 gradient carries ~1e-7 relative rounding
 EXTREME_RTOL = 1e-4
 
 
-def contributions(spec: RunSpec, step: int, indices, gradient) -> Tuple[torch.Tensor, torch.Tensor, float]:
+def contributions(spec: RunSpec, step: int, indices, gradient, roundoff: float = 0.0
+                  ) -> Tuple[torch.Tensor, torch.Tensor, float]:
     """``(contribution norms, their uncertainty [len(indices)], relative residual)``: with noise 0 the
     released gradient times D is ``sum_i d_i u_i``, ``u_i`` sample i's reference gradient direction
     (unit norm) and ``d_i`` the norm of its clipped contribution; a least-squares fit on the unit
     directions (norms from 1 to 1e20 would leave the small samples below a solver's rank cut-off)
     reads each ``d_i``. Its uncertainty: the released gradient's rounding in its dtype (eps x its
-    norm) through the fit's dual vector -- a contribution of 1e17 C swamps a neighbour's C in float32."""
+    norm) through the fit's dual vector -- a contribution of 1e17 C swamps a neighbour's C in float32; a
+    release rounded to a coarse grid carries that grid's ``roundoff`` instead."""
     grads = reference_grads(spec, step)
     names = sorted(grads)
     basis = sample_columns(grads, indices)
     basis = basis / basis.norm(dim=0, keepdim=True).clamp_min(1e-300)
     released = torch.cat([gradient[n].reshape(-1).to(torch.float64) for n in names]) * spec.divisor
     d = torch.linalg.lstsq(basis, released.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    rounding = 4 * torch.finfo(spec.torch_dtype).eps * float(released.norm())
+    rounding = 4 * max(torch.finfo(spec.torch_dtype).eps, roundoff) * float(released.norm())
     uncertainty = rounding * torch.linalg.pinv(basis).norm(dim=1)
     return d, uncertainty, float((basis @ d - released).norm() / released.norm().clamp_min(1e-300))
+
+
+def _extreme_step(spec: RunSpec, ranks, k: int, roundoff: float, evidence: Dict[str, Any]) -> List[tuple]:
+    """The findings of step ``k`` of the extreme case: ``(contribution / C, step, sample, words)`` per sample
+    above C or below the reference's contribution, or one for a release that is no combination of the
+    samples' gradients; ``roundoff``: the relative rounding of a release on a coarse grid (0: none)."""
+    c = spec.max_grad_norm
+    owner = {i: o.rank for o in ranks for i in o.steps[k].indices}
+    local = {o.rank: len(o.steps[k].indices) for o in ranks}
+    indices = sorted(owner)
+    norms = reference_norms(spec, k)[indices]
+    d, uncertainty, residual = contributions(spec, k, indices, ranks[0].steps[k].gradient, roundoff)
+    want = reference.clip_coefficients(norms, c) * norms
+    evidence["steps"][k] = {"norms_over_C": [float(n / c) for n in norms],
+                            "contributions_over_C": [float(x / c) for x in d], "residual": residual}
+    if not residual <= max(EXTREME_RTOL, 2 * roundoff):
+        return [(math.inf, k, None, f"step {k}: the released gradient is not a combination of the processed "
+                 f"samples' gradients (relative residual {residual:.3g})")]
+    found = []
+    for j, i in enumerate(indices):
+        r = owner[i]
+        x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
+        where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
+            "its rank's local batch of exactly 1" if local[r] == 1 else
+            f"the last of an odd local batch of {local[r]}" if local[r] % 2
+            and i == ranks[r].steps[k].indices[-1] else
+            f"in a local batch of {local[r]}"))
+        if n > 1.8e19:  # its square exceeds float32's largest value
+            where += " (its squared norm overflows float32)"
+        if x > c + slack:
+            found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C (clip coefficient {x / n:.4g})"))
+        elif x < float(want[j]) - slack:
+            found.append((0.0, k, i, f"{where} contributes {x / c:.6g} x C, not the {float(want[j]) / c:.6g} x C "
+                          "of min(1, C/||g||) ||g|| (over-clipped or dropped)"))
+    return found
 
 
 def judge_extreme(case: Case, ranks) -> Verdict:
     """Each step of the extreme case: every sample's clipped contribution (read back,
     ``contributions``) is at most C, and is the reference's ``min(1, C/(||g|| + 1e-6)) ||g||``: no
-    sample is left unclipped, however large, alone, or last in an odd batch, and none is dropped."""
+    sample is left unclipped, however large, alone, or last in an odd batch, and none is dropped. A
+    release rounded to a coarse grid (``analysis.postprocessing.coarse_grid``) is read back within that
+    rounding, and failed with both readings (before or after the noise: this run has none)."""
     spec, ws = case.spec, case.world_size
     c = spec.max_grad_norm
-    evidence: Dict[str, Any]
-    found, evidence = [], {"max_grad_norm": c, "steps": {}}
-    for k in range(spec.steps):
-        owner = {i: o.rank for o in ranks for i in o.steps[k].indices}
-        local = {o.rank: len(o.steps[k].indices) for o in ranks}
-        indices = sorted(owner)
-        norms = reference_norms(spec, k)[indices]
-        d, uncertainty, residual = contributions(spec, k, indices, ranks[0].steps[k].gradient)
-        want = reference.clip_coefficients(norms, c) * norms
-        evidence["steps"][k] = {"norms_over_C": [float(n / c) for n in norms],
-                                "contributions_over_C": [float(x / c) for x in d], "residual": residual}
-        if not residual <= EXTREME_RTOL:
-            found.append((math.inf, k, None, f"step {k}: the released gradient is not a combination of the processed "
-                          f"samples' gradients (relative residual {residual:.3g})"))
-            continue
-        for j, i in enumerate(indices):
-            r = owner[i]
-            x, n, slack = float(d[j]), float(norms[j]), max(EXTREME_RTOL * c, float(uncertainty[j]))
-            where = (f"sample {i} (norm {n / c:.4g} C) on rank {r} at step {k}, " + (
-                "its rank's local batch of exactly 1" if local[r] == 1 else
-                f"the last of an odd local batch of {local[r]}" if local[r] % 2
-                and i == ranks[r].steps[k].indices[-1] else
-                f"in a local batch of {local[r]}"))
-            if n > 1.8e19:  # its square exceeds float32's largest value
-                where += " (its squared norm overflows float32)"
-            if x > c + slack:
-                found.append((x / c, k, i, f"{where} contributes {x / c:.6g} x C (clip coefficient {x / n:.4g})"))
-            elif x < float(want[j]) - slack:
-                found.append((0.0, k, i, f"{where} contributes {x / c:.6g} x C, not the {float(want[j]) / c:.6g} x C "
-                              "of min(1, C/||g||) ||g|| (over-clipped or dropped)"))
+    grid = coarse_grid(torch.cat([flat(o.steps[k].gradient) for o in ranks for k in range(spec.steps)]), spec.dtype)
+    roundoff = UNIT_ROUNDOFF[grid[0]] if grid else 0.0
+    evidence: Dict[str, Any] = {"max_grad_norm": c, "steps": {}}
+    found = [f for k in range(spec.steps) for f in _extreme_step(spec, ranks, k, roundoff, evidence)]
+    if grid and not found:
+        most = max(max(s["contributions_over_C"]) for s in evidence["steps"].values())
+        over = sum(x > 1 for s in evidence["steps"].values() for x in s["contributions_over_C"])
+        total = sum(len(s["contributions_over_C"]) for s in evidence["steps"].values())
+        evidence["rounded_to"] = {"grid": grid[0], "share": grid[1]}
+        return case.verdict("fail", "mismatch", rounded_sensitivity_message(
+            grid[0], grid[1], -1, most, over, total, c, f"at world_size={ws} (extreme and rare samples, float32, "
+            "noise 0)"), evidence)
     if not found:
         return case.verdict("pass", None, (
             f"every sample's clipped contribution is min(1, C/||g||) ||g|| <= C at world_size={ws} over "

@@ -52,9 +52,10 @@ anywhere among the norms -- each run for at least ``EXPLORE_MIN_STEPS`` steps wi
 (``EXPLORE_SIGMA``): it must finish on every rank (a hang is proven and shrunk to the smallest
 configuration), and its releases feed the release judge.
 
-``history_twice`` (once, at the run's largest world size): two noisy Poisson runs of 2 and 5 steps at
-one (sigma, q, delta) in the same rank processes, each asked for its epsilon: an epsilon cached per
-process whatever the history fails the second (docs/properties.md, the accountant's interval).
+``history_twice`` (once, at the run's largest world size): noisy Poisson runs of 2 and 5 steps at one
+(sigma, q, delta), then 5 at another sigma, then at another q, in the same rank processes, each asked for
+its epsilon: an epsilon cached per process by a key without the steps, sigma or q fails one of them
+(docs/properties.md, the accountant's interval).
 
 Gradient-accumulation scenarios (world size > 1, once per world size like the Poisson ones;
 ``RunSpec.physical_batch_size`` = ``ACCUM_P`` = 1, so a rank's physical passes per step are its
@@ -87,10 +88,15 @@ EXPLORE_MIN_STEPS, EXPLORE_SIGMA = 2, 1.0
 #: where a drawn resume point's checkpoint goes (the runner puts it under a directory of its own)
 EXPLORE_CHECKPOINT = "explored"
 EPOCHS = 4
-#: ``history_twice`` (``history_twice_case``): the two runs' steps, and their noise multiplier
+#: ``history_twice`` (``history_twice_case``): the first two runs' steps, and their noise multiplier
 TWICE_STEPS, TWICE_SIGMA = (2, 5), 1.7
 #: ``history_twice``'s Poisson sampling: q, and samples per rank (an empty local batch 0.75^16 = 1 %)
 TWICE_Q, TWICE_PER_RANK = 0.25, 16
+#: its runs as ``(steps, sigma, q)``, in order: each changes one component of the history against the run
+#: before it (the steps, then sigma, then q), so a cache keyed without any one of them returns an earlier
+#: run's epsilon for one of them (a cache by (sigma, q, delta): the second; by (steps, delta): the third)
+TWICE_RUNS = ((TWICE_STEPS[0], TWICE_SIGMA, TWICE_Q), (TWICE_STEPS[1], TWICE_SIGMA, TWICE_Q),
+              (TWICE_STEPS[1], 2.3, TWICE_Q), (TWICE_STEPS[1], 2.3, 0.5))
 #: built-in watchdog for a Poisson scenario at the default timeout (module docstring): a correct
 #: one finishes in ~1 s on 2 loaded cores; 12 steps of a target taking ~2 s each still fit
 POISSON_DEADLINE_S = 30.0
@@ -172,23 +178,27 @@ def cases(point: Point):
 
 
 def history_twice_case(point: Point) -> Case:
-    """Two noisy Poisson runs in the same rank processes, one after the other, told the same sigma and
-    q and asked at the same delta, of ``TWICE_STEPS`` steps each: the second's epsilon must be that of its
-    own history (the runner's accountant precheck judges each), so an epsilon cached per process by
-    (sigma, q, delta) whatever the steps (``fixtures.interval_specimens:EpsilonCachedPerProcess``)
-    fails the second. Once per gate run (the largest of the run's world sizes, after its other fixed
+    """Noisy Poisson runs in the same rank processes, one after the other, asked at the same delta
+    (``TWICE_RUNS``: 2 then 5 steps at one sigma and q, then another sigma, then another q): each epsilon
+    must be that of its own history (the runner's accountant precheck judges each), so an epsilon cached
+    per process by (sigma, q, delta) whatever the steps (``fixtures.interval_specimens:EpsilonCachedPerProcess``)
+    fails the second, and one cached by (steps, delta) whatever sigma
+    (``fixtures.review_r6_specimens:EpsilonCacheKeyedBySteps``) the third. Once per gate run (the
+    largest of the run's world sizes, after its other fixed
     scenarios but ``empty``; the first model, reduction, dtype)."""
     ws = point.world_size
-    # Poisson: the told q is the configured one in both (a fixed run's q is 1/steps, which would differ)
-    specs = [upper_clip(point.spec(sampling="poisson", dataset_size=TWICE_PER_RANK * ws, sample_rate=TWICE_Q,
-                                   epochs=-(-max(TWICE_STEPS) // int(1 / TWICE_Q)), seeding="same", steps=n,
-                                   noise_multiplier=TWICE_SIGMA), planning=point.planning) for n in TWICE_STEPS]
+    # Poisson: the told q is the configured one (a fixed run's q is 1/steps, which would differ)
+    specs = [upper_clip(point.spec(sampling="poisson", dataset_size=TWICE_PER_RANK * ws, sample_rate=q,
+                                   epochs=-(-n // int(1 / q)), seeding="same", steps=n, noise_multiplier=sigma),
+                        planning=point.planning)
+             for n, sigma, q in TWICE_RUNS]
     delta = drawn_delta(specs[0])
     specs = [s.with_(accountant_delta=delta) for s in specs]
+    runs = ", ".join(f"{n} steps at sigma {sigma:g}, q {q:g}" for n, sigma, q in TWICE_RUNS)
     return point.case(specs[0], specs, labels={"local_batches": "history_twice"},
                       isolate=True,
-                      doing=f"two noisy runs of {' and '.join(map(str, TWICE_STEPS))} steps in the same rank "
-                            "processes, asked for their epsilon at one delta")
+                      doing=f"{len(TWICE_RUNS)} noisy runs ({runs}) in the same rank processes, asked for their "
+                            "epsilon at one delta")
 
 
 def accum_cases(point: Point, only):

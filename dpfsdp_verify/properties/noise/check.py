@@ -100,7 +100,7 @@ from ..wording.accountant import measured_history_message
 from .postprocessed import pinned_release, post_processed
 from ..analysis.compare import replica_problem, shard_divisor, planned, trainable_names, trainable_shapes
 from ..engine.contract import DEFAULT_PRECISION_FACT, Case, Outputs, Point, Property
-from . import stats as noise_stats
+from . import few_rows, stats as noise_stats
 from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_long_spec
 from ..releases.judge import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
@@ -454,20 +454,20 @@ def _bf16_noise(case: Case, runs, names, where: str, evidence: Dict) -> Optional
 
 
 def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
-    """One noisy step beside a noise-0 step: the checks that need no statistics (no coordinate
-    left without noise, no noise value repeated within or across tensors)."""
+    """One noisy step beside a noise-0 step: the checks that need no statistics (no coordinate left without
+    noise, no value repeated within or across tensors), and each few-row parameter's scale (``few_rows.py``)."""
     spec, ws, runs = case.spec, case.world_size, outputs[0]
     s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
     noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
     n_draws = sum(len(run) for run in noise)
     coords = sum(noise[0][0][n].numel() for n in names)
-    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} "
-             f"(sigma={spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
+    where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} (sigma="
+             f"{spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
              "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
-    exact = post_processed(case, runs, names, where, evidence) or _exact_failure(case, runs, noise, names, s, where,
-                                                                                 evidence)
+    exact = (post_processed(case, runs, names, where, evidence) or _exact_failure(
+        case, runs, noise, names, s, where, evidence) or few_rows.scale_failure(case, noise, names, s, where, evidence))
     if exact is not None:
         return exact
     return case.verdict("pass", None, (

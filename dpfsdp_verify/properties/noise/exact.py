@@ -13,7 +13,7 @@ privacy: repeated noise cancels in the difference of two releases.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, NamedTuple, Optional, Tuple, cast
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple, cast
 
 from ...lazy import torch
 
@@ -80,6 +80,10 @@ class Repeat(NamedTuple):
     rows: Tuple[int, int] = (-1, -1)
     seeds: Optional[Tuple[int, int]] = None
     negated: bool = False
+    #: ``across_steps`` only: ``(tensors whose noise repeats at some step of the run, tensors, steps whose
+    #: noise repeats another step's, steps)`` -- every tensor at every step is a generator re-seeded each
+    #: step; fewer is noise reused for some releases only (``across_steps_extent``)
+    extent: Optional[Tuple[int, int, int, int]] = None
 
 
 def repeated_pairs(keys, owners) -> List[Tuple[List[int], List[int]]]:
@@ -173,7 +177,27 @@ def repeated_noise(noise, names, ws: int, quantum: float, seeds=None) -> Optiona
     shapes = {n: noise[0][0][n].shape for n in names}
     (_, repeat), flipped = min(((_classify(tuple(a), tuple(b), names, shapes, ws, seeds), _negated(noise, names, a, b))
                                 for a, b in found), key=lambda d: d[0][0])
+    if repeat.kind == "across_steps":
+        run = noise[repeat.a[0]]
+        windowed = sum(run[0][n].numel() >= 2 for n in names)  # a 1-value tensor has no window (noise_windows)
+        lag = abs(repeat.b[1] - repeat.a[1])
+        repeat = repeat._replace(extent=across_steps_extent(found, repeat.a[0], windowed, len(run), lag))
     return repeat._replace(negated=flipped)
+
+
+def across_steps_extent(found, run: int, tensors: int, steps: int, lag: int = 1) -> Tuple[int, int, int, int]:
+    """``Repeat.extent`` of run ``run``: of its ``tensors``, how many hold noise repeated at another step of the
+    run (any window of ``found``, the repeated pairs of ``repeated_pairs``; ``tensors`` counts those with a
+    window), and of its steps that have a partner ``lag`` steps away (a pool of ``lag`` noise vectors reused
+    in turn repeats each of them), how many repeat."""
+    hit_tensors: Set[int] = set()
+    hit_steps: Set[int] = set()
+    for a, b in found:
+        if a[0] == b[0] == run and a[2] == b[2] and a[1] != b[1]:
+            hit_tensors.add(a[2])
+            hit_steps.update((a[1], b[1]))
+    partnered = {k for k in range(steps) if k + lag < steps or k - lag >= 0}
+    return len(hit_tensors), tensors, len(hit_steps & partnered), len(partnered)
 
 
 def unnoised_in_some_draw(runs, names, spec: RunSpec) -> Optional[Tuple[str, int, int, int, int, int]]:

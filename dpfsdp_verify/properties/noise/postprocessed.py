@@ -9,7 +9,10 @@ from typing import Dict, Optional, Sequence
 
 from ...lazy import torch
 from ...verdict import Verdict, config_label
-from ..analysis.postprocessing import mostly_nonzero, noisy_finding, pinned_norm, post_processing
+from ...lazy import reference
+from ..analysis.compare import processed_indices, reference_grads, rows
+from ..analysis.postprocessing import (PostProcessing, mostly_nonzero, noisy_finding, pinned_norm, post_processing,
+                                       rescaled)
 from ..engine.contract import Case
 from ..releases.wording import where as run_where
 from ..wording.postprocessing import DIAGNOSIS, post_processing_message
@@ -25,10 +28,27 @@ def post_processed(case: Case, runs, names: Sequence[str], where: str, evidence:
                        for run in runs[1:] for st, c in zip(run[0].steps, clean) for n in names])
     dtype = case.spec.dtype if getattr(case.spec, "precision", "fp32") == "fp32" else "mixed"
     f = post_processing(releases, names, dtype, noise) if noise.numel() and mostly_nonzero(noise) else None
+    if f is None and noise.numel() and mostly_nonzero(noise):
+        f = rescaled_release(case, runs, names, noise, len(releases))
     if f is None:
         return None
     evidence.update(post_processing=f.kind, post_processing_value=f.value, post_processing_spread=f.spread)
     return case.verdict("fail", DIAGNOSIS, post_processing_message(f, where), evidence)
+
+
+def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: int) -> Optional[PostProcessing]:
+    """``rescaled`` (``analysis.postprocessing.rescaled``) from step 0 of the noise-0 run (at the initial
+    parameters: the reference's clipped gradient of the samples it processed) and the noise's std ratio."""
+    spec = case.spec
+    s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
+    indices = processed_indices(runs[0], 0, spec) if runs[0][0].steps else []
+    if not indices or not s > 0:  # an empty first (Poisson) batch: no signal to read a factor from
+        return None
+    grads = rows(reference_grads(spec, 0), indices)
+    coef = reference.clip_coefficients(reference.per_sample_norms(grads), spec.max_grad_norm)
+    want = torch.cat([torch.einsum("b,b...->...", coef, grads[n]).reshape(-1) / spec.divisor for n in names])
+    clean = torch.cat([runs[0][0].steps[0].gradient[n].reshape(-1).to(torch.float64) for n in names])
+    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases)
 
 
 def pinned_release(case: Case, ranks, run, finding, evidence: Dict) -> Optional[Verdict]:

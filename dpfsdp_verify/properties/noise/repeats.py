@@ -52,9 +52,16 @@ def _identical(r: Repeat) -> str:
 def _across_steps(r: Repeat) -> Tuple[str, str]:
     ri, si, sj = r.a[0], r.a[1], r.b[1]
     lag = abs(sj - si)
-    cause = ("the generator is re-seeded every step, so each release repeats the last one's noise" if lag == 1
-             else f"a pool of {lag} noise vectors reused in turn: the releases at steps k and k+{lag} carry the same "
-             "noise")
+    hit_t, tensors, hit_s, steps = r.extent or (1, 1, 1, 1)
+    if hit_t < tensors or (lag == 1 and hit_s < steps):  # some tensors (or steps) only: not a re-seeded generator
+        cause = (f"noise reused for some releases only: {hit_t} of {tensors} tensor(s) repeat an earlier step's noise, "
+                 f"at {hit_s} of {steps} step(s) of the run (a cache or buffer of noise drawn once and released "
+                 "again; a generator re-seeded every step would repeat every tensor at every step)")
+    elif lag == 1:
+        cause = "the generator is re-seeded every step, so each release repeats the last one's noise"
+    else:
+        cause = (f"a pool of {lag} noise vectors reused in turn: the releases at steps k and k+{lag} carry the same "
+                 "noise")
     return (f"the noise on {r.tensor_a!r} {_identical(r)} at steps {min(si, sj)} and {max(si, sj)} (lag {lag}, "
             f"run {ri})", cause)
 

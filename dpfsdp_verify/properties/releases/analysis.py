@@ -475,6 +475,28 @@ def exact_finding(run: RunReleases) -> Optional[Finding]:
     return None
 
 
+def _log_likelihood(cells: Sequence[Cell], scales: Sequence[float]) -> float:
+    """Gaussian log-likelihood (up to a constant) of the cells' noise at std ``scales`` x sigma*C/D each."""
+    return sum(-c.df * math.log(s) - c.ss / (2 * s * s) for c, s in zip(cells, scales))
+
+
+def max_norm_finding(cells: Sequence[Cell], ratio: float, p: float, alpha: float) -> Optional[Finding]:
+    """The noise std tied to each local batch's largest clipped norm (scope ``max_norm``): every cell
+    scaled back by its ``own_max`` fits at ``alpha``, and that explains the cells better than one
+    constant ratio does (a log-likelihood at least the constant's, less 1 for its fitted parameter):
+    noise too small by one factor everywhere fits scaled-back cells too when few are below C, and is
+    not this cause. ``None`` otherwise (and where a local batch's largest clipped norm is 0)."""
+    if not any(c.own_max < 1 for c in cells) or not all(c.own_max > 0 for c in cells) or not ratio > 0:
+        return None
+    ss, df = sum(c.ss / c.own_max ** 2 for c in cells), sum(c.df for c in cells)
+    tied = _log_likelihood(cells, [c.own_max for c in cells])
+    if not (chi2_two_sided_p(ss, df) >= alpha and tied >= _log_likelihood(cells, [ratio] * len(cells)) - 1):
+        return None
+    below = sorted({(c.step, c.rank) for c in cells if c.own_max < 1})
+    return Finding("scale", ratio=ratio, p=p, steps=tuple(sorted({t for t, _ in below})),
+                   ranks=tuple(sorted({r for _, r in below})), scope="max_norm", detail=f"{len(below)} of {len(cells)}")
+
+
 def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
     """The first failure of one run's releases (exact checks first, then the tests at ``alpha``
     each), or ``None``."""
@@ -490,18 +512,10 @@ def run_tests(run: RunReleases, alpha: float) -> Optional[Finding]:
     ranks = sorted({c.rank for c in run.cells})
     per_rank = {r: _scale([c for c in run.cells if c.rank == r]) for r in ranks} if len(ranks) > 1 else {}
     bad_ranks = [r for r in ranks if r in per_rank and not per_rank[r][1] >= alpha]
-    # (a local batch whose largest clipped norm is 0 -- all its samples' gradients 0 -- has no such scale)
-    if (not p >= alpha or bad_steps or bad_ranks) and any(c.own_max < 1 for c in run.cells) \
-            and all(c.own_max > 0 for c in run.cells):
-        # the noise std tied to each local batch's largest clipped norm: every cell scaled back by it fits
-        ss = sum(c.ss / c.own_max ** 2 for c in run.cells)
-        df = sum(c.df for c in run.cells)
-        if chi2_two_sided_p(ss, df) >= alpha:
-            below = sorted({(c.step, c.rank) for c in run.cells if c.own_max < 1})
-            return Finding("scale", ratio=ratio, p=p, steps=tuple(sorted({t for t, _ in below})),
-                           ranks=tuple(sorted({r for _, r in below})), scope="max_norm",
-                           detail=f"{len(below)} of {len(run.cells)}")
     if not p >= alpha or bad_steps or bad_ranks:
+        tied = max_norm_finding(run.cells, ratio, p, alpha)
+        if tied is not None:
+            return tied
         # where: from a step on (a change part-way), on some ranks, or everywhere
         if bad_steps and len(steps) > 2:
             k = bad_steps[0]
@@ -557,22 +571,28 @@ def pooled_tests(runs: Sequence[RunReleases], alpha: float) -> List[Tuple[str, f
 def contrasts(run: RunReleases, runs: Sequence[RunReleases], finding: Optional[Finding] = None
               ) -> Dict[str, Tuple[str, float]]:
     """What the other runs released, against which a finding in ``run`` names its cause: the pooled
-    std ratio of the runs in another dtype (``"dtype"``), at another world size (``"world_size"``), at
-    lr 0 (``"lr"``, for a run at lr > 0), at sigma 1 and at C = 1 (``"sigma"``, ``"clip"``, for a run
-    at another: there a std that leaves sigma or C out, or has it twice, is right): ``{key: (what
-    they are, ratio)}`` for the groups that exist. With a ``finding`` of a place (from a step on, at
+    std ratio of the runs in another dtype (``"dtype"``), at another world size (``"world_size"``, same
+    dtype), at lr 0 (``"lr"``, for a run at lr > 0), at sigma 1 and at C = 1 (``"sigma"``, ``"clip"``, for
+    a run at another: there a std that leaves sigma or C out, or has it twice, is right), all but the world
+    size's at ``run``'s world size (a 3-rank-only bug is not "only the float64 runs are off" because the
+    other dtypes ran at 1 and 2 ranks): ``{key: (what they are, ratio)}`` for the groups that exist.
+    With a ``finding`` of a place (from a step on, at
     some steps, on some ranks) only the other runs' releases at that place count (``at_place``): noise
     halved from step 64 in every run is not "scaled by the lr" in the one lr-0.5 run it shows in just
     because the lr-0 runs, most of which stop before step 64, are right as a whole."""
     out: Dict[str, Tuple[str, float]] = {}
+    # each group differs from ``run`` in its own axis and holds the world size (the world size: the
+    # dtype) fixed, so another axis the failing run also differs in is never blamed for it
+    same_ws = [r for r in runs if r.world_size == run.world_size]
+    kind = (run.dtype, run.precision)
     groups = {
-        "dtype": ([r for r in runs if (r.dtype, r.precision) != (run.dtype, run.precision)],
-                  f"the runs in other dtypes than {run.dtype}"),
-        "world_size": ([r for r in runs if r.world_size != run.world_size],
-                       f"the runs at other world sizes than {run.world_size}"),
-        "lr": ([r for r in runs if not r.lr] if run.lr else [], "the runs at lr 0"),
-        "sigma": ([r for r in runs if r.sigma == 1] if run.sigma != 1 else [], "the runs at sigma 1"),
-        "clip": ([r for r in runs if r.clip == 1] if run.clip != 1 else [], "the runs at C = 1"),
+        "dtype": ([r for r in same_ws if (r.dtype, r.precision) != kind],
+                  f"the runs in other dtypes than {run.dtype} at world size {run.world_size}"),
+        "world_size": ([r for r in runs if r.world_size != run.world_size and (r.dtype, r.precision) == kind],
+                       f"the {run.dtype} runs at other world sizes than {run.world_size}"),
+        "lr": ([r for r in same_ws if not r.lr] if run.lr else [], "the runs at lr 0"),
+        "sigma": ([r for r in same_ws if r.sigma == 1] if run.sigma != 1 else [], "the runs at sigma 1"),
+        "clip": ([r for r in same_ws if r.clip == 1] if run.clip != 1 else [], "the runs at C = 1"),
     }
     for key, (group, what) in groups.items():
         cells = [c for r in group for c in r.cells if at_place(c, finding)]
@@ -617,7 +637,8 @@ def _z(p: float) -> float:
     return (lo + hi) / 2
 
 
-__all__ = ["GRIDS", "GRID_FRACTION", "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "SILENT", "SILENT_P0",
+__all__ = ["max_norm_finding", "GRIDS", "GRID_FRACTION",
+           "CLIP_LATITUDE", "REPEAT_MIN", "REPEAT_EQUAL", "SILENT", "SILENT_P0",
            "SILENT_LEVEL", "SILENT_MIN", "Cell", "RunReleases", "Finding", "shard_index", "decompose", "silent",
            "repeats", "tests_of", "exact_finding", "run_tests", "pooled_groups", "pooled_tests", "at_place",
            "contrasts", "detectable_ratio"]

@@ -38,8 +38,9 @@ from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
 from .wording import finding_message, pass_message, pooled_message, where
-from ..analysis.postprocessing import PostProcessing, noisy_finding, pinned, release_norms
-from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message
+from ..analysis.compare import flat
+from ..analysis.postprocessing import PostProcessing, coarse_grid, noisy_finding, pinned, release_norms
+from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message, rounded_grid_message
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
 from ..engine.threads import one_thread
@@ -73,6 +74,9 @@ class Ledger:
         #: each decomposed run's release norms and dtype, by ``id``: a run of one or two releases is
         #: pinned when they equal its C or a norm pinned in a longer run
         self.norms: Dict[int, Tuple[List[float], str]] = {}
+        #: each decomposed run whose released values themselves lie on a coarse grid (``coarse_grid``): its
+        #: format and share, by ``id`` -- a grid finding there has two readings (``rounded_grid_message``)
+        self.release_grid: Dict[int, Tuple[str, float]] = {}
         self.seconds = 0.0
         #: CPU seconds this process spent judging (what the judge costs, whatever the machine's load)
         self.cpu_seconds = 0.0
@@ -116,6 +120,10 @@ class Ledger:
                                                   sorted(ranks[0].steps[0].gradient))
                             self.norms[id(found)] = (norms, spec.dtype if spec.precision == "fp32" else "mixed")
                             post = pinned(*self.norms[id(found)])
+                            grid = coarse_grid(torch.cat([flat(st.gradient) for st in ranks[0].steps]),
+                                               self.norms[id(found)][1])
+                            if grid is not None:
+                                self.release_grid[id(found)] = grid
                             if post is not None:
                                 self.post[id(found)] = post
                             device = device_facts(ranks).get("device")
@@ -146,7 +154,9 @@ class Ledger:
         post = (self.post.get(id(run)) or pinned(norms, dtype, values)) if noisy_finding(f) else None
         owner = case.property
         # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
+        grid = self.release_grid.get(id(run)) if f.kind in ("grid", "coarse") and not post else None
         message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
+                   rounded_grid_message(*grid, where(owner, config_label(case.config()), run)) if grid else
                    finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
         v = replace(case, property=PROPERTY_ID).verdict(
             "fail", POST_PROCESSED if post else DIAGNOSIS[f.kind], message,
