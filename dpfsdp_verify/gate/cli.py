@@ -156,9 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="check the options and print the plan (cases per property and world size, skips "
                                 "and why, GPUs needed, estimated time); start nothing, exit 0 or 2")
     what.add_argument("--audit-canaries", type=int, default=None, metavar="M",
-                      help="canaries of the opt-in privacy audit (default 2000; docs/audit.md)")
+                      help="canaries of the privacy audit (default 2000; docs/audit.md)")
     what.add_argument("--audit-steps", type=int, default=None, metavar="T",
-                      help="DP steps of the opt-in privacy audit (default 100; docs/audit.md)")
+                      help="DP steps of the privacy audit (default 100; docs/audit.md)")
+    what.add_argument("--audit-confidence", type=float, default=None, metavar="C",
+                      help="confidence of the privacy audit's bounds, in [0.5, 1) (default 0.998: 0.2%% false alarms "
+                           "per audit; 0.95 for a tighter nightly audit; docs/audit.md)")
     execution.add_argument("--launcher", default="spawn", choices=("spawn", "torchrun"),
                            help="spawn: start the ranks on this host (default); torchrun: run inside the ranks of "
                                 "'torchrun ... -m dpfsdp_verify run --launcher torchrun' (docs/torchrun.md)")

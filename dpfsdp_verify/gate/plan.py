@@ -116,7 +116,8 @@ class RunPlan:
                         raise UsageError(f"--resume-at {resume_at}: {str(e).split(': ', 1)[-1]}",
                                          "e.g. --resume-at 2") from None
         audit = tuple((name, value) for name, value in (("audit_canaries", getattr(args, "audit_canaries", None)),
-                                                        ("audit_steps", getattr(args, "audit_steps", None)))
+                                                        ("audit_steps", getattr(args, "audit_steps", None)),
+                                                        ("audit_confidence", getattr(args, "audit_confidence", None)))
                       if value is not None)  # the privacy audit's size: the options of the property that takes them
         for name, value in audit:
             for prop in PROPERTIES.values():

@@ -49,7 +49,8 @@ def test_the_default_gate_audits_at_the_smallest_world_size_and_naming_it_audits
             spec.max_grad_norm, spec.accountant_delta) == ("canary", 300, 30, pa.SAMPLE_RATE, 0.0, pa.SIGMA, pa.CLIP,
                                                            pa.DELTA)
     line = cases[1].repro()
-    assert "--audit-canaries 300 --audit-steps 30" in line and "--seed 5" in line
+    assert f"--audit-canaries 300 --audit-steps 30 --audit-confidence {pa.AUDIT_CONFIDENCE:g}" in line
+    assert "--seed 5" in line
     replayed = cases_of(RunPlan.from_args(cli.build_parser().parse_args(shlex.split(line)[1:])).options)
     assert (replayed[0].world_size, replayed[0].spec) == (2, spec)  # (then the gate's wide world size, 3)
     # another run seed: other secrets, noise and draws
@@ -60,6 +61,7 @@ def test_the_default_gate_audits_at_the_smallest_world_size_and_naming_it_audits
 @pytest.mark.parametrize("args, says", [
     (["--audit-canaries", "5"], "--audit-canaries 5: must be an integer >= 10"),
     (["--audit-steps", "0"], "--audit-steps 0: must be an integer >= 1"),
+    (["--audit-confidence", "1.5"], "--audit-confidence 1.5: must be a float in [0.5, 1)"),
 ])
 def test_bad_audit_sizes_exit_2_with_one_line(capsys, args, says):
     assert cli.main(["run", "--properties", "privacy_audit", *args]) == cli.EXIT_USAGE

@@ -155,7 +155,8 @@ def audit_spec(point: Point) -> RunSpec:
 
 def _case(point: Point) -> Case:
     spec = audit_spec(point)
-    labels = {"audit_canaries": spec.dataset_size, "audit_steps": spec.steps}
+    labels = {"audit_canaries": spec.dataset_size, "audit_steps": spec.steps,
+              "audit_confidence": point.param("audit_confidence")}
     return point.case(spec, isolate=True, deadline=DEADLINE_S, facts=_facts(point), labels=labels, doing=(
         f"{spec.nominal_steps} DP steps on {spec.dataset_size} secret canaries (Poisson q={spec.sample_rate:g}, "
         f"sigma={SIGMA:g})"))

@@ -262,7 +262,7 @@ class Case:
             parts += ["--resume-at", str(self.labels["resume_at"])]
         if self.labels.get("audit_canaries"):  # the privacy audit's size
             parts += ["--audit-canaries", str(self.labels["audit_canaries"]), "--audit-steps",
-                      str(self.labels["audit_steps"])]
+                      str(self.labels["audit_steps"]), "--audit-confidence", str(self.labels["audit_confidence"])]
         return " ".join(shlex.quote(p) for p in parts)
 
     def _replay_line(self, drawn: RunSpec) -> str:
