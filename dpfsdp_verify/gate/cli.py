@@ -205,29 +205,20 @@ def cmd_run(args) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     dry = getattr(args, "dry_run", False)
-    if dry or args.launcher == "spawn":
-        # a usage error answers before torch or the target is imported (the dry run's plan, which
-        # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
-        checked = RunPlan.from_args(args, job_world_size=_dry_job_size(args) if dry else None, load_target=False)
-        if dry:
-            from .dryrun import dry_run
-
-            return dry_run(checked)
-    from .run import execute
-
-    if args.launcher == "torchrun":
+    if args.launcher == "torchrun" and not dry:
         from .torchrun_job import cmd_run_torchrun
 
         return cmd_run_torchrun(args)
-    from .session import early_pool, size_pool
+    # a usage error answers before torch or the target is imported (the dry run's plan, which
+    # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
+    plan = RunPlan.parse(args, job_world_size=_dry_job_size(args) if dry else None)
+    if dry:
+        from .dryrun import dry_run
 
-    pool = early_pool(args.target, args.mode_env)  # its zygotes import torch while this process checks the plan
-    try:
-        plan = RunPlan.from_args(args)
-        size_pool(pool, plan)
-        return execute(plan, pool)
-    finally:
-        pool.close()
+        return dry_run(plan)
+    from .run import execute_spawned
+
+    return execute_spawned(plan)
 
 
 def _dry_job_size(args) -> Optional[int]:

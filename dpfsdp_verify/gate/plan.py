@@ -8,7 +8,7 @@ be combined is written here, once; the runner (``run.py``) and the reports only 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ..config import modes as modes_mod
@@ -65,6 +65,10 @@ class RunPlan:
     verbose: bool = False
     #: ``--write-expect FILE``: write the run's failures as an expectations file (``gate/baseline.py``)
     write_expect: Optional[str] = None
+    #: the ranks of the torchrun job the gate runs in (``--launcher torchrun``), ``None`` when it starts its own
+    job_world_size: Optional[int] = None
+    #: ``--mode-env`` as given (``()``: the default modes)
+    mode_env: Tuple[str, ...] = ()
 
     @property
     def info(self) -> Dict[str, str]:
@@ -73,16 +77,25 @@ class RunPlan:
 
     @classmethod
     def from_args(cls, args, job_world_size: Optional[int] = None, load_target: bool = True) -> "RunPlan":
-        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong.
-        ``job_world_size``: the ranks of the torchrun job the gate runs in (``--launcher
-        torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``).
-        ``load_target=False`` (``--dry-run``): ``--target opacus`` is checked to be importable
-        and described from its files, not imported (an adapter ``MODULE:ATTR`` is loaded)."""
+        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong: ``parse``,
+        then (``load_target``, a run) ``loaded``. ``load_target=False`` (``--dry-run``): the plan
+        ``parse`` checked, nothing of the target imported but an adapter ``MODULE:ATTR``."""
+        plan = cls.parse(args, job_world_size)
+        return plan.loaded() if load_target else plan
+
+    @classmethod
+    def parse(cls, args, job_world_size: Optional[int] = None) -> "RunPlan":
+        """The plan for the parsed ``run`` arguments, checked without loading the target (torch is
+        not imported for a gloo plan), or ``UsageError`` saying what is wrong. ``job_world_size``:
+        the ranks of the torchrun job the gate runs in (``--launcher torchrun``): ``--world-sizes``
+        then defaults to it (see ``launched_world_sizes``). ``--target opacus`` is checked to be
+        importable and described from its files, not imported (an adapter ``MODULE:ATTR`` is
+        loaded); ``loaded`` does the rest before a run."""
         from ..properties import PROPERTIES, Options, modes_problem
 
         # gloo's availability needs torch imported (``dist.is_gloo_available``): a dry run leaves it to
         # the run (docs/gate.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
-        probe = load_target or args.backend != "gloo"
+        probe = args.backend != "gloo"
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
         if meshes and args.world_sizes is None:
             world_sizes = []  # --meshes alone: only the meshes run
@@ -133,13 +146,9 @@ class RunPlan:
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
         explore, explore_note = parse_explore(args, job_world_size)
-        expectations = check_optional_pieces(args, import_opacus=load_target)
+        expectations = check_optional_pieces(args, import_opacus=False)
         axes = parse_axes(args)
-        if load_target and axes["models"]:  # a model of one's own is used once here: exit 2 if it cannot be
-            from .user_models import check_user_models
-
-            check_user_models(axes["models"])
-        info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
+        info = load_target_info(args.target) if args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
         for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
             if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -159,7 +168,25 @@ class RunPlan:
                    explore=explore, explore_cap=parse_explore_cap(args), explore_note=explore_note,
                    expectations=expectations, reports=reports,
                    quiet=args.quiet, verbose=getattr(args, "verbose", False),
-                   write_expect=getattr(args, "write_expect", None))
+                   write_expect=getattr(args, "write_expect", None), job_world_size=job_world_size,
+                   mode_env=tuple(args.mode_env or ()))
+
+    def loaded(self) -> "RunPlan":
+        """This plan, checked against the target it runs (``UsageError`` otherwise): the gloo
+        backend asked for the world sizes (``parse`` leaves it: asking imports torch), ``--target
+        opacus`` imported and described, each model of one's own made once (``user_models``)."""
+        opts = self.options
+        if opts.backend == "gloo" and opts.world_sizes and self.job_world_size is None:
+            parse_world_sizes(",".join(map(str, opts.world_sizes)), opts.backend)
+        info = self.target_info
+        if opts.target == "opacus":
+            _check_opacus(import_it=True)
+            info = tuple(load_target_info(opts.target).items())
+        if opts.models:  # a model of one's own is used once here: exit 2 if it cannot be
+            from .user_models import check_user_models
+
+            check_user_models(opts.models)
+        return replace(self, target_info=info)
 
 
 def _explore_draws(text: str, where: str) -> int:
@@ -418,21 +445,26 @@ def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expecta
     from .expectations import load
 
     if args.target == "opacus":
-        try:
-            if import_opacus:
-                import opacus  # noqa: F401
-            else:  # --dry-run: importable, not imported
-                import importlib.util
-
-                if importlib.util.find_spec("opacus") is None:
-                    raise ImportError("No module named 'opacus'")
-        except ImportError as e:
-            raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
-                             "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
-                             "torch: docs/gate.md), or give --target MODULE:ATTR") from None
+        _check_opacus(import_opacus)
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
     return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
+
+
+def _check_opacus(import_it: bool) -> None:
+    """``UsageError`` unless opacus is importable (``import_it=False``: found, not imported)."""
+    try:
+        if import_it:
+            import opacus  # noqa: F401
+        else:  # --dry-run: importable, not imported
+            import importlib.util
+
+            if importlib.util.find_spec("opacus") is None:
+                raise ImportError("No module named 'opacus'")
+    except ImportError as e:
+        raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
+                         "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
+                         "torch: docs/gate.md), or give --target MODULE:ATTR") from None
 
 
 def require_hypothesis(what: str) -> None:

@@ -90,6 +90,20 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
     return report.finish(plan, verdicts, target)
 
 
+def execute_spawned(plan: RunPlan) -> int:
+    """``execute`` of a plan ``RunPlan.parse`` checked, on ranks the gate starts itself: the pool made
+    first (its zygotes import torch and the target while this process loads the target,
+    ``RunPlan.loaded``), then sized for the loaded plan; closed at the end."""
+    from .session import early_pool, size_pool
+
+    pool = early_pool(plan.options.target, plan.mode_env)
+    try:
+        loaded = plan.loaded()
+        return execute(loaded, size_pool(pool, loaded))
+    finally:
+        pool.close()
+
+
 def _expected_test(plan: RunPlan) -> Optional[Callable[[Verdict], bool]]:
     """Whether a verdict is a failure the plan's expectations list, as ``expectations.apply`` will
     judge it at the end (``None`` without ``--expect``)."""
@@ -113,4 +127,4 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     return Session(plan, pool, reporter, listener).run()
 
 
-__all__ = ["Progress", "execute", "run_plan"]
+__all__ = ["Progress", "execute", "execute_spawned", "run_plan"]
