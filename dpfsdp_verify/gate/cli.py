@@ -205,17 +205,25 @@ def cmd_run(args) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     dry = getattr(args, "dry_run", False)
+    rank: Optional[int] = None
+    job_world_size: Optional[int] = None
     if args.launcher == "torchrun" and not dry:
-        from .torchrun_job import cmd_run_torchrun
+        from .torchrun_job import torchrun_rank
 
-        return cmd_run_torchrun(args)
+        rank, job_world_size = torchrun_rank()
+    else:
+        job_world_size = _dry_job_size(args) if dry else None
     # a usage error answers before torch or the target is imported (the dry run's plan, which
     # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
-    plan = RunPlan.parse(args, job_world_size=_dry_job_size(args) if dry else None)
+    plan = RunPlan.parse(args, job_world_size=job_world_size)
     if dry:
         from .dryrun import dry_run
 
         return dry_run(plan)
+    if rank is not None:
+        from .torchrun_job import run_torchrun
+
+        return run_torchrun(plan, rank)
     from .run import execute_spawned
 
     return execute_spawned(plan)

@@ -16,6 +16,8 @@ from ..config.defaults import DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
 from ..errors import HintedError
 from ..config.modes import Mode
 
+from .expectations import load as load_expectations
+
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
     from ..properties import Options
@@ -112,7 +114,6 @@ class RunPlan:
             raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds", "e.g. --timeout 60")
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
-        modes = parse_modes(args.mode_env)
         physical = getattr(args, "physical_batch_size", None)  # gradient accumulation: the properties' option
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
@@ -140,13 +141,16 @@ class RunPlan:
                         flag = "--" + name.replace("_", "-")
                         raise UsageError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}", f"e.g. {flag} "
                                          f"{dict(prop.params)[name]}") from None
+        # the options other modules own, each parsed by its own module: the modes, the --expect file
+        modes = modes_mod.parse_all(args.mode_env or ())
+        expectations = load_expectations(args.expect) if args.expect else None  # an unusable file: ExpectationsError
+        check_optional_pieces(args, import_opacus=False)
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
         explore, explore_note = parse_explore(args, job_world_size)
-        expectations = check_optional_pieces(args, import_opacus=False)
         axes = parse_axes(args)
         info = load_target_info(args.target) if args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
@@ -438,17 +442,13 @@ def _opacus_files_info() -> Dict[str, str]:
     return {"name": "opacus", "version": (opacus_info() or {}).get("version", "unknown")}
 
 
-def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expectations"]:
+def check_optional_pieces(args, import_opacus: bool = True) -> None:
     """The optional pieces the run needs are present -- the opacus it would test (``--target
-    opacus``), hypothesis for ``--fuzz`` -- and the ``--expect`` file is valid: ``UsageError``
-    naming the ``pip install`` (or the file's mistake) otherwise. Returns the parsed expectations."""
-    from .expectations import load
-
+    opacus``), hypothesis for ``--fuzz``: ``UsageError`` naming the ``pip install`` otherwise."""
     if args.target == "opacus":
         _check_opacus(import_opacus)
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
-    return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
 
 
 def _check_opacus(import_it: bool) -> None:
