@@ -93,13 +93,12 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
 def execute_spawned(plan: RunPlan) -> int:
     """``execute`` of a plan ``RunPlan.parse`` checked, on ranks the gate starts itself: the pool made
     first (its zygotes import torch and the target while this process loads the target,
-    ``RunPlan.loaded``), then sized for the loaded plan; closed at the end."""
-    from .session import early_pool, size_pool
+    ``RunPlan.loaded``); closed at the end."""
+    from .session import spawned_pool
 
-    pool = early_pool(plan.options.target, plan.mode_env)
+    pool = spawned_pool(plan)
     try:
-        loaded = plan.loaded()
-        return execute(loaded, size_pool(pool, loaded))
+        return execute(plan.loaded(), pool)
     finally:
         pool.close()
 
