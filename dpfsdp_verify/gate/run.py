@@ -81,10 +81,7 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
                   "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    if journal is not None:
-        verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged)
-    else:
-        verdicts = run_plan(plan, progress=progress, pool=pool)
+    verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged if journal is not None else None)
     if journal is not None:
         journal.close()
     return report.finish(plan, verdicts, target)
