@@ -141,35 +141,37 @@ class RunPlan:
                         flag = "--" + name.replace("_", "-")
                         raise UsageError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}", f"e.g. {flag} "
                                          f"{dict(prop.params)[name]}") from None
-        # the options other modules own, each parsed by its own module: the modes, the --expect file
-        modes = modes_mod.parse_all(args.mode_env or ())
-        expectations = load_expectations(args.expect) if args.expect else None  # an unusable file: ExpectationsError
         check_optional_pieces(args, import_opacus=False)
-        if args.properties:  # a property the user named explicitly must be able to run
-            for p in props:
-                problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
-                if problem:
-                    raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
         explore, explore_note = parse_explore(args, job_world_size)
+        explore_cap = parse_explore_cap(args)
         axes = parse_axes(args)
         info = load_target_info(args.target) if args.target != "opacus" else _opacus_files_info()
         reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
         for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
             if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
+        sampling = parse_sampling(args, max(world_sizes + [1]))
+        # last, the options other modules own, each parsed by its own module: the modes, the --expect file
+        modes = modes_mod.parse_all(args.mode_env or ())
+        if args.properties:  # a property the user named explicitly must be able to run
+            for p in props:
+                problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
+                if problem:
+                    raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
+        expectations = load_expectations(args.expect) if args.expect else None  # an unusable file: ExpectationsError
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
                           wide_world_size=wide, wide_unavailable=wide_unavailable, horizon=horizon,
                           node_world_size=nodes, node_unavailable=nodes_unavailable,
                           meshes=tuple(meshes),
-                          **axes, **parse_sampling(args, max(world_sizes + [1])),
+                          **axes, **sampling,
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit
                           # the privacy audit named: at every world size and the wide one, not the default's smallest
                           + ((("audit_every_world_size", True),) if args.properties and "privacy_audit" in props
                              else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
-                   explore=explore, explore_cap=parse_explore_cap(args), explore_note=explore_note,
+                   explore=explore, explore_cap=explore_cap, explore_note=explore_note,
                    expectations=expectations, reports=reports,
                    quiet=args.quiet, verbose=getattr(args, "verbose", False),
                    write_expect=getattr(args, "write_expect", None), job_world_size=job_world_size,
