@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ..config import modes as modes_mod
 from ..config.defaults import DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
@@ -180,7 +180,7 @@ class RunPlan:
     def loaded(self) -> "RunPlan":
         """This plan, checked against the target it runs (``UsageError`` otherwise): the gloo
         backend asked for the world sizes (``parse`` leaves it: asking imports torch), ``--target
-        opacus`` imported and described, each model of one's own made once (``user_models``)."""
+        opacus`` imported and described, each model of one's own made once (``check_user_models``)."""
         opts = self.options
         if opts.backend == "gloo" and opts.world_sizes and self.job_world_size is None:
             parse_world_sizes(",".join(map(str, opts.world_sizes)), opts.backend)
@@ -189,8 +189,6 @@ class RunPlan:
             _check_opacus(import_it=True)
             info = tuple(load_target_info(opts.target).items())
         if opts.models:  # a model of one's own is used once here: exit 2 if it cannot be
-            from .user_models import check_user_models
-
             check_user_models(opts.models)
         return replace(self, target_info=info)
 
@@ -435,6 +433,26 @@ def parse_axes(args) -> Dict:
     if problem:
         raise UsageError(f"--precisions: {problem}", "e.g. --precisions bf16-fsdp --dtypes float32")
     return out
+
+
+def check_user_models(names: Sequence[str]) -> None:
+    """The models of ``--models`` given by their own code (``docs/models.md``), used once before a
+    run: ``UsageError`` naming the first contract model of ``names`` that cannot be imported, made,
+    built, batched or forwarded (the built-in models are not looked at), before any rank starts,
+    never a traceback from inside torch. Imports torch and the model's module."""
+    from ..models.catalog import MODEL_DIMS, contract_path
+
+    wanted = [n for n in names if n not in MODEL_DIMS and contract_path(n) is not None]
+    if not wanted:
+        return
+    from ..models import contract
+
+    for name in wanted:
+        try:
+            contract.check(name)
+        except contract.ContractError as e:
+            raise UsageError(str(e), "a model needs build(seed), batch(n, seed) and loss(output, targets): "
+                                     "see docs/models.md") from None
 
 
 def _opacus_files_info() -> Dict[str, str]:
