@@ -80,8 +80,10 @@ def entries(verdicts: Sequence[Verdict], env: Dict[str, Optional[str]], exact: b
     """The ``[[expect]]`` tables of ``verdicts``' failures (module doc); ``exact``: every entry with
     a verdict's whole configuration."""
     failing = [v for v in verdicts if v.status in FAILING and v.diagnosis != INTERNAL_ERROR]
+    stamp = when(env)
     out = []
     for cause in causes.group(failing):
+        reason = cause.reason()
         for prop in cause.properties():
             group = [v for v in cause.verdicts if v.property == prop]
             others = [v for v in verdicts if v.property == prop and v.status != "skip" and v not in group]
@@ -91,18 +93,9 @@ def entries(verdicts: Sequence[Verdict], env: Dict[str, Optional[str]], exact: b
             statuses = sorted({v.status for v in group})
             for cfg in configs:
                 out.append({"property": prop, "config": cfg, "status": statuses[0] if len(statuses) == 1
-                            else statuses, "diagnosis": group[0].diagnosis, "reason": _reason(cause),
-                            "when": when(env)})
+                            else statuses, "diagnosis": group[0].diagnosis, "reason": reason,
+                            "when": dict(stamp)})
     return out
-
-
-def _reason(cause: "causes.Cause") -> str:
-    """The cause in words: a crash's title names its line; another cause adds its first verdict's
-    message (its first sentence or 300 characters)."""
-    if cause.crash:
-        return cause.title()
-    message = " ".join(cause.first.message.split())
-    return f"{cause.title()}: {message[:300]}" + ("..." if len(message) > 300 else "")
 
 
 def _toml_value(x: Any) -> str:

@@ -61,6 +61,14 @@ class Cause:
             return f"{status} ({diagnosis}) at {self.crash['at']}: {self.crash.get('exception', '')}"
         return f"{self.first.property} {status} ({diagnosis})"
 
+    def reason(self) -> str:
+        """The cause in words (an expectation's ``reason``, ``baseline.py``): a crash's title names its
+        line; another cause adds its first verdict's message (its first sentence or 300 characters)."""
+        if self.crash:
+            return self.title()
+        message = " ".join(self.first.message.split())
+        return f"{self.title()}: {message[:300]}" + ("..." if len(message) > 300 else "")
+
     def properties(self) -> List[str]:
         return sorted({v.property for v in self.verdicts})
 

@@ -208,29 +208,28 @@ def cmd_run(args) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     dry = getattr(args, "dry_run", False)
-    if dry or args.launcher == "spawn":
-        # a usage error answers before torch or the target is imported (the dry run's plan, which
-        # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
-        checked = RunPlan.from_args(args, job_world_size=_dry_job_size(args) if dry else None, load_target=False)
-        if dry:
-            from .dryrun import dry_run
+    rank: Optional[int] = None
+    job_world_size: Optional[int] = None
+    if args.launcher == "torchrun" and not dry:
+        from .torchrun_job import torchrun_rank
 
-            return dry_run(checked)
-    from .run import execute
+        rank, job_world_size = torchrun_rank()
+    else:
+        job_world_size = _dry_job_size(args) if dry else None
+    # a usage error answers before torch or the target is imported (the dry run's plan, which
+    # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
+    plan = RunPlan.parse(args, job_world_size=job_world_size)
+    if dry:
+        from .dryrun import dry_run
 
-    if args.launcher == "torchrun":
-        from .torchrun_job import cmd_run_torchrun
+        return dry_run(plan)
+    if rank is not None:
+        from .torchrun_job import run_torchrun
 
-        return cmd_run_torchrun(args)
-    from .session import early_pool, size_pool
+        return run_torchrun(plan, rank)
+    from .run import execute_spawned
 
-    pool = early_pool(args.target, args.mode_env)  # its zygotes import torch while this process checks the plan
-    try:
-        plan = RunPlan.from_args(args)
-        size_pool(pool, plan)
-        return execute(plan, pool)
-    finally:
-        pool.close()
+    return execute_spawned(plan)
 
 
 def _dry_job_size(args) -> Optional[int]:

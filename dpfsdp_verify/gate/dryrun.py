@@ -82,8 +82,9 @@ def describe(plan: RunPlan, planning: bool = True) -> Described:
     out = []
     for pid in plan.properties:
         pp = PropertyPlan(pid)
+        items = _items(pid, opts)
         per_case = seconds_per_case(pid)
-        for item in _items(pid, opts):
+        for item in items:
             if isinstance(item, Case):
                 where = item.spec.mesh or f"ws={item.world_size}"
                 pp.cases[where] += 1

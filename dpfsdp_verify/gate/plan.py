@@ -8,13 +8,15 @@ be combined is written here, once; the runner (``run.py``) and the reports only 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ..config import modes as modes_mod
 from ..config.defaults import DEFAULT_WORLD_SIZES, MAX_GLOO_WORLD_SIZE
 from ..errors import HintedError
 from ..config.modes import Mode
+
+from .expectations import load as load_expectations
 
 if TYPE_CHECKING:  # pragma: no cover
     from .expectations import Expectations
@@ -65,6 +67,10 @@ class RunPlan:
     verbose: bool = False
     #: ``--write-expect FILE``: write the run's failures as an expectations file (``gate/baseline.py``)
     write_expect: Optional[str] = None
+    #: the ranks of the torchrun job the gate runs in (``--launcher torchrun``), ``None`` when it starts its own
+    job_world_size: Optional[int] = None
+    #: ``--mode-env`` as given (``()``: the default modes)
+    mode_env: Tuple[str, ...] = ()
 
     @property
     def info(self) -> Dict[str, str]:
@@ -73,16 +79,25 @@ class RunPlan:
 
     @classmethod
     def from_args(cls, args, job_world_size: Optional[int] = None, load_target: bool = True) -> "RunPlan":
-        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong.
-        ``job_world_size``: the ranks of the torchrun job the gate runs in (``--launcher
-        torchrun``): ``--world-sizes`` then defaults to it (see ``launched_world_sizes``).
-        ``load_target=False`` (``--dry-run``): ``--target opacus`` is checked to be importable
-        and described from its files, not imported (an adapter ``MODULE:ATTR`` is loaded)."""
+        """The plan for the parsed ``run`` arguments, or ``UsageError`` saying what is wrong: ``parse``,
+        then (``load_target``, a run) ``loaded``. ``load_target=False`` (``--dry-run``): the plan
+        ``parse`` checked, nothing of the target imported but an adapter ``MODULE:ATTR``."""
+        plan = cls.parse(args, job_world_size)
+        return plan.loaded() if load_target else plan
+
+    @classmethod
+    def parse(cls, args, job_world_size: Optional[int] = None) -> "RunPlan":
+        """The plan for the parsed ``run`` arguments, checked without loading the target (torch is
+        not imported for a gloo plan), or ``UsageError`` saying what is wrong. ``job_world_size``:
+        the ranks of the torchrun job the gate runs in (``--launcher torchrun``): ``--world-sizes``
+        then defaults to it (see ``launched_world_sizes``). ``--target opacus`` is checked to be
+        importable and described from its files, not imported (an adapter ``MODULE:ATTR`` is
+        loaded); ``loaded`` does the rest before a run."""
         from ..properties import PROPERTIES, Options, modes_problem
 
         # gloo's availability needs torch imported (``dist.is_gloo_available``): a dry run leaves it to
         # the run (docs/gate.md, "--dry-run"); nccl's GPU count is part of the plan, so it is asked
-        probe = load_target or args.backend != "gloo"
+        probe = args.backend != "gloo"
         meshes = parse_meshes(getattr(args, "meshes", None), args.backend, job_world_size)
         if meshes and args.world_sizes is None:
             world_sizes = []  # --meshes alone: only the meshes run
@@ -99,7 +114,6 @@ class RunPlan:
             raise UsageError(f"--timeout {args.timeout}: must be > 0 seconds", "e.g. --timeout 60")
         if args.fuzz < 0:
             raise UsageError(f"--fuzz {args.fuzz}: must be >= 0", "e.g. --fuzz 20")
-        modes = parse_modes(args.mode_env)
         physical = getattr(args, "physical_batch_size", None)  # gradient accumulation: the properties' option
         if physical is not None and physical < 1:
             raise UsageError(f"--physical-batch-size {physical}: must be an integer >= 1 (samples per physical pass)",
@@ -128,39 +142,56 @@ class RunPlan:
                         flag = "--" + name.replace("_", "-")
                         raise UsageError(f"{flag} {value}: {str(e).split(': ', 1)[-1]}", f"e.g. {flag} "
                                          f"{dict(prop.params)[name]}") from None
+        check_optional_pieces(args, import_opacus=False)
+        explore, explore_note = parse_explore(args, job_world_size)
+        explore_cap = parse_explore_cap(args)
+        axes = parse_axes(args)
+        info = load_target_info(args.target) if args.target != "opacus" else _opacus_files_info()
+        reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
+        for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
+            if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
+        sampling = parse_sampling(args, max(world_sizes + [1]))
+        # last, the options other modules own, each parsed by its own module: the modes, the --expect file
+        modes = modes_mod.parse_all(args.mode_env or ())
         if args.properties:  # a property the user named explicitly must be able to run
             for p in props:
                 problem = modes_problem(PROPERTIES[p], modes or modes_mod.DEFAULT_MODES)
                 if problem:
                     raise UsageError(problem, modes_mod.TWO_MODES_EXAMPLE)
-        explore, explore_note = parse_explore(args, job_world_size)
-        expectations = check_optional_pieces(args, import_opacus=load_target)
-        axes = parse_axes(args)
-        if load_target and axes["models"]:  # a model of one's own is used once here: exit 2 if it cannot be
-            from .user_models import check_user_models
-
-            check_user_models(axes["models"])
-        info = load_target_info(args.target) if load_target or args.target != "opacus" else _opacus_files_info()
-        reports = Reports(json=args.json, junit=args.junit, markdown=args.markdown)
-        for path in (reports.json, reports.junit, reports.markdown, getattr(args, "write_expect", None)):
-            if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise UsageError(f"cannot write report {path!r}: its directory does not exist", "create it first")
+        expectations = load_expectations(args.expect) if args.expect else None  # an unusable file: ExpectationsError
         options = Options(target=args.target, world_sizes=tuple(world_sizes), modes=modes or modes_mod.DEFAULT_MODES,
                           grad_sample_mode=args.grad_sample_mode, backend=args.backend, timeout=float(args.timeout),
                           wide_world_size=wide, wide_unavailable=wide_unavailable, horizon=horizon,
                           node_world_size=nodes, node_unavailable=nodes_unavailable,
                           meshes=tuple(meshes),
-                          **axes, **parse_sampling(args, max(world_sizes + [1])),
+                          **axes, **sampling,
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit
                           # the privacy audit named: at every world size and the wide one, not the default's smallest
                           + ((("audit_every_world_size", True),) if args.properties and "privacy_audit" in props
                              else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
-                   explore=explore, explore_cap=parse_explore_cap(args), explore_note=explore_note,
+                   explore=explore, explore_cap=explore_cap, explore_note=explore_note,
                    expectations=expectations, reports=reports,
                    quiet=args.quiet, verbose=getattr(args, "verbose", False),
-                   write_expect=getattr(args, "write_expect", None))
+                   write_expect=getattr(args, "write_expect", None), job_world_size=job_world_size,
+                   mode_env=tuple(args.mode_env or ()))
+
+    def loaded(self) -> "RunPlan":
+        """This plan, checked against the target it runs (``UsageError`` otherwise): the gloo
+        backend asked for the world sizes (``parse`` leaves it: asking imports torch), ``--target
+        opacus`` imported and described, each model of one's own made once (``check_user_models``)."""
+        opts = self.options
+        if opts.backend == "gloo" and opts.world_sizes and self.job_world_size is None:
+            parse_world_sizes(",".join(map(str, opts.world_sizes)), opts.backend)
+        info = self.target_info
+        if opts.target == "opacus":
+            _check_opacus(import_it=True)
+            info = tuple(load_target_info(opts.target).items())
+        if opts.models:  # a model of one's own is used once here: exit 2 if it cannot be
+            check_user_models(opts.models)
+        return replace(self, target_info=info)
 
 
 def _explore_draws(text: str, where: str) -> int:
@@ -405,6 +436,26 @@ def parse_axes(args) -> Dict:
     return out
 
 
+def check_user_models(names: Sequence[str]) -> None:
+    """The models of ``--models`` given by their own code (``docs/models.md``), used once before a
+    run: ``UsageError`` naming the first contract model of ``names`` that cannot be imported, made,
+    built, batched or forwarded (the built-in models are not looked at), before any rank starts,
+    never a traceback from inside torch. Imports torch and the model's module."""
+    from ..models.catalog import MODEL_DIMS, contract_path
+
+    wanted = [n for n in names if n not in MODEL_DIMS and contract_path(n) is not None]
+    if not wanted:
+        return
+    from ..models import contract
+
+    for name in wanted:
+        try:
+            contract.check(name)
+        except contract.ContractError as e:
+            raise UsageError(str(e), "a model needs build(seed), batch(n, seed) and loss(output, targets): "
+                                     "see docs/models.md") from None
+
+
 def _opacus_files_info() -> Dict[str, str]:
     """``{"name", "version"}`` of ``--target opacus`` from the installed files, nothing imported."""
     from .target_info import opacus_info
@@ -412,28 +463,29 @@ def _opacus_files_info() -> Dict[str, str]:
     return {"name": "opacus", "version": (opacus_info() or {}).get("version", "unknown")}
 
 
-def check_optional_pieces(args, import_opacus: bool = True) -> Optional["Expectations"]:
+def check_optional_pieces(args, import_opacus: bool = True) -> None:
     """The optional pieces the run needs are present -- the opacus it would test (``--target
-    opacus``), hypothesis for ``--fuzz`` -- and the ``--expect`` file is valid: ``UsageError``
-    naming the ``pip install`` (or the file's mistake) otherwise. Returns the parsed expectations."""
-    from .expectations import load
-
+    opacus``), hypothesis for ``--fuzz``: ``UsageError`` naming the ``pip install`` otherwise."""
     if args.target == "opacus":
-        try:
-            if import_opacus:
-                import opacus  # noqa: F401
-            else:  # --dry-run: importable, not imported
-                import importlib.util
-
-                if importlib.util.find_spec("opacus") is None:
-                    raise ImportError("No module named 'opacus'")
-        except ImportError as e:
-            raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
-                             "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
-                             "torch: docs/gate.md), or give --target MODULE:ATTR") from None
+        _check_opacus(import_opacus)
     if args.fuzz > 0:
         require_hypothesis("--fuzz")
-    return load(args.expect) if args.expect else None  # an unusable file: ExpectationsError
+
+
+def _check_opacus(import_it: bool) -> None:
+    """``UsageError`` unless opacus is importable (``import_it=False``: found, not imported)."""
+    try:
+        if import_it:
+            import opacus  # noqa: F401
+        else:  # --dry-run: importable, not imported
+            import importlib.util
+
+            if importlib.util.find_spec("opacus") is None:
+                raise ImportError("No module named 'opacus'")
+    except ImportError as e:
+        raise UsageError(f"--target opacus: no opacus is importable ({type(e).__name__}: {e})",
+                         "install your fork (pip install -e PATH) or upstream (pip install opacus, after a CPU "
+                         "torch: docs/gate.md), or give --target MODULE:ATTR") from None
 
 
 def require_hypothesis(what: str) -> None:

@@ -81,13 +81,23 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
                   "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    if journal is not None:
-        verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged)
-    else:
-        verdicts = run_plan(plan, progress=progress, pool=pool)
+    verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged if journal is not None else None)
     if journal is not None:
         journal.close()
     return report.finish(plan, verdicts, target)
+
+
+def execute_spawned(plan: RunPlan) -> int:
+    """``execute`` of a plan ``RunPlan.parse`` checked, on ranks the gate starts itself: the pool made
+    first (its zygotes import torch and the target while this process loads the target,
+    ``RunPlan.loaded``); closed at the end."""
+    from .session import spawned_pool
+
+    pool = spawned_pool(plan)
+    try:
+        return execute(plan.loaded(), pool)
+    finally:
+        pool.close()
 
 
 def _expected_test(plan: RunPlan) -> Optional[Callable[[Verdict], bool]]:
@@ -113,4 +123,4 @@ def run_plan(plan: RunPlan, progress: Optional[Callable[[Verdict], None]] = None
     return Session(plan, pool, reporter, listener).run()
 
 
-__all__ = ["Progress", "execute", "run_plan"]
+__all__ = ["Progress", "execute", "execute_spawned", "run_plan"]

@@ -285,8 +285,9 @@ def size_pool(pool: Pool, plan: RunPlan) -> Pool:
 
         sizes = len(set(opts.world_sizes) | set(range(1, explore_max_world_size() + 1))
                     | ({opts.wide_world_size, opts.node_world_size} - {0})) + len(opts.meshes)
+    group_sizes = run_world_sizes(plan)
     pool.max_groups = min(MAX_WARM_GROUPS + (2 if plan.explore > 0 else 0), sizes * len(opts.modes))
-    pool.cores = plan_cores(usable_cores(), run_world_sizes(plan))
+    pool.cores = plan_cores(usable_cores(), group_sizes)
     return pool
 
 
@@ -318,6 +319,12 @@ def early_pool(target: str, mode_env: Sequence[str] = ()) -> Pool:
     return pool
 
 
+def spawned_pool(plan: RunPlan) -> Pool:
+    """The pool of a gate that starts its own ranks: ``early_pool``'s for the plan's target and
+    modes, sized for the plan (``size_pool``: nothing ``RunPlan.loaded`` changes). The caller closes it."""
+    return size_pool(early_pool(plan.options.target, plan.mode_env), plan)
+
+
 def target_modules(ref: str) -> tuple:
     """The modules a rank imports to load the target ``ref`` (``targets.load_target``): opacus and its
     adapter for ``opacus``, the module of a ``module:Attr`` reference; none for an entry point's name
@@ -330,5 +337,5 @@ def target_modules(ref: str) -> tuple:
     return (ref.split(":")[0],) if ":" in ref else ()
 
 
-__all__ = ["Session", "Reporter", "Silent", "ExploreBudget", "make_fuzzer", "size_pool", "early_pool",
+__all__ = ["Session", "Reporter", "Silent", "ExploreBudget", "make_fuzzer", "size_pool", "early_pool", "spawned_pool",
            "target_modules", "MAX_WARM_GROUPS", "EARLY_ZYGOTES"]

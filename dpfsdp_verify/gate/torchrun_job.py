@@ -5,7 +5,9 @@ nodes). Rank 0 is the gate exactly as when it spawns its own ranks -- it plans, 
 property through ``run.execute``, computes the float64 reference, judges and writes every report --
 except that its pool is the harness' ``TorchrunPool`` (``harness/torchrun_pool.py``: how a job
 reaches every rank, its deadline, and how a hang becomes a verdict); the other ranks only serve
-its jobs and stay quiet. Rank 0 posts the exit code at the end (also on a usage error or a
+its jobs and stay quiet. Every rank parses the same arguments (``RunPlan.parse``, torch-free): a
+usage error there ends each rank alike (exit 2, rank 0 saying it) before any process group exists.
+Past that, rank 0 posts the exit code at the end (also on a usage error in loading the target, or a
 crash); every rank exits with it.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Tuple, cast
 
 from ..errors import HintedError
 from ..harness.torchrun import TorchrunSession, torchrun_env
@@ -25,9 +28,10 @@ from .report import EXIT_INTERNAL, EXIT_USAGE
 RANK_OUTPUT_ENV = "DPFSDP_VERIFY_RANK_OUTPUT"
 
 
-def cmd_run_torchrun(args) -> int:
-    """``dpfsdp-verify run --launcher torchrun``: rank 0 runs the gate, the others serve its
-    jobs; every rank returns rank 0's exit code."""
+def torchrun_rank() -> Tuple[int, int]:
+    """``(rank, world size)`` of this torchrun rank, made ready before its plan is parsed: the
+    flight recorder on, its output silenced unless it is rank 0; ``UsageError`` when this process
+    is not a torchrun rank."""
     env = torchrun_env()
     if env is None:
         raise UsageError("--launcher torchrun: this process is not a torchrun rank (RANK, WORLD_SIZE and LOCAL_RANK "
@@ -41,10 +45,16 @@ def cmd_run_torchrun(args) -> int:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_SIZE))
     if rank != 0 and not os.environ.get(RANK_OUTPUT_ENV):
         _silence()
-    # like `python -m`: an adapter MODULE:ATTR may live in the current directory
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    session = TorchrunSession(rank, world_size, timeout=float(args.timeout), backend=args.backend)
+    return rank, world_size
+
+
+def run_torchrun(plan: RunPlan, rank: int) -> int:
+    """``dpfsdp-verify run --launcher torchrun`` of a plan ``RunPlan.parse`` checked at the job's
+    world size (every rank parses the same arguments; a usage error ends each rank alike, rank 0
+    saying it): rank 0 runs the gate, the others serve its jobs; every rank returns rank 0's exit
+    code."""
+    world_size = cast(int, plan.job_world_size)
+    session = TorchrunSession(rank, world_size, timeout=plan.options.timeout, backend=plan.options.backend)
     try:
         if rank != 0:
             leave(session, serve(session))
@@ -53,7 +63,7 @@ def cmd_run_torchrun(args) -> int:
         # everything rank 0 says is said before the exit code is posted: once a rank exits non-zero,
         # torchrun's agent may end the other ranks of its node, rank 0 included
         try:
-            code = _run_gate(args, pool)
+            code = _run_gate(plan, pool)
         except HintedError as e:  # as cli.main says it, one line
             print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
             code = EXIT_USAGE
@@ -71,13 +81,13 @@ def cmd_run_torchrun(args) -> int:
         session.close()
 
 
-def _run_gate(args, pool: TorchrunPool) -> int:
+def _run_gate(parsed: RunPlan, pool: TorchrunPool) -> int:
     """Rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target."""
     from ..targets import load_target
     from .journal import Journal
     from .run import execute
 
-    plan = RunPlan.from_args(args, job_world_size=pool.world_size)
+    plan = parsed.loaded()
     # the reports on disk as they must read should a rank process die (gloo's abort ends it
     # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job, with
     # every case judged so far
@@ -100,4 +110,4 @@ def _silence() -> None:
     os.close(devnull)
 
 
-__all__ = ["cmd_run_torchrun", "RANK_OUTPUT_ENV"]
+__all__ = ["torchrun_rank", "run_torchrun", "RANK_OUTPUT_ENV"]
