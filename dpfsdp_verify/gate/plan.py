@@ -168,9 +168,10 @@ class RunPlan:
                           **axes, **sampling,
                           params=((("physical_batch_size", physical),) if physical else ())
                           + ((("resume_at", resume_at),) if resume_at is not None else ()) + audit
-                          # the privacy audit named: at every world size and the wide one, not the default's smallest
-                          + ((("audit_every_world_size", True),) if args.properties and "privacy_audit" in props
-                             else ()))
+                          # a property with this param named: at every world size and the wide one (the audit's
+                          # default is its smallest)
+                          + ((("audit_every_world_size", True),) if args.properties and any(
+                              "audit_every_world_size" in dict(PROPERTIES[p].params) for p in props) else ()))
         return cls(options=options, properties=tuple(props), target_info=tuple(info.items()), fuzz=args.fuzz,
                    explore=explore, explore_cap=explore_cap, explore_note=explore_note,
                    expectations=expectations, reports=reports,
