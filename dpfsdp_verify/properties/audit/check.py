@@ -318,9 +318,10 @@ def judge(case: Case, outputs: Outputs) -> Verdict:
                 **{f"member_mean_y_{kind}": _mean(y, secrets, 1, kind) for kind in KINDS}}
     where = f"at world_size={case.world_size}" + (f" ({spec.mesh})" if spec.mesh else "")
     setup = (f"{m} canaries, {taken} steps, q={q:g}, sigma={spec.noise_multiplier:g}, delta={DELTA:g}, "
-             f"confidence {conf:g}; f-DP bound {found['eps_lb_fdp']:.4g} (mu >= {found['mu_lb']:.3g}: "
-             f"{found['fdp_v']} of {found['fdp_r']} right, top/bottom {found['fdp_k']} by {found['fdp_score']!r} among "
-             f"{_group(found['fdp_group'])}), counting bound "
+             f"confidence {conf:g}; f-DP bound {found['eps_lb_fdp']:.4g} ({found['fdp_analysis']} analysis, mu >= "
+             f"{found['mu_lb']:.3g}: {found['fdp_v']} of {found['fdp_r']} right, top/bottom {found['fdp_k']} by "
+             f"{found['fdp_score']!r} among {_group(found['fdp_group'])}; the recursion's pooled bound "
+             f"{found['eps_lb_recursion']:.4g}), counting bound "
              f"{found['eps_lb_counting']:.4g} ({found['correct']} of {found['guesses']} right, top/bottom "
              f"{found['k_plus']} by {found['score']!r}, one of {found['choices']} score x guess choices)")
     rdp_note = f"the suite's RDP epsilon of (sigma, q, {taken} steps) is {rdp:.4g}"
