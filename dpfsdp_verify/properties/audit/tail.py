@@ -105,6 +105,21 @@ def _log_upper(x: "torch.Tensor") -> "torch.Tensor":
     return torch.special.log_ndtr(-x)
 
 
+def _cut(r: int, n: int, mu: float):
+    """``(s, log_density, log_gbar)`` on the quadrature's grid: s, the log of the cut's density in s
+    (``Beta_pdf(w(s); n - r, r + 1) f(s)``) and the log of the mean error above s (module docstring)."""
+    a, b = n - r, r + 1
+    mean, sd = a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))
+    w_lo, w_hi = max(mean - SPAN * sd, 1e-300), min(mean + SPAN * sd, 1.0 - 1e-16)
+    s = torch.linspace(_s_at(w_lo, mu), _s_at(w_hi, mu), GRID, dtype=torch.float64)
+    half = mu / 2
+    log_above = torch.logaddexp(_log_upper(s + half), _log_upper(s - half))  # log (1 - w)
+    log_w = torch.log(-torch.expm1(log_above).clamp(max=0.0)).nan_to_num(neginf=-1e300)
+    log_beta = (a - 1) * log_w + (b - 1) * log_above - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+    log_f = torch.logaddexp(_log_phi(s + half), _log_phi(s - half))
+    return s, log_beta + log_f, _log_upper(s + half) - log_above
+
+
 def probability(r: int, u: int, n: int, mu: float) -> float:
     """``P[mistakes <= u]`` for an auditor's ``r`` most confident guesses about ``n`` canaries seen
     through the mu-GDP channel (module docstring)."""
@@ -116,18 +131,8 @@ def probability(r: int, u: int, n: int, mu: float) -> float:
     if r == n:
         p = torch.tensor([_upper(mu / 2)], dtype=torch.float64)
         return float(_log_binom_cdf(u, r, p).exp()[0])
-    a, b = n - r, r + 1
-    mean, sd = a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))
-    w_lo, w_hi = max(mean - SPAN * sd, 1e-300), min(mean + SPAN * sd, 1.0 - 1e-16)
-    s = torch.linspace(_s_at(w_lo, mu), _s_at(w_hi, mu), GRID, dtype=torch.float64)
-    half = mu / 2
-    log_above = torch.logaddexp(_log_upper(s + half), _log_upper(s - half))  # log (1 - w)
-    log_w = torch.log(-torch.expm1(log_above).clamp(max=0.0)).nan_to_num(neginf=-1e300)
-    log_beta = ((a - 1) * log_w + (b - 1) * log_above
-                - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)))
-    log_f = torch.logaddexp(_log_phi(s + half), _log_phi(s - half))
-    gbar = torch.exp(_log_upper(s + half) - log_above).clamp(1e-300, 0.5)
-    log_integrand = log_beta + log_f + _log_binom_cdf(u, r, gbar)
+    s, log_density, log_gbar = _cut(r, n, mu)
+    log_integrand = log_density + _log_binom_cdf(u, r, torch.exp(log_gbar).clamp(1e-300, 0.5))
     top = float(log_integrand.max())
     if not math.isfinite(top):
         return 0.0
@@ -139,16 +144,8 @@ def beta_mass(r: int, n: int, mu: float) -> float:
     """The quadrature of ``probability``'s Beta part alone (u = r): 1 up to the quadrature's error
     (the tests' check of the grid)."""
     _check(r, r, n)
-    a, b = n - r, r + 1
-    mean, sd = a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))
-    w_lo, w_hi = max(mean - SPAN * sd, 1e-300), min(mean + SPAN * sd, 1.0 - 1e-16)
-    s = torch.linspace(_s_at(w_lo, mu), _s_at(w_hi, mu), GRID, dtype=torch.float64)
-    half = mu / 2
-    log_above = torch.logaddexp(_log_upper(s + half), _log_upper(s - half))
-    log_w = torch.log(-torch.expm1(log_above).clamp(max=0.0)).nan_to_num(neginf=-1e300)
-    log_beta = (a - 1) * log_w + (b - 1) * log_above - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
-    log_f = torch.logaddexp(_log_phi(s + half), _log_phi(s - half))
-    return float(torch.trapezoid(torch.exp(log_beta + log_f), s))
+    s, log_density, _ = _cut(r, n, mu)
+    return float(torch.trapezoid(torch.exp(log_density), s))
 
 
 def rejects(r: int, v: int, n: int, mu: float, level: float) -> bool:
