@@ -43,8 +43,8 @@ INTERNAL_ERROR = "internal_error"
 CONFIG_KEYS = ("world_size", "data_layout", "model", "reduction", "dtype", "mode", "grad_sample_mode",
                "local_batches", "model_kwargs", "fuzz", "sampling", "sample_rate", "dataset_size", "epochs",
                "seeding", "dataset", "physical_batch_size", "processes", "resume_at", "precision",
-               "noise_multiplier", "momentum", "horizon", "mesh", "audit_canaries", "audit_steps", "releases",
-               "explore")
+               "noise_multiplier", "momentum", "horizon", "mesh", "audit_canaries", "audit_steps", "audit_confidence",
+               "releases", "explore")
 
 
 @dataclass
