@@ -206,6 +206,7 @@ def test_all_padding_note_names_the_sequences_whose_norms_are_nan():
 
 
 # -- on ranks ------------------------------------------------------------------------------------
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_correct_passes_on_masked_sequences(pool):
     for prop in ("norm_fidelity", "clipped_step", "sensitivity_bound"):
         assert_all_pass(props.run(prop, CORRECT, pool=pool, world_sizes=(1, 2), models=("masked",), **FIXED))

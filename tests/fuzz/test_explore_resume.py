@@ -25,6 +25,7 @@ from dpfsdp_verify.targets import RunSpec  # noqa: E402
 DEADLOCK = PROPERTIES["deadlock_free"]
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 @settings(max_examples=60, database=None, deadline=None)
 @given(strategies.explore_specs(4, resume=True))
 def test_a_drawn_resume_point_is_a_valid_save_half_inside_the_run(drawn):

@@ -67,6 +67,7 @@ def test_a_forked_rank_is_what_a_spawned_rank_would_be(pool):
     assert forked[0]["hash"] != forked[1]["hash"]
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_each_environment_has_its_zygotes_and_a_group_env_is_spawned(pool, monkeypatch):
     keep = pool.fresh_group(1)  # a rank of this environment's zygote stays up: it is busy
     try:

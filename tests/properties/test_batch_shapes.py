@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import pytest
 import dpfsdp_verify.properties as props
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.engine.contract import Options
@@ -44,6 +45,7 @@ def test_plans_one_new_case_per_world_size():
     assert len(_plan("sampling_accounting")) == 10
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_chunked_norms_fail_the_large_local_batch(pool):
     vs = props.run("norm_fidelity", N + "ChunkedNormsOffset", pool=pool, world_sizes=(1, 2), models=("mlp",),
                    data_layouts=("split",), reductions=("mean",), dtypes=("float64",))

@@ -96,6 +96,7 @@ def test_noise_tiled_from_a_4096_buffer_repeats_within_the_wide_layer(pool):
                                                  "4096 apart", "short noise buffer tiled"])
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_bf16_noise_in_float32_fails_the_resolution_check(pool):
     main = kinds(run(pool, A + "BF16NoiseInFloat32", dtypes=("float32",)))["main"]
     assert_fails(main, "non_gaussian_noise", ["PRIVACY VIOLATION", "bfloat16's resolution", "floating-point attack"])

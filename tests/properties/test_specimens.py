@@ -59,6 +59,7 @@ def test_correct_specimen_transformer_step_sum_reduction(pool):
                         reductions=("sum",)))
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_correct_specimen_modes_equivalent_and_deadlock_free(pool):
     modes = {"immediate": IMMEDIATE, "deferred": DEFERRED}
     vs = run(pool, "mode_equivalence", "Correct", world_sizes=(2,), modes=modes, models=("mlp",))
