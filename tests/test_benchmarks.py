@@ -87,3 +87,24 @@ def test_gate_runs_counts_a_run_that_does_not_exit_0_and_its_unexpected_verdicts
     assert all("--expect" in c for c in calls if "opacus" in c) and not any("--expect" in c for c in calls
                                                                              if "opacus" not in c)
     assert [len(r["unexpected"]) for r in rows] == [0, 0, 0, 1] and all(r["explored"] == 3 for r in rows)
+
+
+@pytest.mark.slow
+def test_gate_profile_reads_the_ranks_jobs_and_splits_their_cpu(tmp_path):
+    """``benchmarks/gate_profile.py`` on a one-property gate: every rank job left a CPU profile
+    (``harness/rank.py``'s ``PROFILE_DIR_ENV``), the entries it splits them by are found in them
+    (the opacus adapter's training loop), and no rank is left behind."""
+    tag = uuid.uuid4().hex  # every rank the script starts carries it: proven gone below
+    out = tmp_path / "profile.json"
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gate_profile.py"), "--out", str(out),
+                               "--", "--properties", "clipped_step", "--world-sizes", "1", "--explore", "0"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "DPFSDP_TEST_TAG": tag})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        got = json.loads(out.read_text())
+        assert got["jobs"] > 0 and got["jobs_cpu_s"] > 0 and got["self_cpu_s"] > 0
+        train = got["entries"]["the target's training loop (forward, backward, clip, noise, step)"]
+        assert 0 < train <= got["jobs_cpu_s"] * 1.01
+    finally:
+        assert_no_ranks(tag)

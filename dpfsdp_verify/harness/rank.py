@@ -48,6 +48,9 @@ _last_done = 0
 #: ranks' own Python stacks. Kept only when the raw traces are kept for a human
 #: (DPFSDP_VERIFY_FR_DIR).
 _FR_STACKS = bool(os.environ.get("DPFSDP_VERIFY_FR_DIR"))
+#: A folder where each job's CPU profile is written (cProfile, ``process_time``; one
+#: ``PID-NS.prof`` per job): ``benchmarks/gate_profile.py`` sets it to say where the ranks' CPU goes.
+PROFILE_DIR_ENV = "DPFSDP_VERIFY_PROFILE_DIR"
 #: Flight-recorder entries up to this ``record_id`` belong to a process group that was aborted
 #: and renewed (the new group reuses its name and restarts its sequence ids): probes and dumps
 #: leave them out.
@@ -302,7 +305,7 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
     sys.stdout, sys.stderr = out, err
     try:
         fn, args, kwargs = pickle.loads(payload)
-        value = fn(*args, **kwargs)
+        value = _call(fn, args, kwargs)
         pickle.dumps(value)  # fail here, with a traceback, rather than in conn.send
         result = JobResult(rank=rank, value=value)
     except BaseException as e:  # a job's SystemExit/KeyboardInterrupt is a job failure too
@@ -317,6 +320,20 @@ def _run_job(rank: int, payload: bytes) -> JobResult:
     result.seconds = time.perf_counter() - t0
     result.dirty = not dist.is_initialized()
     return result
+
+
+def _call(fn, args, kwargs):
+    """``fn(*args, **kwargs)``, profiled into ``PROFILE_DIR_ENV``'s folder where it is set."""
+    folder = os.environ.get(PROFILE_DIR_ENV)
+    if not folder:
+        return fn(*args, **kwargs)
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)
+    try:
+        return prof.runcall(fn, *args, **kwargs)
+    finally:
+        prof.dump_stats(os.path.join(folder, f"{os.getpid()}-{time.time_ns()}.prof"))
 
 
 def main(argv=None) -> None:
@@ -407,5 +424,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["JOB_SEED", "CAPTURE_LIMIT", "own_groups", "PROBE_ENTRIES", "installed_modules", "current_entries",
-           "forget_aborted_entries", "dump_state", "probe_state", "main"]
+__all__ = ["JOB_SEED", "CAPTURE_LIMIT", "PROFILE_DIR_ENV", "own_groups", "PROBE_ENTRIES", "installed_modules",
+           "current_entries", "forget_aborted_entries", "dump_state", "probe_state", "main"]
