@@ -96,22 +96,19 @@ def simulate(n, size, seed0, clip_factor=1.0, noise_factor=1.0, confidence=pa.AU
 
 def thresholds(m, claimed, confidence):
     """``[(group, first, end, score, k, v_star)]``: for every guess choice ``pa.bounds`` makes (the f-DP
-    groups and the counting bound's), the fewest right guesses ``v_star`` with which that choice alone
-    proves an epsilon above ``claimed`` (a choice's bound rises with its right guesses). A release
-    fails the audit exactly when some choice reaches its ``v_star``."""
+    choices, ``pa.fdp_choices``, and the counting bound's), the fewest right guesses ``v_star`` with
+    which that choice alone proves an epsilon above ``claimed`` (a choice's bound rises with its right
+    guesses). A release fails the audit exactly when some choice reaches its ``v_star``."""
     out = []
-    level = 1.0 - confidence
     mu_claim = _mu_of(claimed)
-    for group, lo, hi, score, fractions, share, analysis in pa.fdp_groups(m):
-        n = hi - lo
-        choices = audit_bound.guess_choices(n, fractions)
-        for k_plus, k_minus in choices:
-            r, at = k_plus + k_minus, level * share / len(choices)
-            out.append((group, lo, hi, score, k_plus, _first(_proves(analysis, r, n, mu_claim, at), r)))
+    for c in pa.fdp_choices(m, 1.0 - confidence):
+        r, n = c.k_plus + c.k_minus, c.end - c.first
+        v_star = _first(_proves(c.analysis, r, n, mu_claim, c.level), r)
+        out.append((c.group, c.first, c.end, c.score, c.k_plus, v_star))
     counting = pa.guess_choices(m, pa.GUESS_FRACTIONS, pa.COUNTING_GUESSES)
-    fdp_shares = sum(g[5] for g in pa.fdp_groups(m))
-    at = level * (1 - fdp_shares) / (2 * len(counting))
-    for score in ("llr", "llr_fitted"):
+    scores = ("llr", "llr_fitted")  # the two score vectors pa.bounds gives the counting bound
+    at = (1.0 - pa.counting_confidence(m, confidence)) / (len(scores) * len(counting))  # audit_bound.audit's split
+    for score in scores:
         for k_plus, k_minus in counting:
             r = k_plus + k_minus
             out.append(("all", 0, m, score, k_plus,

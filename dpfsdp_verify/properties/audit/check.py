@@ -63,7 +63,7 @@ releases is measured too: ``benchmarks/audit.py --false-alarm-sim`` (docs/audit.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Optional, Union
+from typing import Dict, Iterator, List, NamedTuple, Optional, Union
 
 from ...lazy import torch
 
@@ -248,29 +248,58 @@ def fdp_groups(m: int) -> List[tuple]:
             ("all", 0, m, "llr", RECURSION_FRACTIONS, RECURSION_SHARE, "recursion")] + own
 
 
+class Choice(NamedTuple):
+    """One guess choice of the f-DP bound: the top ``k_plus`` and bottom ``k_minus`` of the canaries
+    ``first:end`` by ``score``, counted by ``analysis`` at error probability ``level`` (its share)."""
+    group: str
+    first: int
+    end: int
+    score: str
+    k_plus: int
+    k_minus: int
+    analysis: str
+    level: float
+
+
+def fdp_choices(m: int, level: float) -> List[Choice]:
+    """Every guess choice of ``fdp_groups``, each with its share of the error probability ``level``
+    (Bonferroni: a group's share split evenly among its choices), fixed by m before any score is seen."""
+    out: List[Choice] = []
+    for group, lo, hi, score, fractions, share, analysis in fdp_groups(m):
+        choices = guess_choices(hi - lo, fractions) if hi - lo >= 2 else []
+        out += [Choice(group, lo, hi, score, k_plus, k_minus, analysis, level * share / len(choices))
+                for k_plus, k_minus in choices]
+    return out
+
+
+def counting_confidence(m: int, conf: float) -> float:
+    """The confidence the counting bound runs at: what the f-DP choices leave of ``1 - conf``."""
+    return 1.0 - (1.0 - conf) * (1 - sum(group[5] for group in fdp_groups(m)))
+
+
 def fdp_bound(scores: Dict[str, List[float]], secrets: List[int], m: int, level: float) -> Dict:
-    """The f-DP bound (mu-GDP hypothesis) of the guess choices of ``fdp_groups`` on ``scores``, each
-    with its share of the error probability ``level`` (Bonferroni; a group of canaries fixed in advance
-    is an audit of its own, the others part of the mechanism) and its analysis: the best one's
+    """The f-DP bound (mu-GDP hypothesis) of the guess choices of ``fdp_choices`` on ``scores``, each
+    at its share of the error probability ``level`` (a group of canaries fixed in advance is an audit
+    of its own, the others part of the mechanism) and by its analysis: the best one's
     ``{eps_lb_fdp, mu_lb, fdp_group, fdp_score, fdp_k, fdp_r, fdp_v, fdp_analysis}``, with the
     pooled recursion's own epsilon (``eps_lb_recursion``, reported whichever wins)."""
     best: Optional[Dict] = None
-    recursion = 0.0
-    for group, lo, hi, score, fractions, share, analysis in fdp_groups(m):
-        n = hi - lo
-        choices = guess_choices(n, fractions) if n >= 2 else []
-        for k_plus, k_minus in choices:
-            r, v = count_correct(scores[score][lo:hi], secrets[lo:hi], k_plus, k_minus)
-            bound = audit_tail.mu_lower_bound if analysis == "tail" else audit_fdp.mu_lower_bound
-            mu = bound(r, v, n, level * share / len(choices))
-            eps = audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
-            if analysis == "recursion" and group == "all":
-                recursion = max(recursion, eps)
-            if best is None or mu > best["mu_lb"]:
-                best = {"eps_lb_fdp": eps, "mu_lb": mu, "fdp_group": group, "fdp_score": score, "fdp_k": k_plus,
-                        "fdp_r": r, "fdp_v": v, "fdp_analysis": analysis}
+    recursion = 0.0  # the pooled recursion's best mu (epsilon grows with mu: converted once, below)
+    for c in fdp_choices(m, level):
+        r, v = count_correct(scores[c.score][c.first:c.end], secrets[c.first:c.end], c.k_plus, c.k_minus)
+        bound = audit_tail.mu_lower_bound if c.analysis == "tail" else audit_fdp.mu_lower_bound
+        mu = bound(r, v, c.end - c.first, c.level)
+        if c.analysis == "recursion" and c.group == "all":
+            recursion = max(recursion, mu)
+        if best is None or mu > best["mu_lb"]:
+            best = {"mu_lb": mu, "fdp_group": c.group, "fdp_score": c.score, "fdp_k": c.k_plus, "fdp_r": r,
+                    "fdp_v": v, "fdp_analysis": c.analysis}
     assert best is not None  # the group "all" has m >= 10 canaries
-    return {**best, "eps_lb_recursion": recursion}
+    return {"eps_lb_fdp": _epsilon(best["mu_lb"]), **best, "eps_lb_recursion": _epsilon(recursion)}
+
+
+def _epsilon(mu: float) -> float:
+    return audit_fdp.gdp_epsilon(mu, DELTA) if mu > 0 else 0.0
 
 
 def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: float) -> Dict:
@@ -284,8 +313,7 @@ def bounds(y: torch.Tensor, q: float, sigma: float, secrets: List[int], conf: fl
     llr = llr_scores(y, q, sigma).tolist()
     scores = {"llr": llr, "llr_fitted": llr_scores(y, q, fitted_sigma(y)).tolist()}
     choices = guess_choices(m, GUESS_FRACTIONS, COUNTING_GUESSES)
-    fdp_shares = sum(group[5] for group in fdp_groups(m))
-    counting = audit(scores, secrets, choices, DELTA, 1.0 - (1.0 - conf) * (1 - fdp_shares))
+    counting = audit(scores, secrets, choices, DELTA, counting_confidence(m, conf))
     fdp = fdp_bound(scores, secrets, m, 1.0 - conf)
     best = "f-DP" if fdp["eps_lb_fdp"] > counting.eps_lb else "counting"
     return {"eps_lb": max(counting.eps_lb, fdp["eps_lb_fdp"]), "bound": best, "eps_lb_counting": counting.eps_lb,
@@ -380,6 +408,6 @@ PROPERTY = Property(
 
 __all__ = ["CANARIES", "STEPS", "SAMPLE_RATE", "SIGMA", "CLIP", "DELTA", "GUESS_FRACTIONS", "FDP_FRACTIONS",
            "FDP_SHARE", "FDP_KIND_FRACTION", "FDP_KIND_SHARE", "EMBEDDING", "LINEAR", "KINDS", "audit_spec",
-           "canary_coordinates", "fdp_groups", "directions", "observations", "llr_scores", "fitted_sigma",
-           "fdp_bound", "bounds", "cases", "wide", "judge", "PROPERTY", "AUDIT_CONFIDENCE", "RECURSION_FRACTIONS",
-           "RECURSION_SHARE"]
+           "canary_coordinates", "fdp_groups", "directions", "observations", "llr_scores", "fitted_sigma", "Choice",
+           "fdp_choices", "counting_confidence", "fdp_bound", "bounds", "cases", "wide", "judge", "PROPERTY",
+           "AUDIT_CONFIDENCE", "RECURSION_FRACTIONS", "RECURSION_SHARE"]
