@@ -17,6 +17,7 @@ from ..properties.engine.session import Listener
 from ..verdict import Verdict, config_label
 from . import report, target_info
 from .plan import RunPlan
+from .result import judge_plan
 from .session import Session, Silent
 
 
@@ -84,7 +85,8 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
     verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged if journal is not None else None)
     if journal is not None:
         journal.close()
-    return report.finish(plan, verdicts, target)
+    result = judge_plan(plan, verdicts, target)
+    return report.finish(plan, result)
 
 
 def execute_spawned(plan: RunPlan) -> int:
