@@ -2,7 +2,8 @@
 lines on stderr, and hand the verdicts to ``report.finish``.
 
 Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
-of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``.
+of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``
+(the verdicts alone, no banner and no report).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
                   "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged if journal is not None else None)
+    verdicts = Session(plan, pool, progress, journal.judged if journal is not None else None).run()
     if journal is not None:
         journal.close()
     result = judge_plan(plan, verdicts, target)
