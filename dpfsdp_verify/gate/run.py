@@ -1,5 +1,6 @@
 """Run a checked ``RunPlan`` (``plan.py``) as one ``session.Session`` on one warm pool, with progress
-lines on stderr, and hand the verdicts to ``report.finish``.
+lines on stderr; judge the verdicts once (``result.judge_plan``) and hand the result to
+``report.finish``.
 
 Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
 of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``

@@ -15,9 +15,9 @@ one another (``Pipelined``), the explorations run on a lane of the pool's own (`
 the fixed cases instead of after them -- each draw is the seed's whatever runs beside it, and the
 exploration's time cap starts only when the fixed cases are done (``ExploreBudget``) -- so that the
 cores the fixed cases leave idle (group starts, a rank waiting for its peer, the judge's turns) draw
-configurations; the verdicts and their order are the same. The gate (``run.execute``), a
-torchrun job's rank 0 (``torchrun_job``, with its journal as the listener) and the tests build one
-through ``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
+configurations; the verdicts and their order are the same. The gate (``run.execute``, for a
+torchrun job's rank 0 too, with its journal as the listener) builds one, and the tests through
+``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
 the pool declares what it can do (``JobPool.side_lane`` / ``prestart``).
 """
 
