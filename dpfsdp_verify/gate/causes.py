@@ -53,6 +53,7 @@ class Cause:
         ev = self.first.evidence if isinstance(self.first.evidence, dict) else {}
         return ev.get("crash") or {} if self.key[2] == "crash" else {}
 
+    @property
     def title(self) -> str:
         """The cause in one line: ``error (rank_crash) at fork/x.py:12 in wrap: TypeError: ...`` or
         ``PROPERTY fail (mismatch)``."""
@@ -61,17 +62,20 @@ class Cause:
             return f"{status} ({diagnosis}) at {self.crash['at']}: {self.crash.get('exception', '')}"
         return f"{self.first.property} {status} ({diagnosis})"
 
+    @property
     def reason(self) -> str:
-        """The cause in words (an expectation's ``reason``, ``baseline.py``): a crash's title names its
+        """The cause in words (an expectation's ``reason``, ``expectations.baseline``): a crash's title names its
         line; another cause adds its first verdict's message (its first sentence or 300 characters)."""
         if self.crash:
-            return self.title()
+            return self.title
         message = " ".join(self.first.message.split())
-        return f"{self.title()}: {message[:300]}" + ("..." if len(message) > 300 else "")
+        return f"{self.title}: {message[:300]}" + ("..." if len(message) > 300 else "")
 
+    @property
     def properties(self) -> List[str]:
         return sorted({v.property for v in self.verdicts})
 
+    @property
     def ranges(self) -> List[str]:
         """Each config key with the values this cause's verdicts have (``world_size 1-2``, ``model
         mlp, transformer``), keys in first-seen order."""
@@ -88,9 +92,9 @@ class Cause:
     def block(self, index: int, width: int) -> str:
         """The summary block: title, count and coverage, the first verdict's message, one repro."""
         n = len(self.verdicts)
-        props = self.properties()
-        head = f"[{index}] {self.title()}"
-        cover = (f"{n} verdict{'s' if n != 1 else ''} in {', '.join(props)}; " + "; ".join(self.ranges()))
+        props = self.properties
+        head = f"[{index}] {self.title}"
+        cover = (f"{n} verdict{'s' if n != 1 else ''} in {', '.join(props)}; " + "; ".join(self.ranges))
         lines = _wrap(head, width, "", "    ") + _wrap(cover, width, "    ", "    ")
         lines += _wrap(f"e.g. {self.first.property} [{config_label(self.first.config)}]: {self.first.message}",
                        width, "    ", "      ")
@@ -100,9 +104,9 @@ class Cause:
 
     def markdown(self, index: int) -> str:
         n = len(self.verdicts)
-        out = [f"### {index}. {_md(self.title())}", "",
-               f"{n} verdict{'s' if n != 1 else ''} in {', '.join(f'`{p}`' for p in self.properties())}; "
-               + "; ".join(_md(r) for r in self.ranges()), "",
+        out = [f"### {index}. {_md(self.title)}", "",
+               f"{n} verdict{'s' if n != 1 else ''} in {', '.join(f'`{p}`' for p in self.properties)}; "
+               + "; ".join(_md(r) for r in self.ranges), "",
                f"e.g. **{self.first.property}** ({_md(config_label(self.first.config))}): {_md(self.first.message)}"]
         if self.first.repro:
             out += ["", f"repro: `{self.first.repro}`"]

@@ -16,7 +16,7 @@
     dpfsdp-verify --version      # also the opacus (version, path) and torch it would use
 
 Exit codes 0 / 1 / 2 / 3: stated once, in docs/gate.md ("Exit codes"); computed in
-``report.exit_code``.
+``result.exit_code``.
 Progress goes to stderr while it runs; the summary table to stdout at the end (to stderr when
 --json - puts the JSON report on stdout).
 """

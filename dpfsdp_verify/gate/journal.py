@@ -36,6 +36,8 @@ from ..properties import PROPERTIES
 from ..properties.engine.contract import Case, Property
 from ..verdict import Verdict, config_label
 from . import report
+from .expectations import environment
+from .result import judge
 
 #: how often the running job's trail on rank 0 is reread
 POLL_S = 0.2
@@ -237,12 +239,11 @@ class Journal:
         if not self.enabled:
             return
         with self._lock:
-            verdicts = self.verdicts()
-            from .expectations import apply
-
-            outcome = apply(self.plan.expectations, verdicts) if self.plan.expectations is not None else None
-            code = max(report.exit_code(verdicts, outcome), report.EXIT_FAIL)
-            report.write_reports(self.plan, verdicts, self.target, outcome, code, plot=False)
+            opts = self.plan.options
+            # an unfinished run fails; its expectations judged in the default (gloo) environment
+            judged = judge(self.verdicts(), self.target, opts.backend, opts.seed, self.plan.expectations,
+                           env=environment(), unfinished=True)
+            report.write_reports(self.plan.reports, judged, plot=False)
 
 
 __all__ = ["POLL_S", "Journal"]

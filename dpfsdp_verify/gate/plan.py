@@ -65,7 +65,7 @@ class RunPlan:
     #: ``-v``: the per-verdict table and every failure's message in the terminal summary (else one
     #: block per cause, ``gate/causes.py``)
     verbose: bool = False
-    #: ``--write-expect FILE``: write the run's failures as an expectations file (``gate/baseline.py``)
+    #: ``--write-expect FILE``: write the run's failures as an expectations file (``expectations.baseline``)
     write_expect: Optional[str] = None
     #: the ranks of the torchrun job the gate runs in (``--launcher torchrun``), ``None`` when it starts its own
     job_world_size: Optional[int] = None

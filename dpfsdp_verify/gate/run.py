@@ -1,8 +1,10 @@
 """Run a checked ``RunPlan`` (``plan.py``) as one ``session.Session`` on one warm pool, with progress
-lines on stderr, and hand the verdicts to ``report.finish``.
+lines on stderr; judge the verdicts once (``result.judge_plan``) and hand the result to
+``report.finish``.
 
 Kept apart from ``cli.py`` so that the CLI only parses; both launchers (``cli.cmd_run``, and rank 0
-of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``.
+of a torchrun job, ``torchrun_job.py``) call ``execute``; tests and the benchmark call ``run_plan``
+(the verdicts alone, no banner and no report).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..properties.engine.session import Listener
 from ..verdict import Verdict, config_label
 from . import report, target_info
 from .plan import RunPlan
+from .result import judge_plan
 from .session import Session, Silent
 
 
@@ -81,10 +84,11 @@ def execute(plan: RunPlan, pool: Optional[JobPool] = None, where: str = "", jour
                   "docs/explore.md)", file=sys.stderr, flush=True)
         elif plan.explore_note:
             print(plan.explore_note, file=sys.stderr, flush=True)
-    verdicts = run_plan(plan, progress=progress, pool=pool, listener=journal.judged if journal is not None else None)
+    verdicts = Session(plan, pool, progress, journal.judged if journal is not None else None).run()
     if journal is not None:
         journal.close()
-    return report.finish(plan, verdicts, target)
+    result = judge_plan(plan, verdicts, target)
+    return report.finish(plan, result)
 
 
 def execute_spawned(plan: RunPlan) -> int:

@@ -15,9 +15,9 @@ one another (``Pipelined``), the explorations run on a lane of the pool's own (`
 the fixed cases instead of after them -- each draw is the seed's whatever runs beside it, and the
 exploration's time cap starts only when the fixed cases are done (``ExploreBudget``) -- so that the
 cores the fixed cases leave idle (group starts, a rank waiting for its peer, the judge's turns) draw
-configurations; the verdicts and their order are the same. The gate (``run.execute``), a
-torchrun job's rank 0 (``torchrun_job``, with its journal as the listener) and the tests build one
-through ``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
+configurations; the verdicts and their order are the same. The gate (``run.execute``, for a
+torchrun job's rank 0 too, with its journal as the listener) builds one, and the tests through
+``run.run_plan``; nothing is found in a context variable or probed for with ``getattr``:
 the pool declares what it can do (``JobPool.side_lane`` / ``prestart``).
 """
 
@@ -253,13 +253,25 @@ def make_fuzzer(n_examples: int, explore: "int | ExploreBudget" = 0,
     if not n_examples and not drawn:
         return None
 
-    def run(prop, opts, pool):
-        verdicts = []
-        if n_examples and prop.fuzz is not None:
+    return PropertyFuzzer(n_examples, share, session)
+
+
+class PropertyFuzzer:
+    """A ``Fuzzer`` (``make_fuzzer``): called with a property, its options and the pool, the
+    property's ``n_examples`` fuzzed examples, then its explored draws (``share``: how many, and the
+    deadline they run to); every verdict's runs feed ``session``'s ledger."""
+
+    def __init__(self, n_examples: int, share: Callable[[], Tuple[int, Deadline]],
+                 session: Optional[engine_session.Session]):
+        self.n_examples, self.share, self.session = n_examples, share, session
+
+    def __call__(self, prop: Property, opts: Options, pool) -> List[Verdict]:
+        verdicts: List[Verdict] = []
+        if self.n_examples and prop.fuzz is not None:
             from ..fuzz import fuzz_examples
 
-            verdicts += fuzz_examples(prop, opts, n_examples, pool, session=session)
-        draws, deadline = share() if prop.explore is not None else (0, math.inf)
+            verdicts += fuzz_examples(prop, opts, self.n_examples, pool, session=self.session)
+        draws, deadline = self.share() if prop.explore is not None else (0, math.inf)
         if draws > 0:
             from ..fuzz.explore import explore_property
             from ..harness.backends import visible_gpus
@@ -267,10 +279,8 @@ def make_fuzzer(n_examples: int, explore: "int | ExploreBudget" = 0,
             # nccl: one GPU per rank, so no draw beyond the GPUs this machine has (gloo: the cores decide)
             most = visible_gpus() if opts.backend == "nccl" else None
             verdicts += explore_property(prop, opts, draws, pool, max_world_size=most, deadline=deadline,
-                                         session=session)
+                                         session=self.session)
         return verdicts
-
-    return run
 
 
 def size_pool(pool: Pool, plan: RunPlan) -> Pool:
@@ -337,5 +347,5 @@ def target_modules(ref: str) -> tuple:
     return (ref.split(":")[0],) if ":" in ref else ()
 
 
-__all__ = ["Session", "Reporter", "Silent", "ExploreBudget", "make_fuzzer", "size_pool", "early_pool", "spawned_pool",
-           "target_modules", "MAX_WARM_GROUPS", "EARLY_ZYGOTES"]
+__all__ = ["Session", "Reporter", "Silent", "ExploreBudget", "make_fuzzer", "PropertyFuzzer", "size_pool",
+           "early_pool", "spawned_pool", "target_modules", "MAX_WARM_GROUPS", "EARLY_ZYGOTES"]

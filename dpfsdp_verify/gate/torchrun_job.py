@@ -63,7 +63,24 @@ def run_torchrun(plan: RunPlan, rank: int) -> int:
         # everything rank 0 says is said before the exit code is posted: once a rank exits non-zero,
         # torchrun's agent may end the other ranks of its node, rank 0 included
         try:
-            code = _run_gate(plan, pool)
+            # rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target
+            from ..targets import load_target
+            from .journal import Journal
+            from .run import execute
+
+            loaded = plan.loaded()
+            # the reports on disk as they must read should a rank process die (gloo's abort ends it
+            # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job,
+            # with every case judged so far (the session's listener: a later job's crash loses none)
+            journal = Journal(loaded, target={"name": loaded.options.target})
+            pool.on_job = journal.on_job
+            pool.prepare(load_target, loaded.options.target)
+            try:
+                code = execute(loaded, pool, where=f" -- in a torchrun job of {pool.world_size} ranks",
+                               journal=journal)
+            finally:
+                pool.on_job = None
+                journal.close()
         except HintedError as e:  # as cli.main says it, one line
             print(f"dpfsdp-verify: error: {e}" + (f" (hint: {e.hint})" if e.hint else ""), file=sys.stderr)
             code = EXIT_USAGE
@@ -79,27 +96,6 @@ def run_torchrun(plan: RunPlan, rank: int) -> int:
         return code
     finally:
         session.close()
-
-
-def _run_gate(parsed: RunPlan, pool: TorchrunPool) -> int:
-    """Rank 0: the spawned gate's ``execute`` on ``pool``, every rank having loaded the target."""
-    from ..targets import load_target
-    from .journal import Journal
-    from .run import execute
-
-    plan = parsed.loaded()
-    # the reports on disk as they must read should a rank process die (gloo's abort ends it
-    # without a word, and torchrun's agent then ends rank 0 too): rewritten before every job, with
-    # every case judged so far
-    journal = Journal(plan, target={"name": plan.options.target})
-    pool.on_job = journal.on_job
-    pool.prepare(load_target, plan.options.target)
-    try:
-        # each case judged as soon as its job has ended, into the journal: a later job's crash loses none
-        return execute(plan, pool, where=f" -- in a torchrun job of {pool.world_size} ranks", journal=journal)
-    finally:
-        pool.on_job = None
-        journal.close()
 
 
 def _silence() -> None:

@@ -19,8 +19,6 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 MAX_GROUPS = 3
 #: ranges a rank list writes out before it counts the rest ("0, 2, 4, ... (512 ranks)")
 MAX_RUNS = 4
-#: how long a headline may be before ``headline`` shortens it at a clause boundary
-HEADLINE_CHARS = 500
 
 
 def _runs(ranks: Iterable[int]) -> List[Tuple[int, int]]:
@@ -87,19 +85,5 @@ def span(values: Sequence[float], fmt: str = "{:.1f}") -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-def headline(text: str, limit: int = HEADLINE_CHARS) -> str:
-    """``text`` if it fits in ``limit`` characters, else cut at its last clause boundary ("; ",
-    ". ") that fits, marked as cut: for fields of fixed size (JUnit's ``message`` attribute) whose
-    full text travels elsewhere (the testcase's body)."""
-    if len(text) <= limit:
-        return text
-    mark = " [...]"
-    room = text[:limit - len(mark)]
-    cut = max(room.rfind("; "), room.rfind(". "))
-    if cut < limit // 2:  # no boundary late enough: cut at a word
-        cut = room.rfind(" ")
-    return room[:cut if cut > 0 else len(room)].rstrip(" ;,.") + mark
-
-
-__all__ = ["MAX_GROUPS", "MAX_RUNS", "HEADLINE_CHARS", "rank_list", "ranks_phrase", "were", "by_state", "grouped",
-           "span", "headline"]
+__all__ = ["MAX_GROUPS", "MAX_RUNS", "rank_list", "ranks_phrase", "were", "by_state", "grouped",
+           "span"]

@@ -271,6 +271,7 @@ def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
     from importlib import resources
 
     from dpfsdp_verify.gate import report
+    from dpfsdp_verify.gate.result import judge
     from dpfsdp_verify.gate.plan import RunPlan
     from dpfsdp_verify.gate.run import run_plan
 
@@ -285,8 +286,8 @@ def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
     assert explored[0].status == "pass" and explored[0].evidence["explored"] is True
     assert explored[0].config["explore"]["seed"] == 4 and explored[0].config["explore"]["draws"] >= 1
     schema = json.loads(resources.files("dpfsdp_verify").joinpath("schema/report.schema.json").read_text())
-    rep = report.to_json(verdicts, {"name": "Correct", "version": "0", "ref": "fixtures.specimens:Correct",
-                                    "opacus": None}, "gloo", exit_code=0, seed=4)
+    rep = report.to_json(judge(verdicts, {"name": "Correct", "version": "0", "ref": "fixtures.specimens:Correct",
+                                          "opacus": None}, "gloo", seed=4))
     jsonschema.validate(rep, schema, cls=jsonschema.Draft202012Validator)
     spec = RunSpec(global_batch_size=44, dtype="float32")
     spec = spec.with_(max_grad_norm=clip_at_quantile(spec, 0.3))

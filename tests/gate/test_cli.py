@@ -260,13 +260,13 @@ def test_replay_usage_errors_exit_2_with_one_line(capsys, args, says):
 
 
 def test_skips_are_printed_with_their_reason(monkeypatch, capsys):
-    from dpfsdp_verify.gate import run as gate
+    from dpfsdp_verify.gate.session import Session
     from dpfsdp_verify.verdict import Verdict
 
     skip = Verdict("sensitivity_bound", "skip", {"world_size": 2, "data_layout": "replicated", "model": "mlp",
                                                   "mode": "default", "grad_sample_mode": "ghost_fsdp"},
                    message="leave-one-out needs split data")
-    monkeypatch.setattr(gate, "run_plan", lambda plan, progress=None, pool=None, listener=None: [skip])
+    monkeypatch.setattr(Session, "run", lambda self: [skip])
     assert cli.main(["run", "--properties", "sensitivity_bound", "--world-sizes", "2", "-q"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "skipped:" in out and "sensitivity_bound [ws=2 replicated mlp" in out

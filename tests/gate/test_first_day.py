@@ -9,7 +9,8 @@ import os
 
 from dpfsdp_verify.gate import causes, report
 from dpfsdp_verify.gate import expectations
-from dpfsdp_verify.gate.baseline import baseline, generalise
+from dpfsdp_verify.gate.expectations import baseline, generalise
+from dpfsdp_verify.gate.result import judge
 from dpfsdp_verify.harness.frames import HARNESS_DIR, user_frames
 from dpfsdp_verify.targets.crash_site import locate
 from dpfsdp_verify.verdict import Verdict
@@ -67,13 +68,13 @@ def test_identical_crashes_are_one_cause_and_the_baseline_generalises():
     assert generalise(group, []) == {}
     # a message with characters beyond the BMP (math italic sigma) and quotes stays valid TOML
     odd = Verdict("clipped_step", "fail", {"world_size": 1}, "mismatch", 'std \U0001d70e "2x" \\ off', {})
-    text = baseline([odd], {"opacus": "1.6.0", "torch": "2.13.0", "backend": "gloo"}, "d")
+    text = baseline([odd], {"opacus": "1.6.0", "torch": "2.13.0", "backend": "gloo"}, "d", causes.group([odd]))
     assert expectations.parse(text).entries[0].reason.endswith('std \U0001d70e "2x" \\ off')
 
 
 def test_counts_in_pytest_words_and_a_last_line_that_states_the_outcome():
     vs = [_v("p", 1, "pass", None), _v("p", 2), _v("p", 3, "error", "rank_crash")]
-    assert report.counts_text(vs) == "1 passed, 1 failed, 1 error"
+    assert report.counts_text(judge(vs, {})) == "1 passed, 1 failed, 1 error"
     assert report.last_line(0, "1 passed", 0) == "dpfsdp-verify: PASSED (exit 0): 1 passed"
     assert report.last_line(1, "1 failed", 2) == "dpfsdp-verify: FAILED (exit 1): 1 failed; 2 causes above"
 

@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from dpfsdp_verify.gate import cli, report
+from dpfsdp_verify.gate.result import judge
 from dpfsdp_verify.properties import PROPERTIES, REGISTRY, Case
 from dpfsdp_verify.verdict import CONFIG_KEYS
 from tests.gate.test_cli import REPO, run_cli
@@ -204,7 +205,7 @@ def test_junit_message_is_a_headline_cut_at_a_clause_and_the_body_keeps_it_all(t
     verdicts = [Verdict("deadlock_free", "hang", dict(config, loss_reduction=red), "deadlock", msg)
                 for red, msg in (("mean", long), ("sum", short))]
     path = tmp_path / "r.xml"
-    report.write_junit(str(path), verdicts, "t")
+    report.write_junit(str(path), judge(verdicts, {"name": "t"}))
     errors = ET.parse(path).getroot().findall(".//error")
     assert len(long) > 600 and len(errors) == 2
     cut = errors[0].get("message")

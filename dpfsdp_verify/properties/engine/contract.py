@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from ...config import modes as modes_mod
 from ...harness import DEFAULT_TIMEOUT_S
 from ...config.modes import Mode
+from ...models.errors import Float64Unsupported
 from ...targets import RankOutput, RunSpec
 from ...config.defaults import DEFAULT_GRAD_SAMPLE_MODE, DEFAULT_WORLD_SIZES, POISSON_DEFAULTS
 from ...config.space import seed_for as _seed_for
@@ -516,10 +517,18 @@ class Property:
         unmeshed = [] if self.meshes else [
             self.skip(opts, f"{self.id} does not run on 2-D meshes (docs/meshes.md says which properties do)",
                       world_size=None, mesh=mesh) for mesh in opts.meshes]
-        from .own_models import point_cases  # a model of its own without float64: a skip per point
-
-        items = [item for point in self.points(opts) for item in point_cases(self, point)]
+        items = [item for point in self.points(opts) for item in self.point_cases(point)]
         return items + self.wide_plan(opts) + self.nodes_plan(opts) + unmeshed
+
+    def point_cases(self, point: Point) -> List[Union[Case, Verdict]]:
+        """``cases(point)``; where planning them needs the float64 reference of a model of one's own that
+        has none (a clip bound picked among its norms), the point's one ``skip`` saying why."""
+        try:
+            return list(self.cases(point))
+        except Float64Unsupported as e:
+            return [point.case(point.spec(), doing="planning").verdict(
+                "skip", None, f"{e}: the model cannot run in float64, so there is no float64 reference to judge it "
+                              "against (docs/models.md)")]
 
     def wide_plan(self, opts: Options) -> List[Union[Case, Verdict]]:
         """The ``wide`` cases at ``opts.wide_world_size`` (none when it is 0, is one of the

@@ -4,14 +4,13 @@ run gave (a float64 run of it crashes in the model, not in the target)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional
 
 from ...models.catalog import MODEL_DIMS, contract_path
-from ...models.errors import Float64Unsupported
 from ...verdict import Verdict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .contract import Case, Point, Property
+    from .contract import Case
 
 _PROBLEMS: Dict[str, str] = {}
 
@@ -37,15 +36,4 @@ def float64_skip(case: "Case") -> Optional[Verdict]:
                                       "reference to judge it against (docs/models.md)")
 
 
-def point_cases(prop: "Property", point: "Point") -> List[Union["Case", Verdict]]:
-    """``prop.cases(point)``; where planning them needs the float64 reference of a model that has none
-    (a clip bound picked among its norms), the point's one ``skip`` saying why."""
-    try:
-        return list(prop.cases(point))
-    except Float64Unsupported as e:
-        return [point.case(point.spec(), doing="planning").verdict(
-            "skip", None, f"{e}: the model cannot run in float64, so there is no float64 reference to judge it "
-                          "against (docs/models.md)")]
-
-
-__all__ = ["float64_problem", "float64_skip", "point_cases"]
+__all__ = ["float64_problem", "float64_skip"]
