@@ -66,6 +66,7 @@ from ..analysis.compare import processed_indices, reference_batch, reference_gra
 from ..analysis.memo import Memo
 from ..analysis.noise_tails import coarse_grid
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
+from .signal import signal_terms
 
 #: significand bits of the coarse float formats whose grid the noise must not sit on
 GRIDS = {"bfloat16": 8, "float16": 11}
@@ -136,6 +137,8 @@ class RunReleases:
     first_step: int = 0
     #: ``(step, rank)`` of the releases whose local batch was empty (a Poisson round, an empty split)
     empty: List[Tuple[int, int]] = field(default_factory=list)
+    #: sum over steps of <release x D, clean sum> and of |clean sum|^2, in (sigma C)^2: ``releases/signal.py``
+    signal: Tuple[float, float] = (0.0, 0.0)
 
     @property
     def label(self) -> str:
@@ -143,10 +146,8 @@ class RunReleases:
                 f"world_size={self.world_size}"]
         if self.momentum:
             bits.append(f"momentum {self.momentum:g}")
-        if self.sampling == "poisson":
-            bits.append("Poisson")
-        if self.physical_batch_size:
-            bits.append(f"physical batches of {self.physical_batch_size}")
+        bits += ["Poisson"] if self.sampling == "poisson" else []
+        bits += [f"physical batches of {self.physical_batch_size}"] if self.physical_batch_size else []
         if self.phase:
             bits.append(f"{self.phase} half of a resumed run")
         return ", ".join(bits)
@@ -318,6 +319,7 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
             continue
         clean, u, norms = span
         raw = released - clean
+        out.signal = signal_terms(out.signal, released, clean, unit)
         _add_cells(out, raw_cells, spec, ranks, (j, t), index, indices, (u, norms), raw, unit)
         if spec.precision == "fp32":
             grid_n += _count_on_grid(released, clean, raw, eps, grid_on)

@@ -37,9 +37,10 @@ from ...lazy import torch
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
-from .wording import finding_message, pass_message, pooled_message, where
+from .wording import judged_message, pass_message, pooled_message, where
 from ..analysis.compare import flat
 from ..analysis.postprocessing import PostProcessing, coarse_grid, noisy_finding, pinned, release_norms
+from . import signal
 from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message, rounded_grid_message
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
@@ -155,14 +156,18 @@ class Ledger:
         owner = case.property
         # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
         grid = self.release_grid.get(id(run)) if f.kind in ("grid", "coarse") and not post else None
-        message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
-                   rounded_grid_message(*grid, where(owner, config_label(case.config()), run)) if grid else
-                   finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
+        at = where(owner, config_label(case.config()), run)
+        # too little noise, or the noisy release rescaled after it: the signal's factor says which, if it can
+        sig = None if post or grid else signal.read_finding(run.signal, f.kind, f.ratio, f.scope)
+        diagnosis, message = (
+            (POST_PROCESSED, post_processing_message(post, at)) if post else (None, rounded_grid_message(*grid, at))
+            if grid else judged_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
         v = replace(case, property=PROPERTY_ID).verdict(
-            "fail", POST_PROCESSED if post else DIAGNOSIS[f.kind], message,
+            "fail", diagnosis or DIAGNOSIS[f.kind], message,
             {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
              "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
-             "dtype": run.dtype, "lr": run.lr, **self._device([case])})
+             "dtype": run.dtype, "lr": run.lr, **self._device([case]),
+             **({"signal_reading": sig.kind, "signal_factor": sig.factor, "signal_error": sig.error} if sig else {})})
         v.config = {**case.config(), "releases": owner}
         # the release judge's verdicts are noise_calibration's: a run made for it is replayed by it alone
         v.repro = (case.repro() if owner == PROPERTY_ID else
