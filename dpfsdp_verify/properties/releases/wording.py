@@ -48,12 +48,21 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
                 break
     if fine("dtype") and not notes:
         notes.append(f"only the {run.dtype}{'' if run.precision == 'fp32' else ' ' + run.precision} runs are off: "
-                     f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x")
+                     f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x" + _edge(contrast, "dtype", run))
     if ws > 1 and fine("world_size") and not notes:
         why = (f"it is 1/sqrt({ws}): noise drawn at full shape on every rank and averaged over the ranks"
                if abs(ratio - ws ** -0.5) <= CAUSE_RTOL * ws ** -0.5 else f"it appears at world size {ws} only")
-        notes.append(f"{why} ({contrast['world_size'][0]} release {contrast['world_size'][1]:.3f} x)")
+        notes.append(f"{why} ({contrast['world_size'][0]} release {contrast['world_size'][1]:.3f} x)"
+                     + _edge(contrast, "world_size", run))
     return "".join(f" The ratio is telling: {n}." for n in notes[:1])
+
+
+def _edge(contrast: Dict[str, Tuple[str, float]], key: str, run: RunReleases) -> str:
+    """The confound of contrast ``key`` with sigma (``edges.sigma_edge``), as a clause ("" if none)."""
+    if f"{key}_edge" not in contrast:
+        return ""
+    return (f" -- but this run's sigma {run.sigma:g} is also {contrast[key + '_edge'][0]}: a noise std that bends "
+            "with sigma (capped or floored there) shows the same, and these runs cannot tell the two apart")
 
 
 def where(owner: str, config: str, run: RunReleases) -> str:
