@@ -50,6 +50,11 @@ from ..engine.threads import one_thread
 PROPERTY_ID = "noise_calibration"
 #: false-alarm probability of one gate run's release verdicts (module docstring)
 ALPHA = 1e-4
+#: a case fact (``facts[SKIP_FACT] = reason``): its runs are left out of this judge, and the same runs made for
+#: another property too, for the reason given -- a property that reads its release its own way and whose run
+#: the judge's tests would only cost time on (``releases_judged`` says "my property judges these releases
+#: with the judge's own tests", which such a property does not)
+SKIP_FACT = "releases_skip"
 DIAGNOSIS = {"coarse": "non_gaussian_noise", "silent": "mismatch", "scale": "mismatch", "mean": "mismatch",
              "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
 
@@ -70,6 +75,8 @@ class Ledger:
         self.decomposed: set = set()
         #: the runs a ``releases_judged`` case judges itself (``add``)
         self.owned: set = set()
+        #: the runs a ``SKIP_FACT`` case leaves out of this judge, and why (``add``)
+        self.left_out: Dict[str, str] = {}
         #: each decomposed run's post-processing signature (``analysis/postprocessing.py``), by ``id``
         self.post: Dict[int, PostProcessing] = {}
         #: each decomposed run's release norms and dtype, by ``id``: a run of one or two releases is
@@ -84,13 +91,17 @@ class Ledger:
 
     def add(self, case: Case, outputs: Outputs) -> None:
         """Decompose every noisy run of ``case`` (``outputs[mode][spec][rank]``, prechecks passed); a
+        case that leaves its runs out (``facts[SKIP_FACT]``, a reason) is not decomposed; nor is a
         case whose own property judges its releases with these tests (``facts["releases_judged"]``:
         ``noise_calibration``'s node and long runs) is left to that verdict, and so is the same run
         made for another property (``deadlock_free``'s long run is ``noise_calibration``'s: one job), so
         one finding is told once; a run two cases share is judged once (``verdicts``)."""
+        keys = [run_key(case.world_size, mode.apply(spec)) for mode in case.modes for spec in case.specs]
         if case.facts.get("releases_judged"):
-            self.owned.update(run_key(case.world_size, mode.apply(spec))
-                              for mode in case.modes for spec in case.specs)
+            self.owned.update(keys)
+            return
+        if case.facts.get(SKIP_FACT):  # read its own way (the audit's canary run): not decomposed here
+            self.left_out.update((k, str(case.facts[SKIP_FACT])) for k in keys)
             return
         t0, c0 = time.monotonic(), time.process_time()
         try:
@@ -145,7 +156,7 @@ class Ledger:
         """The runs this judge tells of: every decomposed run but those whose own property judged their
         releases (``add``), even where another property's case asked for the same run and was judged
         first."""
-        return [(c, r) for c, r in self.runs if self.keys[id(r)] not in self.owned]
+        return [(c, r) for c, r in self.runs if self.keys[id(r)] not in self.owned | set(self.left_out)]
 
     def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
         """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
@@ -233,4 +244,4 @@ def run_key(world_size: int, spec) -> str:
     return f"{world_size}:{sorted(asdict(spec).items())!r}"
 
 
-__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key"]
+__all__ = ["SKIP_FACT", "PROPERTY_ID", "ALPHA", "Ledger", "run_key"]
