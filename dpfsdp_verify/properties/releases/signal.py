@@ -58,7 +58,7 @@ def either_tail(r: Reading, ratio: float) -> str:
     """The closing sentence of a std finding whose run cannot tell the two bugs apart."""
     return (" Which one: the release's factor on the reference's clipped sum is "
             + (f"{r.factor:.3f} +- {r.error:.3f}" if math.isfinite(r.factor) else "unreadable (no signal)")
-            + f", consistent with both 1 (the noise itself too small: a PRIVACY VIOLATION) and {ratio:.3f} (the noisy "
+            + f", consistent with both 1 (the noise itself too small: privacy violated) and {ratio:.3f} (the noisy "
             "gradient multiplied by it after the noise: post-processing, privacy intact, a wrong update); a run with "
             "a larger batch or more steps, or noise_calibration's noise-free twin, decides.")
 
