@@ -1,19 +1,25 @@
 """Too little noise, or a noisy release rescaled after the noise (``releases/signal.py``), and a cause
 confounded with sigma (``releases/edges.py``): the release judge's words on synthetic runs (no ranks),
-built as ``tests/properties/test_releases.py`` builds them.
+built as ``tests/properties/test_releases.py`` builds them; noise_calibration's Poisson twin (slow: ranks).
 
 ``RescalesNoisyGradient`` (docs/review-r6.md) was called "PRIVACY VIOLATION: too little noise" by 47
 release-judge verdicts: a run with no noise-free twin read the noise's 0.5 x and nothing else. The
 release's factor on the reference's clipped sum tells the two apart where the signal is strong enough;
 where it is not, the message says both."""
 
+import dataclasses
 import math
 import re
+
+import pytest
+
+import dpfsdp_verify.properties as props
 
 from dpfsdp_verify.properties.releases import signal
 from dpfsdp_verify.properties.releases.analysis import contrasts, decompose, run_tests
 from dpfsdp_verify.properties.releases.wording import cause, judged_message
 from tests.properties.test_releases import ALPHA_TEST, SPEC, fake_run
+from tests.verdict_helpers import message_problems
 
 
 def _rescaled(outs, f):
@@ -80,3 +86,23 @@ def test_a_dtype_contrast_at_the_edge_of_the_sigmas_names_both():
     f = run_tests(run, ALPHA_TEST)
     said = cause(run, f.ratio, contrasts(run, [run, *others], f))
     assert "only the float32 runs are off" in said and "also above" not in said and "also below" not in said, said
+
+
+# -- noise_calibration's own Poisson verdicts: the noise-free twin's factor at the first round with samples --
+@pytest.mark.slow
+@pytest.mark.parametrize("target, diagnosis, words", [
+    ("fixtures.review_r6_specimens:RescalesNoisyGradient", "post_processed", "multiplied by 0.5 after the noise"),
+    ("fixtures.audit_specimens:NoiseScaled", "mismatch", "PRIVACY VIOLATION: too little noise")])
+def test_a_poisson_rescale_is_read_from_the_first_round_with_samples(pool, target, diagnosis, words):
+    """At seed 4242 the Poisson case's first round was empty, so no factor was read from its noise-free twin
+    and ``RescalesNoisyGradient`` was "PRIVACY VIOLATION: too little noise on 'fc1.bias'" (docs/review-r6.md);
+    at lr 0 any round with samples reads it. Noise x 0.25 stays a violation."""
+    from tests.properties.test_postprocessing import PROP
+
+    poisson = dataclasses.replace(PROP, cases=lambda point: [
+        c for c in PROP.cases(point) if c.spec.poisson and not c.fresh_groups and not c.facts.get("exact_only")
+        and not c.facts.get("releases_judged") and c.spec.precision == "fp32"])
+    vs = props.run(poisson, target, pool=pool, seed=4242, timeout=120, world_sizes=(1,), reductions=("mean",),
+                   samplings=("poisson",))
+    assert [(v.status, v.diagnosis) for v in vs] == [("fail", diagnosis)], [(v.config, v.message) for v in vs]
+    assert words in vs[0].message and not message_problems(vs[0]), vs[0].message
