@@ -72,8 +72,6 @@ def where(owner: str, config: str, run: RunReleases) -> str:
 
 def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
                     contrast: Optional[Dict[str, Tuple[str, float]]] = None, lead: str = "", tail: str = "") -> str:
-    """The sentence of finding ``f``; ``lead`` replaces a std finding's opening ("PRIVACY VIOLATION: too
-    little noise") and ``tail`` is appended to it (``releases/signal.py``: which bug the signal names)."""
     at = where(owner, config, run)
     if f.kind == "silent":
         ranks = f" (ranks with silent coordinates: {', '.join(map(str, sorted(f.ranks)))})" if len(f.ranks) > 1 else ""
@@ -139,7 +137,8 @@ def judged_message(f: Finding, owner: str, config: str, run: RunReleases, alpha:
     """``(diagnosis, message)`` of finding ``f``: a whole-run too-little-noise finding read against the
     release's factor on the signal (``signal.py``) -- ``post_processed`` where the signal is scaled like
     the noise, both readings where the run cannot tell, the violation where the signal is released whole;
-    ``diagnosis`` ``None``: the finding's own."""
+    ``diagnosis`` ``None``: the finding's own. (``finding_message``'s ``lead`` replaces a std finding's
+    opening, "PRIVACY VIOLATION: too little noise"; its ``tail`` is appended: ``signal.finding_words``.)"""
     sig = signal.read_finding(run.signal, f.kind, f.ratio, f.scope)
     if sig is not None and sig.kind == "rescaled":
         return POST_PROCESSED, signal.rescaled_message(sig, f.ratio, where(owner, config, run))
