@@ -6,17 +6,22 @@ batch left unclipped, when the largest fixed local batch was 33 -- the floor now
 float32 at lr 0.3 at 4 ranks) passes every one of them. Each property with an ``explore`` recipe
 (``contract.ExploreRecipe``) therefore judges a number of configurations (``--explore DRAWS``) that
 hypothesis draws from ``strategies.explore_specs`` -- every range is an axis'
-``explore`` range in ``dpfsdp_verify.config.space`` -- each prepared by the recipe (e.g. C at a drawn
+``explore`` range in ``dpfsdp_verify.config.space``, draw ``i`` inside its regions of the stratified
+axes (``fuzz/strata.py``: any 4 consecutive draws reach every quarter of sigma, lr, the local batch
+and the C quantile, every world size 1..4, precision and batch mode) -- each prepared by the recipe (e.g. C at a drawn
 quantile of the reference norms), run on the gate's warm pool and judged by the property's own
 ``judge``. The draws are seeded by the run's seed (``space.seed_for(seed, property, "explore",
 0)``), so ``--seed S`` draws the same configurations in the same order, and as many of them, on
 any machine: the count is the seed's, not the clock's.
 
-One hypothesis run of ``draws`` examples (its generation depends on the seed and on the examples'
-outcomes only, never on time). Time is only a cap (``deadline``, ``--explore-cap``): a draw that
+One hypothesis run per draw, its strategy confined to the draw's regions (a run's choices must
+not change with the draw: hypothesis replays them), seeded ``seed_for(seed, property, "explore",
+i)``; its first example (hypothesis' simplest of the regions, their bottom corner) is not judged,
+its second is the draw. Generation depends on the seed and on the examples' outcomes only, never on
+time. Time is only a cap (``deadline``, ``--explore-cap``): a draw that
 would start past it is not run, and the verdict says the cap was hit and how many of the seed's
 draws ran (``config["explore"]["capped"]``; the exit line says so too). A draw that fails (``fail``,
-``hang``, ``error``) is shrunk by hypothesis towards its smallest configuration, in at most
+``hang``, ``error``) is shrunk by hypothesis towards its smallest configuration inside its regions, in at most
 ``SHRINK_RUNS`` more runs (a count, so a replay shrinks to the same configuration on any machine;
 ``SHRINK_S`` seconds past the cap bound it on a slow host: a failing gate run is worth a short
 report), and that is the property's exploration verdict: the property's diagnosis and message for
@@ -35,7 +40,7 @@ import json
 import math
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import seed as hypothesis_seed
@@ -46,9 +51,11 @@ from ..config.modes import Mode
 from ..properties.engine import runner
 from ..properties.engine.contract import Options, Property
 from ..properties.engine.session import Session, stopping
+from ..config import space
 from ..config.space import explore_max_world_size, seed_for
 from ..targets import RunSpec
 from ..verdict import FAILING, Verdict
+from . import strata as strata_mod
 from . import strategies
 from .search import Counterexample, run_to_counterexample
 
@@ -95,6 +102,17 @@ class _Explorer:
         self.found_at: Optional[float] = None
         #: how many draws had been judged when the first failure was found (the rest shrank it)
         self.found_draw = 0
+        #: examples the current round's hypothesis run has made (its first, the regions' corner, is not judged)
+        self.round_calls = 0
+
+    def plan(self) -> List[Dict[str, Tuple[int, int]]]:
+        """The regions of the seed's ``n_draws`` draws (``fuzz/strata.py``), named by the run seed."""
+        assert self.prop.explore is not None
+        kw: Dict[str, Any] = {"models": space.EXPLORE_MODELS, "samplings": space.choice("sampling").drawn,
+              "precisions": space.choice("precision").drawn, "physical": True, "resume": False, "noise": False}
+        kw.update((k, v) for k, v in self.prop.explore.draw_kwargs().items() if k in kw)
+        counts = strata_mod.axis_counts(self.max_world_size, dtypes=strategies.DTYPES, **kw)
+        return strata_mod.plan(seed_for(self.opts.seed, self.prop.id, "explore", "strata"), self.n_draws, counts)
 
     @property
     def deadline(self) -> float:
@@ -117,6 +135,9 @@ class _Explorer:
 
     def example(self, drawn) -> None:
         ws, spec, knobs = drawn
+        self.round_calls += 1
+        if self.round_calls == 1 and self.found_at is None:
+            return  # hypothesis' simplest example of the draw's regions: not the draw (module docstring)
         key = (ws, spec.to_json(), json.dumps(knobs, sort_keys=True))
         v = self.cache.get(key)
         if v is None:
@@ -148,15 +169,17 @@ class _Explorer:
             return unproven_timeout_skipped(runner.judge_cases(self.prop, [case], self.pool, self.opts.timeout,
                                                                self.session)[0])
 
-    def round(self, index: int = 0) -> Optional[Verdict]:
-        """The seed's ``n_draws`` examples in one hypothesis run; the shrunk failure's verdict, or ``None``."""
+    def round(self, index: int, strata: strata_mod.Strata) -> Optional[Verdict]:
+        """Draw ``index`` in its regions ``strata`` (one hypothesis run: its simplest example, unjudged,
+        then the draw); the shrunk failure's verdict, or ``None``."""
         seed = seed_for(self.opts.seed, self.prop.id, "explore", index)
-        settings = Settings(max_examples=self.n_draws, database=None, derandomize=False, deadline=None,
+        self.round_calls = 0
+        settings = Settings(max_examples=2, database=None, derandomize=False, deadline=None,
                             report_multiple_bugs=False, print_blob=True, phases=(Phase.generate, Phase.shrink),
                             suppress_health_check=list(HealthCheck))
         assert self.prop.explore is not None
         strategy = strategies.explore_specs(self.max_world_size, grad_sample_mode=self.opts.grad_sample_mode,
-                                            **self.prop.explore.draw_kwargs())
+                                            strata=strata, **self.prop.explore.draw_kwargs())
         def example(drawn):
             self.example(drawn)
 
@@ -261,8 +284,12 @@ def explore_property(prop: Property, opts: Options, draws: int, pool: Optional[P
         ex = _Explorer(prop, opts, draws, pool, groups[0],
                        max_world_size if max_world_size is not None else explore_max_world_size(), deadline,
                        session)
-        found = ex.round(0)
-        return [found] if found is not None else [ex.summary(1)]
+        plan = ex.plan()
+        for index, strata in enumerate(plan):
+            found = ex.round(index, strata)
+            if found is not None:
+                return [found]
+        return [ex.summary(len(plan))]
     finally:
         if own:
             pool.close()

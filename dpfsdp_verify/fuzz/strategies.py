@@ -34,6 +34,7 @@ from ..models.catalog import contract_path
 from ..reference import REDUCTIONS
 from ..config.space import choice, integer, real
 from ..targets.base import DATA_LAYOUTS, SEEDINGS, RunSpec, capped_epochs
+from . import strata as strata_mod
 
 #: dim-0 sizes relative to the world size ``n``: ``smaller`` (d < n: some ranks hold an empty
 #: shard), ``equal`` (d == n: one row each), ``indivisible`` (d % n != 0: a padded shard),
@@ -364,6 +365,20 @@ def run_specs(draw, world_size: IntOrStrategy, *, models: Sequence[str] = BASE_M
 LONG_RUN_SAMPLE_STEPS = 1600
 
 
+#: a noisy draw's largest local batch: its releases feed the release judge only where the global batch is at
+#: most half the model's coordinates (``releases/analysis.MAX_SPAN_FRACTION``: the signal is projected off
+#: the batch's span) -- 32 samples at 4 ranks leave the default mlp (219 coordinates) 187 noise values a step;
+#: at the 64 of the local-batch axis most noisy draws of the mlp and of model variants were not judged at all
+NOISY_LOCAL_BATCH = 8
+
+
+#: a noisy draw's steps (but a long run's) and model size: the release judge sees a std a few tenths off
+#: in about steps x (coordinates - batch) noise values; a model variant's few coordinates (a 1-channel 2x2
+#: conv: tens) in 2 steps were too few -- sigma capped at 3 (std 3/3.94 x) passed such a draw, run seed
+#: 5101, 2026-11-29 -- the default sizes (mlp 219, transformer 1598, conv 4301 coordinates) in 4 steps are not
+NOISY_STEPS = 4
+
+
 #: the dims that are some parameter's dim 0 (``models.MODEL_DIMS``): what FSDP shards
 DIM0_KEYS = ("hidden", "classes", "width", "mixer", "vocab", "d_model", "d_ff", "seq_len", "rank")
 
@@ -398,12 +413,33 @@ def _int_range(name: str) -> Tuple[int, int]:
     return integer(name).drawn
 
 
+def _int_in(strata, axis: str, lo: int, hi: int) -> st.SearchStrategy[int]:
+    """Integers in ``lo..hi``, or in the draw's region of it (``strata``: ``fuzz/strata.py``)."""
+    at = strata_mod.region(strata, axis)
+    return st.integers(*(strata_mod.int_region(lo, hi, *at) if at else (lo, hi)))
+
+
+def _float_in(strata, axis: str, lo: float, hi: float) -> st.SearchStrategy[float]:
+    """Floats in ``[lo, hi]``, or in the draw's region of it (its top end excluded but for the last)."""
+    at = strata_mod.region(strata, axis)
+    if not at:
+        return st.floats(lo, hi)
+    a, b = strata_mod.float_region(lo, hi, *at)
+    return st.floats(a, b, exclude_max=at[0] < at[1] - 1)
+
+
+def _named_in(strata, axis: str, values: Sequence[Any]) -> st.SearchStrategy[Any]:
+    """One of ``values``, or the draw's region's (a named axis' region is one value)."""
+    at = strata_mod.region(strata, axis)
+    return st.just(values[at[0]]) if at else st.sampled_from(tuple(values))
+
+
 @st.composite
 def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequence[str] = space.EXPLORE_MODELS,
                   samplings: Sequence[str] = choice("sampling").drawn,
                   precisions: Sequence[str] = choice("precision").drawn,
                   physical: bool = True, long_runs: bool = True, resume: bool = False, noise: bool = False,
-                  grad_sample_mode: str = "ghost_fsdp"):
+                  grad_sample_mode: str = "ghost_fsdp", strata: Optional["strata_mod.Strata"] = None):
     """``(world_size, spec, knobs)``: one configuration drawn from the configuration space
     (``dpfsdp_verify.config.space``; every range is the axis' ``explore``): the world size 1..``max_world_size``
     (default ``space.explore_max_world_size()``), a model of ``models`` at its default size or a
@@ -421,17 +457,25 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
     property checkpoints the run and resumes it in fresh ranks (``resume_at`` axis; none
     otherwise). With ``noise`` (a property that runs the draw with noise), ``knobs["noise_multiplier"]``:
     sigma in [0.5, 4] (the axis' ``explore`` range: at sigma 1 a noise std or a told sigma that is
-    sigma^2, sqrt(sigma) or 1/sigma is right). Shrinks towards one rank, the mlp at its default
-    size, mean, fixed sampling, fp32 float64, one sample per rank, one step, no accumulation, no
-    resume, the smallest lr and C below every norm, and sigma 0.5."""
+    sigma^2, sqrt(sigma) or 1/sigma is right). ``strata`` (``fuzz/strata.py``: axis -> (region, count),
+    exploration's draw ``i``): each stratified axis is drawn inside its region only -- the world size,
+    model, precision and dtype, batch mode (fixed, accumulation, Poisson, resumed: then a resume
+    point on every such draw), local batch, lr, C quantile and sigma. Shrinks towards one rank, the
+    mlp at its default size, mean, fixed sampling, fp32 float64, one sample per rank, one step, no
+    accumulation, no resume, the smallest lr and C below every norm, and sigma 0.5 (with ``strata``:
+    the smallest of each region)."""
     hi = max_world_size or space.explore_max_world_size()
-    ws = draw(st.integers(1, hi))
-    model = draw(st.sampled_from(tuple(models)))
-    variant = draw(st.booleans())
+    ws = draw(_int_in(strata, "world_size", 1, hi))
+    model = draw(_named_in(strata, "model", tuple(models)))
+    variant = draw(st.booleans()) and not noise  # a noisy draw: the default size (NOISY_STEPS)
     dims = _no_short_rows(draw(model_dims(model, ws)), ws) if variant else {}
     reduction = draw(st.sampled_from(choice("reduction").drawn))
-    sampling = draw(st.sampled_from(tuple(samplings)))
-    local = draw(st.integers(*_int_range("local_batch")))
+    at = strata_mod.region(strata, "batches")
+    mode = strata_mod.batch_modes(samplings, physical, resume)[at[0]] if at else None
+    pick = tuple(samplings) if mode in (None, "resumed") else ("poisson",) if mode == "poisson" else ("fixed",)
+    sampling = draw(st.sampled_from(pick))
+    lo_b, hi_b = _int_range("local_batch")
+    local = draw(_int_in(strata, "local_batch", lo_b, min(hi_b, NOISY_LOCAL_BATCH) if noise else hi_b))
     per_rank = draw(st.integers(*_int_range("samples_per_rank")))
     seeding = draw(st.sampled_from(choice("seeding").drawn))
     # a third of the Poisson draws are long runs: each costs about what one of the gate's long runs does
@@ -441,17 +485,24 @@ def explore_specs(draw, max_world_size: Optional[int] = None, *, models: Sequenc
         local = max(1, min(local, LONG_RUN_SAMPLE_STEPS // (steps * ws)))
         model, dims = "mlp", {}
     # a long run is judged step by step against fp32 tolerances (the long runs' judges): fp32 only
-    precision = draw(st.sampled_from(tuple(precisions))) if steps == 1 else "fp32"
-    dtype = "float32" if precision != "fp32" else draw(st.sampled_from(DTYPES))
-    lr = 0.0 if steps > 1 else draw(st.floats(*real("lr").drawn))
-    p = draw(st.integers(*_int_range("physical_batch_size"))) if physical and sampling == "fixed" and draw(
-        st.booleans()) else 0
-    quantile = draw(st.floats(*real("clip_quantile").drawn))
+    forms = strata_mod.precision_modes(precisions, DTYPES)
+    if strata_mod.region(strata, "precision"):
+        precision, dtype = draw(_named_in(strata, "precision", forms))
+        precision, dtype = (precision, dtype) if steps == 1 else ("fp32", "float32" if precision != "fp32" else dtype)
+    else:
+        precision = draw(st.sampled_from(tuple(precisions))) if steps == 1 else "fp32"
+        dtype = "float32" if precision != "fp32" else draw(st.sampled_from(DTYPES))
+    lr = 0.0 if steps > 1 else draw(_float_in(strata, "lr", *real("lr").drawn))
+    accumulate = mode == "accumulation" or (mode is None and physical and sampling == "fixed" and draw(st.booleans()))
+    p = draw(st.integers(*_int_range("physical_batch_size"))) if accumulate else 0
+    quantile = draw(_float_in(strata, "clip_quantile", *real("clip_quantile").drawn))
     knobs: Dict[str, Any] = {"clip_quantile": quantile}
-    if resume and not p and draw(st.integers(0, 2)) == 2:  # resume without accumulation (space.combination_problem)
+    # resume without accumulation (space.combination_problem): a third of such draws, or the resumed region's
+    if resume and not p and (mode == "resumed" or (mode is None and draw(st.integers(0, 2)) == 2)):
         knobs["resume_fraction"] = draw(st.floats(0.0, 1.0, exclude_max=True))
     if noise:
-        knobs["noise_multiplier"] = draw(st.floats(*real("noise_multiplier").drawn))
+        knobs["noise_multiplier"] = draw(_float_in(strata, "noise_multiplier", *real("noise_multiplier").drawn))
+    steps = NOISY_STEPS if noise and steps == 1 else steps
     seeds = dict(model_seed=draw(st.integers(0, 3)), batch_seed=draw(st.integers(1, 4)))
     base = dict(model=model, reduction=reduction, dtype=dtype, precision=precision, lr=lr, steps=steps,
                 grad_sample_mode=grad_sample_mode, model_kwargs=tuple(sorted(dims.items())), **seeds)

@@ -12,6 +12,7 @@ import dpfsdp_verify.properties as props
 from dpfsdp_verify.properties import PROPERTIES
 from dpfsdp_verify.properties.analysis import postprocessing as pp
 from dpfsdp_verify.properties.releases.analysis import contrasts, decompose, run_tests
+from dpfsdp_verify.properties.releases.signal import EITHER_LEAD
 from dpfsdp_verify.properties.releases.wording import cause
 from tests.properties.test_releases import ALPHA_TEST, SPEC, fake_run
 from tests.verdict_helpers import assert_all_pass, message_problems
@@ -137,8 +138,12 @@ def test_noise_capped_at_sigma_3_fails_an_explored_draw_at_sigma_4(pool):
         found[target] = [v for v in ledger.verdicts(prop.with_defaults(opts)) if v.status != "pass"]
     assert found["fixtures.specimens:Correct"] == [], [v.message for v in found["fixtures.specimens:Correct"]]
     bad = found[R6 + "NoiseMultiplierCappedAt3"]
-    assert bad and all(v.diagnosis == "mismatch" and "PRIVACY VIOLATION: too little noise" in v.message
-                       for v in bad), [v.message for v in bad]
+    # too little noise; where the release's factor on the signal cannot rule out a rescale after the noise
+    # (releases/signal.py: at sigma 3.8 and a batch of 8 it is read to +- ~0.4), both readings -- never
+    # post-processing alone
+    assert bad and all(v.diagnosis == "mismatch" and ("PRIVACY VIOLATION: too little noise" in v.message or
+                                                      v.message.startswith(EITHER_LEAD)) for v in bad), [
+        v.message for v in bad]
 
 
 # -- each wrong implementation the gate caught, on the cases that caught it ---------------------------------
@@ -156,8 +161,10 @@ def _twice(c):
 
 #: (specimen, property planned, the cases run, diagnosis, words its message has, words it must not have)
 CAUGHT = [
+    # the release judge's run at 3 ranks: "too little noise, OR ... rescaled after the noise" where its signal
+    # cannot tell (releases/signal.py); the cause, world size 3, named either way
     pytest.param("NoiseDivisorRoundedToPowerOfTwo", "noise_calibration", _ws(3), "mismatch",
-                 "PRIVACY VIOLATION: too little noise", "only the float64 runs are off", marks=pytest.mark.slow),
+                 "too little noise", "only the float64 runs are off", marks=pytest.mark.slow),
     ("ResumedFirstStepUnnoised", "checkpoint_resume", _ws(1), "mismatch", "load half of a resumed run", "UTILITY"),
     ("Bf16NoiseOnRankZeroOnly", "noise_calibration", _bf16_at(2), "mismatch", "PRIVACY VIOLATION: no noise", "UTILITY"),
     pytest.param("HalvedDeltaTermConversion", "deadlock_free", _twice, "epsilon_under_reported", "below",

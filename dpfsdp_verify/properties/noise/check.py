@@ -105,7 +105,7 @@ from ..engine.horizon import horizon_labels, horizon_point, node_spec, noisy_lon
 from ..releases.judge import ALPHA as RELEASE_ALPHA, DIAGNOSIS as RELEASE_DIAGNOSIS
 from ..analysis.clipfit import with_picked_clip
 from ..releases.analysis import decompose, detectable_ratio, run_tests, tests_of
-from ..releases.wording import finding_message, node_layout_note, one_run_pass_message
+from ..releases.wording import judged_message, node_layout_note, one_run_pass_message
 from ...harness.launch import local_world_size
 from .exact import (bf16_fraction, empty_round_unnoised, noise_differences, repeat_quantum,
                                     repeated_noise, resampled_run, silent_shard, unnoised_in_some_draw,
@@ -345,8 +345,8 @@ def _judge_releases(case: Case, outputs: Outputs) -> Verdict:
                         std_ratio=f.ratio, p=f.p)
         nodes = case.facts.get("nodes") and f.scope in ("rank", "run")
         note = node_layout_note(f.ranks, case.world_size, local_world_size(case.world_size)) if nodes else ""
-        return case.verdict("fail", RELEASE_DIAGNOSIS[f.kind],
-                            finding_message(f, PROPERTY.id, config_label(case.config()), run, alpha) + note, evidence)
+        diagnosis, message = judged_message(f, PROPERTY.id, config_label(case.config()), run, alpha)  # or rescaled?
+        return case.verdict("fail", diagnosis or RELEASE_DIAGNOSIS[f.kind], message + note, evidence)
     df = sum(c.df for c in run.cells)
     layout = " as 2 nodes x 2" if case.facts.get("nodes") else ""
     return case.verdict("pass", None, one_run_pass_message(run, tests, alpha, detectable_ratio(df, alpha), layout),

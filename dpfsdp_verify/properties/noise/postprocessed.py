@@ -37,17 +37,19 @@ def post_processed(case: Case, runs, names: Sequence[str], where: str, evidence:
 
 
 def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: int) -> Optional[PostProcessing]:
-    """``rescaled`` (``analysis.postprocessing.rescaled``) from step 0 of the noise-0 run (at the initial
-    parameters: the reference's clipped gradient of the samples it processed) and the noise's std ratio."""
+    """``rescaled`` (``analysis.postprocessing.rescaled``) from the noise-0 run's first step with samples at
+    the initial parameters (step 0; at lr 0 any step: a Poisson round whose batch was empty reads nothing)
+    -- the reference's clipped gradient of the samples it processed -- and the noise's std ratio."""
     spec = case.spec
     s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
-    indices = processed_indices(runs[0], 0, spec) if runs[0][0].steps else []
-    if not indices or not s > 0:  # an empty first (Poisson) batch: no signal to read a factor from
+    steps = range(len(runs[0][0].steps) if not spec.lr else min(1, len(runs[0][0].steps)))
+    j = next((j for j in steps if processed_indices(runs[0], j, spec)), None)
+    if j is None or not s > 0:  # no batch with samples at the initial parameters: no signal to read a factor from
         return None
-    grads = rows(reference_grads(spec, 0), indices)
+    grads = rows(reference_grads(spec, j), processed_indices(runs[0], j, spec))
     coef = reference.clip_coefficients(reference.per_sample_norms(grads), spec.max_grad_norm)
     want = torch.cat([torch.einsum("b,b...->...", coef, grads[n]).reshape(-1) / spec.divisor for n in names])
-    clean = torch.cat([runs[0][0].steps[0].gradient[n].reshape(-1).to(torch.float64) for n in names])
+    clean = torch.cat([runs[0][0].steps[j].gradient[n].reshape(-1).to(torch.float64) for n in names])
     return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases)
 
 

@@ -66,6 +66,8 @@ from ..analysis.compare import processed_indices, reference_batch, reference_gra
 from ..analysis.memo import Memo
 from ..analysis.noise_tails import coarse_grid
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
+from .edges import sigma_edge
+from .signal import signal_terms
 
 #: significand bits of the coarse float formats whose grid the noise must not sit on
 GRIDS = {"bfloat16": 8, "float16": 11}
@@ -136,6 +138,8 @@ class RunReleases:
     first_step: int = 0
     #: ``(step, rank)`` of the releases whose local batch was empty (a Poisson round, an empty split)
     empty: List[Tuple[int, int]] = field(default_factory=list)
+    #: sum over steps of <release x D, clean sum> and of |clean sum|^2, in (sigma C)^2: ``releases/signal.py``
+    signal: Tuple[float, float] = (0.0, 0.0)
 
     @property
     def label(self) -> str:
@@ -143,10 +147,8 @@ class RunReleases:
                 f"world_size={self.world_size}"]
         if self.momentum:
             bits.append(f"momentum {self.momentum:g}")
-        if self.sampling == "poisson":
-            bits.append("Poisson")
-        if self.physical_batch_size:
-            bits.append(f"physical batches of {self.physical_batch_size}")
+        bits += ["Poisson"] if self.sampling == "poisson" else []
+        bits += [f"physical batches of {self.physical_batch_size}"] if self.physical_batch_size else []
         if self.phase:
             bits.append(f"{self.phase} half of a resumed run")
         return ", ".join(bits)
@@ -318,6 +320,7 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
             continue
         clean, u, norms = span
         raw = released - clean
+        out.signal = signal_terms(out.signal, released, clean, unit)
         _add_cells(out, raw_cells, spec, ranks, (j, t), index, indices, (u, norms), raw, unit)
         if spec.precision == "fp32":
             grid_n += _count_on_grid(released, clean, raw, eps, grid_on)
@@ -576,13 +579,13 @@ def contrasts(run: RunReleases, runs: Sequence[RunReleases], finding: Optional[F
     a run at another: there a std that leaves sigma or C out, or has it twice, is right), all but the world
     size's at ``run``'s world size (a 3-rank-only bug is not "only the float64 runs are off" because the
     other dtypes ran at 1 and 2 ranks): ``{key: (what they are, ratio)}`` for the groups that exist.
-    With a ``finding`` of a place (from a step on, at
-    some steps, on some ranks) only the other runs' releases at that place count (``at_place``): noise
+    ``"<key>_edge"`` (``edges.sigma_edge``): ``run``'s sigma is above / below every sigma of that group's. With
+    a ``finding`` of a place (from a step on, at some steps or ranks) only the other runs' releases there
+    count (``at_place``): noise
     halved from step 64 in every run is not "scaled by the lr" in the one lr-0.5 run it shows in just
     because the lr-0 runs, most of which stop before step 64, are right as a whole."""
     out: Dict[str, Tuple[str, float]] = {}
-    # each group differs from ``run`` in its own axis and holds the world size (the world size: the
-    # dtype) fixed, so another axis the failing run also differs in is never blamed for it
+    # each group differs from ``run`` in its own axis and holds the world size (the world size: the dtype) fixed
     same_ws = [r for r in runs if r.world_size == run.world_size]
     kind = (run.dtype, run.precision)
     groups = {
@@ -598,6 +601,7 @@ def contrasts(run: RunReleases, runs: Sequence[RunReleases], finding: Optional[F
         cells = [c for r in group for c in r.cells if at_place(c, finding)]
         if cells:
             out[key] = (what, _scale(cells)[0])
+            out.update({f"{key}_edge": e for e in [sigma_edge(run.sigma, group)] if e})
     return out
 
 

@@ -37,9 +37,10 @@ from ...lazy import torch
 from ...verdict import INTERNAL_ERROR, Verdict, config_label
 from .analysis import (RunReleases, contrasts, decompose, detectable_ratio, pooled_groups, pooled_tests,
                                  run_tests, tests_of)
-from .wording import finding_message, pass_message, pooled_message, where
+from .wording import judged_message, pass_message, pooled_message, where
 from ..analysis.compare import flat
 from ..analysis.postprocessing import PostProcessing, coarse_grid, noisy_finding, pinned, release_norms
+from . import signal
 from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED, post_processing_message, rounded_grid_message
 from ..engine.contract import Case, Options, Outputs
 from ..engine.prechecks import device_facts
@@ -49,6 +50,11 @@ from ..engine.threads import one_thread
 PROPERTY_ID = "noise_calibration"
 #: false-alarm probability of one gate run's release verdicts (module docstring)
 ALPHA = 1e-4
+#: a case fact (``facts[SKIP_FACT] = reason``): its runs are left out of this judge, and the same runs made for
+#: another property too, for the reason given -- a property that reads its release its own way and whose run
+#: the judge's tests would only cost time on (``releases_judged`` says "my property judges these releases
+#: with the judge's own tests", which such a property does not)
+SKIP_FACT = "releases_skip"
 DIAGNOSIS = {"coarse": "non_gaussian_noise", "silent": "mismatch", "scale": "mismatch", "mean": "mismatch",
              "grid": "non_gaussian_noise", "repeat": "dependent_noise"}
 
@@ -69,6 +75,8 @@ class Ledger:
         self.decomposed: set = set()
         #: the runs a ``releases_judged`` case judges itself (``add``)
         self.owned: set = set()
+        #: the runs a ``SKIP_FACT`` case leaves out of this judge, and why (``add``)
+        self.left_out: Dict[str, str] = {}
         #: each decomposed run's post-processing signature (``analysis/postprocessing.py``), by ``id``
         self.post: Dict[int, PostProcessing] = {}
         #: each decomposed run's release norms and dtype, by ``id``: a run of one or two releases is
@@ -83,13 +91,17 @@ class Ledger:
 
     def add(self, case: Case, outputs: Outputs) -> None:
         """Decompose every noisy run of ``case`` (``outputs[mode][spec][rank]``, prechecks passed); a
+        case that leaves its runs out (``facts[SKIP_FACT]``, a reason) is not decomposed; nor is a
         case whose own property judges its releases with these tests (``facts["releases_judged"]``:
         ``noise_calibration``'s node and long runs) is left to that verdict, and so is the same run
         made for another property (``deadlock_free``'s long run is ``noise_calibration``'s: one job), so
         one finding is told once; a run two cases share is judged once (``verdicts``)."""
+        keys = [run_key(case.world_size, mode.apply(spec)) for mode in case.modes for spec in case.specs]
         if case.facts.get("releases_judged"):
-            self.owned.update(run_key(case.world_size, mode.apply(spec))
-                              for mode in case.modes for spec in case.specs)
+            self.owned.update(keys)
+            return
+        if case.facts.get(SKIP_FACT):  # read its own way (the audit's canary run): not decomposed here
+            self.left_out.update((k, str(case.facts[SKIP_FACT])) for k in keys)
             return
         t0, c0 = time.monotonic(), time.process_time()
         try:
@@ -144,7 +156,7 @@ class Ledger:
         """The runs this judge tells of: every decomposed run but those whose own property judged their
         releases (``add``), even where another property's case asked for the same run and was judged
         first."""
-        return [(c, r) for c, r in self.runs if self.keys[id(r)] not in self.owned]
+        return [(c, r) for c, r in self.runs if self.keys[id(r)] not in self.owned | set(self.left_out)]
 
     def _failure(self, case: Case, run: RunReleases, f, runs: List[RunReleases], alpha: float) -> Verdict:
         """The ``fail`` verdict of finding ``f`` in ``run`` (made for ``case``), its cause named against
@@ -155,14 +167,18 @@ class Ledger:
         owner = case.property
         # a release changed after its noise: the noise tests read the transformed noise, the cause is the change
         grid = self.release_grid.get(id(run)) if f.kind in ("grid", "coarse") and not post else None
-        message = (post_processing_message(post, where(owner, config_label(case.config()), run)) if post else
-                   rounded_grid_message(*grid, where(owner, config_label(case.config()), run)) if grid else
-                   finding_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
+        at = where(owner, config_label(case.config()), run)
+        # too little noise, or the noisy release rescaled after it: the signal's factor says which, if it can
+        sig = None if post or grid else signal.read_finding(run.signal, f.kind, f.ratio, f.scope)
+        diagnosis, message = (
+            (POST_PROCESSED, post_processing_message(post, at)) if post else (None, rounded_grid_message(*grid, at))
+            if grid else judged_message(f, owner, config_label(case.config()), run, alpha, contrasts(run, runs, f)))
         v = replace(case, property=PROPERTY_ID).verdict(
-            "fail", POST_PROCESSED if post else DIAGNOSIS[f.kind], message,
+            "fail", diagnosis or DIAGNOSIS[f.kind], message,
             {"releases_of": owner, "finding": f.kind, "scope": f.scope, "steps": list(f.steps),
              "ranks": list(f.ranks), "std_ratio": f.ratio, "p": f.p, "alpha_per_test": alpha,
-             "dtype": run.dtype, "lr": run.lr, **self._device([case])})
+             "dtype": run.dtype, "lr": run.lr, **self._device([case]),
+             **({"signal_reading": sig.kind, "signal_factor": sig.factor, "signal_error": sig.error} if sig else {})})
         v.config = {**case.config(), "releases": owner}
         # the release judge's verdicts are noise_calibration's: a run made for it is replayed by it alone
         v.repro = (case.repro() if owner == PROPERTY_ID else
@@ -228,4 +244,4 @@ def run_key(world_size: int, spec) -> str:
     return f"{world_size}:{sorted(asdict(spec).items())!r}"
 
 
-__all__ = ["PROPERTY_ID", "ALPHA", "Ledger", "run_key"]
+__all__ = ["SKIP_FACT", "PROPERTY_ID", "ALPHA", "Ledger", "run_key"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 from .analysis import SILENT, SILENT_LEVEL, SILENT_P0, Finding, RunReleases
+from . import signal
 from ..wording.noise_messages import formula_causes
+from ..wording.postprocessing import DIAGNOSIS as POST_PROCESSED
 
 #: a measured std ratio "is" a candidate cause's factor within this relative distance
 CAUSE_RTOL = 0.06
@@ -46,12 +48,21 @@ def cause(run: RunReleases, ratio: float, contrast: Dict[str, Tuple[str, float]]
                 break
     if fine("dtype") and not notes:
         notes.append(f"only the {run.dtype}{'' if run.precision == 'fp32' else ' ' + run.precision} runs are off: "
-                     f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x")
+                     f"{contrast['dtype'][0]} release {contrast['dtype'][1]:.3f} x" + _edge(contrast, "dtype", run))
     if ws > 1 and fine("world_size") and not notes:
         why = (f"it is 1/sqrt({ws}): noise drawn at full shape on every rank and averaged over the ranks"
                if abs(ratio - ws ** -0.5) <= CAUSE_RTOL * ws ** -0.5 else f"it appears at world size {ws} only")
-        notes.append(f"{why} ({contrast['world_size'][0]} release {contrast['world_size'][1]:.3f} x)")
+        notes.append(f"{why} ({contrast['world_size'][0]} release {contrast['world_size'][1]:.3f} x)"
+                     + _edge(contrast, "world_size", run))
     return "".join(f" The ratio is telling: {n}." for n in notes[:1])
+
+
+def _edge(contrast: Dict[str, Tuple[str, float]], key: str, run: RunReleases) -> str:
+    """The confound of contrast ``key`` with sigma (``edges.sigma_edge``), as a clause ("" if none)."""
+    if f"{key}_edge" not in contrast:
+        return ""
+    return (f" -- but this run's sigma {run.sigma:g} is also {contrast[key + '_edge'][0]}: a noise std that bends "
+            "with sigma (capped or floored there) shows the same, and these runs cannot tell the two apart")
 
 
 def where(owner: str, config: str, run: RunReleases) -> str:
@@ -60,7 +71,7 @@ def where(owner: str, config: str, run: RunReleases) -> str:
 
 
 def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
-                    contrast: Optional[Dict[str, Tuple[str, float]]] = None) -> str:
+                    contrast: Optional[Dict[str, Tuple[str, float]]] = None, lead: str = "", tail: str = "") -> str:
     at = where(owner, config, run)
     if f.kind == "silent":
         ranks = f" (ranks with silent coordinates: {', '.join(map(str, sorted(f.ranks)))})" if len(f.ranks) > 1 else ""
@@ -97,7 +108,7 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
                 f"sigma*C per coordinate (two-sided p = {f.p:.2g} < {alpha:.2g}). Noise with a bias moves every "
                 "release the same way: the mechanism is not the Gaussian one the accountant assumes.")
     less = f.ratio < 1
-    lead = "PRIVACY VIOLATION: too little noise" if less else "too much noise (utility lost)"
+    lead = lead or ("PRIVACY VIOLATION: too little noise" if less else "too much noise (utility lost)")
     if f.scope == "from":
         place = (f"from step {f.steps[0]} on: the noise std is {f.ratio:.3f} x sigma*C/D at {_steps(f.steps)} "
                  f"({f.detail} x), on every rank")
@@ -118,7 +129,20 @@ def finding_message(f: Finding, owner: str, config: str, run: RunReleases, alpha
     return (f"{lead} {at}, {place} (the released gradient x D minus the float64 reference's clipped sum at the "
             f"parameters the step started from, off the span of the batch's per-sample gradients; two-sided chi-square "
             f"p = {f.p:.2g} < {alpha:.2g}). Every release needs Gaussian noise of std sigma*C/D on every coordinate."
-            + cause(run, f.ratio, contrast or {}, whole_run=f.scope == "run"))
+            + cause(run, f.ratio, contrast or {}, whole_run=f.scope == "run") + tail)
+
+
+def judged_message(f: Finding, owner: str, config: str, run: RunReleases, alpha: float,
+                   contrast: Optional[Dict[str, Tuple[str, float]]] = None) -> Tuple[Optional[str], str]:
+    """``(diagnosis, message)`` of finding ``f``: a whole-run too-little-noise finding read against the
+    release's factor on the signal (``signal.py``) -- ``post_processed`` where the signal is scaled like
+    the noise, both readings where the run cannot tell, the violation where the signal is released whole;
+    ``diagnosis`` ``None``: the finding's own. (``finding_message``'s ``lead`` replaces a std finding's
+    opening, "PRIVACY VIOLATION: too little noise"; its ``tail`` is appended: ``signal.finding_words``.)"""
+    sig = signal.read_finding(run.signal, f.kind, f.ratio, f.scope)
+    if sig is not None and sig.kind == "rescaled":
+        return POST_PROCESSED, signal.rescaled_message(sig, f.ratio, where(owner, config, run))
+    return None, finding_message(f, owner, config, run, alpha, contrast, **signal.finding_words(sig, f.ratio))
 
 
 def pooled_message(failures: Sequence[Tuple[str, float, float, float]], alpha: float) -> str:
@@ -173,7 +197,7 @@ def one_run_pass_message(run: RunReleases, tests: int, alpha: float, detects: fl
             f"detects a std error of {detects:.1%} on the whole run with ~99% probability)")
 
 
-__all__ = ["node_layout_note", "one_run_pass_message",
+__all__ = ["judged_message", "node_layout_note", "one_run_pass_message",
            "CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
            "not_decomposed_message"]
 
