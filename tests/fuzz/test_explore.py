@@ -266,6 +266,7 @@ def test_drawn_variants_never_shard_a_dim_shorter_than_the_world_size():
     check()
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_a_gate_run_explores_after_its_fixed_cases_and_reports_it(pool, capsys):
     """Through the gate (``run_plan``): the explored property's summary verdict follows its fixed
     cases, carries ``config["explore"]`` and ``evidence["explored"]``, and fits the report schema;

@@ -95,6 +95,7 @@ def test_an_undeclared_feature_in_an_explored_draw_is_a_skip_not_a_finding(pool)
     assert v.status == "skip" and "explored configuration not run" in v.message and "resume" in v.message, v.message
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_a_resumed_draw_replays_from_its_line(pool, capsys):
     """An explored verdict's repro line is ``replay --exact`` of the spec as run -- for a resumed draw
     its save half, which the replay runs as both halves again. ``deadlock_free``'s lines exited 2

@@ -32,6 +32,7 @@ def settings():
     return profile_settings(active_profile() or "ci")
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_correct_specimen_passes_fuzzed_shapes(pool, settings):
     p = pool
     for prop, mdl in (("norm_fidelity", ("mlp", "transformer")), ("clipped_step", ("mlp",))):
@@ -50,6 +51,7 @@ def test_opacus_passes_fuzzed_shapes_on_one_rank(pool, settings):
     assert v.status == "pass", fuzz.format_failure(v)
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_shape_edge_bug_is_found_and_shrunk_to_the_minimal_shape(pool, settings):
     p = pool
     seed = random.getrandbits(32)

@@ -142,6 +142,7 @@ def _span(seconds: float):
     return start, time.time()
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_jobs_on_different_groups_run_at_once_and_a_busy_group_is_kept():
     """``Pool.run`` holds its lock only to find a group: a 1-rank job on the side lane and a 2-rank job
     here overlap; two jobs on one group take turns; a group running a job is never closed to make room

@@ -138,6 +138,7 @@ def test_unpicklable_fixture(rank, handle):
 '''
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_marker_mistakes_fail_with_a_reason_not_a_torch_traceback(pytester, tagged):
     pytester.makepyfile(test_bad=BAD_MARKERS)
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf")

@@ -151,6 +151,7 @@ def released(m, t, seed, clip_factor=1.0, noise_factor=1.0):
     return clip_factor * drawn + noise, secrets.tolist()
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_both_bounds_share_the_confidence_and_the_fdp_bound_proves_more():
     """At the default size on a correct release the f-DP bound proves ~2x the counting bound and
     stays below the claim; a clip bound at 2 C is flagged by it. The counting bound is the one of
@@ -272,6 +273,7 @@ def test_leaking_specimens_fail_with_audit_violation(pool, name, world_sizes, si
     assert vs[-1].config["mesh"] == HSDP and f"({HSDP})" in vs[-1].message
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_on_an_hsdp_mesh_correct_passes_and_a_shard_without_noise_fails_small(pool):
     """The audit on HSDP (Poisson sampling on every rank, FSDP sharding over the mesh's columns,
     replicas over its rows): ``Correct`` passes; the last shard released without noise (on both its

@@ -54,6 +54,7 @@ def test_correct_specimen_step_sensitivity_noise_trajectory(pool):
         assert_all_pass(run(pool, prop, "Correct", world_sizes=(2,), models=("mlp",)))
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_correct_specimen_transformer_step_sum_reduction(pool):
     assert_all_pass(run(pool, "clipped_step", "Correct", world_sizes=(2,), models=("transformer",),
                         reductions=("sum",)))

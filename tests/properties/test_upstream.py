@@ -78,6 +78,7 @@ def test_three_ranks(pool):
     assert_all_pass(run(pool, "clipped_step", world_sizes=(3,), models=("mlp",), reductions=("mean",)))
 
 
+@pytest.mark.slow  # moved out of the README command to keep it near 5 min (CI runs it)
 def test_clipped_step_and_trajectory_mean(pool):
     assert_all_pass(but_the_short_layer(run(pool, "clipped_step", world_sizes=(1, 2), reductions=("mean",))))
     assert_all_pass(run(pool, "trajectory", world_sizes=(2,), reductions=("mean",)))
