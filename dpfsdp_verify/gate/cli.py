@@ -219,17 +219,18 @@ def cmd_run(args) -> int:
     # a usage error answers before torch or the target is imported (the dry run's plan, which
     # imports neither for a gloo one): in under a second, not after the ranks' zygotes start
     plan = RunPlan.parse(args, job_world_size=job_world_size)
-    if dry:
-        from .dryrun import dry_run
+    # the main job first: a spawned gate, then a torchrun job's rank, then the dry run's plan
+    if not dry and rank is None:
+        from .run import execute_spawned
 
-        return dry_run(plan)
+        return execute_spawned(plan)
     if rank is not None:
         from .torchrun_job import run_torchrun
 
         return run_torchrun(plan, rank)
-    from .run import execute_spawned
+    from .dryrun import dry_run
 
-    return execute_spawned(plan)
+    return dry_run(plan)
 
 
 def _dry_job_size(args) -> Optional[int]:

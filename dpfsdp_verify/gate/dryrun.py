@@ -54,6 +54,11 @@ class Described:
     gpus_visible: Optional[int]
     seconds: float
     fuzz: int = 0
+    #: the plan's first line (target, backend, world sizes, meshes, long runs, expectations)
+    header: str = ""
+    #: the explored draws' line and their seconds in the estimate (``None``: no exploration)
+    explore_line: Optional[str] = None
+    explore_s: float = 0.0
 
     @property
     def n_cases(self) -> int:
@@ -78,6 +83,7 @@ def describe(plan: RunPlan, planning: bool = True) -> Described:
     from ..properties.engine.costs import seconds_per_case
     from ..verdict import config_label
 
+    header, (explore_line, explore_s) = _header(plan), _explore(plan)
     opts = plan.options.with_(planning=planning)  # the clip bounds picked from reference norms: left to the run
     out = []
     for pid in plan.properties:
@@ -100,19 +106,12 @@ def describe(plan: RunPlan, planning: bool = True) -> Described:
 
         gpus_visible = visible_gpus()
     return Described(out, opts.backend, ranks if opts.backend == "nccl" else 0, gpus_visible,
-                     sum(p.seconds for p in out), plan.fuzz)
+                     sum(p.seconds for p in out), plan.fuzz, header, explore_line, explore_s)
 
 
-def format_plan(plan: RunPlan, d: Described) -> str:
-    o = plan.options
-    info = plan.info
-    sizes = ",".join(map(str, o.world_sizes)) or "none (meshes only)"
-    lines = [f"dry run: nothing started. target {o.target} ({info.get('name')} {info.get('version')}), "
-             f"backend {o.backend}, world sizes {sizes}"
-             + (f", wide world size {o.wide_world_size}" if o.wide_world_size else "")
-             + (f", meshes {','.join(o.meshes)}" if o.meshes else "")
-             + (f", long runs of {o.horizon} steps" if o.horizon and max(o.world_sizes, default=0) >= 2 else "")
-             + (f", --expect {plan.expectations.file}" if plan.expectations is not None else "")]
+def format_plan(d: Described) -> str:
+    """The dry run's text of ``d`` (``describe``'s)."""
+    lines = [d.header]
     if d.backend == "nccl":
         lines.append(f"GPUs needed: {d.gpus_needed} (one per rank; {d.gpus_visible} visible)")
     else:
@@ -131,17 +130,36 @@ def format_plan(plan: RunPlan, d: Described) -> str:
                 lines.append(f"  {p.property} {label}: {reason}")
     if d.fuzz:
         lines.append(f"plus {d.fuzz} fuzzed examples per fuzzable property (not in the estimate)")
+    if d.explore_line is not None:
+        lines.append(d.explore_line)
+    lines.append(f"total: {d.n_cases + d.n_skips} verdicts, {d.n_cases} cases to run, {d.n_skips} skipped; "
+                 f"estimated {_duration(d.seconds + d.explore_s)} on 2 idle cores (docs/benchmarks.md; rough)")
+    return "\n".join(lines)
+
+
+def _header(plan: RunPlan) -> str:
+    o = plan.options
+    info = plan.info
+    sizes = ",".join(map(str, o.world_sizes)) or "none (meshes only)"
+    return (f"dry run: nothing started. target {o.target} ({info.get('name')} {info.get('version')}), "
+            f"backend {o.backend}, world sizes {sizes}"
+            + (f", wide world size {o.wide_world_size}" if o.wide_world_size else "")
+            + (f", meshes {','.join(o.meshes)}" if o.meshes else "")
+            + (f", long runs of {o.horizon} steps" if o.horizon and max(o.world_sizes, default=0) >= 2 else "")
+            + (f", --expect {plan.expectations.file}" if plan.expectations is not None else ""))
+
+
+def _explore(plan: RunPlan) -> Tuple[Optional[str], float]:
+    """The explored draws' line and estimated seconds (``(None, 0.0)`` without exploration)."""
     from ..properties import PROPERTIES
 
     draws = int(getattr(plan, "explore", 0))
     explored = sum(1 for p in getattr(plan, "properties", ()) if p in PROPERTIES and PROPERTIES[p].explore is not None)
     explore = min(draws * explored * EXPLORE_DRAW_S, float(getattr(plan, "explore_cap", 0.0) or math.inf))
     if draws > 0 and explored:
-        lines.append(f"plus {draws} configuration(s) per explored property ({explored}) drawn beyond the fixed cases "
-                     f"(--explore; docs/explore.md; ~{EXPLORE_DRAW_S:g} s each in the estimate)")
-    lines.append(f"total: {d.n_cases + d.n_skips} verdicts, {d.n_cases} cases to run, {d.n_skips} skipped; "
-                 f"estimated {_duration(d.seconds + explore)} on 2 idle cores (docs/benchmarks.md; rough)")
-    return "\n".join(lines)
+        return (f"plus {draws} configuration(s) per explored property ({explored}) drawn beyond the fixed cases "
+                f"(--explore; docs/explore.md; ~{EXPLORE_DRAW_S:g} s each in the estimate)"), explore
+    return None, explore
 
 
 def _duration(seconds: float) -> str:
@@ -153,8 +171,7 @@ def dry_run(plan: RunPlan) -> int:
     load_target=False)``; a usage error was its ``UsageError``, exit 2) on stdout, exit 0."""
     from .report import EXIT_OK
 
-    described = describe(plan)
-    print(format_plan(plan, described), file=sys.stdout, flush=True)
+    print(format_plan(describe(plan)), file=sys.stdout, flush=True)
     return EXIT_OK
 
 
