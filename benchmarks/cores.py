@@ -16,18 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+sys.path.insert(0, HERE)
+from _cpu import children_cpu_s  # noqa: E402
 
 
 def gate_on(cpus: str, threads: int = 0) -> dict:
@@ -38,10 +34,10 @@ def gate_on(cpus: str, threads: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gate.json")
         load0 = os.getloadavg()[0]
-        cpu0, t0 = _children_cpu_s(), time.perf_counter()
+        cpu0, t0 = children_cpu_s(), time.perf_counter()
         cmd = ["taskset", "-c", cpus, sys.executable, os.path.join(HERE, "run.py"), "--sections", "gate", "--out", out]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
+        wall, cpu = time.perf_counter() - t0, children_cpu_s() - cpu0
         if proc.returncode != 0:
             raise RuntimeError(f"the gate on CPUs {cpus} failed: {proc.stderr[-2000:]}")
         with open(out) as f:

@@ -36,15 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_jobs  # noqa: E402  (module-level job functions the ranks import)
-
-
-def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's waited-for children (a gate subprocess and every
-    rank it started): steadier than wall time on a shared machine."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+from _cpu import children_cpu_s  # noqa: E402
 
 
 def _median_ms(run_one, n: int) -> float:
@@ -119,11 +111,11 @@ def bench_hang_gate(repeats: int = 3, gate_args: tuple = ()) -> dict:
         report = os.path.join(tmp, "hook.json")
         cmd = [sys.executable, "-m", "dpfsdp_verify", "run", "--target", "fixtures.specimens:HookCollective",
                "--timeout", "60", "-q", "--json", report, *gate_args]
-        cpu0 = _children_cpu_s()
+        cpu0 = children_cpu_s()
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True)
         out["gate_hook_collective_wall_s"] = time.perf_counter() - t
-        out["gate_hook_collective_cpu_s"] = _children_cpu_s() - cpu0
+        out["gate_hook_collective_cpu_s"] = children_cpu_s() - cpu0
         out["gate_hook_collective_exit_code"] = proc.returncode
         with open(report) as f:
             verdicts = json.load(f)["results"]
