@@ -467,7 +467,9 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
              "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
     exact = (post_processed(case, runs, names, where, evidence) or _exact_failure(
-        case, runs, noise, names, s, where, evidence) or few_rows.scale_failure(case, noise, names, s, where, evidence))
+        case, runs, noise, names, s, where, evidence) or few_rows.scale_failure(
+        case, noise, names, s, where, evidence, signal=any(bool(st.gradient[n].any()) for st in runs[0][0].steps
+                                                           for n in names)))
     if exact is not None:
         return exact
     return case.verdict("pass", None, (

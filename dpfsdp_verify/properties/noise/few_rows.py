@@ -24,6 +24,7 @@ from ...lazy import torch
 from ...verdict import Verdict
 from ..analysis.stats import chi2_two_sided_p
 from ..engine.contract import Case
+from ..releases.signal import EITHER_LEAD
 
 #: the one-row case's false-alarm bound (all its few-row tensors together)
 ALPHA = 1e-7
@@ -45,8 +46,25 @@ def few_row_scales(noise, names: Sequence[str], s: float, world_size: int) -> Li
     return out
 
 
-def scale_failure(case: Case, noise, names: Sequence[str], s: float, where: str, evidence: Dict) -> Optional[Verdict]:
-    """The ``mismatch`` verdict of a few-row tensor whose noise std is not ``s`` (module doc); ``None``."""
+def whole_release(noise, names: Sequence[str], s: float, world_size: int) -> Optional[Tuple[int, float, float]]:
+    """``(coordinates, std ratio, p)`` of the noise on every other tensor (those with at least
+    ``world_size`` rows), pooled; ``None`` without any."""
+    zs = [torch.cat([step[n].reshape(-1) for run in noise for step in run]) / s for n in names
+          if len(noise[0][0][n].shape) and noise[0][0][n].shape[0] >= world_size]
+    z = torch.cat(zs) if zs else None
+    if z is None or not z.numel():
+        return None
+    ss = float(z.pow(2).sum())
+    return int(z.numel()), (ss / z.numel()) ** 0.5, chi2_two_sided_p(ss, z.numel())
+
+
+def scale_failure(case: Case, noise, names: Sequence[str], s: float, where: str, evidence: Dict,
+                  signal: bool = True) -> Optional[Verdict]:
+    """The ``mismatch`` verdict of a few-row tensor whose noise std is not ``s`` (module doc); ``None``.
+    ``signal``: whether the run's noise-0 release is non-zero (a signal a rescale after the noise would
+    have shown on: ``postprocessed.py`` reads it first). Where it is zero and every tensor's noise is
+    short alike, the run cannot tell too little noise from the whole noisy release rescaled after it
+    (post-processing): the message says both."""
     if case.world_size < 2:
         return None
     found = few_row_scales(noise, names, s, case.world_size)
@@ -56,14 +74,28 @@ def scale_failure(case: Case, noise, names: Sequence[str], s: float, where: str,
         return None
     n, k, ratio, p = min(bad, key=lambda f: f[3])
     lead = "PRIVACY VIOLATION: too little noise" if ratio < 1 else "UTILITY LOSS: too much noise"
+    rest = whole_release(noise, names, s, case.world_size) if ratio < 1 and not signal else None
+    alike = rest is not None and not rest[2] >= ALPHA and all(
+        chi2_two_sided_p(c * (r / rest[1]) ** 2, c) >= ALPHA / len(found) for _, c, r, _ in found)
+    if alike:
+        assert rest is not None
+        evidence["whole_release"] = {"coordinates": rest[0], "std_ratio": rest[1], "p": rest[2]}
+        lead = EITHER_LEAD
     others = ", ".join(f"{m!r} {r:.3f} x" for m, _, r, _ in found if m != n)
+    tail = (". The noise of a parameter must not depend on how FSDP shards it: every coordinate needs std "
+            "sigma*C/D, whichever rank holds its row.")
+    if alike:
+        assert rest is not None
+        tail = (f". Every other tensor's noise is short alike ({rest[1]:.3f} x over {rest[0]} coordinates, p = "
+                f"{rest[2]:.2g}): the whole release is scaled, as noise too small everywhere (privacy violated) or the "
+                "noisy gradient multiplied after the noise (post-processing, privacy intact, a wrong update) gives; "
+                "this case's noise-0 release is zero (no signal to read the factor from), so it cannot tell them "
+                "apart -- noise_calibration's cases with a signal decide.")
     return case.verdict("fail", "mismatch", (
         f"{lead} on {n!r}, a parameter with fewer rows than the {case.world_size} ranks (FSDP leaves some ranks "
         f"an empty shard of it), {where}: its noise std is {ratio:.3f} x sigma*C/D over its {k} coordinates "
         f"(two-sided chi-square p = {p:.2g} < {ALPHA / len(found):.2g})" + (f"; the other few-row tensors: {others}"
-                                                                            if others else "") +
-        ". The noise of a parameter must not depend on how FSDP shards it: every coordinate needs std sigma*C/D, "
-        "whichever rank holds its row."), evidence)
+                                                                            if others else "") + tail), evidence)
 
 
-__all__ = ["ALPHA", "few_row_scales", "scale_failure"]
+__all__ = ["ALPHA", "few_row_scales", "whole_release", "scale_failure"]

@@ -11,8 +11,8 @@ from ...lazy import torch
 from ...verdict import Verdict, config_label
 from ...lazy import reference
 from ..analysis.compare import processed_indices, reference_grads, rows
-from ..analysis.postprocessing import (PostProcessing, mostly_nonzero, noisy_finding, pinned_norm, post_processing,
-                                       rescaled)
+from ..analysis.postprocessing import (RESCALE_RESIDUAL, RESCALE_RESIDUAL_MIXED, PostProcessing, mostly_nonzero,
+                                       noisy_finding, pinned_norm, post_processing, rescaled)
 from ..engine.contract import Case
 from ..releases.wording import where as run_where
 from ..wording.postprocessing import DIAGNOSIS, post_processing_message
@@ -50,7 +50,9 @@ def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: in
     coef = reference.clip_coefficients(reference.per_sample_norms(grads), spec.max_grad_norm)
     want = torch.cat([torch.einsum("b,b...->...", coef, grads[n]).reshape(-1) / spec.divisor for n in names])
     clean = torch.cat([runs[0][0].steps[j].gradient[n].reshape(-1).to(torch.float64) for n in names])
-    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases)
+    mixed = getattr(spec, "precision", "fp32") != "fp32"  # bf16 compute rounds the noise-0 release too
+    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases,
+                    RESCALE_RESIDUAL_MIXED if mixed else RESCALE_RESIDUAL)
 
 
 def pinned_release(case: Case, ranks, run, finding, evidence: Dict) -> Optional[Verdict]:
