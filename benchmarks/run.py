@@ -1,6 +1,11 @@
 """The suite's own speed, measured side by side in one run; prints a table and writes JSON.
 
-    python benchmarks/run.py [--sections harness,fuzz,gate,reference] [--out benchmarks/results.json] [--quick]
+    python benchmarks/run.py [--sections harness,fuzz,gate,reference,cli_gate] [--out FILE.json] [--quick]
+        [--doc docs/benchmarks.md]
+
+``--doc``: the figures measured go into that doc's one current table (``benchmarks/doc_table.py``):
+the rows of the sections measured are replaced, the others kept with their own dates, and the
+table replaced is moved, dated, under the doc's history.
 
 Sections:
   harness    per-test overhead of a 2-rank distributed test: warm pool vs a fresh group per test
@@ -10,6 +15,8 @@ Sections:
   fuzz       hypothesis throughput (examples/s) of a small-MLP property at world sizes 1 and 2.
   gate       the default gate's wall time on the installed opacus, split by property.
   reference  reference cost on the transformer: torch.func fast path vs the per-sample loop.
+  cli_gate   the default gate as a user runs it (``dpfsdp-verify run --target opacus --expect
+             opacus-1.6.0 --seed 11``), 3 runs in a row: median wall and CPU seconds.
   hang_gate  a proven deadlock's latency from the divergence to the verdict (60 s deadline), and
              the default gate's wall time on fixtures.specimens:HookCollective (hangs everywhere).
 --quick: every section in a short form (a few repeats, the gate's cheapest property, the
@@ -24,9 +31,11 @@ the gate on HookCollective <= 90 s.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -156,12 +165,35 @@ def bench_gate(**kw) -> dict:
     return bench_jobs.gate_wall_time(**kw)
 
 
+def bench_cli_gate(repeats: int = 3, gate_args: tuple = ()) -> dict:
+    """The default gate as a user runs it: ``dpfsdp-verify run --target opacus --expect opacus-1.6.0
+    --seed 11`` in a fresh process, ``repeats`` times in a row: wall and CPU seconds (the gate
+    process and every rank it started), the exit code and the verdicts of the last run."""
+    walls, cpus, code, verdicts = [], [], None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "gate.json")
+        base = ["dpfsdp-verify", "run", "--target", "opacus", "--expect", "opacus-1.6.0", "--seed", "11", *gate_args]
+        cmd = base + ["-q", "--json", report]
+        env = {k: v for k, v in os.environ.items() if k != "DPFSDP_VERIFY_EXPLORE"}  # the default draws
+        for _ in range(repeats):
+            cpu0, t0 = children_cpu_s(), time.perf_counter()
+            code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+            walls.append(time.perf_counter() - t0)
+            cpus.append(children_cpu_s() - cpu0)
+        with open(report) as f:
+            verdicts = len(json.load(f).get("results", []))
+    return {"wall_s_median": statistics.median(walls), "wall_s_min": min(walls), "wall_s_max": max(walls),
+            "cpu_s_median": statistics.median(cpus), "runs": repeats, "exit_code": code, "verdicts": verdicts,
+            "command": " ".join(base)}
+
+
 SECTIONS = {"harness": bench_harness, "reference": bench_reference, "fuzz": bench_fuzz, "gate": bench_gate,
-            "hang_gate": bench_hang_gate}
+            "hang_gate": bench_hang_gate, "cli_gate": bench_cli_gate}
 #: ``--quick``: each section's arguments for a short run that proves the script works
 QUICK = {"harness": {"n_warm": 5, "n_fresh": 1, "hangs": 1}, "reference": {"repeats": 1},
          "fuzz": {"n_examples": 3, "repeats": 1}, "gate": {"properties": ("sensitivity_bound",)},
-         "hang_gate": {"repeats": 1, "gate_args": ("--properties", "deadlock_free", "--world-sizes", "2")}}
+         "hang_gate": {"repeats": 1, "gate_args": ("--properties", "deadlock_free", "--world-sizes", "2")},
+         "cli_gate": {"repeats": 1, "gate_args": ("--properties", "sensitivity_bound", "--explore", "0")}}
 
 
 def main(argv=None) -> int:
@@ -169,12 +201,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dpfsdp-verify-bench.json"))
     ap.add_argument("--quick", action="store_true", help="a short form of every section (CI: the script still runs)")
+    ap.add_argument("--doc", help="write the figures into this doc's current table (docs/benchmarks.md; "
+                                  "benchmarks/doc_table.py): the sections measured replace their rows")
     args = ap.parse_args(argv)
-    results = {}
+    if args.doc and args.quick:
+        ap.error("--doc writes measured figures: not with --quick (its figures are not the benchmark's)")
+    results, measured = {}, {}
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
         if name not in SECTIONS:
             ap.error(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
         print(f"== {name}", file=sys.stderr, flush=True)
+        measured[name] = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load "
+                          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         try:
             results[name] = SECTIONS[name](**(QUICK[name] if args.quick else {}))
         except NotImplementedError as e:
@@ -187,6 +225,15 @@ def main(argv=None) -> int:
         for k, v in sec.items():
             print(f"  {k:<{width}}  {v:.3f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
     print(f"(written to {args.out})")
+    if args.doc:
+        import doc_table
+
+        with open(args.doc) as f:
+            text = f.read()
+        when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        with open(args.doc, "w") as f:
+            f.write(doc_table.rewrite(text, results, measured, when))
+        print(f"(the current table of {args.doc} rewritten: {', '.join(results)})")
     return 0
 
 

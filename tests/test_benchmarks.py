@@ -32,7 +32,7 @@ def test_benchmark_script_quick_form_runs_every_section(tmp_path):
     try:
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads(out.read_text())
-        assert set(results) == {"harness", "reference", "fuzz", "gate", "hang_gate"}
+        assert set(results) == {"harness", "reference", "fuzz", "gate", "hang_gate", "cli_gate"}
         # the table: one header per section, then its figures
         for section in results:
             assert f"[{section}]" in proc.stdout
@@ -41,6 +41,8 @@ def test_benchmark_script_quick_form_runs_every_section(tmp_path):
         assert results["gate"]["verdicts"] > 0
         assert {tuple(c) for c in results["gate"]["not_pass_cases"]} <= {
             ("sensitivity_bound", "extreme", "fail", "non_finite")}
+        # the CLI gate as a user runs it: upstream's pinned findings expected, so exit 0
+        assert results["cli_gate"]["exit_code"] == 0 and results["cli_gate"]["verdicts"] > 0
         hang = results["hang_gate"]
         # HookCollective hangs in every 2-rank job: each deadlock_free case is a proven deadlock, exit 1
         assert hang["gate_hook_collective_exit_code"] == 1
@@ -108,3 +110,50 @@ def test_gate_profile_reads_the_ranks_jobs_and_splits_their_cpu(tmp_path):
         assert 0 < train <= got["jobs_cpu_s"] * 1.01
     finally:
         assert_no_ranks(tag)
+
+
+def _doc_table():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import doc_table
+    finally:
+        sys.path.pop(0)
+    return doc_table
+
+
+def test_doc_table_keeps_one_current_table_and_moves_the_replaced_one_to_the_dated_history():
+    """``benchmarks/run.py --doc``: the sections measured replace their rows, the others keep theirs
+    (and their dates), and the table replaced goes, dated, under the history heading."""
+    t = _doc_table()
+    doc = "# Benchmarks\n\nWhat this is.\n\n## Older\n\ntext\n\n## History\n\nold things\n"
+    first = t.rewrite(doc, {"gate": {"wall_s": 61.234567, "cases": ["a", "b"]}, "fuzz": {"ex_s": 19.5}},
+                      {"gate": "day 1, load 1.0", "fuzz": "day 1, load 1.1"}, "day 1")
+    assert first.count(t.BEGIN) == 1 and first.count(t.END) == 1
+    assert first.index(t.BEGIN) < first.index("## Older")  # after the first paragraph
+    assert t.current_rows(first) == [("gate", "wall_s", "61.23", "day 1, load 1.0"),
+                                     ("gate", "cases", "a; b", "day 1, load 1.0"),
+                                     ("fuzz", "ex_s", "19.5", "day 1, load 1.1")]
+    assert "### The current table until" not in first  # nothing replaced yet
+    second = t.rewrite(first, {"gate": {"wall_s": 58.0}, "harness": {"warm_ms": 1.3}},
+                       {"gate": "day 2, load 0.9", "harness": "day 2, load 0.9"}, "day 2")
+    assert second.count(t.BEGIN) == 1 and second.count(t.END) == 1
+    # gate replaced (its old "cases" row gone with it), fuzz kept with its own date, harness added last
+    assert t.current_rows(second) == [("gate", "wall_s", "58", "day 2, load 0.9"),
+                                      ("fuzz", "ex_s", "19.5", "day 1, load 1.1"),
+                                      ("harness", "warm_ms", "1.3", "day 2, load 0.9")]
+    history = second[second.index("## History"):]
+    assert "### The current table until day 2 (its rows measured day 1, load 1.0, day 1, load 1.1)" in history
+    assert "| gate | wall_s | 61.23 | day 1, load 1.0 |" in history and "old things" in history
+    with pytest.raises(ValueError, match="History"):
+        t.rewrite("# no history here\n", {"gate": {"x": 1}}, {"gate": "now"}, "now")
+
+
+def test_the_benchmarks_doc_has_one_written_current_table():
+    """docs/benchmarks.md: one current table, the script's (between its markers), above the history."""
+    t = _doc_table()
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        doc = f.read()
+    assert doc.count(t.BEGIN) == 1 and doc.count(t.END) == 1
+    assert doc.index(t.END) < doc.index(t.HISTORY + "\n")
+    rows = t.current_rows(doc)
+    assert rows and {s for s, _, _, _ in rows} >= {"cli_gate"}
