@@ -460,16 +460,14 @@ def _judge_exact(case: Case, outputs: Outputs) -> Verdict:
     s = spec.noise_multiplier * spec.max_grad_norm / spec.divisor
     noise = noise_differences(runs)
     names = sorted(set(noise[0][0]) & set(trainable_names(spec)))
-    n_draws = sum(len(run) for run in noise)
-    coords = sum(noise[0][0][n].numel() for n in names)
+    n_draws, coords = sum(len(run) for run in noise), sum(noise[0][0][n].numel() for n in names)
     where = (f"at world_size={ws}, {spec.model}, reduction={spec.reduction}, {spec.dtype} (sigma="
              f"{spec.noise_multiplier}, C={spec.max_grad_norm}, D={spec.divisor:g}; {n_draws} draw(s), exact "
              "checks only)")
     evidence: Dict = {"expected_std": s, "draws": n_draws, "coordinates": coords, "exact_only": True}
     exact = (post_processed(case, runs, names, where, evidence) or _exact_failure(
-        case, runs, noise, names, s, where, evidence) or few_rows.scale_failure(
-        case, noise, names, s, where, evidence, signal=any(bool(st.gradient[n].any()) for st in runs[0][0].steps
-                                                           for n in names)))
+        case, runs, noise, names, s, where, evidence)
+        or few_rows.scale_failure(case, noise, names, s, where, evidence, runs))
     if exact is not None:
         return exact
     return case.verdict("pass", None, (

@@ -59,14 +59,15 @@ def whole_release(noise, names: Sequence[str], s: float, world_size: int) -> Opt
 
 
 def scale_failure(case: Case, noise, names: Sequence[str], s: float, where: str, evidence: Dict,
-                  signal: bool = True) -> Optional[Verdict]:
+                  runs=None) -> Optional[Verdict]:
     """The ``mismatch`` verdict of a few-row tensor whose noise std is not ``s`` (module doc); ``None``.
-    ``signal``: whether the run's noise-0 release is non-zero (a signal a rescale after the noise would
-    have shown on: ``postprocessed.py`` reads it first). Where it is zero and every tensor's noise is
-    short alike, the run cannot tell too little noise from the whole noisy release rescaled after it
-    (post-processing): the message says both."""
+    ``runs`` (``outputs[0]``: the noise-0 run first): where its release is zero -- no signal a rescale
+    after the noise would have shown on (``postprocessed.py`` reads it first) -- and every tensor's noise
+    is short alike, the run cannot tell too little noise from the whole noisy release rescaled after it
+    (post-processing): the message says both. ``None``: the signal is taken to be there."""
     if case.world_size < 2:
         return None
+    signal = runs is None or any(bool(st.gradient[n].any()) for st in runs[0][0].steps for n in names)
     found = few_row_scales(noise, names, s, case.world_size)
     evidence["few_row_tensors"] = {n: {"coordinates": k, "std_ratio": r, "p": p} for n, k, r, p in found}
     bad = [f for f in found if not f[3] >= ALPHA / len(found)]
