@@ -17,14 +17,12 @@ than, equal to, or not divisible by the world size exercises empty and padded sh
 from __future__ import annotations
 
 import math
-import threading
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .batch import DEFAULT_GENERATOR, Batch
 from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS, EXTREME_MODELS, AUDIT_MODELS,
                             MODEL_NAMES, EXTREME_SCALES, MLP_IN, MLP_HIDDEN,
                             MLP_CLASSES, CONV_CHANNELS, CONV_SIZE, CONV_CLASSES,
@@ -32,8 +30,9 @@ from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS,
                             D_MODEL, N_HEADS, LORA_RANK, TIES, IGNORE_INDEX, PAD_ID,
                             CANARIES, CANARY_CLASSES, MODEL_DIMS, BATCH_DIMS, BATCH_USES, check_dims, contract_path)
 
-#: held while a model's parameters are drawn from torch's default generator (``build_model``)
-_DEFAULT_GENERATOR = threading.Lock()
+#: held while a model's parameters are drawn from torch's default generator (``build_model``; one
+#: lock for the built-in models and the contract's, in ``batch.py``)
+_DEFAULT_GENERATOR = DEFAULT_GENERATOR
 
 
 class MLP(nn.Module):
@@ -411,27 +410,6 @@ def sequence_lengths(batch_size: int, seq_len: int, g: torch.Generator) -> torch
     lengths[position == 0] = seq_len
     lengths[position == 1] = 0
     return lengths
-
-
-@dataclass
-class Batch:
-    """A batch: ``inputs`` and ``targets`` share dim 0; ``loss`` is ``"cross_entropy"``
-    (one label per sample) or ``"token_cross_entropy"`` (labels [B, T], ``IGNORE_INDEX`` masks
-    positions; the privacy unit is the whole sequence). A model of one's own (``docs/models.md``):
-    ``inputs`` may be a ``contract.SampleInputs`` (a dict of tensors indexed along dim 0) and ``loss``
-    is its ``contract.ContractLoss`` (callable: the model's own per-sample loss)."""
-
-    inputs: Any
-    targets: torch.Tensor
-    loss: Any
-
-    def __len__(self):
-        return self.inputs.shape[0]
-
-    def select(self, index) -> "Batch":
-        """The rows ``index`` (a list/tensor of sample indices, may be empty)."""
-        index = torch.as_tensor(index, dtype=torch.long)
-        return Batch(self.inputs[index], self.targets[index], self.loss)
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **dims) -> nn.Module:

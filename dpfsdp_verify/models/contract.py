@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
+from .batch import DEFAULT_GENERATOR, Batch
 from .catalog import contract_path
 from .errors import ContractError, Float64Unsupported
 
@@ -189,10 +190,8 @@ def _forward(self, *args, **kwargs):
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``build(seed)`` of model ``name`` in ``dtype``, under torch's default generator seeded with
     ``seed`` too (a ``build`` that draws from it is then seeded all the same)."""
-    from .builtin import _DEFAULT_GENERATOR  # the one lock on torch's default generator (builtin.build_model's)
-
     obj = load(name)
-    with _DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
+    with DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             model = obj.build(seed)
@@ -215,8 +214,6 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
 def make_batch(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     """``batch(batch_size, seed)`` of model ``name`` as a ``Batch`` (floating tensors in ``dtype``),
     checked: inputs a tensor or a dict of tensors, every dim 0 and the targets' ``batch_size``."""
-    from .builtin import Batch
-
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
     try:
