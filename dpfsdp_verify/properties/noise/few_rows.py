@@ -76,17 +76,13 @@ def scale_failure(case: Case, noise, names: Sequence[str], s: float, where: str,
     n, k, ratio, p = min(bad, key=lambda f: f[3])
     lead = "PRIVACY VIOLATION: too little noise" if ratio < 1 else "UTILITY LOSS: too much noise"
     rest = whole_release(noise, names, s, case.world_size) if ratio < 1 and not signal else None
-    alike = rest is not None and not rest[2] >= ALPHA and all(
-        chi2_two_sided_p(c * (r / rest[1]) ** 2, c) >= ALPHA / len(found) for _, c, r, _ in found)
-    if alike:
-        assert rest is not None
-        evidence["whole_release"] = {"coordinates": rest[0], "std_ratio": rest[1], "p": rest[2]}
-        lead = EITHER_LEAD
     others = ", ".join(f"{m!r} {r:.3f} x" for m, _, r, _ in found if m != n)
     tail = (". The noise of a parameter must not depend on how FSDP shards it: every coordinate needs std "
             "sigma*C/D, whichever rank holds its row.")
-    if alike:
-        assert rest is not None
+    if rest is not None and not rest[2] >= ALPHA and all(
+            chi2_two_sided_p(c * (r / rest[1]) ** 2, c) >= ALPHA / len(found) for _, c, r, _ in found):
+        evidence["whole_release"] = {"coordinates": rest[0], "std_ratio": rest[1], "p": rest[2]}
+        lead = EITHER_LEAD
         tail = (f". Every other tensor's noise is short alike ({rest[1]:.3f} x over {rest[0]} coordinates, p = "
                 f"{rest[2]:.2g}): the whole release is scaled, as noise too small everywhere (privacy violated) or the "
                 "noisy gradient multiplied after the noise (post-processing, privacy intact, a wrong update) gives; "
