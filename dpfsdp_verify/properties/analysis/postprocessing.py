@@ -184,7 +184,7 @@ RESCALE_RESIDUAL_MIXED = 0.02
 
 
 def rescaled(clean: "torch.Tensor", want: "torch.Tensor", noise_ratio: float, releases: int,
-             residual: float = RESCALE_RESIDUAL) -> Optional[PostProcessing]:
+             dtype: str = "float64") -> Optional[PostProcessing]:
     """``rescaled`` when the noise-0 release ``clean`` is ``f`` x the reference's clipped gradient ``want``
     (flat, one step) with ``f`` off 1, and the noise's std ratio (measured over sigma*C/D) is ``f`` too: the
     signal and the noise scaled alike, i.e. the noisy gradient multiplied by ``f`` after the noise (``value``:
@@ -194,6 +194,7 @@ def rescaled(clean: "torch.Tensor", want: "torch.Tensor", noise_ratio: float, re
         return None
     f = float((clean * want).sum()) / denom
     resid = float((clean - f * want).norm()) / max(float(clean.norm()), 1e-300)
+    residual = RESCALE_RESIDUAL_MIXED if dtype == "mixed" else RESCALE_RESIDUAL  # ``post_processing``'s dtype
     if not (f > 0 and resid <= residual and abs(f - 1) >= RESCALE_OFF
             and abs(noise_ratio / f - 1) <= RESCALE_MATCH):
         return None

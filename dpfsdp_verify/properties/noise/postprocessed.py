@@ -11,8 +11,8 @@ from ...lazy import torch
 from ...verdict import Verdict, config_label
 from ...lazy import reference
 from ..analysis.compare import processed_indices, reference_grads, rows
-from ..analysis.postprocessing import (RESCALE_RESIDUAL, RESCALE_RESIDUAL_MIXED, PostProcessing, mostly_nonzero,
-                                       noisy_finding, pinned_norm, post_processing, rescaled)
+from ..analysis.postprocessing import (PostProcessing, mostly_nonzero, noisy_finding, pinned_norm, post_processing,
+                                       rescaled)
 from ..engine.contract import Case
 from ..releases.wording import where as run_where
 from ..wording.postprocessing import DIAGNOSIS, post_processing_message
@@ -29,14 +29,15 @@ def post_processed(case: Case, runs, names: Sequence[str], where: str, evidence:
     dtype = case.spec.dtype if getattr(case.spec, "precision", "fp32") == "fp32" else "mixed"
     f = post_processing(releases, names, dtype, noise) if noise.numel() and mostly_nonzero(noise) else None
     if f is None and noise.numel() and mostly_nonzero(noise):
-        f = rescaled_release(case, runs, names, noise, len(releases))
+        f = rescaled_release(case, runs, names, noise, len(releases), dtype)
     if f is None:
         return None
     evidence.update(post_processing=f.kind, post_processing_value=f.value, post_processing_spread=f.spread)
     return case.verdict("fail", DIAGNOSIS, post_processing_message(f, where), evidence)
 
 
-def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: int) -> Optional[PostProcessing]:
+def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: int, dtype: str = "float64"
+                     ) -> Optional[PostProcessing]:
     """``rescaled`` (``analysis.postprocessing.rescaled``) from the noise-0 run's first step with samples at
     the initial parameters (step 0; at lr 0 any step: a Poisson round whose batch was empty reads nothing)
     -- the reference's clipped gradient of the samples it processed -- and the noise's std ratio."""
@@ -50,9 +51,7 @@ def rescaled_release(case: Case, runs, names: Sequence[str], noise, releases: in
     coef = reference.clip_coefficients(reference.per_sample_norms(grads), spec.max_grad_norm)
     want = torch.cat([torch.einsum("b,b...->...", coef, grads[n]).reshape(-1) / spec.divisor for n in names])
     clean = torch.cat([runs[0][0].steps[j].gradient[n].reshape(-1).to(torch.float64) for n in names])
-    mixed = getattr(spec, "precision", "fp32") != "fp32"  # bf16 compute rounds the noise-0 release too
-    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases,
-                    RESCALE_RESIDUAL_MIXED if mixed else RESCALE_RESIDUAL)
+    return rescaled(clean, want, float(noise.pow(2).mean().sqrt()) / s, releases, dtype)  # "mixed": bf16's rounding
 
 
 def pinned_release(case: Case, ranks, run, finding, evidence: Dict) -> Optional[Verdict]:
