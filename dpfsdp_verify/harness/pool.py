@@ -156,9 +156,13 @@ class Pool:
         """Start the zygotes that fork the ranks of groups up to ``world_size`` with ``env`` now (not
         waited for; ``Zygotes.start``), importing torch and ``preload`` (e.g. the target's modules)
         while the caller does its own imports: the first group then forks from a zygote already
-        (nearly) ready. Nothing without zygotes; never raises."""
+        (nearly) ready. The zygotes the pool starts later (a wider group's) import ``preload``'s
+        modules of the learned packages (opacus: ``Zygotes.learn``) at once too, instead of each
+        rank they fork importing them in its first job (a pool that warms for a target runs that
+        target: the gate's). Nothing without zygotes; never raises."""
         if self.zygotes is not None:
             self.zygotes.start(rank_env(env), world_size, preload)
+            self.zygotes.learn(preload)
 
     def run(self, fn: Callable, *args, world_size: int = 2, backend: str = "gloo",
             env: Optional[Dict[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S,

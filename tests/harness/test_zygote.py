@@ -231,3 +231,22 @@ def test_prestart_keeps_the_target_its_group_preloads_out_of_the_zygotes():
     finally:
         p.close()
     assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
+
+
+def test_the_zygotes_a_warmed_pool_starts_later_import_its_target_s_opacus_at_once():
+    """``Pool.warm`` (the gate's pool, for its one target): the zygotes the pool starts later -- a
+    wider group's -- import the preload's modules of the learned packages (opacus) at once, so the
+    ranks they fork start with them. Without it each 3- and 4-rank group's later ranks imported
+    opacus in their first job (~1 s of CPU each: 4 ranks of the default gate). The preload's other
+    modules (the target's own: a fork may patch a library at import) stay out of the later zygotes."""
+    p = Pool()
+    try:
+        p.warm(1, None, ("opacus", "fixtures.specimens"))
+        assert p.zygotes is not None and p.zygotes.learned == ["opacus"]
+        res = p.run(loaded_at_start, "opacus", world_size=2, timeout=120)  # rank 1's zygote starts now
+        assert res.status == "ok" and list(res.values()) == [True, True], res.message
+        res = p.run(loaded_at_start, "fixtures.specimens", world_size=2, timeout=120)
+        assert list(res.values()) == [True, False], "the target's own module reached a later zygote"
+    finally:
+        p.close()
+    assert wait_gone(p.started_pids) == [], "rank or zygote processes left behind"
