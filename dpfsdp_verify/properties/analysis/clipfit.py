@@ -145,12 +145,21 @@ def rounding_floor(spec: RunSpec, indices: Sequence[int], basis: torch.Tensor, c
     gradients computed in float32 differ from the float64 ones (``basis``) by ``d_j`` -- the model's
     own sensitivity to rounding (a LayerNorm over two features cancels almost everything, so its
     gradients are rounding through and through), scaled to the target's unit roundoff -- so the
-    floor is ``sum_j c_j (d_j u/u32 + u |g_j|)``. A default model's floor is ~u of the terms summed;
-    a tiny fuzzed one's can be thousands of times that."""
+    floor is ``sum_j c_j (d_j u/u32 + u |g_j| + r_j |g_j|)``, where ``r_j`` is the relative rounding
+    of sample j's norm (measured the same way) wherever it clips or its rounding reaches C: a correct
+    target clips with its own rounded norm, so ``c_j = C / ||g_j||`` moves by ``r_j`` and moves every
+    coordinate of that sample, also those whose own rounding is nil. A default model's floor is ~u of
+    the terms summed; a tiny fuzzed one's can be thousands of times that (gate seed 41086: an mlp with
+    a LayerNorm over 2 hidden features, one clipped sample's norm rounded by 1.4e-4, which moved the
+    'norm.bias' coordinates of a correct float32 target 20x past their own rounding)."""
     u = unit_roundoff(spec.torch_dtype)
     low = _float32_basis(spec, indices, step)
     c = coefficients.to(torch.float64)
-    return (low - basis).abs() @ c * (u / unit_roundoff(torch.float32)) + u * (basis.abs() @ c)
+    scale = u / unit_roundoff(torch.float32)
+    norms = basis.norm(dim=0)
+    rel = (low.norm(dim=0) - norms).abs() * scale / norms.clamp_min(1e-300)
+    clips = (norms * (1 + rel) >= float(spec.max_grad_norm)).to(torch.float64)
+    return (low - basis).abs() @ c * scale + u * (basis.abs() @ c) + basis.abs() @ (c * rel * clips)
 
 
 def norm_rounding(spec: RunSpec, indices: Sequence[int], step: int = 0) -> torch.Tensor:
