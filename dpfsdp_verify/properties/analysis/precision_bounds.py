@@ -100,57 +100,153 @@ def precision_kinks(spec: RunSpec, bound: PrecisionBound) -> Kinks:
 NORM_CONDITION_MAX = 10.0
 
 
-def normalisation_condition(spec: RunSpec, indices: Sequence[int]) -> Tuple[float, str]:
-    """``(kappa, layer)``: the largest ``max |x| / sqrt(var(x) + eps)`` over the normalisation groups
-    of every LayerNorm and GroupNorm of the float64 reference on the processed samples: a relative
-    rounding ``u`` of the inputs moves the normalised output by up to ``kappa u`` (its inputs nearly
-    agree, their spread is small against their size). ``(0.0, "")`` without such layers."""
+#: the largest bf16 rounding of a softmax's input, ``u max |x|`` (in the softmax's own units: its odds
+#: move by up to e^that), at which the first-order bound still judges a bf16 run. A rounding that large
+#: ties or swaps logits, and the backward through a tie is a rounding artefact that the clip's scaling
+#: does not scale (docs/precision.md): gate seed 41100's draw reached u max |x| = 1.1e4 after 3 noisy
+#: steps at lr 0.47 and one sample's clipped backward came out 63 x C; the default transformer's is 0.005
+SOFTMAX_ROUNDING_MAX = 1.0
+
+
+def _softmax_inputs(args, kwargs, func) -> Optional[torch.Tensor]:
+    """The logits a softmax call rounds (those of ``scaled_dot_product_attention`` computed from its
+    query, key and scale), or ``None`` for another function."""
+    if func is torch.nn.functional.scaled_dot_product_attention:
+        q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
+        scale = kwargs.get("scale") or 1.0 / float(q.shape[-1]) ** 0.5
+        if k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        return (q @ k.transpose(-1, -2)) * scale
+    softmaxes = (torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+                 torch.Tensor.softmax, torch.Tensor.log_softmax)
+    return args[0] if any(func is f for f in softmaxes) else None
+
+
+def _model_at(spec: RunSpec, params=None):
+    """The float64 reference model, at ``params`` (a name -> tensor map) where given (a copy)."""
+    import copy
+
     model = reference_model(spec)
-    batch = reference_batch(spec).select(list(indices))
-    worst: List[Tuple[float, str]] = [(0.0, "")]
-
-    def hook(name):
-        def record(mod, inputs, output):
-            x = inputs[0].detach()
-            if isinstance(mod, torch.nn.LayerNorm):
-                groups = x.reshape(*x.shape[:x.dim() - len(mod.normalized_shape)], -1)
-            else:
-                groups = x.reshape(x.shape[0], mod.num_groups, -1)
-            if groups.numel():
-                spread = (groups.var(-1, unbiased=False) + mod.eps).sqrt()
-                worst.append((float((groups.abs().amax(-1) / spread).max()), name))
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-               if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm))]
-    try:
+    if params is not None:
+        model = copy.deepcopy(model)
         with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in params:
+                    p.copy_(params[n])
+    return model
+
+
+def _normalisation_hook(worst: List[Tuple[float, str]], name: str):
+    """A forward hook appending ``(kappa, name)`` of a LayerNorm's or GroupNorm's input to ``worst``."""
+    def record(mod, inputs, output):
+        x = inputs[0].detach()
+        if isinstance(mod, torch.nn.LayerNorm):
+            groups = x.reshape(*x.shape[:x.dim() - len(mod.normalized_shape)], -1)
+        else:
+            groups = x.reshape(x.shape[0], mod.num_groups, -1)
+        if groups.numel():
+            spread = (groups.var(-1, unbiased=False) + mod.eps).sqrt()
+            worst.append((float((groups.abs().amax(-1) / spread).max()), name))
+    return record
+
+
+def _softmax_recorder(logits: List[Tuple[float, str]], inside: List[str]):
+    """A torch function mode appending ``(largest finite |logit|, innermost running module)`` of every
+    softmax call (``_softmax_inputs``) to ``logits``."""
+    class Softmaxes(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            x = _softmax_inputs(args, kwargs, func)
+            if x is not None:
+                finite = x.detach()[torch.isfinite(x.detach())]
+                if finite.numel():
+                    logits.append((float(finite.abs().max()), inside[-1] if inside else "the model"))
+            return func(*args, **kwargs)
+    return Softmaxes()
+
+
+def state_conditions(spec: RunSpec, indices: Sequence[int], params=None, step: int = 0
+                     ) -> Tuple[Tuple[float, str], Tuple[float, str]]:
+    """``((kappa, layer), (logit, where))`` of the float64 reference on the processed samples of
+    ``step``'s batch, at ``params`` (a name -> tensor map; the initial model for ``None``):
+
+    * ``kappa``: the largest ``max |x| / sqrt(var(x) + eps)`` over the normalisation groups of every
+      LayerNorm and GroupNorm: a relative rounding ``u`` of the inputs moves the normalised output by up
+      to ``kappa u`` (its inputs nearly agree, their spread is small against their size);
+    * ``logit``: the largest finite ``|x|`` a softmax (or log-softmax, or scaled dot-product attention)
+      of the model's forward takes: bf16 rounds it by up to ``u logit`` in the softmax's own units.
+
+    ``(0.0, "")`` for a kind the model has none of."""
+    model = _model_at(spec, params)
+    batch = reference_batch(spec, step).select(list(indices))
+    worst: List[Tuple[float, str]] = [(0.0, "")]
+    logits: List[Tuple[float, str]] = [(0.0, "")]
+    inside: List[str] = []  # the modules whose forward is running, innermost last
+
+    def enter(name):
+        return lambda mod, inputs: inside.append(name)
+
+    def leave(mod, inputs, output):
+        if inside:
+            inside.pop()
+
+    handles = [m.register_forward_hook(_normalisation_hook(worst, n)) for n, m in model.named_modules()
+               if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm))]
+    for n, m in model.named_modules():
+        if n:
+            handles += [m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave)]
+    try:
+        with torch.no_grad(), _softmax_recorder(logits, inside):
             model(*batch.inputs) if isinstance(batch.inputs, tuple) else model(batch.inputs)
     finally:
         for h in handles:
             h.remove()
-    return max(worst)
+    return max(worst), max(logits)
+
+
+def normalisation_condition(spec: RunSpec, indices: Sequence[int]) -> Tuple[float, str]:
+    """``(kappa, layer)`` of ``state_conditions`` at the initial model."""
+    return state_conditions(spec, indices)[0]
+
+
+def state_unjudgeable(spec: RunSpec, indices: Sequence[int], params=None, step: int = 0) -> str:
+    """Why the compute dtype's rounding at this state (``state_conditions``) is beyond the first-order
+    bound (``""`` where it is not): a softmax whose inputs the compute dtype rounds by more than
+    ``SOFTMAX_ROUNDING_MAX`` (bf16 under mixed precision, else the run's dtype: float32 only at logits
+    beyond 1.7e7), or under bf16 a normalisation whose inputs nearly agree (kappa above
+    ``NORM_CONDITION_MAX``)."""
+    if not indices:
+        return ""
+    bf16 = spec.precision != "fp32"
+    (kappa, layer), (logit, where) = state_conditions(spec, indices, params, step)
+    under = spec.precision if bf16 else spec.dtype
+    if bf16 and kappa > NORM_CONDITION_MAX:
+        return (f"not judgeable under {under}: the inputs of {layer!r} nearly agree on some sample (max |x| / "
+                f"std = {kappa:.3g} > {NORM_CONDITION_MAX:g}), so bf16's rounding of them moves the normalised output "
+                f"up to {kappa:.3g} x more than the first-order bound allows (it takes every operation's condition "
+                "number as 1; docs/precision.md)")
+    u = UNIT_ROUNDOFF["bfloat16" if bf16 else spec.dtype]
+    if u * logit > SOFTMAX_ROUNDING_MAX:
+        return (f"not judgeable under {under}: a softmax in {where!r} takes logits up to {logit:.3g}, which "
+                f"{'bf16' if bf16 else spec.dtype} rounds by up to u |x| = {u * logit:.3g} > {SOFTMAX_ROUNDING_MAX:g} "
+                "(ties and swaps them: the softmax, and its backward through a tie, move by O(1), not by O(u) as the "
+                "first-order bound takes it; docs/precision.md)")
+    return ""
 
 
 def precision_unjudgeable(spec: RunSpec, indices: Sequence[int]) -> str:
     """Why ``spec``'s bf16 verdict on the processed samples ``indices`` cannot be reached (``""``
     where it can, and always under fp32): more ReLU units within rounding of 0 than the judges
-    model (``kinks.Kinks.unjudgeable``), or a normalisation whose inputs nearly agree
-    (``normalisation_condition`` above ``NORM_CONDITION_MAX``: the first-order bound takes every
-    operation's condition number as 1)."""
+    model (``kinks.Kinks.unjudgeable``), or a state beyond the first-order bound (``state_unjudgeable``:
+    a normalisation whose inputs nearly agree, a softmax whose logits bf16 rounds by more than 1; the
+    bound takes every operation's condition number as 1)."""
     bound = precision_bound(spec)
     if bound is None:
         return ""
     kinked = precision_kinks(spec, bound).unjudgeable(list(indices))
     if kinked or not indices:
         return kinked
-    kappa, layer = normalisation_condition(spec, indices)
-    if kappa > NORM_CONDITION_MAX:
-        return (f"not judgeable under {spec.precision}: the inputs of {layer!r} nearly agree on some sample (max |x| / "
-                f"std = {kappa:.3g} > {NORM_CONDITION_MAX:g}), so bf16's rounding of them moves the normalised output "
-                f"up to {kappa:.3g} x more than the first-order bound allows (it takes every operation's condition "
-                "number as 1; docs/precision.md)")
-    return ""
+    return state_unjudgeable(spec, indices)
 
 
 def precision_norm_tolerances(spec: RunSpec, bound: PrecisionBound, indices: Sequence[int],
@@ -229,4 +325,5 @@ def precision_flip_columns(spec: RunSpec, bound: PrecisionBound, indices: Sequen
 
 __all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
            "precision_kinks", "precision_unjudgeable", "precision_norm_tolerances", "precision_coefficient_bounds",
-           "project_off", "precision_gradient_bound", "precision_flip_columns"]
+           "project_off", "precision_gradient_bound", "precision_flip_columns", "NORM_CONDITION_MAX",
+           "SOFTMAX_ROUNDING_MAX", "state_conditions", "normalisation_condition", "state_unjudgeable"]

@@ -226,12 +226,12 @@ class Ledger:
             for case, _ in judged:
                 counts[case.property] = counts.get(case.property, 0) + 1
             steps = sum(len({c.step for c in r.cells}) for r in runs)
-            skipped = sum(len(r.skipped) for r in runs)
+            skipped = [why for r in runs for _, why in r.skipped]
             out.append(Verdict(PROPERTY_ID, "pass", {**base, "releases": "every run"}, message=pass_message(
                 counts, len(cells), steps, len(runs), tests, alpha, detectable_ratio(df, alpha), skipped, ratio),
                 evidence={"runs": len(runs), "runs_by_property": counts, "releases": len(cells), "steps": steps,
                           "tests": tests, "alpha_per_test": alpha, "std_ratio": ratio,
-                          "dtypes": sorted({r.dtype for r in runs}), "skipped_steps": skipped,
+                          "dtypes": sorted({r.dtype for r in runs}), "skipped_steps": len(skipped),
                           "judge_cpu_seconds": round(self.cpu_seconds, 3),
                           **self._device([c for c, _ in judged])},
                 seconds=seconds))

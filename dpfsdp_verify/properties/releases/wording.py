@@ -154,10 +154,29 @@ def pooled_message(failures: Sequence[Tuple[str, float, float, float]], alpha: f
             + ". Every release needs Gaussian noise of std sigma*C/D.")
 
 
+#: the short cause of a step ``analysis.decompose`` leaves out, by the opening of its reason
+LEFT_OUT = (("the parameters it started from", "their starting parameters unknown"),
+            ("its batch of", "their batch spans too much of the coordinates"),
+            ("bf16's rounding", "bf16 beyond its first-order bound at the parameters they started from"),
+            ("float32's rounding", "float32 beyond its first-order bound at the parameters they started from"))
+
+
+def left_out(reasons: Sequence[str]) -> str:
+    """``"; N step(s) not decomposable (why) left out"`` for the reasons of the steps left out (``""`` for none)."""
+    if not reasons:
+        return ""
+    counts: Dict[str, int] = {}
+    for why in reasons:
+        kind = next((k for opening, k in LEFT_OUT if why.startswith(opening)), why)
+        counts[kind] = counts.get(kind, 0) + 1
+    whys = ", ".join(k if len(counts) == 1 else f"{n}: {k}" for k, n in counts.items())
+    return f"; {len(reasons)} step(s) not decomposable ({whys}) left out"
+
+
 def pass_message(counts: Dict[str, int], releases: int, steps: int, runs: int, tests: int, alpha: float,
-                 detect: float, skipped: int, ratio: float) -> str:
+                 detect: float, skipped: Sequence[str], ratio: float) -> str:
     owners = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    left = f"; {skipped} step(s) not decomposable (their starting parameters unknown) left out" if skipped else ""
+    left = left_out(skipped)
     return (f"every release of every noisy run of this gate run decomposed into the float64 reference's clipped sum "
             f"and noise of std sigma*C/D: {runs} runs ({owners}), {steps} steps, {releases} rank shards; pooled std "
             f"{ratio:.4f} x sigma*C/D; no value on a bfloat16/float16 grid, no shard's noise repeated at another step "
@@ -194,10 +213,11 @@ def one_run_pass_message(run: RunReleases, tests: int, alpha: float, detects: fl
             f"({run.label}, sigma={run.sigma:g}, C={run.clip:.4g}, D={run.divisor:g}): std ratio "
             f"{ratio:.3f} over {len(run.cells)} (step, rank) releases, each rank's and each step's own scale within "
             f"its test, no shard's noise repeated on another rank or step ({tests} tests at {alpha:.2g} each; "
-            f"detects a std error of {detects:.1%} on the whole run with ~99% probability)")
+            f"detects a std error of {detects:.1%} on the whole run with ~99% probability)"
+            + left_out([why for _, why in run.skipped]))
 
 
 __all__ = ["judged_message", "node_layout_note", "one_run_pass_message",
-           "CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message",
+           "CAUSE_RTOL", "cause", "where", "finding_message", "pooled_message", "pass_message", "LEFT_OUT", "left_out",
            "not_decomposed_message"]
 
