@@ -10,7 +10,7 @@ tells a fork's bf16 accumulation bug (a wrong norm, so a wrong clip) from honest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...lazy import torch
 
@@ -122,20 +122,6 @@ def _softmax_inputs(args, kwargs, func) -> Optional[torch.Tensor]:
     return args[0] if any(func is f for f in softmaxes) else None
 
 
-def _model_at(spec: RunSpec, params=None):
-    """The float64 reference model, at ``params`` (a name -> tensor map) where given (a copy)."""
-    import copy
-
-    model = reference_model(spec)
-    if params is not None:
-        model = copy.deepcopy(model)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in params:
-                    p.copy_(params[n])
-    return model
-
-
 def _normalisation_hook(worst: List[Tuple[float, str]], name: str):
     """A forward hook appending ``(kappa, name)`` of a LayerNorm's or GroupNorm's input to ``worst``."""
     def record(mod, inputs, output):
@@ -177,8 +163,11 @@ def state_conditions(spec: RunSpec, indices: Sequence[int], params=None, step: i
       of the model's forward takes: bf16 rounds it by up to ``u logit`` in the softmax's own units.
 
     ``(0.0, "")`` for a kind the model has none of."""
-    model = _model_at(spec, params)
+    model = reference_model(spec)
     batch = reference_batch(spec, step).select(list(indices))
+    inputs = batch.inputs if isinstance(batch.inputs, tuple) else (batch.inputs,)
+    at: Dict[str, torch.Tensor] = dict(model.named_parameters())
+    at.update({n: p.detach().to(torch.float64) for n, p in (params or {}).items() if n in at})
     worst: List[Tuple[float, str]] = [(0.0, "")]
     logits: List[Tuple[float, str]] = [(0.0, "")]
     inside: List[str] = []  # the modules whose forward is running, innermost last
@@ -197,11 +186,23 @@ def state_conditions(spec: RunSpec, indices: Sequence[int], params=None, step: i
             handles += [m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave)]
     try:
         with torch.no_grad(), _softmax_recorder(logits, inside):
-            model(*batch.inputs) if isinstance(batch.inputs, tuple) else model(batch.inputs)
+            torch.func.functional_call(model, at, inputs)
     finally:
         for h in handles:
             h.remove()
     return max(worst), max(logits)
+
+
+_SOFTMAX_MODELS: Dict[tuple, bool] = {}
+
+
+def has_softmax(spec: RunSpec) -> bool:
+    """Whether ``spec``'s model calls a softmax in its forward (``state_conditions`` at the initial model, once
+    per model and dimensions)."""
+    key = (spec.model, spec.model_seed, spec.model_kwargs)
+    if key not in _SOFTMAX_MODELS:
+        _SOFTMAX_MODELS[key] = bool(state_conditions(spec, [0])[1][1])
+    return _SOFTMAX_MODELS[key]
 
 
 def normalisation_condition(spec: RunSpec, indices: Sequence[int]) -> Tuple[float, str]:
@@ -326,4 +327,4 @@ def precision_flip_columns(spec: RunSpec, bound: PrecisionBound, indices: Sequen
 __all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
            "precision_kinks", "precision_unjudgeable", "precision_norm_tolerances", "precision_coefficient_bounds",
            "project_off", "precision_gradient_bound", "precision_flip_columns", "NORM_CONDITION_MAX",
-           "SOFTMAX_ROUNDING_MAX", "state_conditions", "normalisation_condition", "state_unjudgeable"]
+           "SOFTMAX_ROUNDING_MAX", "state_conditions", "has_softmax", "normalisation_condition", "state_unjudgeable"]

@@ -70,7 +70,7 @@ from ...targets import RankOutput, RunSpec
 from ..analysis.compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
 from ..analysis.memo import Memo
 from ..analysis.noise_tails import coarse_grid
-from ..analysis.precision_bounds import state_unjudgeable
+from ..analysis.precision_bounds import has_softmax, state_unjudgeable
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 from .edges import sigma_edge
 from .signal import signal_terms
@@ -287,7 +287,7 @@ def _left_out(spec: RunSpec, indices: List[int], params, t: int) -> str:
     parameters moved: the initial models are far inside)."""
     if spec.lr != 0 and params is None and spec.phase == "load":
         return "the parameters it started from (the save half's) are not in this case"
-    if spec.precision == "fp32" and params is None:
+    if spec.precision == "fp32" and (params is None or not has_softmax(spec)):  # float32: only a softmax's logits
         return ""
     beyond = state_unjudgeable(spec, indices, params, t if not spec.poisson else 0)
     dtype = "bf16" if spec.precision != "fp32" else spec.dtype
