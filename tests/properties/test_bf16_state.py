@@ -63,6 +63,8 @@ def test_scaled_dot_product_attention_logits_are_read_from_its_query_and_key():
     assert torch.allclose(_softmax_inputs((q, k, v), {"scale": 0.5}, f), q @ k.transpose(-1, -2) * 0.5)
     grouped = _softmax_inputs((q, k[:, :2], v[:, :2]), {}, f)  # 4 query heads over 2 key heads
     assert torch.allclose(grouped[:, 1], q[:, 1] @ k[:, 0].transpose(-1, -2) / math.sqrt(8))
+    assert torch.allclose(_softmax_inputs((), {"query": q, "key": k, "value": v}, f), want)
+    assert _softmax_inputs((q, k[:, :3], v[:, :3]), {}, f) is None  # heads that do not group: not read, no crash
     assert _softmax_inputs((q,), {}, torch.exp) is None
 
 

@@ -112,9 +112,14 @@ def _softmax_inputs(args, kwargs, func) -> Optional[torch.Tensor]:
     """The logits a softmax call rounds (those of ``scaled_dot_product_attention`` computed from its
     query, key and scale), or ``None`` for another function."""
     if func is torch.nn.functional.scaled_dot_product_attention:
-        q, k = args[0], args[1] if len(args) > 1 else kwargs["key"]
+        q = args[0] if args else kwargs.get("query")
+        k = args[1] if len(args) > 1 else kwargs.get("key")
+        if q is None or k is None or q.dim() < 3 or k.dim() != q.dim() or q.shape[-1] != k.shape[-1]:
+            return None
         scale = kwargs.get("scale") or 1.0 / float(q.shape[-1]) ** 0.5
-        if k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention
+        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key head serves several query heads
+            if q.shape[-3] % k.shape[-3]:
+                return None
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         return (q @ k.transpose(-1, -2)) * scale
     softmaxes = (torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
