@@ -73,29 +73,12 @@ from ..analysis.noise_tails import coarse_grid
 from ..analysis.precision_bounds import has_softmax, state_unjudgeable
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 from .edges import sigma_edge
+from .exact import (CLIP_LATITUDE, GRID_FRACTION, GRIDS, REPEAT_EQUAL, REPEAT_MIN, SILENT, SILENT_LEVEL, SILENT_MIN,
+                    SILENT_P0, count_on_grid, repeats, silent)
 from .signal import signal_terms
 
-#: significand bits of the coarse float formats whose grid the noise must not sit on
-GRIDS = {"bfloat16": 8, "float16": 11}
-#: a grid is named when more than this fraction of the noise values lie on it (continuous noise: < 5 %)
-GRID_FRACTION = 0.5
-#: the clip epsilon latitude the gate accepts (``MAX_CLIP_EPSILON``, relative to a norm of >=
-#: ~1): the raw residual carries up to this relative part of the clean sum
-CLIP_LATITUDE = 2e-5
-#: repeats: values compared per shard pair, and "equal" as a fraction of sigma C
-REPEAT_MIN, REPEAT_EQUAL = 8, 1e-3
 #: a batch with more samples than this fraction of the coordinates is not projected (too few left)
 MAX_SPAN_FRACTION = 0.5
-#: silent coordinates: |raw residual| below this many sigma C is "no noise there" ...
-SILENT = 1e-3
-#: ... which a N(0, 1) value is with this probability (erf(SILENT / sqrt 2))
-SILENT_P0 = math.erf(SILENT / math.sqrt(2))
-#: ... and a count of such values is named when a correct run reaches it with probability below this
-#: (per count; a gate run makes < 1e6 counts: a tensor shard's per step, a coordinate's per run)
-SILENT_LEVEL = 1e-12
-#: the fewest silent values named in one release (and the fewest steps for one coordinate)
-SILENT_MIN = 4
-
 
 @dataclass
 class Cell:
@@ -268,18 +251,6 @@ def _add_cells(out: RunReleases, raw_cells: List[Tuple[int, int, torch.Tensor]],
         raw_cells.append((t, r, raw[idx] / unit))
 
 
-def _count_on_grid(released: torch.Tensor, clean: torch.Tensor, raw: torch.Tensor, eps: float,
-                   grid_on: Dict[str, int]) -> int:
-    """Adds to ``grid_on`` the raw residual values on each of ``GRIDS`` (within what rounding and the
-    clip-epsilon latitude leave), among the values the grid test can resolve; returns how many those are."""
-    tol = 16 * eps * (released.abs() + clean.abs()) + CLIP_LATITUDE * clean.abs()
-    keep = raw.abs() > 64 * tol  # values the grid test can resolve
-    v = raw[keep]
-    for name, bits in GRIDS.items():
-        grid_on[name] += int(((v - _round_bits(v, bits)).abs() <= tol[keep]).sum())
-    return int(v.numel())
-
-
 def _left_out(spec: RunSpec, indices: List[int], params, t: int) -> str:
     """Why step ``t``'s release cannot be decomposed before its span is computed (``""`` where it can): the
     parameters it started from are unknown (a load half's first step at lr > 0), or the compute dtype's rounding
@@ -344,7 +315,7 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
         out.signal = signal_terms(out.signal, released, clean, unit)
         _add_cells(out, raw_cells, spec, ranks, (j, t), index, indices, (u, norms), raw, unit)
         if spec.precision == "fp32":
-            grid_n += _count_on_grid(released, clean, raw, eps, grid_on)
+            grid_n += count_on_grid(released, clean, raw, eps, grid_on)
     if not out.cells:
         return out
     out.grids = {g: (grid_on[g], grid_n) for g in GRIDS} if grid_n else {}
@@ -357,95 +328,12 @@ def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
     return out
 
 
-def _round_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """``v`` rounded to ``bits`` significand bits (the nearest value of a float format with that
-    precision and an unbounded exponent)."""
-    m, e = torch.frexp(v)
-    scale = float(2 ** bits)
-    return torch.ldexp(torch.round(m * scale) / scale, e)
-
-
 def _shard_layout(names: Sequence[str], shapes: Sequence[torch.Size], ws: int) -> List[List[Tuple[str, int]]]:
     """Per rank, ``(tensor, coordinates)`` in the order ``shard_index`` lays its shard out."""
     out: List[List[Tuple[str, int]]] = [[] for _ in range(ws)]
     for i, r, chunk, per_row, _ in _row_chunks(shapes, ws):
         out[r].append((names[i], len(chunk) * per_row))
     return out
-
-
-def _too_many(k: torch.Tensor, n: int) -> torch.Tensor:
-    """Whether each count ``k`` of values within ``SILENT`` of 0 among ``n`` N(0, 1) values is one a
-    correct run reaches with probability < ``SILENT_LEVEL``: the Chernoff bound ``P(K >= k) <= (e n
-    p0 / k)^k`` for ``K ~ Binomial(n, p0)`` (an upper bound: never more false alarms than stated)."""
-    kf = k.to(torch.float64).clamp(min=1)
-    log_tail = kf * torch.log(math.e * n * SILENT_P0 / kf)
-    return (k >= SILENT_MIN) & (kf > n * SILENT_P0) & (log_tail < math.log(SILENT_LEVEL))
-
-
-def silent(cells: List[Tuple[int, int, torch.Tensor]], layout: List[List[Tuple[str, int]]]
-           ) -> Optional[Tuple[str, int, Tuple[int, ...], int, int, Tuple[str, ...], Tuple[int, ...]]]:
-    """Coordinates released with no noise (module docstring), from the raw residual cells (``(step,
-    rank, values in sigma C)``): per rank and tensor, the steps whose shard of the tensor has too many
-    values within ``SILENT`` of 0, and its coordinates silent at too many steps. For the (rank, tensor) with
-    the most: ``(tensor, rank, steps where most of its silent coordinates are silent, its silent
-    coordinates, its shard's coordinates, the other tensors with some, every rank with some)``;
-    ``None`` if none."""
-    by_rank: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
-    for t, r, v in cells:
-        by_rank.setdefault(r, []).append((t, v))
-    found = []  # (silent coordinates, tensor, rank, steps, size)
-    for r, items in sorted(by_rank.items()):
-        n = min(v.numel() for _, v in items)
-        if n < SILENT_MIN or any(v.numel() != n for _, v in items):
-            continue
-        small = torch.stack([v for _, v in items]).abs() < SILENT  # [steps, coordinates]
-        if not bool(small.any()):
-            continue
-        offset = 0
-        for name, size in (layout[r] if r < len(layout) else [("?", n)]):
-            part = small[:, offset:offset + size]
-            # a tensor's shard at one step with too many, or one of its coordinates at too many steps
-            part = part & (_too_many(part.sum(1), size)[:, None] | _too_many(part.sum(0), len(items))[None, :])
-            k = int(part.any(0).sum())
-            if k:
-                # the steps where at least half of them are silent (not a chance near-zero value of one)
-                steps = tuple(items[i][0] for i in (part.sum(1) * 2 >= k).nonzero().flatten().tolist())
-                # spread thin (no step holds half of them): every step with one, never an empty list
-                steps = steps or tuple(items[i][0] for i in part.any(1).nonzero().flatten().tolist())
-                found.append((k, name, r, steps, size))
-            offset += size
-    if not found:
-        return None
-    k, name, r, steps, size = max(found, key=lambda f: f[0])
-    others = tuple(sorted({f[1] for f in found} - {name}))
-    return name, r, steps, k, size, others, tuple(sorted({f[2] for f in found}))
-
-
-def repeats(cells: List[Tuple[int, int, torch.Tensor]]) -> Optional[Tuple[int, int, int, int, bool, int]]:
-    """The first pair of (step, rank) shards whose noise (raw residual, units of sigma C) is equal
-    or negated on their first ``min`` values (>= ``REPEAT_MIN``) to ``REPEAT_EQUAL``."""
-    by_rank: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
-    for t, r, v in cells:
-        if not v.numel() or float(v.abs().max()) <= 10 * REPEAT_EQUAL:
-            continue  # no noise there: the scale test names that, not a repeat
-        by_rank.setdefault(r, []).append((t, v))
-    ranks = sorted(by_rank)
-    for i, a in enumerate(ranks):
-        for b in ranks[i:]:
-            m = min(min(v.numel() for _, v in by_rank[a]), min(v.numel() for _, v in by_rank[b]))
-            if m < REPEAT_MIN:
-                continue
-            xa = torch.stack([v[:m] for _, v in by_rank[a]])
-            xb = torch.stack([v[:m] for _, v in by_rank[b]])
-            for negated, other in ((False, xb), (True, -xb)):
-                d = torch.cdist(xa, other, p=float("inf"))
-                if a == b and not negated:
-                    d.fill_diagonal_(float("inf"))
-                hit = (d <= REPEAT_EQUAL).nonzero()
-                if len(hit):
-                    p, q = (int(x) for x in hit[0])
-                    return (by_rank[a][p][0], a, by_rank[b][q][0], b, negated, m)
-    return None
 
 
 # -- tests ------------------------------------------------------------------------------------------
