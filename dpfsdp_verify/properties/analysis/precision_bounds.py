@@ -215,9 +215,9 @@ def normalisation_condition(spec: RunSpec, indices: Sequence[int]) -> Tuple[floa
     return state_conditions(spec, indices)[0]
 
 
-def state_unjudgeable(spec: RunSpec, indices: Sequence[int], params=None, step: int = 0) -> str:
-    """Why the compute dtype's rounding at this state (``state_conditions``) is beyond the first-order
-    bound (``""`` where it is not): a softmax whose inputs the compute dtype rounds by more than
+def beyond_first_order(spec: RunSpec, indices: Sequence[int], params=None, step: int = 0) -> str:
+    """What puts the compute dtype's rounding at this state (``state_conditions``) beyond the first-order
+    bound (``""`` where nothing does): a softmax whose inputs the compute dtype rounds by more than
     ``SOFTMAX_ROUNDING_MAX`` (bf16 under mixed precision, else the run's dtype: float32 only at logits
     beyond 1.7e7), or under bf16 a normalisation whose inputs nearly agree (kappa above
     ``NORM_CONDITION_MAX``)."""
@@ -225,19 +225,24 @@ def state_unjudgeable(spec: RunSpec, indices: Sequence[int], params=None, step: 
         return ""
     bf16 = spec.precision != "fp32"
     (kappa, layer), (logit, where) = state_conditions(spec, indices, params, step)
-    under = spec.precision if bf16 else spec.dtype
     if bf16 and kappa > NORM_CONDITION_MAX:
-        return (f"not judgeable under {under}: the inputs of {layer!r} nearly agree on some sample (max |x| / "
-                f"std = {kappa:.3g} > {NORM_CONDITION_MAX:g}), so bf16's rounding of them moves the normalised output "
-                f"up to {kappa:.3g} x more than the first-order bound allows (it takes every operation's condition "
-                "number as 1; docs/precision.md)")
+        return (f"the inputs of {layer!r} nearly agree on some sample (max |x| / std = {kappa:.3g} > "
+                f"{NORM_CONDITION_MAX:g}), so bf16's rounding of them moves the normalised output up to {kappa:.3g} x "
+                "more than the first-order bound allows (it takes every operation's condition number as 1; "
+                "docs/precision.md)")
     u = UNIT_ROUNDOFF["bfloat16" if bf16 else spec.dtype]
     if u * logit > SOFTMAX_ROUNDING_MAX:
-        return (f"not judgeable under {under}: a softmax in {where!r} takes logits up to {logit:.3g}, which "
-                f"{'bf16' if bf16 else spec.dtype} rounds by up to u |x| = {u * logit:.3g} > {SOFTMAX_ROUNDING_MAX:g} "
-                "(ties and swaps them: the softmax, and its backward through a tie, move by O(1), not by O(u) as the "
-                "first-order bound takes it; docs/precision.md)")
+        return (f"a softmax in {where!r} takes logits up to {logit:.3g}, which {'bf16' if bf16 else spec.dtype} "
+                f"rounds by up to u |x| = {u * logit:.3g} > {SOFTMAX_ROUNDING_MAX:g} (ties and swaps them: the "
+                "softmax, and its backward through a tie, move by O(1), not by O(u) as the first-order bound takes "
+                "it; docs/precision.md)")
     return ""
+
+
+def state_unjudgeable(spec: RunSpec, indices: Sequence[int], params=None, step: int = 0) -> str:
+    """``beyond_first_order`` as a verdict's reason: "not judgeable under <precision or dtype>: ..."."""
+    why = beyond_first_order(spec, indices, params, step)
+    return f"not judgeable under {spec.precision if spec.precision != 'fp32' else spec.dtype}: {why}" if why else ""
 
 
 def precision_unjudgeable(spec: RunSpec, indices: Sequence[int]) -> str:
@@ -332,4 +337,5 @@ def precision_flip_columns(spec: RunSpec, bound: PrecisionBound, indices: Sequen
 __all__ = ["UNIT_ROUNDOFF", "PRECISION_DIMS", "precision_spec", "PrecisionBound", "precision_bound",
            "precision_kinks", "precision_unjudgeable", "precision_norm_tolerances", "precision_coefficient_bounds",
            "project_off", "precision_gradient_bound", "precision_flip_columns", "NORM_CONDITION_MAX",
-           "SOFTMAX_ROUNDING_MAX", "state_conditions", "has_softmax", "normalisation_condition", "state_unjudgeable"]
+           "SOFTMAX_ROUNDING_MAX", "state_conditions", "has_softmax", "normalisation_condition", "beyond_first_order",
+           "state_unjudgeable"]

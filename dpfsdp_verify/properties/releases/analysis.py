@@ -33,7 +33,7 @@ unknown start (a load half without its save half, lr > 0) leaves that step out. 
 (``bf16-fsdp``, ``bf16-autocast``) decomposes too (its clean sum's ~1e-2 relative rounding is
 ~1e-5 of the noise's variance on the gate's models), but its value grid is not judged (the rounding
 is as coarse as the grids looked for), and a step whose starting parameters put the model beyond
-bf16's first-order bound (``precision_bounds.state_unjudgeable``: a softmax over logits bf16 rounds
+bf16's first-order bound (``precision_bounds.beyond_first_order``: a softmax over logits bf16 rounds
 by more than 1, a normalisation over inputs that nearly agree; in float32 a softmax over logits
 beyond 1.7e7, once the parameters have moved) is left out: there a correct target's
 clean sum is not the reference's to O(u) (gate seed 41100: after 3 steps at lr 0.47 the attention's
@@ -70,7 +70,7 @@ from ...targets import RankOutput, RunSpec
 from ..analysis.compare import processed_indices, reference_batch, reference_grads, reference_model, rows, shard_divisor
 from ..analysis.memo import Memo
 from ..analysis.noise_tails import coarse_grid
-from ..analysis.precision_bounds import has_softmax, state_unjudgeable
+from ..analysis.precision_bounds import beyond_first_order, has_softmax
 from ..analysis.stats import chi2_two_sided_p, normal_two_sided_p
 from .edges import sigma_edge
 from .exact import (CLIP_LATITUDE, GRID_FRACTION, GRIDS, REPEAT_EQUAL, REPEAT_MIN, SILENT, SILENT_LEVEL, SILENT_MIN,
@@ -254,16 +254,16 @@ def _add_cells(out: RunReleases, raw_cells: List[Tuple[int, int, torch.Tensor]],
 def _left_out(spec: RunSpec, indices: List[int], params, t: int) -> str:
     """Why step ``t``'s release cannot be decomposed before its span is computed (``""`` where it can): the
     parameters it started from are unknown (a load half's first step at lr > 0), or the compute dtype's rounding
-    at them is beyond the first-order bound (``state_unjudgeable``; float32 runs are looked at only once their
+    at them is beyond the first-order bound (``beyond_first_order``; float32 runs are looked at only once their
     parameters moved: the initial models are far inside)."""
     if spec.lr != 0 and params is None and spec.phase == "load":
         return "the parameters it started from (the save half's) are not in this case"
     if spec.precision == "fp32" and (params is None or not has_softmax(spec)):  # float32: only a softmax's logits
         return ""
-    beyond = state_unjudgeable(spec, indices, params, t if not spec.poisson else 0)
+    beyond = beyond_first_order(spec, indices, params, t if not spec.poisson else 0)
     dtype = "bf16" if spec.precision != "fp32" else spec.dtype
-    return (f"{dtype}'s rounding at the parameters it started from is beyond the first-order bound: "
-            + beyond.split(": ", 1)[-1]) if beyond else ""
+    return (f"{dtype}'s rounding at the parameters it started from is beyond the first-order bound: {beyond}"
+            if beyond else "")
 
 
 def decompose(spec: RunSpec, world_size: int, ranks: Sequence[RankOutput],
