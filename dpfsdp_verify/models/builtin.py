@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .batch import DEFAULT_GENERATOR, Batch
+from .batch import DEFAULT_GENERATOR, Batch, seed_cpu
 from .catalog import (BASE_MODELS, FINETUNE_MODELS, SEQUENCE_MODELS, ZOO_MODELS, EXTREME_MODELS, AUDIT_MODELS,
                             MODEL_NAMES, EXTREME_SCALES, MLP_IN, MLP_HIDDEN,
                             MLP_CLASSES, CONV_CHANNELS, CONV_SIZE, CONV_CLASSES,
@@ -430,7 +430,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **
     # torch's default generator is the process's: two threads building models at once (the gate judges
     # and explores in threads of its own) would draw from each other's seeds
     with _DEFAULT_GENERATOR, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        seed_cpu(seed)
         model = ctor(**kwargs)
     return model.to(dtype)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 import torch.nn.functional as F
 
+from .batch import seed_cpu
 from .builtin import sequence_lengths
 from .catalog import D_MODEL, IGNORE_INDEX, MLP_CLASSES, PAD_ID, SEQ_LEN, VOCAB
 
@@ -61,7 +62,7 @@ def _require(module: str):
 def _seeded(seed: int, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """``make()`` with torch's default generator at ``seed`` (libraries initialise from it), restored after."""
     with _SEED_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        seed_cpu(seed)
         return make()
 
 
