@@ -246,14 +246,17 @@ def _renew_group(cfg: RankConfig, store, generation: int) -> None:
     dist.barrier()
 
 
-def _reset_job_state(env_snapshot: dict) -> None:
+def _reset_job_state(env_snapshot: dict, cpu_only: bool) -> None:
     import torch
 
     if os.environ != env_snapshot:
         os.environ.clear()
         os.environ.update(env_snapshot)
     random.seed(JOB_SEED)
-    torch.manual_seed(JOB_SEED)
+    if cpu_only:  # a gloo rank computes on the CPU: its generator is all a job draws from
+        torch.default_generator.manual_seed(JOB_SEED)  # torch.manual_seed: + a formatted stack per device
+    else:
+        torch.manual_seed(JOB_SEED)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(JOB_SEED)
     torch.set_default_dtype(torch.float32)
@@ -385,6 +388,7 @@ def _serve_jobs(cfg: RankConfig, job_conn: Connection, store, env_snapshot: dict
     """Run jobs (and renew the process group when asked) until ``Stop``; exit at once when the
     parent's channel closes."""
     global _current_job, _last_done
+    cpu_only = get_backend(cfg.backend).device_type == "cpu"
     while True:
         try:
             msg = recv(job_conn)
@@ -402,7 +406,7 @@ def _serve_jobs(cfg: RankConfig, job_conn: Connection, store, env_snapshot: dict
             continue
         if not isinstance(msg, Job):
             continue
-        _reset_job_state(env_snapshot)
+        _reset_job_state(env_snapshot, cpu_only)
         _current_job = msg.job_id
         result = _run_job(cfg.rank, msg.payload)
         try:
