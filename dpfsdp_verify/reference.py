@@ -138,29 +138,32 @@ def batch_loss(per_sample: torch.Tensor, reduction: str) -> torch.Tensor:
     return per_sample.mean() if reduction == "mean" else per_sample.sum()
 
 
-def as_float64(model: nn.Module, batch: Batch, dtype: torch.dtype = torch.float64):
-    """A float64 (or ``dtype``) deep copy of ``model`` and ``batch`` (integer inputs such as token ids stay)."""
-    m = copy.deepcopy(model).to(dtype)
+def as_float64(model: nn.Module, batch: Batch, dtype: torch.dtype = torch.float64, own: bool = False):
+    """A float64 (or ``dtype``) deep copy of ``model`` and ``batch`` (integer inputs such as token ids
+    stay). ``own``: the caller hands ``model`` over and never uses it again, so it is converted in place,
+    not copied (a deep copy costs more than building a small model afresh)."""
+    m = (model if own else copy.deepcopy(model)).to(dtype)
     x = batch.inputs.to(dtype) if batch.inputs.is_floating_point() else batch.inputs
     return m, Batch(x, batch.targets, batch.loss)
 
 
 def per_sample_grads(model: nn.Module, batch: Batch, reduction: str = "mean", method: str = "vmap",
-                     dtype: torch.dtype = torch.float64) -> Grads:
+                     dtype: torch.dtype = torch.float64, own: bool = False) -> Grads:
     """float64 per-sample gradients ``{param name: [B, *param.shape]}`` of the per-sample losses,
     for the parameters with ``requires_grad`` (a tied one once, under its first name, summed over
     its uses).
 
     ``method="loop"`` is the obvious one (autograd per sample); ``"vmap"`` is ``torch.func``.
     ``dtype``: compute in another precision instead (float32: how much rounding the model's own
-    arithmetic leaves in its gradients, ``clipfit.rounding_floor``).
+    arithmetic leaves in its gradients, ``clipfit.rounding_floor``). ``own``: the caller hands
+    ``model`` over (a model built for this call alone): it is used, not copied (``as_float64``).
     Raises ``ReferenceInputError`` subclasses for out-of-scope models or bad batches.
     """
     check_batch(batch, reduction)
     if is_contract(batch):  # any layers: one autograd pass per sample, whatever they are
         return _contract_grads(model, batch, reduction, dtype)
     check_model(model)
-    m, b = as_float64(model, batch, dtype)
+    m, b = as_float64(model, batch, dtype, own)
     m.train()
     if method == "loop":
         return _per_sample_grads_loop(m, b, reduction)

@@ -182,7 +182,7 @@ def _float32_basis(spec: RunSpec, indices: Sequence[int], step: int) -> torch.Te
     grads32 = _FLOAT32_GRADS.get(key)
     if grads32 is None:
         grads32 = reference.per_sample_grads(reference_model(spec), reference_batch(spec, step), spec.reduction,
-                                             dtype=torch.float32)
+                                             dtype=torch.float32, own=True)
         if len(_FLOAT32_GRADS) >= 32:
             _FLOAT32_GRADS.clear()
         _FLOAT32_GRADS[key] = grads32

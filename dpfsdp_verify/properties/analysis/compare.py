@@ -56,7 +56,7 @@ def reference_grads(spec: RunSpec, step: int = 0) -> "reference.Grads":
     key = (spec.model, spec.model_seed, spec.batch_seed, spec.reduction, spec.model_kwargs, spec.poisson,
            spec.dataset_size if spec.poisson else spec.global_batch_size, 0 if spec.poisson else step)
     return _GRADS_CACHE.get(key, lambda: reference.per_sample_grads(reference_model(spec), reference_batch(spec, step),
-                                                                    spec.reduction))
+                                                                    spec.reduction, own=True))
 
 
 _FROZEN_CACHE: "Memo[Dict[str, torch.Tensor]]" = Memo(32)
