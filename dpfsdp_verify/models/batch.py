@@ -18,7 +18,7 @@ DEFAULT_GENERATOR = threading.Lock()
 def seed_cpu(seed: int) -> None:
     """Seed torch's default CPU generator only: what a model built on the CPU draws from.
     ``torch.manual_seed`` seeds every device too, and before CUDA (or XPU, MTIA) is initialised it
-    queues each of those seeds with a formatted stack of the caller: ~1 ms a call, a sixth of a
+    queues each of those seeds with a formatted stack of the caller: 0.5-5 ms a call, ~1/6 of a
     fuzz example's main-process time at 2 ranks. It also reseeds an initialised GPU's generator,
     which the callers' ``fork_rng(devices=[])`` does not restore: a model build should not move a
     device's random stream."""
