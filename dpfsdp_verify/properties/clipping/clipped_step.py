@@ -315,7 +315,7 @@ def judge_horizon(case: Case, outputs, spec: Optional[RunSpec] = None) -> Verdic
     per_epoch = spec.steps_per_epoch
     wrong = []  # (step, rank, error, tensor, reference step, indices)
     # lr 0: every step's parameters are the initial ones, so each sample's gradient is computed once
-    grads = reference.per_sample_grads(reference_model(spec), reference_batch(spec), spec.reduction, own=True)
+    grads = reference_grads(spec)  # shared with the other judges (compare._GRADS_CACHE): read only below
     norms = reference.per_sample_norms(grads)
     epsilons = set()  # the clip epsilons the steps were judged at, where not opacus'
     for k in range(steps):
